@@ -1,0 +1,31 @@
+"""Findings: what every rule returns and every reporter renders. One row per finding; few rows, so the list-valued
+columns (`blocks`, `evidence`) hold Python objects."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import pandas as pd
+
+#: Columns of a findings DataFrame, in order. `evidence` is a list of dicts with keys kind, ts_ns, seq, req, step
+#: (plus optional instance, pid, pp_rank, tp_rank, blocks, note). `context` groups findings the way memcheck's
+#: "N errors from M contexts" does (same rule, subrule and code path). `extra` is a dict of rule-specific values
+#: (e.g. a leak's class, a bubble's duration).
+FINDING_COLUMNS: tuple[str, ...] = (
+    "rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
+    "evidence", "context", "extra",
+)
+
+SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
+
+
+def empty_findings() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS})
+
+
+def findings_frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """Build a findings DataFrame from dicts (missing keys become None)."""
+    rows = [{c: rec.get(c) for c in FINDING_COLUMNS} for rec in records]
+    if not rows:
+        return empty_findings()
+    return pd.DataFrame(rows, columns=list(FINDING_COLUMNS))

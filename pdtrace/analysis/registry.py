@@ -1,0 +1,43 @@
+"""The rule registry. Built-in rules are found exactly like third-party ones: through the `pdtrace.rules`
+entry-point group (see pyproject.toml), each entry point naming a `Rule` object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from pdtrace.analysis.context import AnalysisContext
+
+ENTRY_POINT_GROUP = "pdtrace.rules"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One analysis rule: `run(ctx)` returns a findings DataFrame (columns of `pdtrace.analysis.findings`)."""
+
+    id: str
+    summary: str
+    run: "Callable[[AnalysisContext], pd.DataFrame]"
+    subrules: tuple[str, ...] = field(default=())
+
+
+class RuleLoadError(Exception):
+    """A registered rule could not be imported or is not a Rule."""
+
+
+def load_rules() -> dict[str, Rule]:
+    """All registered rules by id, in entry-point order (built-ins first as pyproject lists them)."""
+    rules: dict[str, Rule] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            rule = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not hide the built-ins
+            raise RuleLoadError(f"rule plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+        if not isinstance(rule, Rule):
+            raise RuleLoadError(f"rule plugin {ep.name!r} ({ep.value}) is not a pdtrace.analysis.registry.Rule")
+        rules.setdefault(rule.id, rule)
+    return rules

@@ -1,0 +1,49 @@
+"""pdtrace's command line. One module per verb; this module only wires them up and maps errors to exit codes."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from pdtrace.cli.app import app, err_console
+from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
+
+# Each import registers one verb on `app`.
+# (verb modules are imported below)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `pdtrace` console script: the one place where errors become exit statuses."""
+    try:
+        rv = app(args=argv, prog_name="pdtrace", standalone_mode=False)
+    except PdtraceError as exc:
+        err_console.print(f"pdtrace: error: {exc}", markup=False)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("pdtrace: aborted", markup=False)
+        sys.exit(130)
+    except typer.TyperException as exc:  # usage errors: unknown option, missing argument (exit 2)
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()
+        else:
+            err_console.print(f"pdtrace: error: {exc.format_message()}", markup=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as exc:  # a bug in pdtrace: still one line, unless the user asks for the traceback
+        if os.environ.get("PDTRACE_DEBUG"):
+            raise
+        err_console.print(f"pdtrace: internal error: {type(exc).__name__}: {exc} (set PDTRACE_DEBUG=1 for the "
+                          "traceback)", markup=False)
+        sys.exit(EXIT_BAD_INPUT)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+__all__ = ["app", "main", "typer"]

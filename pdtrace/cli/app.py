@@ -1,0 +1,39 @@
+"""The typer application that every verb module (`pdtrace/cli/<verb>.py`) adds its command to.
+
+Results go to stdout; progress and diagnostics go to stderr through `err_console`.
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from pdtrace import __version__
+
+app = typer.Typer(
+    name="pdtrace",
+    help="memcheck for the KV cache: record, analyze and plot what a vLLM engine did with its KV blocks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+#: Results (tables, reports) go to stdout.
+out_console = Console(highlight=False, soft_wrap=True)
+#: Progress, warnings and errors go to stderr.
+err_console = Console(stderr=True, highlight=False)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"pdtrace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True,
+                                 help="Print pdtrace's version and exit."),
+) -> None:
+    """memcheck for the KV cache of vLLM: `record` a run, `analyze` it, `show` one request or step, `plot` it."""
