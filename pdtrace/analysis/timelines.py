@@ -1,0 +1,289 @@
+"""Timelines that plots and exports draw and no rule owns: request phases and KV blocks in use over time.
+
+`request_phases(ctx)` turns each request's scheduler events into consecutive phase intervals; `block_usage(ctx)`
+counts the blocks held over time per scheduler, split by the state of their owner. Both are vectorised over the
+event columns (sorts, group-wise cumulative sums, shifts), with no Python loop per event.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+import pyarrow.compute as pc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.analysis.context import AnalysisContext
+
+#: Request phases, in lifecycle order.
+PHASES: tuple[str, ...] = ("waiting", "waiting_kv", "running", "finished_holding", "freed")
+_WAITING, _WAITING_KV, _RUNNING, _FINISHED_HOLDING, _FREED = range(len(PHASES))
+
+#: Owner states of a held block, in the priority a shared block takes (a block any running request holds is
+#: "running", whatever its other owners do).
+BLOCK_STATES: tuple[str, ...] = ("running", "finished_awaiting_transfer", "leaked")
+
+PHASE_COLUMNS = ("instance", "dp_rank", "role", "req", "phase", "start_ns", "end_ns")
+USAGE_COLUMNS = ("instance", "dp_rank", "ts_ns", *BLOCK_STATES, "in_use", "pool_blocks")
+
+_STATE_KINDS = ("req_add", "req_wait_kv", "kv_recv_done", "kv_recv_fail", "req_sched", "req_preempt",
+                "req_finish", "blocks_free")
+
+
+def trace_span(ctx: "AnalysisContext") -> tuple[int, int]:
+    """(first, last) `ts_ns` of the whole trace; (0, 0) for an empty trace."""
+    ts = ctx.trace.table.column("ts_ns")
+    if len(ts) == 0:
+        return 0, 0
+    bounds = pc.min_max(ts).as_py()
+    return int(bounds["min"]), int(bounds["max"])
+
+
+def _empty_phases() -> pd.DataFrame:
+    return pd.DataFrame({
+        "instance": pd.Series(dtype="str"), "dp_rank": pd.Series(dtype="Int16"), "role": pd.Series(dtype="str"),
+        "req": pd.Series(dtype="str"), "phase": pd.Categorical([], categories=PHASES, ordered=True),
+        "start_ns": pd.Series(dtype="int64"), "end_ns": pd.Series(dtype="int64"),
+    })
+
+
+def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
+    """One row per phase interval of a request: instance, dp_rank, role, req, phase, start_ns, end_ns.
+
+    Algorithm: take the scheduler rows that carry a request and can change its state; sort them by (instance,
+    dp_rank, req, ts_ns, pid, seq). Each row maps to the phase it starts: `req_add` -> waiting, `req_wait_kv` ->
+    waiting_kv, `kv_recv_done`/`kv_recv_fail` -> waiting (loaded or failed: back in the queue), `req_sched` ->
+    running, `req_preempt` -> waiting, `req_finish` -> finished_holding when `delay_free` (the blocks stay owned
+    for a transfer) else freed, `blocks_free` -> freed. A request is "finished" from its `req_finish` until the next
+    `req_add` of the same id (group-wise cumulative max within a lifecycle = cumulative count of `req_add`); once
+    finished, only `blocks_free` (-> freed), `req_sched` (-> running: a scheduled finished request, which rules
+    report) and a new `req_add` change the phase, and before the finish `blocks_free` (preemption, trimming) does
+    not. Rows that repeat the previous row's phase are dropped; a phase ends where the request's next phase starts,
+    and the last one at the end of the trace. Zero-length phases are dropped.
+    """
+    return ctx.cached("timelines.request_phases", lambda: _request_phases(ctx))
+
+
+def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
+    ev = ctx.trace.events
+    if len(ev) == 0:
+        return _empty_phases()
+    kind = ev["kind"].astype("str")
+    sel = (ev["component"].astype("str") == "scheduler").to_numpy() & ev["req"].notna().to_numpy() \
+        & kind.isin(_STATE_KINDS).to_numpy()
+    e = pd.DataFrame({
+        "instance": ev["instance"].astype("str").to_numpy()[sel],
+        "dp_rank": ev["dp_rank"].fillna(-1).to_numpy(dtype=np.int64)[sel],
+        "role": ev["role"].astype("str").to_numpy()[sel],
+        "req": ev["req"].astype("str").to_numpy()[sel],
+        "kind": kind.to_numpy()[sel],
+        "delay_free": ev["delay_free"].fillna(False).to_numpy(dtype=bool)[sel],
+        "ts_ns": ev["ts_ns"].to_numpy(dtype=np.int64)[sel],
+        "pid": ev["pid"].to_numpy(dtype=np.int64)[sel],
+        "seq": ev["seq"].to_numpy(dtype=np.int64)[sel],
+    })
+    if len(e) == 0:
+        return _empty_phases()
+    e = e.sort_values(["instance", "dp_rank", "req", "ts_ns", "pid", "seq"], kind="stable", ignore_index=True)
+    key = e[["instance", "dp_rank", "req"]]
+    group = (key != key.shift()).any(axis=1).cumsum().to_numpy()
+    k = e["kind"].to_numpy()
+    is_add = k == "req_add"
+    lifecycle = pd.Series(is_add).groupby(group).cumsum().to_numpy()
+    finished = pd.Series(k == "req_finish").groupby([group, lifecycle]).cummax().to_numpy()
+
+    phase = np.full(len(e), -1, dtype=np.int64)
+    active = ~finished
+    phase[is_add] = _WAITING
+    phase[(k == "req_wait_kv") & active] = _WAITING_KV
+    phase[((k == "kv_recv_done") | (k == "kv_recv_fail") | (k == "req_preempt")) & active] = _WAITING
+    phase[k == "req_sched"] = _RUNNING
+    fin = k == "req_finish"
+    phase[fin] = np.where(e["delay_free"].to_numpy()[fin], _FINISHED_HOLDING, _FREED)
+    phase[(k == "blocks_free") & finished & ~fin] = _FREED
+
+    keep = phase >= 0
+    e, phase, group = e[keep].reset_index(drop=True), phase[keep], group[keep]
+    changed = np.ones(len(e), dtype=bool)
+    changed[1:] = (phase[1:] != phase[:-1]) | (group[1:] != group[:-1])
+    e, phase, group = e[changed].reset_index(drop=True), phase[changed], group[changed]
+
+    _, trace_end = trace_span(ctx)
+    start = e["ts_ns"].to_numpy()
+    end = np.full(len(e), trace_end, dtype=np.int64)
+    same_next = np.zeros(len(e), dtype=bool)
+    same_next[:-1] = group[1:] == group[:-1]
+    end[:-1] = np.where(same_next[:-1], start[1:], trace_end)
+    out = pd.DataFrame({
+        "instance": e["instance"].astype("str"),
+        "dp_rank": pd.array(np.where(e["dp_rank"] < 0, None, e["dp_rank"]), dtype="Int16"),
+        "role": e["role"].astype("str"),
+        "req": e["req"].astype("str"),
+        "phase": pd.Categorical.from_codes(phase, categories=PHASES, ordered=True),
+        "start_ns": start,
+        "end_ns": end,
+    })
+    return out[out["end_ns"] > out["start_ns"]].reset_index(drop=True)
+
+
+def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
+    """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
+    ev = ctx.trace.events
+    rows = ev[(ev["kind"] == "engine_config") & ev["n"].notna()]
+    out = pd.DataFrame({"instance": rows["instance"].astype("str").to_numpy(),
+                        "dp_rank": rows["dp_rank"].fillna(-1).to_numpy(dtype=np.int64),
+                        "pool_blocks": rows["n"].to_numpy(dtype=np.int64)})
+    return out.drop_duplicates(["instance", "dp_rank"], keep="last").reset_index(drop=True)
+
+
+def _empty_usage() -> pd.DataFrame:
+    data: dict[str, pd.Series] = {"instance": pd.Series(dtype="str"), "dp_rank": pd.Series(dtype="Int16"),
+                                  "ts_ns": pd.Series(dtype="int64")}
+    for name in (*BLOCK_STATES, "in_use"):
+        data[name] = pd.Series(dtype="int64")
+    data["pool_blocks"] = pd.Series(dtype="Int64")
+    return pd.DataFrame(data)
+
+
+def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
+    """(instance, req, block, leak_ts) of the blocks the `leaked_blocks` rule reports (block -1: all of them)."""
+    if findings is None:
+        from pdtrace.analysis.registry import load_rules
+
+        rule = load_rules().get("leaked_blocks")
+        findings = ctx.cached("timelines.leaked_blocks", lambda: rule.run(ctx)) if rule else None
+    cols = ["instance", "req", "block", "leak_ts"]
+    if findings is None or len(findings) == 0:
+        return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("block", "leak_ts") else "str") for c in cols})
+    leaks = findings[findings["rule"] == "leaked_blocks"]
+    # One row per finding (few): their blocks lists become rows; an empty or missing list means all blocks.
+    blocks = [list(b) if isinstance(b, (list, tuple, np.ndarray)) and len(b) else [-1] for b in leaks["blocks"]]
+    lengths = [len(b) for b in blocks]
+    return pd.DataFrame({
+        "instance": np.repeat(leaks["instance"].astype("str").to_numpy(), lengths),
+        "req": np.repeat(leaks["req"].astype("str").to_numpy(), lengths),
+        "block": np.fromiter((x for b in blocks for x in b), dtype=np.int64, count=sum(lengths)),
+        "leak_ts": np.repeat(pd.to_numeric(leaks["ts_ns"], errors="coerce").fillna(0).to_numpy(np.int64), lengths),
+    })
+
+
+def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Blocks in use over time per scheduler, split by owner state: one row per (instance, dp_rank, ts_ns) where a
+    count changes, with the counts from then on in `running`, `finished_awaiting_transfer`, `leaked`, their sum
+    `in_use`, and the pool size `pool_blocks` (from `engine_config`, NA without one).
+
+    Algorithm: start from `block_ownership` (one holding interval per (req, block), open ones end at the end of the
+    trace) and intersect each holding with its owner's `request_phases` (a merge on (instance, dp_rank, req), then
+    clip): the part while the owner waits or runs is `running`, the part after its finish (finished_holding or
+    freed) is `finished_awaiting_transfer`. Holdings never freed that the `leaked_blocks` rule reports (its findings:
+    `findings` when given, else the rule's own run on `ctx`; one code path with `analyze`) are `leaked` from the
+    owner's finish, or from the finding's ts_ns when the owner never finished. A block with several owners counts
+    once, in the first of BLOCK_STATES that any owner holds it in: per block, +1/-1 per segment and state are
+    summed cumulatively (sorted by time, frees before allocations at the same instant) and the block's state is the
+    first non-zero count; its state changes become +1/-1 per state per scheduler, cumulated over time, and the last
+    row per instant is kept. Holdings still open at the end of the trace stay counted there.
+    """
+    if findings is not None:
+        return _block_usage(ctx, findings)
+    return ctx.cached("timelines.block_usage", lambda: _block_usage(ctx, None))
+
+
+def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
+    from pdtrace.analysis.blocks import block_ownership
+
+    own = block_ownership(ctx)
+    if len(own) == 0:
+        return _empty_usage()
+    _, trace_end = trace_span(ctx)
+    h = pd.DataFrame({
+        "instance": own["instance"].astype("str").to_numpy(),
+        "dp_rank": own["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
+        "req": own["req"].astype("str").to_numpy(),
+        "block": own["block"].to_numpy(dtype=np.int64),
+        "alloc_ts": own["alloc_ts"].to_numpy(dtype=np.int64),
+        "free_ts": own["free_ts"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
+    })
+    h["holding"] = np.arange(len(h))
+    h["open"] = h["free_ts"] < 0
+    h.loc[h["open"], "free_ts"] = trace_end
+
+    ph = request_phases(ctx)
+    ph = pd.DataFrame({"instance": ph["instance"].to_numpy(), "req": ph["req"].to_numpy(),
+                       "dp_rank": ph["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
+                       "finished": (ph["phase"].cat.codes.to_numpy() >= _FINISHED_HOLDING),
+                       "start_ns": ph["start_ns"].to_numpy(), "end_ns": ph["end_ns"].to_numpy()})
+    seg = h.merge(ph, on=["instance", "dp_rank", "req"], how="left")
+    # An owner without phases (its events fell outside the trace) counts as running for the whole holding.
+    no_phase = seg["start_ns"].isna().to_numpy()
+    p_start = seg["start_ns"].fillna(0).to_numpy(dtype=np.int64)
+    p_end = seg["end_ns"].fillna(trace_end).to_numpy(dtype=np.int64)
+    p_start[no_phase] = seg["alloc_ts"].to_numpy()[no_phase]
+    seg["s"] = np.maximum(seg["alloc_ts"].to_numpy(), p_start)
+    seg["e"] = np.minimum(seg["free_ts"].to_numpy(), p_end)
+    seg["state"] = np.where(seg["finished"].fillna(False).to_numpy(dtype=bool), 1, 0)
+    seg = seg[seg["e"] > seg["s"]]
+    seg = seg[["instance", "dp_rank", "req", "block", "holding", "open", "alloc_ts", "s", "e", "state"]]
+
+    leaks = _leak_findings(ctx, findings)
+    if len(leaks):
+        open_h = seg.loc[seg["open"], ["holding", "instance", "req", "block"]].drop_duplicates("holding")
+        exact = open_h.merge(leaks[leaks["block"] >= 0], on=["instance", "req", "block"])
+        whole = open_h.merge(leaks[leaks["block"] < 0].drop(columns="block"), on=["instance", "req"])
+        flagged = pd.concat([exact, whole])[["holding", "leak_ts"]].groupby("holding")["leak_ts"].min()
+        fin_start = seg[seg["state"] == 1].groupby("holding")["s"].min()
+        leak_from = pd.concat([flagged, fin_start.reindex(flagged.index)], axis=1).min(axis=1)
+        lf = seg["holding"].map(leak_from)
+        has = lf.notna().to_numpy()
+        lf = lf.fillna(np.iinfo(np.int64).max).to_numpy(dtype=np.int64)
+        s, e_ = seg["s"].to_numpy(), seg["e"].to_numpy()
+        split = has & (s < lf) & (e_ > lf)
+        tail = seg[split].copy()
+        tail["s"] = lf[split]
+        tail["state"] = 2
+        seg.loc[split, "e"] = lf[split]
+        seg.loc[has & (s >= lf), "state"] = 2
+        seg = pd.concat([seg, tail], ignore_index=True)
+
+    # Per block: +1 at each segment's start, -1 at its end (none for open holdings at the end of the trace).
+    n = len(seg)
+    ends_open = seg["open"].to_numpy() & (seg["e"].to_numpy() >= trace_end)
+    d = pd.DataFrame({
+        "instance": np.concatenate([seg["instance"].to_numpy(), seg["instance"].to_numpy()[~ends_open]]),
+        "dp_rank": np.concatenate([seg["dp_rank"].to_numpy(), seg["dp_rank"].to_numpy()[~ends_open]]),
+        "block": np.concatenate([seg["block"].to_numpy(), seg["block"].to_numpy()[~ends_open]]),
+        "ts_ns": np.concatenate([seg["s"].to_numpy(), seg["e"].to_numpy()[~ends_open]]),
+        "state": np.concatenate([seg["state"].to_numpy(), seg["state"].to_numpy()[~ends_open]]),
+        "delta": np.concatenate([np.ones(n, np.int64), -np.ones(int((~ends_open).sum()), np.int64)]),
+    })
+    d = d.sort_values(["instance", "dp_rank", "block", "ts_ns", "delta"], kind="stable", ignore_index=True)
+    bkey = d[["instance", "dp_rank", "block"]]
+    bgroup = (bkey != bkey.shift()).any(axis=1).cumsum().to_numpy()
+    state, delta = d["state"].to_numpy(), d["delta"].to_numpy()
+    counts = np.stack([np.where(state == i, delta, 0) for i in range(len(BLOCK_STATES))], axis=1)
+    counts = pd.DataFrame(counts).groupby(bgroup).cumsum().to_numpy()
+    held = counts > 0
+    block_state = np.where(held.any(axis=1), held.argmax(axis=1), -1)
+    prev_state = np.full(len(d), -1, dtype=np.int64)
+    prev_state[1:] = np.where(bgroup[1:] == bgroup[:-1], block_state[:-1], -1)
+    change = block_state != prev_state
+    chg = d[change]
+    new, old = block_state[change], prev_state[change]
+    per_state = np.zeros((len(chg), len(BLOCK_STATES)), dtype=np.int64)
+    rows = np.arange(len(chg))
+    per_state[rows[new >= 0], new[new >= 0]] += 1
+    per_state[rows[old >= 0], old[old >= 0]] -= 1
+
+    t = pd.DataFrame({"instance": chg["instance"].to_numpy(), "dp_rank": chg["dp_rank"].to_numpy(),
+                      "ts_ns": chg["ts_ns"].to_numpy()})
+    for i, name in enumerate(BLOCK_STATES):
+        t[name] = per_state[:, i]
+    t = t.sort_values(["instance", "dp_rank", "ts_ns"], kind="stable", ignore_index=True)
+    sgroup = (t[["instance", "dp_rank"]] != t[["instance", "dp_rank"]].shift()).any(axis=1).cumsum().to_numpy()
+    t[list(BLOCK_STATES)] = t[list(BLOCK_STATES)].groupby(sgroup).cumsum()
+    t = t.drop_duplicates(["instance", "dp_rank", "ts_ns"], keep="last").reset_index(drop=True)
+    t["in_use"] = t[list(BLOCK_STATES)].sum(axis=1)
+    t = t.merge(pool_sizes(ctx), on=["instance", "dp_rank"], how="left")
+    t["pool_blocks"] = t["pool_blocks"].astype("Int64")
+    t["dp_rank"] = pd.array(np.where(t["dp_rank"] < 0, None, t["dp_rank"]), dtype="Int16")
+    return t[list(USAGE_COLUMNS)]
