@@ -62,6 +62,8 @@ class Trace:
     manifest: dict[str, Any] | None = None
     files: list[TraceFile] = field(default_factory=list)
     skipped: list[SkippedFile] = field(default_factory=list)
+    #: Tolerated problems found while loading (skipped files, unknown kinds, a bad manifest), one line each.
+    warnings: list[str] = field(default_factory=list)
 
     @classmethod
     def from_table(cls, table: pa.Table, **kwargs: Any) -> "Trace":
@@ -123,6 +125,7 @@ class Trace:
             manifest=self.manifest,
             files=self.files,
             skipped=self.skipped,
+            warnings=self.warnings,
         )
 
     @property

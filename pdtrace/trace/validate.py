@@ -1,0 +1,285 @@
+"""Check event tables and Parquet part files against the trace format (pdtrace.format), naming the first violation.
+
+Three levels, cheapest first, so that the reader can check every file of a 10M-event trace for almost nothing:
+
+- `check_metadata(metadata, where)`: the Parquet key-value metadata (read from the footer). A missing or unknown
+  `pdtrace.schema_version` is an error (this build reads `pdtrace.format.READABLE_SCHEMA_VERSIONS`); an unparsable
+  `pdtrace.dropped_events` is only a note.
+- `check_schema(schema, where)`: column names and Arrow types (from the footer). Every format column must be
+  there. Accepted variants: dictionary columns and `req` may be plain or dictionary-encoded strings (any index
+  width, `string` or `large_string` values); `detail` string or large_string; `blocks` a list or large_list of
+  any integer type; integer columns any integer type (the reader casts them, safely, to the format's width).
+  Columns the format does not know are left alone (a newer minor format adds columns), with a note.
+- `check_values(table, where)`: non-null columns hold no null; `role`, `component` in their vocabularies;
+  `reason` in `pdtrace.format.REASONS` for the kinds listed there (null is allowed). Vectorised with
+  pyarrow.compute: vocabulary checks look at the dictionaries (or `unique()`) first and only scan the rows to find
+  the first offending one when something is wrong; `(kind, reason)` pairs come from one hash group-by.
+
+Event kinds the format does not know are NOT an error: the format is extended only by adding kinds, so a trace
+from a newer pdtrace (or another engine's adapter) may carry kinds this build has never heard of. They are
+reported as a note ("unknown event kinds ...") and the analyses ignore them. An unknown schema version, in
+contrast, means the meaning of the columns may have changed, so that is an error.
+
+Errors are `pdtrace.errors.TraceError` with one line naming the file (`where`), the row (counted from 0 within the
+table or file), the column, what was expected and what was found. When a table has several violations, the one
+reported is the one at the lowest row (ties: the column that comes first in the format).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pdtrace.errors import TraceError
+from pdtrace.format import (
+    COLUMNS,
+    COMPONENTS,
+    KINDS,
+    META_DROPPED,
+    META_SCHEMA_VERSION,
+    META_SOURCE,
+    META_VERSION,
+    NON_NULL_COLUMNS,
+    READABLE_SCHEMA_VERSIONS,
+    REASONS,
+    ROLES,
+    SCHEMA,
+)
+
+#: Columns read as text: plain or dictionary-encoded strings are both fine.
+_TEXT_COLUMNS = frozenset({"instance", "role", "component", "kind", "reason", "status", "req", "detail"})
+_INTEGER_COLUMNS = frozenset(f.name for f in SCHEMA if pa.types.is_integer(f.type))
+_BOOL_COLUMNS = frozenset(f.name for f in SCHEMA if pa.types.is_boolean(f.type))
+_VOCABULARIES: dict[str, frozenset[str]] = {"role": ROLES, "component": COMPONENTS}
+
+
+class TraceWarning(UserWarning):
+    """Something in a trace that was tolerated: a skipped part file, unknown kinds, a bad manifest."""
+
+
+def _describe(type_: pa.DataType) -> str:
+    if pa.types.is_dictionary(type_):
+        return f"dictionary<{type_.value_type}>"
+    return str(type_)
+
+
+def _is_string(type_: pa.DataType) -> bool:
+    return pa.types.is_string(type_) or pa.types.is_large_string(type_) or pa.types.is_string_view(type_)
+
+
+def type_accepted(column: str, type_: pa.DataType) -> bool:
+    """Whether a column of this Arrow type can be read as the format's `column` (see the module docstring)."""
+    if column in _TEXT_COLUMNS:
+        if pa.types.is_dictionary(type_):
+            return _is_string(type_.value_type)
+        return _is_string(type_)
+    if column in _INTEGER_COLUMNS:
+        return pa.types.is_integer(type_)
+    if column in _BOOL_COLUMNS:
+        return pa.types.is_boolean(type_)
+    if column == "blocks":
+        return (pa.types.is_list(type_) or pa.types.is_large_list(type_)) and pa.types.is_integer(type_.value_type)
+    return type_ == SCHEMA.field(column).type
+
+
+def check_schema(schema: pa.Schema, where: str) -> list[str]:
+    """Raise TraceError on the first missing column or unacceptable type (format order); return notes."""
+    names = set(schema.names)
+    for name in COLUMNS:
+        expected = _describe(SCHEMA.field(name).type)
+        if name not in names:
+            raise TraceError(f"{where}: missing column '{name}' (expected {expected})")
+        found = schema.field(name).type
+        if not type_accepted(name, found):
+            raise TraceError(f"{where}: column '{name}': expected {expected}, found {_describe(found)}")
+    extra = [n for n in schema.names if n not in SCHEMA.names]
+    if extra:
+        return [f"{where}: columns unknown to this pdtrace ignored: {', '.join(extra)}"]
+    return []
+
+
+def _decode(value: bytes | str | None) -> str | None:
+    if value is None:
+        return None
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def file_info(metadata: Mapping[Any, Any] | None) -> dict[str, str | None]:
+    """The pdtrace keys of a Parquet key-value metadata mapping (bytes or str keys), decoded; None where absent."""
+    meta = {(_decode(k) or ""): _decode(v) for k, v in (metadata or {}).items()}
+    return {
+        "schema_version": meta.get(META_SCHEMA_VERSION),
+        "pdtrace_version": meta.get(META_VERSION),
+        "source": meta.get(META_SOURCE),
+        "dropped_events": meta.get(META_DROPPED),
+    }
+
+
+def check_metadata(metadata: Mapping[Any, Any] | None, where: str) -> tuple[dict[str, Any], list[str]]:
+    """Check the pdtrace key-value metadata; return (schema_version, pdtrace_version, source, dropped_events as
+    int) in a dict, and notes. Raises TraceError when the schema version is missing or unknown."""
+    info = file_info(metadata)
+    version = info["schema_version"]
+    readable = ", ".join(sorted(READABLE_SCHEMA_VERSIONS))
+    if version is None:
+        raise TraceError(f"{where}: no '{META_SCHEMA_VERSION}' in the Parquet metadata: not a pdtrace trace file "
+                         f"(expected schema version {readable})")
+    if version not in READABLE_SCHEMA_VERSIONS:
+        raise TraceError(f"{where}: unknown trace schema version '{version}' ({META_SCHEMA_VERSION}); this "
+                         f"pdtrace reads version {readable}: upgrade pdtrace")
+    notes = []
+    dropped_text = info["dropped_events"]
+    try:
+        dropped = int(dropped_text) if dropped_text is not None else 0
+        if dropped < 0:
+            raise ValueError
+    except ValueError:
+        notes.append(f"{where}: '{META_DROPPED}' is not a count ({dropped_text!r}); taken as 0")
+        dropped = 0
+    return (
+        {
+            "schema_version": version,
+            "pdtrace_version": info["pdtrace_version"] or "unknown",
+            "source": info["source"] or "unknown",
+            "dropped_events": dropped,
+        },
+        notes,
+    )
+
+
+def _first_true(mask: pa.ChunkedArray | pa.Array) -> int | None:
+    """Index of the first true value of a boolean array (nulls count as false), or None."""
+    found = pc.index(pc.fill_null(mask, False), True).as_py()
+    return None if found is None or found < 0 else found
+
+
+def _distinct_values(column: pa.ChunkedArray) -> list[Any]:
+    """Candidate distinct values: the dictionaries' values for a dictionary column (cheap, possibly a superset of
+    the values the rows use), else `unique()`."""
+    if pa.types.is_dictionary(column.type):
+        seen: set[Any] = set()
+        for chunk in column.chunks:
+            seen.update(chunk.dictionary.to_pylist())
+        return list(seen)
+    return pc.unique(column).to_pylist()
+
+
+def _first_outside(column: pa.ChunkedArray, allowed: Iterable[str]) -> tuple[int, str] | None:
+    """(row, value) of the first non-null value not in `allowed`, or None. Scans the rows only when a value that
+    is not allowed is among the distinct values."""
+    allowed = frozenset(allowed)
+    if not any(v is not None and v not in allowed for v in _distinct_values(column)):
+        return None
+    outside = pc.invert(pc.is_in(column, value_set=pa.array(sorted(allowed), pa.string())))
+    row = _first_true(pc.and_(outside, pc.is_valid(column)))
+    if row is None:  # the bad value was only in an unused dictionary entry
+        return None
+    return row, column[row].as_py()
+
+
+def _as_chunked(column: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray:
+    return column if isinstance(column, pa.ChunkedArray) else pa.chunked_array([column])
+
+
+def _allowed_text(values: Iterable[str], limit: int = 8) -> str:
+    ordered = sorted(values)
+    shown = ", ".join(ordered[:limit]) + (", ..." if len(ordered) > limit else "")
+    return f"one of {shown}"
+
+
+def check_values(table: pa.Table, where: str) -> list[str]:
+    """Check the values of the format columns present in `table`; raise TraceError naming the first violation
+    (lowest row), return notes (unknown kinds). Columns missing from `table` are not checked (a projection)."""
+    names = set(table.column_names)
+    order = {name: i for i, name in enumerate(COLUMNS)}
+    violations: list[tuple[int, int, str]] = []  # (row, column order, message)
+
+    for name in NON_NULL_COLUMNS:
+        if name in names and table.column(name).null_count:
+            row = _first_true(pc.is_null(table.column(name)))
+            if row is not None:
+                violations.append((row, order[name], f"{where}: row {row}, column '{name}': expected a value, "
+                                                      "found null"))
+
+    for name, vocabulary in _VOCABULARIES.items():
+        if name in names:
+            bad = _first_outside(_as_chunked(table.column(name)), vocabulary)
+            if bad is not None:
+                row, value = bad
+                violations.append((row, order[name], f"{where}: row {row}, column '{name}': expected "
+                                                     f"{_allowed_text(vocabulary)}, found {value!r}"))
+
+    if "kind" in names and "reason" in names and table.column("reason").null_count < table.num_rows:
+        violation = _first_bad_reason(table, where)
+        if violation is not None:
+            violations.append((violation[0], order["reason"], violation[1]))
+
+    if violations:
+        raise TraceError(min(violations)[2])
+
+    notes = []
+    if "kind" in names:
+        kind = _as_chunked(table.column("kind"))
+        candidates = [v for v in _distinct_values(kind) if v is not None and v not in KINDS]
+        if candidates:
+            counts = pc.value_counts(kind.combine_chunks() if pa.types.is_dictionary(kind.type) else kind)
+            unknown = {c["values"]: c["counts"] for c in counts.to_pylist() if c["values"] in candidates}
+            if unknown:
+                listed = ", ".join(f"'{k}' ({n} rows)" for k, n in sorted(unknown.items()))
+                notes.append(f"{where}: event kinds unknown to this pdtrace, ignored by the analyses: {listed}")
+    return notes
+
+
+def _first_bad_reason(table: pa.Table, where: str) -> tuple[int, str] | None:
+    """The first row whose `reason` is outside REASONS[kind], for the kinds REASONS lists; (row, message)."""
+    pairs = pa.table({"kind": table.column("kind"), "reason": table.column("reason")})
+    if any(pa.types.is_dictionary(t) for t in pairs.schema.types):
+        pairs = pairs.unify_dictionaries()
+    distinct = pairs.group_by(["kind", "reason"]).aggregate([]).to_pylist()
+    bad = [(p["kind"], p["reason"]) for p in distinct
+           if p["kind"] in REASONS and p["reason"] is not None and p["reason"] not in REASONS[p["kind"]]]
+    if not bad:
+        return None
+    first: tuple[int, str] | None = None
+    for kind, reason in bad:  # one vectorised scan per offending (kind, reason) pair; there are few
+        mask = pc.and_(pc.equal(pairs.column("kind"), kind), pc.equal(pairs.column("reason"), reason))
+        row = _first_true(mask)
+        if row is not None and (first is None or row < first[0]):
+            message = (f"{where}: row {row}, column 'reason': expected {_allowed_text(REASONS[kind])} for kind "
+                       f"'{kind}', found {reason!r}")
+            first = (row, message)
+    return first
+
+
+def validate_table(table: pa.Table, where: str = "<table>", metadata: Mapping[Any, Any] | None = None,
+                   require_metadata: bool = False) -> list[str]:
+    """Validate an in-memory table: schema, values, and the pdtrace metadata when given (or required; defaults to
+    the table's own schema metadata). Raises TraceError on the first violation; returns notes."""
+    notes = check_schema(table.schema, where)
+    if metadata is None:
+        metadata = table.schema.metadata
+    if metadata or require_metadata:
+        notes += check_metadata(metadata, where)[1]
+    notes += check_values(table, where)
+    return notes
+
+
+def validate_file(path: str) -> list[str]:
+    """Validate one Parquet part file completely (footer, then every value). Raises TraceError; returns notes."""
+    import pyarrow.parquet as pq
+
+    from pdtrace.trace.reader import describe_unreadable
+
+    try:
+        with pq.ParquetFile(path) as parquet:
+            schema = parquet.schema_arrow
+            metadata = parquet.metadata.metadata
+            notes = check_metadata(metadata, path)[1] + check_schema(schema, path)
+            table = parquet.read()
+    except TraceError:
+        raise
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"{path}: {describe_unreadable(path, exc)}") from None
+    return notes + check_values(table, path)
