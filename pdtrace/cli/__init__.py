@@ -12,6 +12,7 @@ from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
 
 # Each import registers one verb on `app`.
 # (verb modules are imported below)
+from pdtrace.cli import info  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,7 @@ app = typer.Typer(
 #: Results (tables, reports) go to stdout.
 out_console = Console(highlight=False, soft_wrap=True)
 #: Progress, warnings and errors go to stderr.
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # one error = one line, however long
 
 
 def _version_callback(value: bool) -> None:

@@ -1,0 +1,126 @@
+"""`pdtrace info TRACE`: what a trace holds (instances, processes, ranks, time span, kinds, steps, requests).
+
+The numbers come from `pdtrace.trace.summary.summarize`; this module only loads the trace and renders them.
+`--format json` prints summarize()'s dict (its keys are documented in pdtrace/trace/summary.py).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterable
+
+import typer
+from rich.table import Table
+
+from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.trace.model import Trace
+
+
+class InfoFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> Trace:
+    """Open a trace for a CLI verb: warnings (skipped files, unknown kinds, bad manifest) go to stderr, one line
+    each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
+    from pdtrace.trace.reader import open_trace
+
+    trace = open_trace(path, columns=columns, warn=False, **kwargs)
+    for note in trace.warnings:
+        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+    return trace
+
+
+def _ns_duration(ns: int | None) -> str:
+    if ns is None:
+        return "-"
+    if ns >= 1_000_000_000:
+        return f"{ns / 1e9:.3f} s"
+    if ns >= 1_000_000:
+        return f"{ns / 1e6:.3f} ms"
+    return f"{ns / 1e3:.3f} µs"
+
+
+def _join(values: list[Any]) -> str:
+    return ", ".join(str(v) for v in values) if values else "-"
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _render(summary: dict[str, Any]) -> None:
+    span = summary["time"]
+    overview = Table(title=f"pdtrace trace {summary['trace'] or '<memory>'}", show_header=False, box=None)
+    overview.add_column("key", style="bold")
+    overview.add_column("value")
+    overview.add_row("events", f"{summary['events']:,}")
+    overview.add_row("files", f"{summary['files']} loaded, {len(summary['skipped_files'])} skipped")
+    overview.add_row("dropped events", f"{summary['dropped_events']:,}")
+    overview.add_row("requests", f"{summary['requests']:,}")
+    overview.add_row("start", _dash(span["start"]))
+    overview.add_row("end", _dash(span["end"]))
+    overview.add_row("duration", _ns_duration(span["duration_ns"]))
+    overview.add_row("sources", _join(summary["sources"]))
+    overview.add_row("schema versions", _join(summary["schema_versions"]))
+    overview.add_row("pdtrace versions", _join(summary["pdtrace_versions"]))
+    manifest = summary["manifest"]
+    if manifest is not None:
+        overview.add_row("command", _dash(manifest["command"]))
+        overview.add_row("vLLM version", _dash(manifest["vllm_version"]))
+    out_console.print(overview)
+
+    instances = Table(title="instances")
+    longest = max((len(row["instance"]) for row in summary["instances"]), default=8)
+    instances.add_column("instance", min_width=min(longest, 40))
+    for name in ("role", "pids", "dp", "pp", "tp"):
+        instances.add_column(name)
+    instances.add_column("events", justify="right")
+    instances.add_column("requests", justify="right")
+    for row in summary["instances"]:
+        instances.add_row(row["instance"], _join(row["roles"]), _join(row["pids"]), _join(row["dp_ranks"]),
+                          _join(row["pp_ranks"]), _join(row["tp_ranks"]), f"{row['events']:,}",
+                          f"{row['requests']:,}")
+    out_console.print(instances)
+
+    if summary["schedulers"]:
+        schedulers = Table(title="schedulers")
+        for name in ("instance", "dp rank", "steps", "sched events", "first step", "last step"):
+            schedulers.add_column(name, justify="left" if name == "instance" else "right")
+        for row in summary["schedulers"]:
+            schedulers.add_row(row["instance"], _dash(row["dp_rank"]), f"{row['steps']:,}",
+                               f"{row['sched_events']:,}", _dash(row["first_step"]), _dash(row["last_step"]))
+        out_console.print(schedulers)
+
+    kinds = Table(title="events per kind")
+    kinds.add_column("kind")
+    kinds.add_column("events", justify="right")
+    for kind, count in summary["kinds"].items():
+        kinds.add_row(kind, f"{count:,}")
+    out_console.print(kinds)
+
+    if summary["skipped_files"]:
+        skipped = Table(title="skipped files")
+        skipped.add_column("file")
+        skipped.add_column("reason")
+        for row in summary["skipped_files"]:
+            skipped.add_row(row["path"], row["reason"])
+        out_console.print(skipped)
+
+
+@app.command()
+def info(
+    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
+) -> None:
+    """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
+    from pdtrace.trace.summary import SUMMARY_COLUMNS, summarize
+
+    summary = summarize(load_trace(trace, columns=SUMMARY_COLUMNS))
+    if format is InfoFormat.json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        _render(summary)
