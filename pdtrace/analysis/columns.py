@@ -1,0 +1,273 @@
+"""The trace's columns as numpy arrays, computed once per analysis run and shared by every rule.
+
+Rules compare events by their position in one global order: a stable sort of `ts_ns` over the rows in load order
+(files in path order, each file in `seq` order), so one writer's events keep their exact `seq` order whenever its
+clock does not step back. `pos[row]` is a row's rank in that order and `order[pos]` the row at a rank.
+
+Keys:
+- `sk` (scheduler key): one dense id per (instance, dp_rank); a null dp_rank is its own value.
+- `rk` (request key): one dense id per (instance, dp_rank, req) on rows that carry a req, -1 elsewhere.
+Dictionary columns become small integer codes (`code_of(column, value)` gives the code of one value, -1 if absent),
+so no rule compares strings per event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pdtrace.trace.model import Trace
+
+NO = -1  # the "absent" value of every code, key, step and position array
+
+
+def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+    """(int32 codes with -1 for null, category names) of a string or dictionary column, one dictionary for all
+    chunks."""
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    column = pa.table({"c": column}).unify_dictionaries().column("c")
+    if column.num_chunks == 0:
+        return np.empty(0, np.int32), []
+    names = column.chunk(0).dictionary.to_pylist()
+    parts = [pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+             for chunk in column.chunks]
+    codes = np.concatenate(parts) if parts else np.empty(0, np.int32)
+    return codes, [str(n) for n in names]
+
+
+def int_column(table: pa.Table, name: str, dtype: Any = np.int64) -> np.ndarray:
+    """A numeric column as numpy with nulls as -1."""
+    col = table.column(name)
+    if col.null_count:
+        col = pc.fill_null(col, -1)
+    return col.to_numpy().astype(dtype, copy=False)
+
+
+def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(value, is_valid) of a nullable bool column."""
+    col = table.column(name)
+    valid = pc.is_valid(col).to_numpy(zero_copy_only=False)
+    value = pc.fill_null(col, False).to_numpy(zero_copy_only=False)
+    return value.astype(bool, copy=False), valid.astype(bool, copy=False)
+
+
+@dataclass
+class Columns:
+    """Per-row arrays of one trace (see the module docstring)."""
+
+    trace: Trace
+    _codes: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def table(self) -> pa.Table:
+        return self.trace.table
+
+    @cached_property
+    def n(self) -> int:
+        return self.trace.table.num_rows
+
+    def codes(self, name: str) -> tuple[np.ndarray, list[str]]:
+        if name not in self._codes:
+            self._codes[name] = dictionary_codes(self.table.column(name))
+        return self._codes[name]
+
+    def code_of(self, name: str, value: str) -> int:
+        names = self.codes(name)[1]
+        return names.index(value) if value in names else NO
+
+    def is_kind(self, *kinds: str) -> np.ndarray:
+        codes, names = self.codes("kind")
+        wanted = [names.index(k) for k in kinds if k in names]
+        if not wanted:
+            return np.zeros(self.n, bool)
+        if len(wanted) == 1:
+            return codes == wanted[0]
+        lut = np.zeros(len(names), bool)
+        lut[wanted] = True
+        return lut[codes]
+
+    def rows_of(self, *kinds: str) -> np.ndarray:
+        return np.flatnonzero(self.is_kind(*kinds))
+
+    @cached_property
+    def ts(self) -> np.ndarray:
+        return int_column(self.table, "ts_ns")
+
+    @cached_property
+    def step(self) -> np.ndarray:
+        return int_column(self.table, "step")
+
+    @cached_property
+    def nvalue(self) -> np.ndarray:
+        return int_column(self.table, "n")
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        return np.argsort(self.ts, kind="stable")
+
+    @cached_property
+    def pos(self) -> np.ndarray:
+        pos = np.empty(self.n, np.int64)
+        pos[self.order] = np.arange(self.n, dtype=np.int64)
+        return pos
+
+    @cached_property
+    def dp(self) -> np.ndarray:
+        return int_column(self.table, "dp_rank", np.int32)
+
+    @cached_property
+    def _sched_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        inst, _ = self.codes("instance")
+        dp = self.dp.astype(np.int64) + 1
+        width = int(dp.max()) + 1 if self.n else 1
+        combined = inst.astype(np.int64) * width + dp
+        present = np.flatnonzero(np.bincount(combined)) if self.n else np.empty(0, np.int64)
+        lut = np.full(int(combined.max()) + 1 if self.n else 1, NO, np.int64)
+        lut[present] = np.arange(len(present))
+        return lut[combined].astype(np.int32), present // width, present % width - 1
+
+    @property
+    def sk(self) -> np.ndarray:
+        return self._sched_keys[0]
+
+    @cached_property
+    def sk_names(self) -> pd.DataFrame:
+        """One row per scheduler key: instance, dp_rank (NA when null)."""
+        _, inst_of, dp_of = self._sched_keys
+        names = self.codes("instance")[1]
+        return pd.DataFrame({
+            "instance": [names[i] for i in inst_of],
+            "dp_rank": pd.array([None if d < 0 else int(d) for d in dp_of], dtype="Int16"),
+        })
+
+    @cached_property
+    def _request_keys(self) -> tuple[np.ndarray, np.ndarray]:
+        req, _ = self.codes("req")
+        has = req >= 0
+        combined = self.sk.astype(np.int64) * (int(req.max()) + 2 if self.n else 1) + req
+        rk = np.full(self.n, NO, np.int64)
+        codes, uniques = pd.factorize(combined[has], sort=False)
+        rk[has] = codes
+        # per key: the row where it first appears, to name it
+        first = np.full(len(uniques), NO, np.int64)
+        rows = np.flatnonzero(has)
+        first[codes[::-1]] = rows[::-1]
+        return rk, first
+
+    @property
+    def rk(self) -> np.ndarray:
+        return self._request_keys[0]
+
+    @property
+    def n_requests(self) -> int:
+        return len(self._request_keys[1])
+
+    @cached_property
+    def rk_names(self) -> pd.DataFrame:
+        """One row per request key: instance, dp_rank, req, role (of the row that first names it), sk."""
+        first = self._request_keys[1]
+        req_codes, req_names = self.codes("req")
+        role_codes, role_names = self.codes("role")
+        sk = self.sk[first]
+        out = self.sk_names.iloc[sk].reset_index(drop=True)
+        names = np.asarray(req_names, dtype=object)
+        out["req"] = names[req_codes[first]] if len(first) else np.empty(0, object)
+        roles = np.asarray(role_names, dtype=object)
+        out["role"] = roles[role_codes[first]] if len(first) else np.empty(0, object)
+        out["sk"] = sk
+        return out
+
+    @cached_property
+    def nblocks(self) -> np.ndarray:
+        """Length of each row's block list (0 where null)."""
+        lengths = pc.fill_null(pc.list_value_length(self.table.column("blocks")), 0)
+        return lengths.to_numpy().astype(np.int64, copy=False) if self.n else np.empty(0, np.int64)
+
+    @cached_property
+    def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.trace.block_rows()
+
+    def flat_blocks(self, rows_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, block) pairs of the rows selected by a boolean mask, in row order."""
+        rows, ids = self.block_rows
+        keep = rows_mask[rows]
+        return rows[keep], ids[keep]
+
+    def bool_col(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        key = "bool:" + name
+        if key not in self._codes:
+            self._codes[key] = bool_column(self.table, name)  # type: ignore[assignment]
+        return self._codes[key]  # type: ignore[return-value]
+
+    def details(self, rows: np.ndarray) -> list[dict[str, Any]]:
+        return self.trace.details(rows)
+
+
+def columns(ctx: Any) -> Columns:
+    """The shared Columns of an AnalysisContext."""
+    return ctx.cached("columns", lambda: Columns(ctx.trace))
+
+
+def first_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
+    """Minimum of `values` per key (keys in [0, n_keys)); `fill` where a key has none."""
+    out = np.full(n_keys, np.iinfo(np.int64).max, np.int64)
+    if len(keys):
+        np.minimum.at(out, keys, values)
+    out[out == np.iinfo(np.int64).max] = fill
+    return out
+
+
+def last_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
+    """Maximum of `values` per key; `fill` where a key has none."""
+    out = np.full(n_keys, np.iinfo(np.int64).min, np.int64)
+    if len(keys):
+        np.maximum.at(out, keys, values)
+    out[out == np.iinfo(np.int64).min] = fill
+    return out
+
+
+def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
+                     strict: bool = False) -> np.ndarray:
+    """For each a: the index into b of the first b with the same key and pos_b >= pos_a (> if strict), else -1.
+
+    One lexsort of b and one searchsorted of a: keys and positions are combined into one int64 (key * span + pos).
+    """
+    if len(key_b) == 0 or len(key_a) == 0:
+        return np.full(len(key_a), NO, np.int64)
+    span = int(max(pos_a.max(), pos_b.max())) + 2
+    cb = key_b.astype(np.int64) * span + pos_b
+    sort_b = np.argsort(cb, kind="stable")
+    cb_sorted = cb[sort_b]
+    ca = key_a.astype(np.int64) * span + pos_a + (1 if strict else 0)
+    idx = np.searchsorted(cb_sorted, ca, side="left")
+    ok = idx < len(cb_sorted)
+    found = np.full(len(key_a), NO, np.int64)
+    hit = np.flatnonzero(ok)
+    same = key_b[sort_b[idx[hit]]] == key_a[hit]
+    found[hit[same]] = sort_b[idx[hit[same]]]
+    return found
+
+
+def last_before(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
+                strict: bool = True) -> np.ndarray:
+    """For each a: the index into b of the last b with the same key and pos_b < pos_a (<= if not strict), else -1."""
+    if len(key_b) == 0 or len(key_a) == 0:
+        return np.full(len(key_a), NO, np.int64)
+    span = int(max(pos_a.max(), pos_b.max())) + 2
+    cb = key_b.astype(np.int64) * span + pos_b
+    sort_b = np.argsort(cb, kind="stable")
+    cb_sorted = cb[sort_b]
+    ca = key_a.astype(np.int64) * span + pos_a
+    idx = np.searchsorted(cb_sorted, ca, side="left" if strict else "right") - 1
+    found = np.full(len(key_a), NO, np.int64)
+    hit = np.flatnonzero(idx >= 0)
+    same = key_b[sort_b[idx[hit]]] == key_a[hit]
+    found[hit[same]] = sort_b[idx[hit[same]]]
+    return found

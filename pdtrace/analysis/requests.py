@@ -1,0 +1,231 @@
+"""The request table: one row per request (instance, dp_rank, req) with the moments of its lifecycle.
+
+Algorithm: every scheduler row that names a request gets its request key (`rk`, see columns.py). For each kind the
+first or last position per key is one `np.minimum.at` / `np.maximum.at` over that kind's rows (positions in the
+global time order), turned back into rows, timestamps and steps by indexing. Counts are `np.bincount`. Transfer
+closes are searched after the moment they belong to: a send closes at the first `kv_send_done` or `kv_expire` after
+the finish, a receive at the first `kv_recv_done` or per-request `kv_recv_fail` after `req_wait_kv`. Only `req_add`
+rows with a `detail` are JSON-parsed (one per request, never per event).
+
+`request_state(ctx)` holds the same facts as numpy arrays of positions indexed by `rk` (what the rules use);
+`request_table(ctx)` is the DataFrame of timestamps for notebooks, `show`, plots and the scheduling rules.
+A request id reused within one scheduler is one row (its first add, first finish, last schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_per_key
+
+REQUEST_COLUMNS = (
+    "instance", "dp_rank", "req", "role", "add_ts", "first_sched_ts", "first_sched_step", "last_sched_ts",
+    "last_sched_step", "n_sched_steps", "wait_kv_ts", "recv_done_ts", "recv_fail_ts", "finish_ts", "finish_step",
+    "finish_reason", "finish_status", "delay_free", "send_done_ts", "expire_ts", "last_free_ts", "n_preempt",
+    "last_preempt_ts", "remote_prefill", "remote_decode", "remote_instance", "remote_req",
+)
+
+
+@dataclass
+class RequestState:
+    """Lifecycle positions per request key (index = rk); NO (-1) where it never happened."""
+
+    n: int
+    sk: np.ndarray
+    add_pos: np.ndarray
+    first_sched_pos: np.ndarray
+    last_sched_pos: np.ndarray
+    n_sched: np.ndarray
+    wait_kv_pos: np.ndarray
+    recv_done_pos: np.ndarray
+    recv_fail_pos: np.ndarray
+    recv_close_pos: np.ndarray     # first kv_recv_done / kv_recv_fail after req_wait_kv
+    finish_pos: np.ndarray
+    delay_free: np.ndarray         # bool, from the first req_finish
+    send_done_pos: np.ndarray      # first kv_send_done anywhere
+    expire_pos: np.ndarray
+    send_close_pos: np.ndarray     # first kv_send_done / kv_expire after the finish
+    last_free_pos: np.ndarray
+    n_preempt: np.ndarray
+    last_preempt_pos: np.ndarray
+    last_pos: np.ndarray           # the request's last scheduler event
+
+    def recv_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Whether a receive is open at pos: after req_wait_kv and before it closed."""
+        wait = self.wait_kv_pos[rk]
+        close = self.recv_close_pos[rk]
+        return (wait >= 0) & (wait < pos) & ((close < 0) | (close > pos))
+
+    def send_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Whether a send is open at pos: finished with delay_free (not for a pending receive), not yet sent."""
+        fin = self.finish_pos[rk]
+        close = self.send_close_pos[rk]
+        recv_pending_at_finish = self.recv_open_at(rk, np.where(fin >= 0, fin, 0))
+        return ((fin >= 0) & self.delay_free[rk] & ~recv_pending_at_finish & (fin < pos)
+                & ((close < 0) | (close > pos)))
+
+
+def _first(cols: Columns, kinds: tuple[str, ...], n: int, extra_mask: np.ndarray | None = None) -> np.ndarray:
+    mask = cols.is_kind(*kinds) & (cols.rk >= 0)
+    if extra_mask is not None:
+        mask &= extra_mask
+    rows = np.flatnonzero(mask)
+    return first_per_key(cols.rk[rows], cols.pos[rows], n)
+
+
+def _first_after(cols: Columns, kinds: tuple[str, ...], after: np.ndarray, n: int,
+                 extra_mask: np.ndarray | None = None) -> np.ndarray:
+    """First position per key of the given kinds strictly after `after[rk]` (which is -1 where there is none)."""
+    mask = cols.is_kind(*kinds) & (cols.rk >= 0)
+    if extra_mask is not None:
+        mask &= extra_mask
+    rows = np.flatnonzero(mask)
+    rk = cols.rk[rows]
+    pos = cols.pos[rows]
+    keep = (after[rk] >= 0) & (pos > after[rk])
+    return first_per_key(rk[keep], pos[keep], n)
+
+
+def _build_state(cols: Columns) -> RequestState:
+    n = cols.n_requests
+    rk = cols.rk
+    pos = cols.pos
+    has_req = rk >= 0
+    sched = np.flatnonzero(cols.is_kind("req_sched") & has_req)
+    finish_rows = np.flatnonzero(cols.is_kind("req_finish") & has_req)
+    finish_pos = first_per_key(rk[finish_rows], pos[finish_rows], n)
+    delay_value, delay_valid = cols.bool_col("delay_free")
+    delay_free = np.zeros(n, bool)
+    firsts = finish_pos[rk[finish_rows]] == pos[finish_rows]
+    delay_free[rk[finish_rows[firsts]]] = (delay_value & delay_valid)[finish_rows[firsts]]
+    wait_kv_pos = _first(cols, ("req_wait_kv",), n)
+    has_req_mask = has_req
+    recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
+    preempt_rows = np.flatnonzero(cols.is_kind("req_preempt") & has_req)
+    free_rows = np.flatnonzero(cols.is_kind("blocks_free") & has_req)
+    sched_rk = rk[sched]
+    any_rows = np.flatnonzero(has_req_mask & (cols.sk >= 0))
+    return RequestState(
+        n=n,
+        sk=cols.rk_names["sk"].to_numpy() if n else np.empty(0, np.int32),
+        add_pos=_first(cols, ("req_add",), n),
+        first_sched_pos=first_per_key(sched_rk, pos[sched], n),
+        last_sched_pos=last_per_key(sched_rk, pos[sched], n),
+        n_sched=np.bincount(sched_rk, minlength=n) if n else np.empty(0, np.int64),
+        wait_kv_pos=wait_kv_pos,
+        recv_done_pos=_first(cols, ("kv_recv_done",), n),
+        recv_fail_pos=recv_fail_pos,
+        recv_close_pos=_first_after(cols, ("kv_recv_done", "kv_recv_fail"), wait_kv_pos, n),
+        finish_pos=finish_pos,
+        delay_free=delay_free,
+        send_done_pos=_first(cols, ("kv_send_done",), n),
+        expire_pos=_first(cols, ("kv_expire",), n),
+        send_close_pos=_first_after(cols, ("kv_send_done", "kv_expire"), finish_pos, n),
+        last_free_pos=last_per_key(rk[free_rows], pos[free_rows], n),
+        n_preempt=np.bincount(rk[preempt_rows], minlength=n) if n else np.empty(0, np.int64),
+        last_preempt_pos=last_per_key(rk[preempt_rows], pos[preempt_rows], n),
+        last_pos=last_per_key(rk[any_rows], pos[any_rows], n),
+    )
+
+
+def request_state(ctx: Any) -> RequestState:
+    """Lifecycle positions per request key, cached on the context."""
+    return ctx.cached("request_state", lambda: _build_state(columns(ctx)))
+
+
+def _rows(cols: Columns, pos: np.ndarray) -> np.ndarray:
+    return cols.order[np.where(pos >= 0, pos, 0)] if len(pos) else np.empty(0, np.int64)
+
+
+def _nullable(values: np.ndarray, valid: np.ndarray, dtype: str) -> Any:
+    arr = pd.array(values, dtype=dtype)
+    arr[~valid] = pd.NA
+    return arr
+
+
+def _ts(cols: Columns, pos: np.ndarray) -> Any:
+    return _nullable(cols.ts[_rows(cols, pos)], pos >= 0, "Int64")
+
+
+def _step(cols: Columns, pos: np.ndarray) -> Any:
+    step = cols.step[_rows(cols, pos)]
+    return _nullable(step, (pos >= 0) & (step >= 0), "Int64")
+
+
+def _code_names(cols: Columns, name: str, pos: np.ndarray) -> Any:
+    codes, names = cols.codes(name)
+    c = codes[_rows(cols, pos)]
+    lookup = np.asarray(list(names) + [None], dtype=object)
+    return pd.array(lookup[np.where((pos >= 0) & (c >= 0), c, len(names))], dtype="string")
+
+
+def _remote_fields(cols: Columns, n: int) -> dict[str, Any]:
+    prefill = np.zeros(n, bool)
+    decode = np.zeros(n, bool)
+    instance = np.full(n, None, object)
+    remote_req = np.full(n, None, object)
+    detail = cols.table.column("detail")
+    import pyarrow.compute as pc
+
+    mask = cols.is_kind("req_add") & (cols.rk >= 0) & pc.is_valid(detail).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(mask)
+    if len(rows):
+        for row, d in zip(rows.tolist(), cols.details(rows)):  # one per request
+            key = int(cols.rk[row])
+            prefill[key] |= bool(d.get("remote_prefill") or d.get("do_remote_prefill"))
+            decode[key] |= bool(d.get("remote_decode") or d.get("do_remote_decode"))
+            if d.get("remote_instance") is not None:
+                instance[key] = str(d["remote_instance"])
+            if d.get("remote_req") is not None:
+                remote_req[key] = str(d["remote_req"])
+    return {
+        "remote_prefill": pd.array(prefill, dtype="boolean"),
+        "remote_decode": pd.array(decode, dtype="boolean"),
+        "remote_instance": pd.array(instance, dtype="string"),
+        "remote_req": pd.array(remote_req, dtype="string"),
+    }
+
+
+def _build_table(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    names = cols.rk_names
+    n = st.n
+    out = pd.DataFrame({
+        "instance": names["instance"].astype("string"),
+        "dp_rank": names["dp_rank"],
+        "req": names["req"].astype("string"),
+        "role": names["role"].astype("string"),
+    })
+    out["add_ts"] = _ts(cols, st.add_pos)
+    out["first_sched_ts"] = _ts(cols, st.first_sched_pos)
+    out["first_sched_step"] = _step(cols, st.first_sched_pos)
+    out["last_sched_ts"] = _ts(cols, st.last_sched_pos)
+    out["last_sched_step"] = _step(cols, st.last_sched_pos)
+    out["n_sched_steps"] = st.n_sched.astype(np.int64)
+    out["wait_kv_ts"] = _ts(cols, st.wait_kv_pos)
+    out["recv_done_ts"] = _ts(cols, st.recv_done_pos)
+    out["recv_fail_ts"] = _ts(cols, st.recv_fail_pos)
+    out["finish_ts"] = _ts(cols, st.finish_pos)
+    out["finish_step"] = _step(cols, st.finish_pos)
+    out["finish_reason"] = _code_names(cols, "reason", st.finish_pos)
+    out["finish_status"] = _code_names(cols, "status", st.finish_pos)
+    out["delay_free"] = _nullable(st.delay_free, st.finish_pos >= 0, "boolean")
+    out["send_done_ts"] = _ts(cols, st.send_done_pos)
+    out["expire_ts"] = _ts(cols, st.expire_pos)
+    out["last_free_ts"] = _ts(cols, st.last_free_pos)
+    out["n_preempt"] = st.n_preempt.astype(np.int64)
+    out["last_preempt_ts"] = _ts(cols, st.last_preempt_pos)
+    for key, value in _remote_fields(cols, n).items():
+        out[key] = value
+    return out[list(REQUEST_COLUMNS)]
+
+
+def request_table(ctx: Any) -> pd.DataFrame:
+    """One row per (instance, dp_rank, req): the lifecycle moments listed in REQUEST_COLUMNS (NA where they never
+    happened). Row i is request key i of columns.py, so `request_state(ctx)` arrays index it directly."""
+    return ctx.cached("request_table", lambda: _build_table(ctx))
