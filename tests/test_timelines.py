@@ -118,3 +118,77 @@ def test_request_phases_after_finish_ignore_queue_events_but_not_reuse() -> None
     got = [(str(p), s - T0, e - T0) for p, s, e in zip(ph["phase"], ph["start_ns"], ph["end_ns"])]
     assert got == [("waiting", 0, 10), ("running", 10, 20), ("waiting", 20, 30), ("running", 30, 40),
                    ("finished_holding", 40, 50), ("freed", 50, 60), ("waiting", 60, 70)]
+
+
+def blocks_in_use_by_instance(trace) -> dict[str, list[tuple[int, int]]]:
+    """Independent count (plain Python over the events, in time order): distinct blocks with at least one owner,
+    after each event, per instance."""
+    rows = trace.table.select(["ts_ns", "seq", "pid", "instance", "kind", "req", "blocks"]).to_pylist()
+    rows.sort(key=lambda r: (r["ts_ns"], r["pid"], r["seq"]))
+    owners: dict[tuple[str, int], set[str]] = {}
+    series: dict[str, list[tuple[int, int]]] = {}
+    for r in rows:
+        if r["kind"] not in ("blocks_alloc", "blocks_free") or r["req"] is None:
+            continue
+        for blk in r["blocks"] or []:
+            held = owners.setdefault((r["instance"], blk), set())
+            (held.add if r["kind"] == "blocks_alloc" else held.discard)(r["req"])
+        count = sum(1 for (inst, _), o in owners.items() if inst == r["instance"] and o)
+        series.setdefault(r["instance"], []).append((r["ts_ns"], count))
+    return series
+
+
+def test_block_usage_splits_by_owner_state() -> None:
+    from pdtrace.analysis.findings import findings_frame
+
+    ctx = AnalysisContext(pd_scenario().trace())
+    leak = findings_frame([{"rule": "leaked_blocks", "severity": "error", "instance": "prefill-0", "dp_rank": 0,
+                            "req": "r3", "blocks": [6], "ts_ns": T0 + int(6.8 * MS)}])
+    u = block_usage(ctx, findings=leak)
+    p = u[u["instance"] == "prefill-0"]
+    got = [((t - T0) / MS, r, f, lk, pool) for t, r, f, lk, pool in
+           zip(p["ts_ns"], p["running"], p["finished_awaiting_transfer"], p["leaked"], p["pool_blocks"])]
+    assert got == [(2.2, 6, 0, 0, 64), (6.7, 1, 5, 0, 64), (6.8, 0, 5, 1, 64), (20.0, 0, 2, 1, 64)]
+    d = u[u["instance"] == "decode-0"]
+    assert list(zip(d["in_use"], d["pool_blocks"])) == [(3, 32), (0, 32)]
+    assert (u["in_use"] == u[list(BLOCK_STATES)].sum(axis=1)).all()
+    # Without the leak finding, r3's block is only "finished" (leaks are the leaked_blocks rule's call).
+    from pdtrace.analysis.findings import empty_findings
+
+    plain = block_usage(AnalysisContext(pd_scenario().trace()), findings=empty_findings())
+    assert plain["leaked"].max() == 0
+    assert plain.loc[plain["instance"] == "prefill-0", "finished_awaiting_transfer"].max() == 6
+
+
+@pytest.mark.parametrize("name", ["shared_prefix", "preempt_resume", "pd", "deferred_frees", "chunked_prefill"])
+def test_block_usage_matches_an_independent_count(name: str) -> None:
+    from scenarios import HEALTHY
+
+    from pdtrace.analysis.findings import empty_findings
+
+    trace = HEALTHY[name]()
+    u = block_usage(AnalysisContext(trace), findings=empty_findings())
+    expected = blocks_in_use_by_instance(trace)
+    for inst, series in expected.items():
+        mine = u[u["instance"] == inst]
+        # The count after the last event at each instant equals ours at that instant.
+        last = {}
+        for ts, count in series:
+            last[ts] = count
+        ours = dict(zip(mine["ts_ns"], mine["in_use"]))
+        times = np.array(sorted(ours))
+        for ts, count in last.items():
+            before = times[times <= ts]
+            assert (ours[before[-1]] if len(before) else 0) == count, (inst, ts)
+        assert mine["in_use"].max() == max(c for _, c in series)
+
+
+def test_block_usage_counts_a_shared_block_once() -> None:
+    from scenarios import shared_prefix
+
+    from pdtrace.analysis.findings import empty_findings
+
+    u = block_usage(AnalysisContext(shared_prefix()), findings=empty_findings())
+    # a holds 1,2,3; b adds 1,2 (shared) and 4: four distinct blocks, not six.
+    assert u["in_use"].max() == 4
+    assert u["in_use"].iloc[-1] == 0

@@ -216,7 +216,7 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     seg = h.merge(ph, on=["instance", "dp_rank", "req"], how="left")
     # An owner without phases (its events fell outside the trace) counts as running for the whole holding.
     no_phase = seg["start_ns"].isna().to_numpy()
-    p_start = seg["start_ns"].fillna(0).to_numpy(dtype=np.int64)
+    p_start = seg["start_ns"].fillna(0).to_numpy(dtype=np.int64, copy=True)
     p_end = seg["end_ns"].fillna(trace_end).to_numpy(dtype=np.int64)
     p_start[no_phase] = seg["alloc_ts"].to_numpy()[no_phase]
     seg["s"] = np.maximum(seg["alloc_ts"].to_numpy(), p_start)
@@ -232,10 +232,12 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
         whole = open_h.merge(leaks[leaks["block"] < 0].drop(columns="block"), on=["instance", "req"])
         flagged = pd.concat([exact, whole])[["holding", "leak_ts"]].groupby("holding")["leak_ts"].min()
         fin_start = seg[seg["state"] == 1].groupby("holding")["s"].min()
-        leak_from = pd.concat([flagged, fin_start.reindex(flagged.index)], axis=1).min(axis=1)
-        lf = seg["holding"].map(leak_from)
-        has = lf.notna().to_numpy()
-        lf = lf.fillna(np.iinfo(np.int64).max).to_numpy(dtype=np.int64)
+        never = np.iinfo(np.int64).max
+        leak_at = np.full(len(h), never, dtype=np.int64)
+        leak_at[flagged.index.to_numpy()] = np.minimum(
+            flagged.to_numpy(np.int64), fin_start.reindex(flagged.index, fill_value=never).to_numpy(np.int64))
+        lf = leak_at[seg["holding"].to_numpy()]
+        has = lf != never
         s, e_ = seg["s"].to_numpy(), seg["e"].to_numpy()
         split = has & (s < lf) & (e_ > lf)
         tail = seg[split].copy()
@@ -282,6 +284,9 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     sgroup = (t[["instance", "dp_rank"]] != t[["instance", "dp_rank"]].shift()).any(axis=1).cumsum().to_numpy()
     t[list(BLOCK_STATES)] = t[list(BLOCK_STATES)].groupby(sgroup).cumsum()
     t = t.drop_duplicates(["instance", "dp_rank", "ts_ns"], keep="last").reset_index(drop=True)
+    # Drop instants where an owner changed phase but no count did.
+    same = (t[["instance", "dp_rank", *BLOCK_STATES]] == t[["instance", "dp_rank", *BLOCK_STATES]].shift()).all(axis=1)
+    t = t[~same.to_numpy()].reset_index(drop=True)
     t["in_use"] = t[list(BLOCK_STATES)].sum(axis=1)
     t = t.merge(pool_sizes(ctx), on=["instance", "dp_rank"], how="left")
     t["pool_blocks"] = t["pool_blocks"].astype("Int64")

@@ -1,0 +1,67 @@
+"""`pdtrace plot`: pipeline timelines with bubbles, request lifecycles, KV block usage and scheduler steps.
+
+Importing this package does not import matplotlib; `render` loads `pdtrace.plot.figures`, which selects the Agg
+backend, on first use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.errors import UsageError
+from pdtrace.plot.window import EmptySelection, Selection, Window, resolve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+KINDS: tuple[str, ...] = ("pipeline", "requests", "blocks", "steps")
+FORMATS: tuple[str, ...] = ("png", "svg", "pdf")
+
+
+@dataclass
+class PlotResult:
+    path: Path
+    kind: str
+    width_px: int
+    height_px: int
+
+
+def default_output(trace_name: str, kind: str) -> Path:
+    """`<trace name>-<kind>.png` in the current directory."""
+    stem = Path(trace_name.rstrip("/")).name or "trace"
+    return Path(f"{stem}-{kind}.png")
+
+
+def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, dpi: float = 100.0) -> "Figure":
+    """The matplotlib Figure of one plot kind for the selection (EmptySelection when there is nothing to draw)."""
+    if kind not in KINDS:
+        raise UsageError(f"unknown plot kind {kind!r} (kinds: {', '.join(KINDS)})")
+    if dpi <= 0:
+        raise UsageError(f"--dpi must be positive, got {dpi:g}")
+    from pdtrace.plot.figures import FIGURES
+
+    sel = resolve(ctx, window or Window())
+    return FIGURES[kind](ctx, sel, dpi)
+
+
+def render(ctx: AnalysisContext, kind: str, output: str | Path, window: Window | None = None,
+           dpi: float = 100.0) -> PlotResult:
+    """Draw one plot kind and save it; the format follows the file's extension (png, svg or pdf)."""
+    output = Path(output)
+    fmt = output.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise UsageError(f"{output}: unknown image format {output.suffix or '(none)'!r}; use .png, .svg or .pdf")
+    fig = build_figure(ctx, kind, window, dpi)
+    try:
+        fig.savefig(output, format=fmt, dpi=dpi)
+    except OSError as exc:
+        raise UsageError(f"{output}: cannot write the image: {exc.strerror or exc}") from None
+    width, height = fig.get_size_inches()
+    return PlotResult(output, kind, int(round(width * dpi)), int(round(height * dpi)))
+
+
+__all__ = ["KINDS", "FORMATS", "PlotResult", "Window", "Selection", "EmptySelection", "build_figure", "render",
+           "default_output"]

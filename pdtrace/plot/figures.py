@@ -1,0 +1,424 @@
+"""The figures of `pdtrace plot`, drawn with matplotlib's Agg backend from the analyses' tables.
+
+Every kind draws collections (one PolyCollection / LineCollection per colour), never one patch per span, and merges
+spans narrower than a pixel into one rectangle, so a figure of a million-event trace has at most a few thousand
+shapes per lane. Findings and bubbles come from the rule code `analyze` runs (`pdtrace.analysis.analyze` and
+`steps.bubbles`); nothing here judges the trace. Artists carry a `gid` ("exec_spans", "bubbles:<cause>",
+"phases:<phase>", "findings", "blocks:<state>", "pool", "steps:dur:<instance>", ...) so tests can find them.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.collections import LineCollection, PolyCollection  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from pdtrace.analysis.context import AnalysisContext  # noqa: E402
+from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, block_usage, request_phases  # noqa: E402
+from pdtrace.plot.window import Selection  # noqa: E402
+
+WIDTH_IN = 14.0
+#: Drawing area of the axes as a fraction of the figure width (used to size a pixel in ns).
+_AXES_LEFT, _AXES_RIGHT = 0.09, 0.80
+
+SLOT_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
+DENSE_COLOR = "#555555"
+CAUSE_COLORS = {
+    "queue_not_full": "#d62728",
+    "scheduler_cpu": "#ff9896",
+    "kv_transfer": "#9467bd",
+    "stage_imbalance": "#ffbb78",
+    "idle_no_requests": "#c7c7c7",
+}
+PHASE_COLORS = {"waiting": "#fdd49e", "waiting_kv": "#b39ddb", "running": "#41ab5d",
+                "finished_holding": "#fd8d3c", "freed": "#eeeeee"}
+STATE_COLORS = {"running": "#41ab5d", "finished_awaiting_transfer": "#fd8d3c", "leaked": "#d62728"}
+SEVERITY_COLORS = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
+MAX_REQUEST_LANES = 400
+MAX_LABELS = 40
+
+
+@dataclass
+class TimeAxis:
+    """Maps ns to the x axis: seconds (or ms for short windows) from the trace start."""
+
+    t0_ns: int
+    scale_ns: float
+    unit: str
+    px_ns: float  # how many ns one pixel of the axes spans
+
+    def x(self, ts: np.ndarray | pd.Series | int) -> np.ndarray:
+        return (np.asarray(ts, dtype=np.float64) - self.t0_ns) / self.scale_ns
+
+    @property
+    def label(self) -> str:
+        return f"time since trace start ({self.unit})"
+
+
+def _time_axis(sel: Selection, dpi: float) -> TimeAxis:
+    span = max(sel.hi_ns - sel.lo_ns, 1)
+    scale, unit = (1e6, "ms") if span < 2e9 else (1e9, "s")
+    pixels = WIDTH_IN * (_AXES_RIGHT - _AXES_LEFT) * dpi
+    return TimeAxis(sel.t0_ns, scale, unit, span / max(pixels, 1.0))
+
+
+def _figure(height_in: float, dpi: float) -> Figure:
+    fig = Figure(figsize=(WIDTH_IN, height_in), dpi=dpi)
+    fig.subplots_adjust(left=_AXES_LEFT, right=_AXES_RIGHT, top=0.92, bottom=0.1)
+    return fig
+
+
+def _rects(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray) -> np.ndarray:
+    """(n, 4, 2) rectangle vertices, built without a Python loop."""
+    return np.stack([np.stack([x0, y0], 1), np.stack([x0, y1], 1), np.stack([x1, y1], 1), np.stack([x1, y0], 1)], 1)
+
+
+def merge_subpixel(lane: np.ndarray, start: np.ndarray, end: np.ndarray, px_ns: float) -> pd.DataFrame:
+    """Merge intervals on the same lane that lie within a pixel of each other.
+
+    Sort by (lane, start); a new group starts where an interval begins more than one pixel after the furthest end
+    seen so far on its lane (a group-wise cumulative max); each group becomes [min start, max end] with the count
+    of intervals it holds and the index of its first one. Returns columns lane, start, end, count, first.
+    """
+    if len(lane) == 0:
+        return pd.DataFrame({"lane": [], "start": [], "end": [], "count": [], "first": []})
+    order = np.lexsort((start, lane))
+    lane_s, start_s, end_s = lane[order], start[order], end[order]
+    reach = pd.Series(end_s).groupby(lane_s).cummax().to_numpy()
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (lane_s[1:] != lane_s[:-1]) | (start_s[1:] > reach[:-1] + px_ns)
+    bounds = np.flatnonzero(new)
+    return pd.DataFrame({
+        "lane": lane_s[bounds],
+        "start": np.minimum.reduceat(start_s, bounds),
+        "end": np.maximum.reduceat(end_s, bounds),
+        "count": np.diff(np.append(bounds, len(order))),
+        "first": order[bounds],
+    })
+
+
+def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per pixel column, the point of largest value (so peaks survive); all points when there are few."""
+    if len(ts) <= 2000:
+        return ts, value
+    col = ((ts - lo_ns) // max(px_ns, 1.0)).astype(np.int64)
+    frame = pd.DataFrame({"col": col, "v": value, "i": np.arange(len(ts))})
+    keep = np.sort(frame.loc[frame.groupby("col")["v"].idxmax(), "i"].to_numpy())
+    return ts[keep], value[keep]
+
+
+def _findings(ctx: AnalysisContext) -> pd.DataFrame:
+    """The findings `pdtrace analyze` reports for this trace and configuration (one code path with analyze)."""
+    from pdtrace.analysis import analyze
+
+    return ctx.cached("plot.findings", lambda: analyze(ctx.trace, config=ctx.config))
+
+
+# --- pipeline -----------------------------------------------------------------------------------------------------
+
+
+def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """One lane per (instance, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
+    step_submit / step_output ticks on an engine lane per instance."""
+    from pdtrace.analysis.steps import bubbles, exec_spans
+
+    spans = exec_spans(ctx)
+    spans = spans[sel.keep_instance(spans["instance"]) & sel.overlaps(spans["begin_ts"], spans["end_ts"])]
+    if len(spans) == 0:
+        raise sel.empty("exec spans (exec_begin/exec_end)")
+    spans = spans.assign(instance=spans["instance"].astype("str"),
+                         pp_rank=spans["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
+                         tp_rank=spans["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
+    # One lane per (instance, PP rank), drawn from its lowest TP rank (TP ranks of one stage run in lockstep).
+    lane_tp = spans.groupby(["instance", "pp_rank"])["tp_rank"].min().rename("lane_tp").reset_index()
+    spans = spans.merge(lane_tp, on=["instance", "pp_rank"])
+    spans = spans[spans["tp_rank"] == spans["lane_tp"]]
+
+    instances = sorted(lane_tp["instance"].unique())
+    lanes: list[tuple[str, str, int]] = []  # (label, instance, pp_rank or -1 for the engine lane)
+    for inst in instances:
+        lanes.append((f"{inst} engine", inst, -1))
+        for pp in sorted(lane_tp.loc[lane_tp["instance"] == inst, "pp_rank"]):
+            lanes.append((f"{inst} PP{pp}", inst, int(pp)))
+    lane_index = {(inst, pp): i for i, (_, inst, pp) in enumerate(lanes)}
+    n_lanes = len(lanes)
+
+    fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi)
+    ax = fig.add_subplot(1, 1, 1)
+    tx = _time_axis(sel, dpi)
+    # y: lane i is centred on n_lanes - 1 - i (first lane on top)
+    y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)
+
+    ev = ctx.trace.events
+    depth_by_inst = (ev.loc[ev["kind"] == "step_submit"].groupby(ev["instance"].astype("str"))["n"].max()
+                     .fillna(1).astype(np.int64).to_dict())
+    legend: list = []
+
+    # exec spans
+    lane_table = pd.DataFrame([(inst, pp, i) for i, (_, inst, pp) in enumerate(lanes)],
+                              columns=["instance", "pp_rank", "lane"])
+    spans = spans.merge(lane_table, on=["instance", "pp_rank"])
+    lane = spans["lane"].to_numpy(np.int64)
+    begin = np.maximum(spans["begin_ts"].to_numpy(np.int64), sel.lo_ns)
+    end = np.minimum(spans["end_ts"].to_numpy(np.int64), sel.hi_ns)
+    merged = merge_subpixel(lane, begin.astype(np.float64), end.astype(np.float64), tx.px_ns)
+    step = spans["step"].astype("Int64").fillna(0).to_numpy(np.int64)
+    depth = spans["instance"].map(depth_by_inst).fillna(1).astype(np.int64).to_numpy()
+    multi_slot = max(depth_by_inst.values(), default=1) > 1
+    slot = step % np.maximum(depth, 1) if multi_slot else step % 2
+    first = merged["first"].to_numpy()
+    colours = np.where(merged["count"].to_numpy() > 1, DENSE_COLOR,
+                       np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)])
+    widths_ok = np.maximum(merged["end"].to_numpy(), merged["start"].to_numpy() + tx.px_ns)
+    yc = y_of[merged["lane"].to_numpy(np.int64)]
+    verts = _rects(tx.x(merged["start"]), tx.x(widths_ok), yc - 0.35, yc + 0.35)
+    coll = PolyCollection(verts, facecolors=list(colours), edgecolors="none", linewidths=0, gid="exec_spans")
+    ax.add_collection(coll)
+    used_slots = sorted(set((slot[first][merged["count"].to_numpy() == 1]).tolist()))
+    for s in used_slots[: len(SLOT_COLORS)]:
+        name = f"exec, batch-queue slot {s}" if multi_slot else ("exec, even step" if s == 0 else "exec, odd step")
+        legend.append(Patch(facecolor=SLOT_COLORS[s % len(SLOT_COLORS)], label=name))
+    if (merged["count"] > 1).any():
+        legend.append(Patch(facecolor=DENSE_COLOR, label="exec, several steps per pixel"))
+
+    # bubbles: one shaded rectangle per bubble the analysis reports on a drawn lane
+    bub = bubbles(ctx)
+    if len(bub):
+        bub = bub.assign(instance=bub["instance"].astype("str"),
+                         pp_rank=bub["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
+                         tp_rank=bub["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
+        bub = bub.merge(lane_tp, on=["instance", "pp_rank"])
+        bub = bub[(bub["tp_rank"] == bub["lane_tp"]) & sel.keep_instance(bub["instance"])
+                  & sel.overlaps(bub["start_ns"], bub["end_ns"])]
+    labels_left = MAX_LABELS
+    for cause in sorted(bub["cause"].astype("str").unique()) if len(bub) else []:
+        part = bub[bub["cause"].astype("str") == cause]
+        pl = part.merge(lane_table, on=["instance", "pp_rank"], how="left")["lane"].to_numpy(np.int64)
+        b0 = np.maximum(part["start_ns"].to_numpy(np.int64), sel.lo_ns)
+        b1 = np.minimum(part["end_ns"].to_numpy(np.int64), sel.hi_ns)
+        yb = y_of[pl]
+        colour = CAUSE_COLORS.get(cause, "#7f7f7f")
+        ax.add_collection(PolyCollection(_rects(tx.x(b0), tx.x(np.maximum(b1, b0 + tx.px_ns)), yb - 0.48, yb + 0.48),
+                                         facecolors=colour, alpha=0.45, edgecolors="none", gid=f"bubbles:{cause}"))
+        legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
+        # Label the widest bubbles with their cause (a label needs room: 60 px).
+        wide = np.flatnonzero((b1 - b0) >= 60 * tx.px_ns)
+        for i in wide[np.argsort(-(b1 - b0)[wide])][:max(labels_left, 0)]:
+            ax.text(tx.x((b0[i] + b1[i]) / 2), yb[i], cause, ha="center", va="center", fontsize=7, clip_on=True)
+        labels_left -= min(len(wide), max(labels_left, 0))
+
+    # step_submit / step_output ticks on each instance's engine lane, at most one per pixel column
+    eng = ev[(ev["kind"].isin(["step_submit", "step_output"])).to_numpy()
+             & sel.keep_instance(ev["instance"]) & sel.contains(ev["ts_ns"])]
+    for kind, colour, (lo, hi) in (("step_submit", "#08519c", (0.0, 0.4)), ("step_output", "#a50f15", (-0.4, 0.0))):
+        part = eng[eng["kind"] == kind]
+        part = part[part["instance"].astype("str").isin(instances)]
+        if len(part) == 0:
+            continue
+        col = ((part["ts_ns"].to_numpy(np.int64) - sel.lo_ns) // max(tx.px_ns, 1.0)).astype(np.int64)
+        inst_cat = pd.Categorical(part["instance"].astype("str"))
+        el = np.array([lane_index[(i, -1)] for i in inst_cat.categories], dtype=np.int64)
+        inst_code = inst_cat.codes
+        uniq = pd.DataFrame({"l": el[inst_code], "c": col, "t": part["ts_ns"].to_numpy(np.int64)})
+        uniq = uniq.drop_duplicates(["l", "c"])
+        xs = tx.x(uniq["t"].to_numpy())
+        ys = y_of[uniq["l"].to_numpy()]
+        segs = np.stack([np.stack([xs, ys + lo], 1), np.stack([xs, ys + hi], 1)], 1)
+        ax.add_collection(LineCollection(segs, colors=colour, linewidths=0.8, gid=kind))
+        legend.append(Line2D([], [], color=colour, label=f"{kind} ({len(part)})"))
+
+    ax.set_yticks(y_of, [label for label, _, _ in lanes])
+    ax.set_ylim(-0.6, n_lanes - 0.4)
+    ax.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
+    ax.set_xlabel(tx.label)
+    ax.set_title(f"pipeline: exec spans per PP rank, bubbles by cause ({sel.window.describe()})")
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+# --- requests -----------------------------------------------------------------------------------------------------
+
+
+def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """A swimlane per request through its phases; findings on requests marked where they happen."""
+    ph = request_phases(ctx)
+    ph = ph[sel.keep_instance(ph["instance"]) & sel.overlaps(ph["start_ns"], ph["end_ns"])]
+    if sel.requests is not None:
+        ph = ph[ph["req"].isin(list(sel.requests))]
+    if len(ph) == 0:
+        raise sel.empty("request phases")
+    findings = _findings(ctx)
+    f = findings[findings["req"].notna()] if len(findings) else findings
+    if len(f):
+        f = f.assign(instance=f["instance"].astype("str"), req=f["req"].astype("str"),
+                     ts_ns=pd.to_numeric(f["ts_ns"], errors="coerce"))
+        f = f[f["ts_ns"].notna()]
+        f = f[sel.contains(f["ts_ns"].to_numpy(np.int64))]
+
+    # Lanes: requests ordered by first phase start; when they are too many, those with findings first.
+    first = ph.groupby(["instance", "req"], observed=True)["start_ns"].min().reset_index()
+    flagged = set(zip(f["instance"], f["req"])) if len(f) else set()
+    first["flagged"] = [pair in flagged for pair in zip(first["instance"], first["req"])]
+    total = len(first)
+    if total > MAX_REQUEST_LANES:
+        first = first.sort_values(["flagged", "start_ns"], ascending=[False, True]).head(MAX_REQUEST_LANES)
+    first = first.sort_values(["start_ns", "instance", "req"]).reset_index(drop=True)
+    n_lanes = len(first)
+    first["lane"] = np.arange(n_lanes)
+    ph = ph.merge(first[["instance", "req", "lane"]], on=["instance", "req"])
+
+    fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi)
+    ax = fig.add_subplot(1, 1, 1)
+    tx = _time_axis(sel, dpi)
+    y = (n_lanes - 1 - ph["lane"].to_numpy()).astype(np.float64)
+    legend: list = []
+    for phase in PHASES:
+        m = (ph["phase"] == phase).to_numpy()
+        if not m.any():
+            continue
+        s = np.maximum(ph["start_ns"].to_numpy(np.int64)[m], sel.lo_ns)
+        e = np.minimum(ph["end_ns"].to_numpy(np.int64)[m], sel.hi_ns)
+        ax.add_collection(PolyCollection(_rects(tx.x(s), tx.x(np.maximum(e, s + tx.px_ns)), y[m] - 0.4, y[m] + 0.4),
+                                         facecolors=PHASE_COLORS[phase], edgecolors="none", gid=f"phases:{phase}"))
+        legend.append(Patch(facecolor=PHASE_COLORS[phase], label=phase.replace("_", " ")))
+
+    if len(f):
+        f = f.merge(first[["instance", "req", "lane"]], on=["instance", "req"])
+    if len(f):
+        fy = (n_lanes - 1 - f["lane"].to_numpy()).astype(np.float64)
+        colours = [SEVERITY_COLORS.get(str(s), "#000000") for s in f["severity"]]
+        ax.scatter(tx.x(f["ts_ns"].to_numpy(np.int64)), fy, marker="X", s=40, c=colours, edgecolors="black",
+                   linewidths=0.5, zorder=3, gid="findings")
+        for sev in ("error", "warning", "info"):
+            if (f["severity"] == sev).any():
+                legend.append(Line2D([], [], marker="X", linestyle="none", color=SEVERITY_COLORS[sev],
+                                     label=f"finding: {sev} ({int((f['severity'] == sev).sum())})"))
+        for (_, row), yy in list(zip(f.iterrows(), fy))[:15]:  # a label per finding, few
+            name = row["rule"] + (f"/{row['subrule']}" if isinstance(row["subrule"], str) and row["subrule"] else "")
+            ax.annotate(name, (tx.x(int(row["ts_ns"])), yy), xytext=(4, 4), textcoords="offset points", fontsize=7)
+
+    if n_lanes <= 40:
+        ax.set_yticks((n_lanes - 1 - first["lane"].to_numpy()).astype(float),
+                      [f"{r} ({i})" for i, r in zip(first["instance"], first["req"])], fontsize=7)
+        ax.set_ylabel("request (instance)")
+    else:
+        ax.set_yticks([])
+        ax.set_ylabel(f"requests ({n_lanes}, earliest on top)")
+    ax.set_ylim(-0.6, n_lanes - 0.4)
+    ax.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
+    ax.set_xlabel(tx.label)
+    shown = f"{n_lanes} of {total} requests, those with findings first" if total > n_lanes else f"{n_lanes} requests"
+    ax.set_title(f"request phases: {shown} ({sel.window.describe()})")
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+# --- blocks -------------------------------------------------------------------------------------------------------
+
+
+def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """KV blocks in use over time per scheduler, stacked by owner state, with the pool size as a line."""
+    usage = block_usage(ctx, findings=_findings(ctx))
+    usage = usage[sel.keep_instance(usage["instance"])]
+    keys = usage[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
+    tx = _time_axis(sel, dpi)
+    panels = []
+    for inst, dp in zip(keys["instance"], keys["dp_rank"]):  # one panel per scheduler (few)
+        u = usage[(usage["instance"] == inst) & ((usage["dp_rank"] == dp) if pd.notna(dp) else usage["dp_rank"].isna())]
+        ts = u["ts_ns"].to_numpy(np.int64)
+        before = np.flatnonzero(ts < sel.lo_ns)
+        inside = np.flatnonzero((ts >= sel.lo_ns) & (ts <= sel.hi_ns))
+        rows = np.concatenate([before[-1:], inside])
+        if len(rows) == 0:
+            continue
+        part = u.iloc[rows]
+        t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
+        keep_ts, _ = _per_pixel_max(t, part["in_use"].to_numpy(np.int64), tx.px_ns, sel.lo_ns)
+        part = part[np.isin(t, keep_ts)] if len(keep_ts) < len(t) else part
+        panels.append((inst, dp, part))
+    if not panels:
+        raise sel.empty("KV block allocations")
+
+    fig = _figure(min(1.0 + 2.6 * len(panels), 14.0), dpi)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (inst, dp, part) in zip(axes, panels):
+        t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
+        x = np.append(tx.x(t), tx.x(sel.hi_ns))  # hold the last value to the window's end
+        base = np.zeros(len(x))
+        for state in BLOCK_STATES:
+            v = part[state].to_numpy(np.float64)
+            top = base + np.append(v, v[-1])
+            ax.fill_between(x, base, top, step="post", color=STATE_COLORS[state], linewidth=0,
+                            label=state.replace("_", " "), gid=f"blocks:{state}")
+            base = top
+        pool = part["pool_blocks"].dropna()
+        if len(pool):
+            ax.axhline(float(pool.iloc[-1]), color="black", linestyle="--", linewidth=1,
+                       label=f"pool ({int(pool.iloc[-1])} blocks)", gid="pool")
+        peak = int(part["in_use"].max())
+        name = inst if pd.isna(dp) or len(keys) == keys["instance"].nunique() else f"{inst} dp{dp}"
+        ax.set_title(f"{name}: KV blocks in use (peak {peak})", fontsize=9)
+        ax.set_ylabel("blocks")
+        ax.set_ylim(0, max(peak, float(pool.iloc[-1]) if len(pool) else 0) * 1.08 + 1)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
+    axes[-1].set_xlabel(tx.label)
+    fig.suptitle(f"KV blocks in use by owner state ({sel.window.describe()})")
+    return fig
+
+
+# --- steps --------------------------------------------------------------------------------------------------------
+
+
+def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """Per scheduler: time inside schedule() per step (ms) and tokens scheduled per step, over time."""
+    from pdtrace.analysis.steps import step_table
+
+    st = step_table(ctx)
+    st = st[sel.keep_instance(st["instance"]) & sel.contains(st["sched_ts"].astype("Int64").fillna(-1))]
+    if len(st) == 0:
+        raise sel.empty("scheduler steps")
+    fig = _figure(7.0, dpi)
+    ax_dur, ax_tok = fig.subplots(2, 1, sharex=True)
+    tx = _time_axis(sel, dpi)
+    keys = st[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
+    aggregated = False
+    for i, (inst, dp) in enumerate(zip(keys["instance"], keys["dp_rank"])):  # one line per scheduler (few)
+        part = st[(st["instance"] == inst) & ((st["dp_rank"] == dp) if pd.notna(dp) else st["dp_rank"].isna())]
+        part = part.sort_values("sched_ts")
+        name = str(inst) if pd.isna(dp) or keys["instance"].nunique() == len(keys) else f"{inst} dp{dp}"
+        colour = SLOT_COLORS[i % len(SLOT_COLORS)]
+        t = part["sched_ts"].to_numpy(np.int64)
+        for ax, column, scale, what in ((ax_dur, "dur_ns", 1e6, "dur"), (ax_tok, "tokens", 1.0, "tokens")):
+            v = pd.to_numeric(part[column], errors="coerce").to_numpy(np.float64)
+            ok = ~np.isnan(v)
+            tt, vv = _per_pixel_max(t[ok], v[ok], tx.px_ns, sel.lo_ns)
+            aggregated |= len(tt) < ok.sum()
+            style = dict(marker=".", markersize=3, linewidth=0.8) if len(tt) <= 500 else dict(linewidth=0.6)
+            ax.plot(tx.x(tt), vv / scale, color=colour, label=name, gid=f"steps:{what}:{name}", **style)
+    ax_dur.set_ylabel("schedule() time (ms)")
+    ax_tok.set_ylabel("tokens per step")
+    for ax in (ax_dur, ax_tok):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    ax_dur.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False,
+                  title="max per pixel" if aggregated else None)
+    ax_tok.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
+    ax_tok.set_xlabel(tx.label)
+    fig.suptitle(f"scheduler steps: duration and tokens ({sel.window.describe()})")
+    return fig
+
+
+FIGURES = {"pipeline": pipeline_figure, "requests": requests_figure, "blocks": blocks_figure, "steps": steps_figure}

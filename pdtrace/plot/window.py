@@ -1,0 +1,102 @@
+"""What part of a trace a plot or an export shows: a time window (seconds from the trace start), instances and
+requests. Shared by `pdtrace plot` and `pdtrace export`; no matplotlib here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.timelines import request_phases, trace_span
+from pdtrace.errors import PdtraceError, UsageError
+
+
+class EmptySelection(PdtraceError):
+    """The selection (window, instance, request) holds nothing to draw or export: exit 2 with one line."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """A selection as the user gives it: seconds from the trace start, instance names, request ids."""
+
+    since_s: float | None = None
+    until_s: float | None = None
+    instances: tuple[str, ...] = ()
+    requests: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = []
+        if self.instances:
+            parts.append("instance " + ", ".join(self.instances))
+        if self.requests:
+            parts.append("request " + ", ".join(self.requests))
+        if self.since_s is not None or self.until_s is not None:
+            lo = f"{self.since_s:g}" if self.since_s is not None else "start"
+            hi = f"{self.until_s:g}" if self.until_s is not None else "end"
+            parts.append(f"{lo} s to {hi} s")
+        return "; ".join(parts) if parts else "the whole trace"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A window resolved against a trace: absolute ns bounds [lo_ns, hi_ns], the trace start, and filters."""
+
+    t0_ns: int
+    lo_ns: int
+    hi_ns: int
+    instances: frozenset[str] | None
+    requests: frozenset[str] | None
+    window: Window
+
+    def empty(self, what: str) -> EmptySelection:
+        return EmptySelection(f"nothing to show: no {what} in the selection ({self.window.describe()})")
+
+    def keep_instance(self, values: pd.Series | np.ndarray) -> np.ndarray:
+        values = np.asarray(pd.Series(values).astype("str"))
+        if self.instances is None:
+            return np.ones(len(values), dtype=bool)
+        return np.isin(values, list(self.instances))
+
+    def overlaps(self, start: pd.Series | np.ndarray, end: pd.Series | np.ndarray) -> np.ndarray:
+        """Intervals [start, end] that meet the window."""
+        return (np.asarray(end, dtype=np.int64) >= self.lo_ns) & (np.asarray(start, dtype=np.int64) <= self.hi_ns)
+
+    def contains(self, ts: pd.Series | np.ndarray) -> np.ndarray:
+        ts = np.asarray(ts, dtype=np.int64)
+        return (ts >= self.lo_ns) & (ts <= self.hi_ns)
+
+
+def resolve(ctx: AnalysisContext, window: Window) -> Selection:
+    """Turn the user's window into absolute bounds. `--request` narrows the window to the requests' lifetimes
+    (their first to last phase) and, without `--instance`, the instances to theirs and their remote peers'."""
+    t0, t1 = trace_span(ctx)
+    if window.since_s is not None and window.since_s < 0 or window.until_s is not None and window.until_s < 0:
+        raise UsageError("--since and --until are seconds from the trace start and must not be negative")
+    if window.since_s is not None and window.until_s is not None and window.until_s <= window.since_s:
+        raise UsageError(f"--until ({window.until_s:g}) must be after --since ({window.since_s:g})")
+    lo = t0 + int(round(window.since_s * 1e9)) if window.since_s is not None else t0
+    hi = t0 + int(round(window.until_s * 1e9)) if window.until_s is not None else t1
+    instances = frozenset(window.instances) if window.instances else None
+    requests = frozenset(window.requests) if window.requests else None
+    if requests is not None:
+        ph = request_phases(ctx)
+        mine = ph[ph["req"].isin(list(requests))]
+        if instances is not None:
+            mine = mine[mine["instance"].isin(list(instances))]
+        if len(mine) == 0:
+            raise EmptySelection(f"nothing to show: no request {', '.join(sorted(requests))} in the trace"
+                                 + (f" on instance {', '.join(sorted(instances))}" if instances else ""))
+        # The request's life, not the freed tail that runs to the end of the trace.
+        live = mine[mine["phase"] != "freed"]
+        span_from = live if len(live) else mine
+        lo = max(lo, int(span_from["start_ns"].min()))
+        hi = min(hi, int(span_from["end_ns"].max()))
+        if instances is None:
+            instances = frozenset(mine["instance"].astype("str"))
+    if hi < lo:
+        raise EmptySelection(f"nothing to show: the window ({window.describe()}) is outside the trace, which lasts "
+                             f"{(t1 - t0) / 1e9:g} s")
+    return Selection(t0_ns=t0, lo_ns=lo, hi_ns=max(hi, lo + 1), instances=instances, requests=requests,
+                     window=window)
