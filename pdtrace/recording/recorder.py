@@ -1,0 +1,765 @@
+"""The per-process event recorder: one cheap call per event, Parquet part files written by a background thread.
+
+    rec = Recorder(directory, instance="prefill-0", role="prefill", source="vllm-0.33.0", dp_rank=0)
+    sched = rec.channel("scheduler")
+    sched.emit("req_add", req="r1", n=40, detail={"remote_decode": True})
+    sched.emit_many("req_sched", step=3, reqs=["r1", "r2"], ns=[16, 1])
+    rec.close()
+
+How it stays cheap on the caller's thread: `emit` builds ONE tuple (timestamp, channel id, the event's fields) and
+appends it to a list with a pre-bound `list.append`, after one length check against a threshold that the slow path
+and the writer maintain. Nothing else happens there: no locks, no I/O, no JSON. `seq` is not taken on the caller's
+thread either: appends to a list are atomic, so the list order IS the writer's exact event order, and the writer
+numbers rows by their position in that stream (strictly increasing per writer, across part files too).
+
+The writer thread (a daemon, started lazily on the first event of each process) wakes every `flush_interval_s` or
+when `flush_events` rows are waiting, takes the rows out of the list with one slice copy and one slice delete (each
+atomic, so an append that races the take simply stays for the next part), converts them column by column
+(`zip(*rows)` + `pa.array`, with the garbage collector paused, since that creates millions of short-lived objects),
+JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
+`<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary encoding for the dictionary columns
+and `req`) under a temporary name starting with `.`, then renames it: a crash leaves only whole part files.
+
+Memory is bounded: rows waiting plus rows being written never exceed `max_buffered_events`. Past that, new events
+are dropped and counted (the caller never waits for the writer); when there is room again a `recorder_gap` row
+(n = events dropped, ts_ns = when the drop began) is put into the stream where the gap was. Every file carries
+`pdtrace.dropped_events` = drops so far in this writer (so the last file of a writer holds its total).
+
+Flushes happen on `flush()`, `close()`, at interpreter exit (atexit, and multiprocessing's exit finalizers in
+forked children, which leave with `os._exit`), and on SIGTERM (a handler installed once, from the main thread,
+that flushes and then chains to the previous handler, or re-raises the default action). A forked child keeps the
+parent's recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on
+its first event.
+
+Callers must not mutate a `blocks` list or `detail` dict after passing it: the writer reads it later.
+
+Recording path: imports only the standard library and pyarrow.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pdtrace import __version__
+from pdtrace.format import COMPONENTS, DICTIONARY_COLUMNS, ROLES, SCHEMA, file_metadata
+
+__all__ = ["Recorder", "Channel", "rows_to_table", "write_part", "PARQUET_DICTIONARY_COLUMNS"]
+
+Clock = Callable[[], int]
+PartWriter = Callable[[pa.Table, Path], None]
+
+#: Columns written with Parquet dictionary encoding: the format's dictionary columns plus the repetitive `req`.
+PARQUET_DICTIONARY_COLUMNS: list[str] = [*DICTIONARY_COLUMNS, "req"]
+
+# Layout of one buffered row (what `Channel.emit` appends).
+_TS, _CHANNEL, _KIND = 0, 1, 2
+_ROW_WIDTH = 12
+
+# Recorder states.
+_NEW = "new"  # no writer in this process yet: the first event starts it (again after a fork)
+_ON = "on"
+_OFF = "off"  # recording_off(): nothing more is accepted, buffered rows are still written
+_CLOSED = "closed"
+
+_DICT_TYPE = pa.dictionary(pa.int32(), pa.string())
+_LIST_TYPE = pa.list_(pa.int32())
+_encode_json = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_RECORDER_DP = object()  # channel(dp_rank=...) not given: the recorder's
+
+
+def _rank(value: Any) -> int | None:
+    """A rank as the int16 column takes it (a numpy integer or a string digit from a hook included)."""
+    if value is None:
+        return None
+    rank = int(value)
+    if not -32768 <= rank <= 32767:
+        raise ValueError(f"rank out of range: {value!r}")
+    return rank
+
+
+def _encode_detail(detail: Any) -> str:
+    """JSON text of a detail; an object json cannot encode (a circular dict, odd keys) still gives one."""
+    try:
+        return _encode_json(detail)
+    except Exception:
+        return _encode_json({"unencodable": repr(detail)[:200]})
+
+
+class Channel:
+    """A bound emitter: one (component, dp_rank, pp_rank, tp_rank) of one recorder. Get it from `Recorder.channel`."""
+
+    __slots__ = ("_rec", "_rows", "_append", "_extend", "_clock", "_id", "component", "dp_rank", "pp_rank",
+                 "tp_rank")
+
+    def __init__(self, recorder: "Recorder", channel_id: int, component: str, dp_rank: int | None,
+                 pp_rank: int | None, tp_rank: int | None) -> None:
+        self._rec = recorder
+        self._rows = recorder._rows
+        self._append = recorder._rows.append
+        self._extend = recorder._rows.extend
+        self._clock = recorder._clock
+        self._id = channel_id
+        self.component = component
+        self.dp_rank = dp_rank
+        self.pp_rank = pp_rank
+        self.tp_rank = tp_rank
+
+    def emit(self, kind: str, step: int | None = None, req: str | None = None, blocks: Any = None,
+             n: int | None = None, reason: str | None = None, status: str | None = None,
+             delay_free: bool | None = None, deferred: bool | None = None, detail: Any = None) -> None:
+        """Record one event now (ts_ns from the recorder's clock). Never raises, never blocks.
+
+        blocks: a list/tuple of block ids; detail: a dict (JSON-encoded later, on the writer thread) or a JSON
+        string. Do not mutate either afterwards.
+        """
+        # The hot path: one length check against a threshold, one tuple, one append. Everything else (starting the
+        # writer, waking it, dropping when full, closed/off) is in the slow path behind the threshold.
+        if len(self._rows) < self._rec._accept_below:
+            self._append((self._clock(), self._id, kind, step, req, blocks, n, reason, status, delay_free,
+                          deferred, detail))
+        else:
+            self._rec._slow_add(self, [(self._clock(), self._id, kind, step, req, blocks, n, reason, status,
+                                        delay_free, deferred, detail)])
+
+    def emit_many(self, kind: str, step: int | None = None, reqs: Iterable[str] = (), ns: Iterable[int] | None = None,
+                  reason: str | None = None, status: str | None = None) -> None:
+        """Record one event per request in one call: same kind, step, timestamp, reason and status; `n` from `ns`
+        (paired with `reqs` in order) or null. Never raises, never blocks."""
+        try:
+            ts = self._clock()
+            cid = self._id
+            if ns is None:
+                rows = [(ts, cid, kind, step, req, None, None, reason, status, None, None, None) for req in reqs]
+            else:
+                rows = [(ts, cid, kind, step, req, None, n, reason, status, None, None, None)
+                        for req, n in zip(reqs, ns)]
+        except Exception:  # a bad iterable from a hook: count it as one dropped call rather than raise
+            self._rec._count_error()
+            return
+        if len(self._rows) + len(rows) <= self._rec._accept_below:
+            self._extend(rows)
+        elif rows:
+            self._rec._slow_add(self, rows)
+
+    def __repr__(self) -> str:
+        return (f"Channel({self.component!r}, dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, "
+                f"tp_rank={self.tp_rank}, instance={self._rec.instance!r})")
+
+
+def _write_part_default(table: pa.Table, path: Path) -> None:
+    write_part(table, path)
+
+
+def write_part(table: pa.Table, path: Path) -> None:
+    """Write one part file atomically: to `.<name>.tmp` beside it (skipped by Parquet readers), then give it its
+    name. A hard link never replaces an existing file: a name already taken raises FileExistsError (the recorder
+    then takes the next number); on filesystems without hard links it falls back to a rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        pq.write_table(table, temporary, compression="zstd", use_dictionary=PARQUET_DICTIONARY_COLUMNS)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            raise
+        except OSError:
+            os.replace(temporary, path)
+        else:
+            os.unlink(temporary)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+class Recorder:
+    """The writer of one engine instance in one process (see the module docstring).
+
+    directory: the trace directory; files go to `<directory>/<instance>/<pid>/`.
+    instance, role, source, dp_rank: the constant columns of every row (dp_rank per channel, this by default).
+    component: the component of `rec.emit` (the default channel).
+    clock: a callable returning ns since the epoch (default `time.time_ns`); settable later as `rec.clock = f`.
+    flush_events, flush_interval_s: the writer writes a part when this many rows wait, or this often.
+    max_buffered_events: rows waiting plus rows being written never exceed this; past it events are dropped.
+    handle_sigterm: install the flushing SIGTERM handler (once per process, main thread only).
+    part_writer: `f(table, final_path)` that writes one part file (default `write_part`); tests inject slow ones.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], instance: str, role: str = "both",
+                 source: str = "unknown", dp_rank: int | None = 0, component: str = "scheduler",
+                 clock: Clock | None = None, flush_events: int = 65536, flush_interval_s: float = 1.0,
+                 max_buffered_events: int = 2_000_000, *, handle_sigterm: bool = True,
+                 part_writer: PartWriter | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {sorted(ROLES)}, not {role!r}")
+        if flush_events < 1 or max_buffered_events < 1 or flush_interval_s <= 0:
+            raise ValueError("flush_events and max_buffered_events must be >= 1, flush_interval_s > 0")
+        self.directory = Path(directory)
+        self.instance = str(instance)
+        self.role = role
+        self.source = str(source)
+        self.dp_rank = dp_rank
+        self.flush_events = int(flush_events)
+        self.flush_interval_s = float(flush_interval_s)
+        self.max_buffered_events = int(max_buffered_events)
+        self._handle_sigterm = handle_sigterm
+        self._part_writer: PartWriter = part_writer or _write_part_default
+
+        self._rows: list[tuple] = []
+        self._clock: Clock = clock or time.time_ns
+        # Channel table: id -> (component, dp, pp, tp). Appended before a channel is handed out, so every id in a
+        # batch is known when the writer converts it.
+        self._channel_keys: list[tuple[str, int | None, int | None, int | None]] = []
+        self._channels: dict[tuple[str, int | None, int | None, int | None], Channel] = {}
+
+        self._state_lock = threading.RLock()  # slow path + writer bookkeeping (reentrant: the SIGTERM handler)
+        self._write_lock = threading.Lock()  # one take-convert-write at a time
+        self._write_owner: int | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._init_writer_state()
+        self._state = _NEW
+        self._accept_below = 0  # 0: the first event takes the slow path, which starts the writer
+
+        self.write_errors = 0
+        self.last_error: str | None = None
+        self._default = self.channel(component)
+        # The default channel's bound methods as instance attributes: `rec.emit(...)` costs what `chan.emit` does.
+        self.emit = self._default.emit  # type: ignore[method-assign]
+        self.emit_many = self._default.emit_many  # type: ignore[method-assign]
+        _LIVE.add(self)
+        if handle_sigterm:
+            _install_sigterm_handler()
+
+    def _init_writer_state(self) -> None:
+        """Per-writer (per-process) counters; a forked child starts from here again."""
+        self._pid = os.getpid()
+        key = (str(self.directory), self.instance, self._pid)
+        # Recorders reopened in one process for one instance continue its seq (one writer per instance and pid).
+        self._seq_next = _NEXT_SEQ.get(key, 0)
+        self._part_index: int | None = None  # found on the first write (continues after existing parts)
+        self._in_flight = 0
+        self._wake_pending = False
+        self._dropped = 0
+        self._gap_count = 0
+        self._gap_start = 0
+
+    # ---- public API ---------------------------------------------------------------------------------------------
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock | None) -> None:
+        self._clock = clock or time.time_ns
+        for chan in list(self._channels.values()):
+            chan._clock = self._clock
+
+    @property
+    def dropped_events(self) -> int:
+        """Events dropped by this writer (this process) so far: buffer full, or a part that could not be written."""
+        return self._dropped
+
+    @property
+    def buffered_events(self) -> int:
+        """Rows in memory: waiting in the buffer plus being written now (bounded by `max_buffered_events`)."""
+        return len(self._rows) + self._in_flight
+
+    @property
+    def folder(self) -> Path:
+        """This process's folder of part files."""
+        name = self.instance.replace("/", "_").replace(os.sep, "_") or "instance"
+        if name.startswith(("_", ".")):  # readers skip names starting with these
+            name = "i" + name
+        return self.directory / name / str(self._pid)
+
+    @property
+    def closed(self) -> bool:
+        return self._state == _CLOSED
+
+    def channel(self, component: str, pp_rank: int | None = None, tp_rank: int | None = None,
+                dp_rank: Any = _RECORDER_DP) -> Channel:
+        """The emitter for one component and ranks (dp_rank defaults to the recorder's). Cached per key."""
+        if component not in COMPONENTS:
+            raise ValueError(f"component must be one of {sorted(COMPONENTS)}, not {component!r}")
+        dp = self.dp_rank if dp_rank is _RECORDER_DP else dp_rank
+        key = (component, _rank(dp), _rank(pp_rank), _rank(tp_rank))
+        with self._state_lock:
+            chan = self._channels.get(key)
+            if chan is None:
+                self._channel_keys.append(key)
+                chan = Channel(self, len(self._channel_keys) - 1, component, dp, pp_rank, tp_rank)  # type: ignore
+                self._channels[key] = chan
+        return chan
+
+    def emit(self, kind: str, step: int | None = None, req: str | None = None, blocks: Any = None,
+             n: int | None = None, reason: str | None = None, status: str | None = None,
+             delay_free: bool | None = None, deferred: bool | None = None, detail: Any = None) -> None:
+        """Record one event on the default channel (see `Channel.emit`). Replaced per instance by the bound method."""
+        self._default.emit(kind, step, req, blocks, n, reason, status, delay_free, deferred, detail)
+
+    def emit_many(self, kind: str, step: int | None = None, reqs: Iterable[str] = (),
+                  ns: Iterable[int] | None = None, reason: str | None = None, status: str | None = None) -> None:
+        """One event per request on the default channel (see `Channel.emit_many`)."""
+        self._default.emit_many(kind, step, reqs, ns, reason, status)
+
+    def recording_off(self, error: str) -> None:
+        """A hook disabled itself: record `recorder_off` (detail error) and accept nothing more. Never raises."""
+        try:
+            self._default.emit("recorder_off", detail={"error": str(error)})
+            with self._state_lock:
+                if self._state in (_NEW, _ON):
+                    self._state = _OFF
+                self._set_threshold()
+            self._wake.set()
+        except Exception:
+            self._count_error()
+
+    def flush(self) -> None:
+        """Write every row emitted before this call (blocks the caller until it is on disk). Never raises."""
+        if self._state == _NEW or self._pid != os.getpid():
+            return
+        self._drain(until_empty=False)
+
+    def close(self) -> None:
+        """Flush everything and stop the writer; idempotent. Later events are ignored. Never raises."""
+        try:
+            with self._state_lock:
+                if self._state == _CLOSED:
+                    return
+                was_started = self._state != _NEW
+                self._state = _CLOSED
+                self._set_threshold()
+            _LIVE.discard(self)
+            thread = self._thread
+            if thread is not None and thread is not threading.current_thread():
+                self._stop = True
+                self._wake.set()
+                thread.join(timeout=30.0)
+            if was_started:
+                self._drain(until_empty=True)
+            _NEXT_SEQ[(str(self.directory), self.instance, self._pid)] = self._seq_next
+        except Exception:
+            self._count_error()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Recorder({str(self.directory)!r}, instance={self.instance!r}, role={self.role!r}, "
+                f"state={self._state}, buffered={self.buffered_events}, dropped={self._dropped})")
+
+    # ---- slow path (caller's thread) ----------------------------------------------------------------------------
+
+    def _slow_add(self, chan: Channel, rows: list[tuple]) -> None:
+        """Everything behind the threshold: start the writer, wake it, drop when full, ignore when off/closed."""
+        try:
+            with self._state_lock:
+                if self._state == _NEW:
+                    self._start()
+                if self._state != _ON:
+                    return
+                room = self.max_buffered_events - self._in_flight
+                self._end_gap_locked(room)
+                buffered = len(self._rows)
+                if self._gap_count == 0 and buffered + len(rows) <= room:
+                    self._rows.extend(rows)
+                    if buffered + len(rows) >= self.flush_events and not self._wake_pending:
+                        self._wake_pending = True
+                        self._wake.set()
+                else:
+                    if self._gap_count == 0:
+                        self._gap_start = rows[0][_TS]
+                    self._gap_count += len(rows)
+                    self._dropped += len(rows)
+                self._set_threshold()
+        except Exception:
+            self._count_error()
+
+    def _set_threshold(self) -> None:
+        """Recompute what the hot path accepts without the slow path (call with the state lock held)."""
+        if self._state != _ON or self._gap_count:
+            self._accept_below = -1
+            return
+        room = self.max_buffered_events - self._in_flight
+        if self._wake_pending:
+            self._accept_below = room
+        else:
+            self._accept_below = min(room, self.flush_events - 1)
+
+    def _end_gap_locked(self, room: int) -> None:
+        """If events were dropped and there is room again, put the `recorder_gap` row into the stream now."""
+        if self._gap_count and len(self._rows) < room:
+            self._rows.append((self._gap_start, self._default._id, "recorder_gap", None, None, None,
+                               self._gap_count, None, None, None, None, None))
+            self._gap_count = 0
+
+    def _count_error(self) -> None:
+        self.write_errors += 1
+
+    def _start(self) -> None:
+        """First event of this process: start the writer thread and the exit hooks (state lock held)."""
+        self._state = _ON
+        _register_exit_hooks()
+        if self._handle_sigterm:
+            _install_sigterm_handler()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"pdtrace-recorder-{self.instance}", daemon=True)
+        self._thread.start()
+
+    # ---- writer -------------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(self.flush_interval_s)
+            if self._stop:
+                break
+            self._wake.clear()
+            self._drain(until_empty=False)
+
+    def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
+        """Take the waiting rows and write them as one part; with `until_empty`, repeat until nothing is left (a gap
+        row may follow the last batch). Serialised by the write lock."""
+        me = threading.get_ident()
+        if self._write_owner == me:  # re-entered (a signal handler interrupted this thread mid-write)
+            return
+        if not self._write_lock.acquire(timeout=lock_timeout):
+            return
+        self._write_owner = me
+        try:
+            for _ in range(4 if until_empty else 1):
+                if not self._write_one_batch() and not self._gap_count:
+                    break
+        finally:
+            self._write_owner = None
+            self._write_lock.release()
+
+    def _write_one_batch(self) -> bool:
+        """Take all waiting rows, convert and write them. Returns whether there was anything."""
+        with self._state_lock:
+            count = len(self._rows)
+            if count == 0:
+                self._end_gap_locked(self.max_buffered_events - self._in_flight)
+                count = len(self._rows)
+                if count == 0:
+                    return False
+            # Slice copy then slice delete: an append racing between them lands after index `count` and stays.
+            batch = self._rows[:count]
+            del self._rows[:count]
+            seq_start = self._seq_next
+            self._seq_next += count
+            self._in_flight = count
+            self._wake_pending = False
+            self._end_gap_locked(self.max_buffered_events - count)
+            self._set_threshold()
+            channels = list(self._channel_keys)
+            dropped = self._dropped
+        ok = False
+        try:
+            table = rows_to_table(batch, seq_start, channels, self.instance, self.role, self._pid)
+            table = table.replace_schema_metadata(file_metadata(__version__, self.source, dropped))
+            for _ in range(1000):
+                try:
+                    self._part_writer(table, self._next_part_path())
+                    break
+                except FileExistsError:  # another writer took this number (a reused pid folder): take the next
+                    continue
+            else:
+                raise FileExistsError(f"no free part number in {self.folder}")
+            ok = True
+        except Exception as exc:  # disk full, a bad value that survived sanitising: never let the thread die
+            self.write_errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if self.write_errors == 1:
+                try:
+                    sys.stderr.write(f"pdtrace: recorder {self.instance!r} could not write a part file, "
+                                     f"{count} events dropped ({self.last_error})\n")
+                except Exception:
+                    pass
+        finally:
+            del batch
+            with self._state_lock:
+                self._in_flight = 0
+                if not ok:
+                    # The lost batch is a gap like a full buffer: counted, and marked in the stream.
+                    if self._gap_count == 0:
+                        self._gap_start = self._clock()
+                    self._gap_count += count
+                    self._dropped += count
+                self._end_gap_locked(self.max_buffered_events)
+                self._set_threshold()
+        return True
+
+    def _next_part_path(self) -> Path:
+        folder = self.folder
+        if self._part_index is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            existing = [int(p.name[5:11]) for p in folder.glob("part-*.parquet") if p.name[5:11].isdigit()]
+            self._part_index = max(existing, default=-1) + 1
+        path = folder / f"part-{self._part_index:06d}.parquet"
+        self._part_index += 1
+        return path
+
+    # ---- fork ---------------------------------------------------------------------------------------------------
+
+    def _before_fork(self) -> tuple[bool, bool]:
+        # Hold the locks across fork() so that no write or slow-path update is half done in the child's copy.
+        got_write = self._write_lock.acquire(timeout=10.0)
+        got_state = self._state_lock.acquire(timeout=10.0)
+        return got_write, got_state
+
+    def _after_fork_parent(self, held: tuple[bool, bool]) -> None:
+        if held[1]:
+            self._state_lock.release()
+        if held[0]:
+            self._write_lock.release()
+
+    def _after_fork_child(self) -> None:
+        # A new writer: fresh locks (the parent's writer thread does not exist here), an empty buffer (the parent
+        # writes its own rows), new counters, files under this pid, opened on the first event.
+        self._state_lock = threading.RLock()
+        self._write_lock = threading.Lock()
+        self._write_owner = None
+        self._wake = threading.Event()
+        self._thread = None
+        self._stop = False
+        del self._rows[:]
+        self._init_writer_state()
+        if self._state == _ON:
+            self._state = _NEW
+        self._accept_below = 0 if self._state == _NEW else -1
+
+
+def _int64_column(values: tuple) -> pa.Array:
+    """A non-null int64 column; array.array converts large ints (ns timestamps) ~10x faster than pa.array."""
+    try:
+        return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(array.array("q", values))])
+    except (TypeError, OverflowError, ValueError):
+        return pa.array([_as_int(v) or 0 for v in values], pa.int64())
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _as_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def _as_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _as_blocks(value: Any) -> list[int] | None:
+    try:
+        return None if value is None else [int(b) for b in value]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+_SANITIZE = {pa.int64(): _as_int, pa.int16(): _as_int, pa.bool_(): _as_bool, pa.string(): _as_str,
+             _LIST_TYPE: _as_blocks}
+
+
+def _column(values: tuple, arrow_type: pa.DataType) -> pa.Array:
+    """A nullable column; values a hook got wrong (a float step, a numpy scalar pyarrow refuses) are coerced or
+    nulled rather than losing the batch."""
+    if values.count(None) == len(values):
+        return pa.nulls(len(values), arrow_type)
+    try:
+        return pa.array(values, arrow_type)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        fix = _SANITIZE[arrow_type]
+        return pa.array([fix(v) for v in values], arrow_type)
+
+
+def _dictionary_column(values: tuple) -> pa.Array:
+    if values.count(None) == len(values):
+        return pa.nulls(len(values), _DICT_TYPE)
+    try:
+        plain = pa.array(values, pa.string())
+    except (pa.ArrowException, TypeError):
+        plain = pa.array([_as_str(v) for v in values], pa.string())
+    return plain.dictionary_encode()
+
+
+def _constant_dictionary(value: str, length: int) -> pa.Array:
+    indices = pa.Array.from_buffers(pa.int32(), length, [None, pa.py_buffer(bytes(4 * length))])
+    return pa.DictionaryArray.from_arrays(indices, pa.array([value], pa.string()))
+
+
+def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
+                  role: str, pid: int) -> pa.Table:
+    """Buffered rows (as `Channel.emit` appends them) to a table with exactly `pdtrace.format.SCHEMA`.
+
+    seq_start: the seq of the first row (rows are numbered in order); channels: id -> (component, dp, pp, tp).
+    """
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # zip(*rows) and the conversions make millions of objects the GC would scan for nothing
+    try:
+        count = len(rows)
+        (ts, chan, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail) = zip(*rows)
+        del rows
+        if detail.count(None) != count:
+            detail = tuple(d if d is None or d.__class__ is str else _encode_detail(d) for d in detail)
+
+        channel_ids = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(array.array("i", chan))])
+        names = sorted({key[0] for key in channels})
+        component_codes = pa.array([names.index(key[0]) for key in channels], pa.int32())
+        component = pa.DictionaryArray.from_arrays(component_codes.take(channel_ids), pa.array(names, pa.string()))
+        ranks = [pa.array([key[i] for key in channels], pa.int16()).take(channel_ids) for i in (1, 2, 3)]
+
+        arrays = [
+            _int64_column(ts),
+            pa.Array.from_buffers(pa.int64(), count,
+                                  [None, pa.py_buffer(array.array("q", range(seq_start, seq_start + count)))]),
+            _constant_dictionary(instance, count),
+            _constant_dictionary(role, count),
+            pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(array.array("i", [pid]) * count)]),
+            component,
+            ranks[0],
+            ranks[1],
+            ranks[2],
+            _dictionary_column(kind),
+            _column(step, pa.int64()),
+            _column(req, pa.string()),
+            _column(blocks, _LIST_TYPE),
+            _column(n, pa.int64()),
+            _dictionary_column(reason),
+            _dictionary_column(status),
+            _column(delay_free, pa.bool_()),
+            _column(deferred, pa.bool_()),
+            _column(detail, pa.string()),
+        ]
+        return pa.Table.from_arrays(arrays, schema=SCHEMA)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+# ---- process-wide hooks: exit, SIGTERM, fork ------------------------------------------------------------------------
+
+_LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_NEXT_SEQ: dict[tuple[str, str, int], int] = {}
+_exit_hooks_pid: int | None = None
+_sigterm_previous: Any = None
+_sigterm_installed = False
+
+
+def _live_recorders() -> list[Recorder]:
+    return [rec for rec in list(_LIVE) if rec._pid == os.getpid()]
+
+
+def close_all() -> None:
+    """Close every open recorder of this process (what the exit hooks do)."""
+    for rec in _live_recorders():
+        rec.close()
+
+
+def _register_exit_hooks() -> None:
+    """atexit once per process; in a multiprocessing child also its exit finalizers, because multiprocessing's
+    fork/forkserver children leave with os._exit() and never run atexit."""
+    global _exit_hooks_pid
+    pid = os.getpid()
+    if _exit_hooks_pid == pid:
+        return
+    _exit_hooks_pid = pid
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        try:
+            util.Finalize(None, close_all, exitpriority=100)
+        except Exception:
+            pass
+
+
+atexit.register(close_all)
+
+
+def _install_sigterm_handler() -> None:
+    """Flush on SIGTERM: install once per process, only from the main thread, only over a Python-level handler
+    (SIG_DFL, SIG_IGN or a callable) so that the previous one can always be chained or restored."""
+    global _sigterm_installed, _sigterm_previous
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None:  # installed from C: we could not chain it, so leave the host's handler alone
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _sigterm_previous = previous
+        _sigterm_installed = True
+    except (ValueError, OSError, AttributeError):
+        pass
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    for rec in _live_recorders():
+        try:
+            if rec._state != _NEW:
+                rec._drain(until_empty=True, lock_timeout=5.0)
+        except Exception:
+            pass
+    previous = _sigterm_previous
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL: die of SIGTERM as the process would have without us
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_fork_held: list[tuple[Recorder, tuple[bool, bool]]] = []
+
+
+def _before_fork() -> None:
+    for rec in _live_recorders():
+        try:
+            _fork_held.append((rec, rec._before_fork()))
+        except Exception:
+            pass
+
+
+def _after_fork_parent() -> None:
+    while _fork_held:
+        rec, held = _fork_held.pop()
+        try:
+            rec._after_fork_parent(held)
+        except Exception:
+            pass
+
+
+def _after_fork_child() -> None:
+    _fork_held.clear()
+    for rec in list(_LIVE):
+        try:
+            rec._after_fork_child()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork_child)
