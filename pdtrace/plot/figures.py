@@ -126,121 +126,121 @@ def _findings(ctx: AnalysisContext) -> pd.DataFrame:
 # --- pipeline -----------------------------------------------------------------------------------------------------
 
 
+def _engine_labels(frame: pd.DataFrame, multi_dp: set[str]) -> pd.Series:
+    """"instance" or, for an instance with several DP ranks, "instance dpN"."""
+    inst = frame["instance"].astype("str")
+    dp = frame["dp_rank"].astype("Int64").fillna(0).astype(np.int64).astype("str")
+    return inst.where(~inst.isin(list(multi_dp)), inst + " dp" + dp)
+
+
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
-    """One lane per (instance, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
-    step_submit / step_output ticks on an engine lane per instance."""
+    """One lane per (instance, DP rank, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
+    step_submit / step_output ticks on an engine lane per scheduler."""
     from pdtrace.analysis.steps import bubbles, exec_spans
 
-    spans = exec_spans(ctx)
+    spans = exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"])
     spans = spans[sel.keep_instance(spans["instance"]) & sel.overlaps(spans["begin_ts"], spans["end_ts"])]
     if len(spans) == 0:
         raise sel.empty("exec spans (exec_begin/exec_end)")
-    spans = spans.assign(instance=spans["instance"].astype("str"),
-                         pp_rank=spans["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
-                         tp_rank=spans["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
-    # One lane per (instance, PP rank), drawn from its lowest TP rank (TP ranks of one stage run in lockstep).
-    lane_tp = spans.groupby(["instance", "pp_rank"])["tp_rank"].min().rename("lane_tp").reset_index()
-    spans = spans.merge(lane_tp, on=["instance", "pp_rank"])
-    spans = spans[spans["tp_rank"] == spans["lane_tp"]]
+    dp_per_inst = spans.groupby(spans["instance"].astype("str"))["dp_rank"].nunique()
+    multi_dp = set(dp_per_inst[dp_per_inst > 1].index)
 
-    instances = sorted(lane_tp["instance"].unique())
-    lanes: list[tuple[str, str, int]] = []  # (label, instance, pp_rank or -1 for the engine lane)
-    for inst in instances:
-        lanes.append((f"{inst} engine", inst, -1))
-        for pp in sorted(lane_tp.loc[lane_tp["instance"] == inst, "pp_rank"]):
-            lanes.append((f"{inst} PP{pp}", inst, int(pp)))
-    lane_index = {(inst, pp): i for i, (_, inst, pp) in enumerate(lanes)}
+    def lanes_of(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame.assign(engine=_engine_labels(frame, multi_dp),
+                            pp_rank=frame["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
+                            tp_rank=frame["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
+
+    spans = lanes_of(spans)
+    # One lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
+    lane_tp = spans.groupby(["engine", "pp_rank"])["tp_rank"].min().rename("lane_tp").reset_index()
+    engines = sorted(lane_tp["engine"].unique())
+    lanes: list[tuple[str, str, int]] = []  # (label, engine, pp_rank; -1 for the engine lane)
+    for eng in engines:  # per scheduler (few)
+        lanes.append((f"{eng} engine", eng, -1))
+        lanes.extend((f"{eng} PP{pp}", eng, int(pp)) for pp in sorted(lane_tp.loc[lane_tp["engine"] == eng, "pp_rank"]))
+    lane_table = pd.DataFrame([(eng, pp, i) for i, (_, eng, pp) in enumerate(lanes)],
+                              columns=["engine", "pp_rank", "lane"]).merge(lane_tp, on=["engine", "pp_rank"], how="left")
+    spans = spans.merge(lane_table, on=["engine", "pp_rank"])
+    spans = spans[spans["tp_rank"] == spans["lane_tp"]]
     n_lanes = len(lanes)
 
     fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi)
     ax = fig.add_subplot(1, 1, 1)
     tx = _time_axis(sel, dpi)
-    # y: lane i is centred on n_lanes - 1 - i (first lane on top)
-    y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)
-
-    ev = ctx.trace.events
-    depth_by_inst = (ev.loc[ev["kind"] == "step_submit"].groupby(ev["instance"].astype("str"))["n"].max()
-                     .fillna(1).astype(np.int64).to_dict())
+    y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)  # first lane on top
     legend: list = []
 
-    # exec spans
-    lane_table = pd.DataFrame([(inst, pp, i) for i, (_, inst, pp) in enumerate(lanes)],
-                              columns=["instance", "pp_rank", "lane"])
-    spans = spans.merge(lane_table, on=["instance", "pp_rank"])
-    lane = spans["lane"].to_numpy(np.int64)
-    begin = np.maximum(spans["begin_ts"].to_numpy(np.int64), sel.lo_ns)
-    end = np.minimum(spans["end_ts"].to_numpy(np.int64), sel.hi_ns)
-    merged = merge_subpixel(lane, begin.astype(np.float64), end.astype(np.float64), tx.px_ns)
+    # In-flight depth per scheduler: the most steps step_submit ever saw in flight (1 without a batch queue).
+    ev = ctx.trace.events
+    submits = ev[(ev["kind"] == "step_submit").to_numpy() & ev["n"].notna().to_numpy()]
+    depth_of = submits.assign(engine=_engine_labels(submits, multi_dp)).groupby("engine")["n"].max()
+    depth = spans["engine"].map(depth_of).fillna(1).astype(np.int64).to_numpy()
+    multi_slot = bool((depth > 1).any())
+
+    # exec spans, merged where several fall within one pixel
+    begin = np.maximum(spans["begin_ts"].to_numpy(np.int64), sel.lo_ns).astype(np.float64)
+    end = np.minimum(spans["end_ts"].to_numpy(np.int64), sel.hi_ns).astype(np.float64)
+    merged = merge_subpixel(spans["lane"].to_numpy(np.int64), begin, end, tx.px_ns)
     step = spans["step"].astype("Int64").fillna(0).to_numpy(np.int64)
-    depth = spans["instance"].map(depth_by_inst).fillna(1).astype(np.int64).to_numpy()
-    multi_slot = max(depth_by_inst.values(), default=1) > 1
     slot = step % np.maximum(depth, 1) if multi_slot else step % 2
     first = merged["first"].to_numpy()
-    colours = np.where(merged["count"].to_numpy() > 1, DENSE_COLOR,
-                       np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)])
-    widths_ok = np.maximum(merged["end"].to_numpy(), merged["start"].to_numpy() + tx.px_ns)
+    single = merged["count"].to_numpy() == 1
+    colours = np.where(single, np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)], DENSE_COLOR)
     yc = y_of[merged["lane"].to_numpy(np.int64)]
-    verts = _rects(tx.x(merged["start"]), tx.x(widths_ok), yc - 0.35, yc + 0.35)
-    coll = PolyCollection(verts, facecolors=list(colours), edgecolors="none", linewidths=0, gid="exec_spans")
-    ax.add_collection(coll)
-    used_slots = sorted(set((slot[first][merged["count"].to_numpy() == 1]).tolist()))
-    for s in used_slots[: len(SLOT_COLORS)]:
+    x1 = np.maximum(merged["end"].to_numpy(), merged["start"].to_numpy() + tx.px_ns)
+    ax.add_collection(PolyCollection(_rects(tx.x(merged["start"]), tx.x(x1), yc - 0.35, yc + 0.35),
+                                     facecolors=list(colours), edgecolors="none", linewidths=0, gid="exec_spans"))
+    for s in sorted(set(slot[first][single].tolist()))[: len(SLOT_COLORS)]:
         name = f"exec, batch-queue slot {s}" if multi_slot else ("exec, even step" if s == 0 else "exec, odd step")
         legend.append(Patch(facecolor=SLOT_COLORS[s % len(SLOT_COLORS)], label=name))
-    if (merged["count"] > 1).any():
+    if not single.all():
         legend.append(Patch(facecolor=DENSE_COLOR, label="exec, several steps per pixel"))
 
     # bubbles: one shaded rectangle per bubble the analysis reports on a drawn lane
-    bub = bubbles(ctx)
+    bub = bubbles(ctx).dropna(subset=["start_ns", "end_ns"])
+    bub = bub[sel.keep_instance(bub["instance"]) & sel.overlaps(bub["start_ns"], bub["end_ns"])]
     if len(bub):
-        bub = bub.assign(instance=bub["instance"].astype("str"),
-                         pp_rank=bub["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
-                         tp_rank=bub["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
-        bub = bub.merge(lane_tp, on=["instance", "pp_rank"])
-        bub = bub[(bub["tp_rank"] == bub["lane_tp"]) & sel.keep_instance(bub["instance"])
-                  & sel.overlaps(bub["start_ns"], bub["end_ns"])]
+        bub = lanes_of(bub).merge(lane_table, on=["engine", "pp_rank"])
+        bub = bub[bub["tp_rank"] == bub["lane_tp"]]
     labels_left = MAX_LABELS
-    for cause in sorted(bub["cause"].astype("str").unique()) if len(bub) else []:
+    for cause in sorted(bub["cause"].astype("str").unique()) if len(bub) else []:  # per cause (five)
         part = bub[bub["cause"].astype("str") == cause]
-        pl = part.merge(lane_table, on=["instance", "pp_rank"], how="left")["lane"].to_numpy(np.int64)
         b0 = np.maximum(part["start_ns"].to_numpy(np.int64), sel.lo_ns)
         b1 = np.minimum(part["end_ns"].to_numpy(np.int64), sel.hi_ns)
-        yb = y_of[pl]
+        yb = y_of[part["lane"].to_numpy(np.int64)]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
         ax.add_collection(PolyCollection(_rects(tx.x(b0), tx.x(np.maximum(b1, b0 + tx.px_ns)), yb - 0.48, yb + 0.48),
                                          facecolors=colour, alpha=0.45, edgecolors="none", gid=f"bubbles:{cause}"))
         legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
-        # Label the widest bubbles with their cause (a label needs room: 60 px).
+        # Label the widest bubbles with their cause where there is room (60 px).
         wide = np.flatnonzero((b1 - b0) >= 60 * tx.px_ns)
         for i in wide[np.argsort(-(b1 - b0)[wide])][:max(labels_left, 0)]:
-            ax.text(tx.x((b0[i] + b1[i]) / 2), yb[i], cause, ha="center", va="center", fontsize=7, clip_on=True)
-        labels_left -= min(len(wide), max(labels_left, 0))
+            ax.text(tx.x((b0[i] + b1[i]) / 2), yb[i], cause.replace("_", " "), ha="center", va="center",
+                    fontsize=7, clip_on=True)
+        labels_left -= len(wide)
 
-    # step_submit / step_output ticks on each instance's engine lane, at most one per pixel column
-    eng = ev[(ev["kind"].isin(["step_submit", "step_output"])).to_numpy()
-             & sel.keep_instance(ev["instance"]) & sel.contains(ev["ts_ns"])]
+    # step_submit / step_output ticks on each scheduler's engine lane, at most one per pixel column
+    marks = ev[(ev["kind"].isin(["step_submit", "step_output"])).to_numpy()
+               & sel.keep_instance(ev["instance"]) & sel.contains(ev["ts_ns"])]
+    marks = marks.assign(engine=_engine_labels(marks, multi_dp))
+    marks = marks.merge(lane_table[lane_table["pp_rank"] == -1][["engine", "lane"]], on="engine")
     for kind, colour, (lo, hi) in (("step_submit", "#08519c", (0.0, 0.4)), ("step_output", "#a50f15", (-0.4, 0.0))):
-        part = eng[eng["kind"] == kind]
-        part = part[part["instance"].astype("str").isin(instances)]
+        part = marks[marks["kind"] == kind]
         if len(part) == 0:
             continue
         col = ((part["ts_ns"].to_numpy(np.int64) - sel.lo_ns) // max(tx.px_ns, 1.0)).astype(np.int64)
-        inst_cat = pd.Categorical(part["instance"].astype("str"))
-        el = np.array([lane_index[(i, -1)] for i in inst_cat.categories], dtype=np.int64)
-        inst_code = inst_cat.codes
-        uniq = pd.DataFrame({"l": el[inst_code], "c": col, "t": part["ts_ns"].to_numpy(np.int64)})
-        uniq = uniq.drop_duplicates(["l", "c"])
-        xs = tx.x(uniq["t"].to_numpy())
-        ys = y_of[uniq["l"].to_numpy()]
+        ticks = pd.DataFrame({"lane": part["lane"].to_numpy(np.int64), "col": col,
+                              "ts": part["ts_ns"].to_numpy(np.int64)}).drop_duplicates(["lane", "col"])
+        xs, ys = tx.x(ticks["ts"].to_numpy()), y_of[ticks["lane"].to_numpy()]
         segs = np.stack([np.stack([xs, ys + lo], 1), np.stack([xs, ys + hi], 1)], 1)
         ax.add_collection(LineCollection(segs, colors=colour, linewidths=0.8, gid=kind))
         legend.append(Line2D([], [], color=colour, label=f"{kind} ({len(part)})"))
 
-    ax.set_yticks(y_of, [label for label, _, _ in lanes])
+    ax.set_yticks(y_of, [label for label, _, _ in lanes], fontsize=8)
     ax.set_ylim(-0.6, n_lanes - 0.4)
     ax.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
     ax.set_xlabel(tx.label)
-    ax.set_title(f"pipeline: exec spans per PP rank, bubbles by cause ({sel.window.describe()})")
+    ax.set_title(f"pipeline: exec spans per PP rank, bubbles by cause ({sel.window.describe()})", fontsize=10)
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     return fig

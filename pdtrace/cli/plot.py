@@ -1,0 +1,53 @@
+"""`pdtrace plot TRACE --kind pipeline|requests|blocks|steps`: draw a trace to a png, svg or pdf file.
+
+The figures come from `pdtrace.plot` (which draws the analyses' tables and `analyze`'s findings); this module only
+reads the options, loads the trace and reports where the image went.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.cli.info import load_trace
+
+
+class PlotKind(str, Enum):
+    pipeline = "pipeline"
+    requests = "requests"
+    blocks = "blocks"
+    steps = "steps"
+
+
+@app.command()
+def plot(
+    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    kind: PlotKind = typer.Option(PlotKind.pipeline, "--kind", "-k",
+                                  help="pipeline (exec spans and bubbles per PP rank), requests (phases per "
+                                       "request, findings marked), blocks (KV blocks in use by owner state), "
+                                       "steps (schedule() time and tokens per step)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Image file: .png, .svg or .pdf (default: <trace>-<kind>.png)."),
+    instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
+                                                 help="Only this instance (repeat for several)."),
+    since: Optional[float] = typer.Option(None, "--since", help="Window start, seconds from the trace start."),
+    until: Optional[float] = typer.Option(None, "--until", help="Window end, seconds from the trace start."),
+    request: Optional[list[str]] = typer.Option(None, "--request", "-r",
+                                                help="Only this request (repeat for several); other kinds show "
+                                                     "its lifetime on its instance."),
+    dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
+) -> None:
+    """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps."""
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.plot import Window, default_output, render
+
+    loaded = load_trace(trace)
+    target = output or default_output(str(trace), kind.value)
+    window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
+    result = render(AnalysisContext(loaded), kind.value, target, window=window, dpi=dpi)
+    out_console.print(f"{result.path} ({result.width_px}x{result.height_px} px, {kind.value})", markup=False)

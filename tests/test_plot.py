@@ -1,0 +1,263 @@
+"""`pdtrace plot`: every kind renders an image of the expected size, and what it draws matches the analyses.
+
+Content is checked through the figure's artists (found by gid), against tables computed by the analyses or, for the
+block counts, independently from the events.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.image import imread
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.plot import KINDS, Window, build_figure, render
+from pdtrace.plot.figures import merge_subpixel
+from pdtrace.plot.window import EmptySelection
+from pdtrace.trace.model import Trace
+
+from scenarios import Engine, builder, healthy_pd, pp4_pipeline  # noqa: E402
+from test_timelines import blocks_in_use_by_instance, pd_scenario  # noqa: E402
+
+MS = 1_000_000
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
+
+
+def bubbly_pipeline() -> Trace:
+    """PP=2 with one step in flight at a time and 3 ms of host time between steps: bubbles on both ranks."""
+    b = builder()
+    e = Engine(b, instance="E", role="both", pp=2, exec_spans=True)
+    reqs = [f"q{i}" for i in range(4)]
+    for r in reqs:
+        e.add(r, n=16)
+    for k in range(8):
+        e.step({r: 16 if k == 0 else 1 for r in reqs}, alloc={r: [1 + i] for i, r in enumerate(reqs)} if k == 0 else None)
+        e.output()
+        b.advance(3 * MS)
+    for r in reqs:
+        e.finish(r, reason="length")
+    return b.trace()
+
+
+def sample_traces() -> list[Path]:
+    if not SAMPLES.is_dir():
+        return []
+    return sorted(p for p in SAMPLES.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+
+
+def traces() -> list[tuple[str, Trace]]:
+    """The sample traces when the repository has them, plus the hand-made scenarios."""
+    out: list[tuple[str, Trace]] = []
+    if sample_traces():
+        from pdtrace.trace.reader import open_trace
+
+        out += [(p.name, open_trace(p, warn=False)) for p in sample_traces()]
+    out += [("bubbly_pipeline", bubbly_pipeline()), ("pd_scenario", pd_scenario().trace()),
+            ("healthy_pd", healthy_pd()), ("pp4_pipeline", pp4_pipeline())]
+    return out
+
+
+def artists(fig, prefix: str) -> list:
+    found = []
+    for ax in fig.axes:
+        found += [a for a in ax.get_children() if (a.get_gid() or "").startswith(prefix)]
+    return found
+
+
+def n_paths(fig, prefix: str) -> int:
+    return sum(len(a.get_paths()) for a in artists(fig, prefix))
+
+
+def drawable(trace: Trace, kind: str) -> bool:
+    ctx = AnalysisContext(trace)
+    try:
+        build_figure(ctx, kind)
+    except EmptySelection:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fmt,dpi", [("png", 100), ("png", 60)])
+def test_every_kind_renders_an_image_of_the_figure_size(tmp_path: Path, kind: str, fmt: str, dpi: int) -> None:
+    rendered = 0
+    for name, trace in traces():
+        if not drawable(trace, kind):
+            continue
+        out = tmp_path / f"{name}-{kind}.{fmt}"
+        result = render(AnalysisContext(trace), kind, out, dpi=dpi)
+        image = imread(out)
+        assert image.shape[:2] == (result.height_px, result.width_px)
+        assert result.width_px == 14 * dpi
+        # a real picture: more than one colour
+        assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 3
+        rendered += 1
+    assert rendered >= 2
+
+
+@pytest.mark.parametrize("fmt", ["svg", "pdf"])
+def test_vector_formats_by_extension(tmp_path: Path, fmt: str) -> None:
+    out = tmp_path / f"x.{fmt}"
+    render(AnalysisContext(bubbly_pipeline()), "pipeline", out)
+    head = out.read_bytes()[:200]
+    assert (b"<svg" in head or b"<?xml" in head) if fmt == "svg" else head.startswith(b"%PDF")
+
+
+def test_pipeline_shades_one_rectangle_per_bubble_the_analysis_reports() -> None:
+    from pdtrace.analysis.steps import bubbles
+
+    trace = bubbly_pipeline()
+    ctx = AnalysisContext(trace)
+    table = bubbles(ctx)
+    assert len(table) >= 10  # 7 gaps on each of the two ranks
+    fig = build_figure(ctx, "pipeline")
+    assert n_paths(fig, "bubbles:") == len(table)
+    causes = {a.get_gid().split(":", 1)[1]: len(a.get_paths()) for a in artists(fig, "bubbles:")}
+    assert causes == table["cause"].astype(str).value_counts().to_dict()
+    # one lane per PP rank plus the engine lane
+    assert len(fig.axes[0].get_yticks()) == 3
+
+    # a window: bubbles that meet [10 ms, 20 ms] from the trace start
+    t0 = int(trace.table.column("ts_ns").to_numpy().min())
+    fig = build_figure(ctx, "pipeline", Window(since_s=0.010, until_s=0.020))
+    lo, hi = t0 + 10 * MS, t0 + 20 * MS
+    inside = table[(table["end_ns"] >= lo) & (table["start_ns"] <= hi)]
+    assert 0 < len(inside) < len(table)
+    assert n_paths(fig, "bubbles:") == len(inside)
+
+
+def test_pipeline_draws_each_span_and_marks_each_submit_and_output() -> None:
+    from pdtrace.analysis.steps import exec_spans
+
+    trace = pp4_pipeline()
+    ctx = AnalysisContext(trace)
+    fig = build_figure(ctx, "pipeline")
+    # spans are wider than a pixel here: one rectangle each
+    assert n_paths(fig, "exec_spans") == len(exec_spans(ctx))
+    # four batch-queue slots in the legend (PP=4, four steps in flight)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert sum("batch-queue slot" in x for x in labels) == 4
+    # submits and outputs more than a pixel apart: one tick each
+    spaced = bubbly_pipeline()
+    fig = build_figure(AnalysisContext(spaced), "pipeline")
+    kinds = spaced.events["kind"].astype(str)
+    assert n_paths(fig, "step_submit") == int((kinds == "step_submit").sum()) == 8
+    assert n_paths(fig, "step_output") == int((kinds == "step_output").sum()) == 8
+
+
+def test_spans_narrower_than_a_pixel_are_merged() -> None:
+    lane = np.array([0, 0, 0, 0, 1])
+    start = np.array([0.0, 10.0, 21.0, 100.0, 5.0])
+    end = np.array([9.0, 20.0, 30.0, 110.0, 6.0])
+    merged = merge_subpixel(lane, start, end, px_ns=2.0)
+    assert merged[["lane", "start", "end", "count"]].values.tolist() == [[0, 0, 30, 3], [0, 100, 110, 1],
+                                                                         [1, 5, 6, 1]]
+    # a dense pipeline drawn at a low resolution: fewer rectangles than spans, covering the same extent
+    from pdtrace.analysis.steps import exec_spans
+
+    ctx = AnalysisContext(pp4_pipeline(n_steps=200))
+    fig = build_figure(ctx, "pipeline", dpi=20)
+    assert 0 < n_paths(fig, "exec_spans") < len(exec_spans(ctx))
+
+
+def test_blocks_plot_peak_equals_an_independent_count_from_the_events() -> None:
+    for name, trace in traces():
+        if not drawable(trace, "blocks"):
+            continue
+        fig = build_figure(AnalysisContext(trace), "blocks")
+        expected = {inst: max(c for _, c in s) for inst, s in blocks_in_use_by_instance(trace).items()}
+        tops = artists(fig, "blocks:leaked")  # the top of each stack: running + finished + leaked = in use
+        assert len(tops) == len(expected), name
+        peaks = sorted(int(round(max(p.vertices[:, 1].max() for p in a.get_paths()))) for a in tops)
+        assert peaks == sorted(expected.values()), name
+        pools = artists(fig, "pool")
+        assert pools and all(line.get_ydata()[0] > 0 for line in pools)
+
+
+def test_requests_plot_has_a_lane_per_request_and_marks_findings() -> None:
+    from pdtrace.analysis import analyze
+    from pdtrace.analysis.timelines import request_phases
+
+    trace = pd_scenario().trace()
+    ctx = AnalysisContext(trace)
+    fig = build_figure(ctx, "requests")
+    ph = request_phases(ctx)
+    assert n_paths(fig, "phases:") == len(ph)
+    assert len(fig.axes[0].get_yticks()) == ph[["instance", "req"]].drop_duplicates().shape[0] == 4
+    findings = analyze(trace)
+    on_requests = findings[findings["req"].notna()]
+    marks = artists(fig, "findings")
+    assert sum(len(m.get_offsets()) for m in marks) == len(on_requests)
+
+    one = build_figure(AnalysisContext(trace), "requests", Window(requests=("d1",)))
+    assert len(one.axes[0].get_yticks()) == 1
+    assert n_paths(one, "phases:") == int((ph["req"] == "d1").sum())
+
+
+def test_steps_plot_draws_every_step_of_each_scheduler() -> None:
+    from pdtrace.analysis.steps import step_table
+
+    ctx = AnalysisContext(pd_scenario().trace())
+    fig = build_figure(ctx, "steps")
+    st = step_table(ctx)
+    for inst in ("prefill-0", "decode-0"):
+        n = int((st["instance"] == inst).sum())
+        assert len(artists(fig, f"steps:dur:{inst}")[0].get_xdata()) == n
+        assert len(artists(fig, f"steps:tokens:{inst}")[0].get_ydata()) == n
+    tokens = artists(fig, "steps:tokens:prefill-0")[0].get_ydata()
+    assert max(tokens) == 70
+
+
+def test_empty_selections_raise() -> None:
+    ctx = AnalysisContext(pd_scenario().trace())
+    with pytest.raises(EmptySelection):
+        build_figure(ctx, "pipeline", Window(instances=("nope",)))
+    with pytest.raises(EmptySelection):
+        build_figure(ctx, "requests", Window(requests=("nope",)))
+    with pytest.raises(EmptySelection):
+        build_figure(ctx, "pipeline", Window(since_s=10.0))
+    with pytest.raises(EmptySelection):  # healthy_pd has no exec spans
+        build_figure(AnalysisContext(healthy_pd()), "pipeline")
+
+
+# --- CLI ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path) -> Path:
+    return pd_scenario().write(tmp_path / "pdtrace-demo")
+
+
+def test_cli_plot_writes_the_image(cli, trace_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.png"
+    r = cli("plot", trace_dir, "--kind", "pipeline", "-o", out, "--dpi", 50)
+    assert r.exit_code == 0, r.stderr
+    assert imread(out).shape[:2] == (int(r.stdout.split("(")[1].split("x")[1].split(" ")[0]), 700)
+    assert str(out) in r.stdout
+
+
+def test_cli_plot_default_name_and_window(cli, trace_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = cli("plot", trace_dir, "--kind", "steps", "--since", "0.001", "--until", "0.025", "--instance", "prefill-0")
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "pdtrace-demo-steps.png").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--instance", "nope"], "nothing to show"),
+    (["--since", "5"], "outside the trace"),
+    (["--request", "nope"], "no request nope"),
+    (["-o", "x.gif"], "unknown image format"),
+    (["--since", "0.02", "--until", "0.01"], "must be after"),
+])
+def test_cli_plot_bad_selections_exit_2_with_one_line(cli, trace_dir: Path, tmp_path: Path, monkeypatch,
+                                                      args: list[str], message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    r = cli("plot", trace_dir, "--kind", "pipeline", *args)
+    assert r.exit_code == 2
+    assert message in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2  # the progress line and the error
+    assert not list(tmp_path.glob("*.png"))
