@@ -21,15 +21,17 @@ ranks sat idle.
     and the trail after its last are not intervals. Each interval gets one cause, decided in this order:
       1. `idle_no_requests`  the scheduler had no unfinished request for at least half the interval;
       2. `kv_transfer`       it had requests, but every one waited for remote KV, for at least half the interval;
-      3. `stage_imbalance`   (pp_rank > 0) the upstream stage had already begun the step that ends the interval
-                             when the interval began: this stage waited on a slower upstream stage;
-      4. `scheduler_cpu`     the step that ends the interval was submitted during it, and the engine's host time
-                             before that submit (from the later of the interval start and the engine's previous
-                             step_output / step_submit) is at least half the interval: update_from_output and
-                             schedule() on the critical path;
-      5. `queue_not_full`    fewer than p steps carrying tokens were in flight at the interval start (p = the PP
+      3. `scheduler_cpu`     (stage 0, and later stages that never saw the step upstream) the step that ends the
+                             interval was submitted during it, and the engine's own time before that submit
+                             (from the later of the interval start and the previous step_submit, minus the time
+                             blocked on a step's future, step_output `wait_ns`) is at least half the interval:
+                             update_from_output and schedule() on the critical path;
+      4. `queue_not_full`    fewer than p steps carrying tokens were in flight at the interval start (p = the PP
                              size: vLLM needs p disjoint micro-batches to keep p stages busy);
-      6. `stage_imbalance`   otherwise (p steps in flight, yet this rank had nothing: another stage held them).
+      5. `stage_imbalance`   otherwise (p steps in flight, yet this stage had nothing: another stage held them).
+    A later stage (pp_rank > 0) inherits the cause of its upstream stage's gap before the same step when that gap
+    is at least half as long as its own (a late start travels down the pipeline, stage by stage); when the upstream
+    stage ran the step without such a gap, this stage waited on a slower upstream stage: `stage_imbalance`.
     Extra columns: `runnable` (requests unfinished and not waiting for KV at the interval start) and `in_flight`
     (steps carrying tokens in flight at the interval start). The request counts are step functions built from the
     request lifecycles (req_add, req_wait_kv, kv_recv_done / kv_recv_fail, req_finish) and read with searchsorted.
@@ -480,6 +482,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         empty["cause"] = pd.Series(dtype=object)
         empty["runnable"] = pd.Series(dtype=np.int64)
         empty["in_flight"] = pd.Series(dtype=np.int64)
+        empty["span_row"] = pd.Series(dtype=np.int64)
         if len(busy) < 2:
             return empty
         lane_id = busy.groupby(lane_cols, sort=False).ngroup().to_numpy()
@@ -497,6 +500,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         bub["dur_ns"] = bub["end_ns"] - bub["start_ns"]
         bub["step_before"] = step[idx - 1]
         bub["step_after"] = step[idx]
+        bub["span_row"] = idx  # the busy_spans row that ends the gap
 
         # the upstream stage's first begin of the step that ends the gap
         up = busy.groupby(["inst", "dp", "pp", "step"], sort=False)["b"].min().rename("up_begin").reset_index()
@@ -556,15 +560,30 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         blocked_from = np.where(prev_wait == _NULL, a, np.maximum(a, prev_output - np.maximum(prev_wait, 0)))
         blocked = np.where(out_in, prev_output - blocked_from, 0)
         host = t_sub - a - blocked
-        up_begin = bub["up_begin"].to_numpy(dtype=np.float64)
-        cause = np.select(
-            [2 * no_live >= dur,
-             2 * no_run >= dur,
-             (bub["pp"].to_numpy() > 0) & (up_begin <= s),
-             (t_sub != _NULL) & (t_sub > s) & (2 * host >= dur),
-             in_flight < p_size],
-            ["idle_no_requests", "kv_transfer", "stage_imbalance", "scheduler_cpu", "queue_not_full"],
-            default="stage_imbalance").astype(object)
+        engine_cause = np.select(
+            [(t_sub != _NULL) & (t_sub > s) & (2 * host >= dur), in_flight < p_size],
+            ["scheduler_cpu", "queue_not_full"], default="stage_imbalance").astype(object)
+        # a later stage inherits the cause of its upstream stage's gap before the same step when that gap explains
+        # at least half of its own (the delay travels down the pipeline); otherwise the upstream stage was busy
+        # with the step while this one waited: stage imbalance. Stages are resolved in order, 0 first.
+        pp_col = bub["pp"].to_numpy()
+        has_up = ~np.isnan(bub["up_begin"].to_numpy(dtype=np.float64))
+        cause = engine_cause.copy()
+        keys = ["inst", "dp", "step_after"]
+        for rank in np.unique(pp_col[pp_col > 0]).tolist():
+            here = np.flatnonzero(pp_col == rank)
+            above = np.flatnonzero(pp_col == rank - 1)
+            up = pd.DataFrame({"inst": bub["inst"].to_numpy()[above], "dp": bub["dp"].to_numpy()[above],
+                               "step_after": bub["step_after"].to_numpy()[above], "up_dur": dur[above],
+                               "up_cause": cause[above]})
+            up = up.sort_values("up_dur", kind="stable").drop_duplicates(keys, keep="last")
+            mine = bub.iloc[here][keys].merge(up, on=keys, how="left")
+            up_dur = mine["up_dur"].to_numpy(dtype=np.float64)
+            inherit = ~np.isnan(up_dur) & (2 * up_dur >= dur[here])
+            cause[here] = np.where(inherit, mine["up_cause"].to_numpy(),
+                                   np.where(has_up[here], "stage_imbalance", engine_cause[here]))
+        cause = np.where(2 * no_live >= dur, "idle_no_requests",
+                         np.where(2 * no_run >= dur, "kv_transfer", cause)).astype(object)
         bub["cause"] = cause
         bub["runnable"] = runnable
         bub["in_flight"] = in_flight

@@ -1,0 +1,188 @@
+"""pipeline_bubble: where each pipeline stage sat idle, how much of its time that cost, and why.
+
+Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; no loop per event):
+
+1. Only schedulers with a pipeline (p = engine_config `pp`, else the PP ranks seen executing, greater than 1). With
+   p = 1 the idle time between steps is host overhead, not a pipeline bubble; it stays visible in `bubbles()`.
+2. Per lane (instance, dp_rank, pp_rank, tp_rank): wall = last busy end - first busy begin; the idle gaps inside it
+   (every gap, however short; `gap_frame`) summed by cause. Each gap has one cause (see steps.py):
+   `idle_no_requests`, `kv_transfer`, `stage_imbalance`, `scheduler_cpu`, `queue_not_full`.
+3. vLLM pipelines continuously, so in steady state the ideal idle time is 0. The fill/drain cost (p-1)/(m+p-1) of m
+   micro-batches applies per burst: bursts are the runs of busy spans between `idle_no_requests` gaps, m the
+   distinct steps in a burst; the burst ideal is that fraction of the burst's wall time, summed.
+4. Lost time = idle that is neither `idle_no_requests` (no work: not a bubble) nor `kv_transfer` (waiting on a peer:
+   reported, not charged to the pipeline), minus the burst ideal. `queue_not_full` gaps are *avoidable* when at
+   least p requests were runnable at the gap start (the scheduler could have formed p micro-batches: vLLM #28270)
+   and *workload-limited* otherwise (fewer ready requests than stages). The fraction is lost time over the active
+   wall (wall minus `idle_no_requests`).
+5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the avoidable `queue_not_full`
+   time alone (p runnable requests, fewer than p micro-batches in flight) is at least half the active time
+   (`ERROR_FRACTION`): the pipeline is not pipelining although the work to fill it is there, vLLM #28270's
+   signature. Host time (`scheduler_cpu`) and `stage_imbalance` are tuning problems, not broken pipelining: at
+   most `warning`, given when all lost time is at least `config.bubble_warn_fraction`; `info` below.
+   extra: p, pp_rank, wall_ns, idle_fraction, lost_fraction, avoidable_fraction, unfilled_fraction,
+   idle_ns_by_cause, intervals (gaps of at
+   least bubble_min_ns), burst_ideal, bursts, tp_lanes. Evidence: the exec_end / exec_begin around the longest
+   bubbles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes
+
+ERROR_FRACTION = 0.5
+_CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance")
+
+
+def _ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
+    """One row per (inst, dp, pp) of a pipelined scheduler: p, wall_ns, idle ns per cause, avoidable_ns,
+    workload_ns, burst_ideal_ns, intervals, bursts, tp_lanes (the numbers the findings report)."""
+
+    def build() -> pd.DataFrame:
+        busy = busy_spans(ctx)
+        sizes = pipeline_sizes(ctx)
+        if len(busy) == 0:
+            return pd.DataFrame()
+        lane = ["inst", "dp", "pp", "tp"]
+        p_of = np.array([sizes.get((i, d), 1) for i, d in zip(busy["inst"], busy["dp"])]) if len(busy) else None
+        busy = busy.assign(p=p_of)
+        busy = busy[busy["p"] > 1]
+        if len(busy) == 0:
+            return pd.DataFrame()
+        gaps = gap_frame(ctx)
+        gaps = gaps.merge(busy[lane].drop_duplicates(), on=lane, how="inner")
+        p_gap = np.array([sizes.get((i, d), 1) for i, d in zip(gaps["inst"], gaps["dp"])], dtype=np.int64)
+        cause = gaps["cause"].to_numpy()
+        dur = gaps["dur_ns"].to_numpy()
+        starved_queue = (cause == "queue_not_full") & (gaps["runnable"].to_numpy() >= p_gap)
+        avoidable = np.where(np.isin(cause, ["scheduler_cpu", "stage_imbalance"]) | starved_queue, dur, 0)
+        unfilled = np.where(starved_queue, dur, 0)
+        workload = np.where((cause == "queue_not_full") & (gaps["runnable"].to_numpy() < p_gap), dur, 0)
+        min_ns = max(int(ctx.config.bubble_min_ns), 1)
+        g = gaps.assign(avoidable=avoidable, workload=workload, unfilled=unfilled,
+                        interval=(dur >= min_ns).astype(np.int64))
+        by_cause = g.pivot_table(index=lane, columns="cause", values="dur_ns", aggfunc="sum", fill_value=0)
+        by_cause = by_cause.reindex(columns=list(BUBBLE_CAUSES), fill_value=0)
+        sums = g.groupby(lane)[["avoidable", "workload", "unfilled", "interval"]].sum()
+
+        # bursts: runs of busy spans between idle_no_requests gaps (busy_spans row order is lane, begin)
+        starts_burst = np.zeros(len(busy_spans(ctx)), bool)
+        nr = gaps[gaps["cause"] == "idle_no_requests"]["span_row"].to_numpy()
+        starts_burst[nr] = True
+        full = busy_spans(ctx)
+        lane_id = full.groupby(lane, sort=False).ngroup().to_numpy()
+        new_lane = np.r_[True, lane_id[1:] != lane_id[:-1]]
+        burst = np.cumsum(new_lane | starts_burst)
+        full = full.assign(burst=burst)
+        full = full.loc[busy.index]
+        per_burst = full.groupby(lane + ["burst"]).agg(m=("step", "nunique"), b=("b", "min"), e=("e", "max"))
+        per_burst = per_burst.reset_index()
+        p_b = np.array([sizes.get((i, d), 1) for i, d in zip(per_burst["inst"], per_burst["dp"])], dtype=float)
+        per_burst["ideal"] = (p_b - 1) / (per_burst["m"] + p_b - 1) * (per_burst["e"] - per_burst["b"])
+        ideal = per_burst.groupby(lane).agg(burst_ideal_ns=("ideal", "sum"), bursts=("burst", "nunique"))
+        walls = busy.groupby(lane).agg(first=("b", "min"), last=("e", "max"))
+        walls["wall_ns"] = walls["last"] - walls["first"]
+        out = walls[["wall_ns"]].join(by_cause, how="left").join(sums, how="left").join(ideal, how="left")
+        out = out.fillna(0)
+        out = out.reset_index()
+        out["tp_lanes"] = 1
+        agg = {c: "sum" for c in ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "interval", "burst_ideal_ns",
+                                   "tp_lanes"]}
+        agg["bursts"] = "max"
+        ranks = out.groupby(["inst", "dp", "pp"]).agg(agg).reset_index()
+        ranks["p"] = [sizes.get((i, d), 1) for i, d in zip(ranks["inst"], ranks["dp"])]
+        return ranks
+
+    return ctx.cached("pipeline_bubble:ranks", build)
+
+
+def run(ctx: AnalysisContext) -> pd.DataFrame:
+    ranks = rank_summary(ctx)
+    if len(ranks) == 0:
+        return findings_frame([])
+    names = instances(ctx)
+    bubbles = gap_frame(ctx)
+    min_ns = max(int(ctx.config.bubble_min_ns), 1)
+    warn = float(ctx.config.bubble_warn_fraction)
+    records: list[dict[str, Any]] = []
+    for r in ranks.itertuples(index=False):  # one row per (instance, dp_rank, pp_rank): a handful
+        r = r._asdict()
+        wall = float(r["wall_ns"])
+        if wall <= 0:
+            continue
+        idle = {c: int(r[c]) for c in BUBBLE_CAUSES}
+        total_idle = sum(idle.values())
+        active = max(wall - idle["idle_no_requests"], 1.0)
+        ideal = float(r["burst_ideal_ns"])
+        workload = float(r["workload"])
+        avoidable = float(r["avoidable"])
+        ideal_left = max(ideal - workload, 0.0)
+        lost = max(avoidable + workload - ideal, 0.0)
+        lost_avoidable = max(avoidable - ideal_left, 0.0)
+        lost_unfilled = max(float(r["unfilled"]) - ideal_left, 0.0)
+        lost_fraction = lost / active
+        avoidable_fraction = lost_avoidable / active
+        if lost_unfilled / active >= ERROR_FRACTION:
+            severity = "error"
+        elif lost_fraction >= warn:
+            severity = "warning"
+        else:
+            severity = "info"
+        instance = names[int(r["inst"])]
+        dp = int(r["dp"]) if r["dp"] >= 0 else None
+        mine = bubbles[(bubbles["inst"] == r["inst"]) & (bubbles["dp"] == r["dp"]) & (bubbles["pp"] == r["pp"])
+                       & (bubbles["dur_ns"] >= min_ns)]
+        longest = mine.nlargest(3, "dur_ns")
+        evidence: list[dict[str, Any]] = []
+        for b in longest.itertuples(index=False):
+            note = f"idle {_ms(b.dur_ns)} ({b.cause}, {b.in_flight} steps in flight, {b.runnable} runnable requests)"
+            evidence.append({"kind": "exec_end", "ts_ns": int(b.start_ns), "seq": None, "req": None,
+                             "step": int(b.step_before), "instance": instance, "pp_rank": int(b.pp),
+                             "tp_rank": int(b.tp), "note": note})
+            evidence.append({"kind": "exec_begin", "ts_ns": int(b.end_ns), "seq": None, "req": None,
+                             "step": int(b.step_after), "instance": instance, "pp_rank": int(b.pp),
+                             "tp_rank": int(b.tp)})
+        charged = {c: idle[c] for c in _CHARGED if idle[c]}
+        others = {c: v for c, v in idle.items() if v}
+        dominant = max(charged, key=charged.get) if charged else (max(others, key=others.get) if others else None)
+        parts = ", ".join(f"{c} {100.0 * v / wall:.1f}%" for c, v in sorted(idle.items(), key=lambda kv: -kv[1])
+                          if v)
+        message = (f"PP rank {int(r['pp'])}/{int(r['p'])} of {instance} idle {100.0 * total_idle / wall:.1f}% of "
+                   f"{_ms(wall)} ({parts or 'no idle time'}); {100.0 * lost_fraction:.1f}% of the active time lost "
+                   f"to the pipeline ({100.0 * avoidable_fraction:.1f}% avoidable), fill/drain ideal "
+                   f"{100.0 * ideal / active:.1f}%; {int(r['interval'])} idle intervals >= {_ms(min_ns)}")
+        first = longest.iloc[0] if len(longest) else None
+        records.append({
+            "rule": "pipeline_bubble", "subrule": dominant, "severity": severity, "instance": instance,
+            "dp_rank": dp, "req": None, "blocks": [],
+            "step": int(first["step_after"]) if first is not None else None,
+            "ts_ns": int(first["start_ns"]) if first is not None else None,
+            "message": message, "evidence": evidence, "context": f"pipeline_bubble:{dominant or 'no_idle'}",
+            "extra": {"p": int(r["p"]), "pp_rank": int(r["pp"]), "wall_ns": int(wall),
+                      "idle_fraction": total_idle / wall, "lost_fraction": lost_fraction,
+                      "avoidable_fraction": avoidable_fraction, "unfilled_fraction": lost_unfilled / active,
+                      "idle_ns_by_cause": idle,
+                      "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
+                      "tp_lanes": int(r["tp_lanes"])},
+        })
+    return findings_frame(records)
+
+
+RULE = Rule(
+    id="pipeline_bubble",
+    summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
+    run=run,
+    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests"),
+)

@@ -1,0 +1,191 @@
+"""Pipeline-parallel engine runs as event tables: a small discrete-event model of vLLM 0.33's
+`step_with_batch_queue` with p stages, for the steps, bubble, show and plot tests.
+
+The model: the engine schedules while the batch queue (size p) is not full and it has requests, taking up to
+`batch_cap` ready requests (not in flight) per step in FIFO order (an empty step when none is ready: v33 submits
+those too), submits the step, and each stage runs it after the previous stage handed it over (`stage_ns[r]` per
+stage, a short no-forward span for empty steps). When the queue is full, or nothing is ready, it blocks on the
+oldest step's last stage, writes `step_output` (with `wait_ns`), spends `update_ns` in update_from_output, and the
+step's requests are ready again or finish after `tokens` steps. Requests arrive at `arrivals` (ns after start).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from pdtrace.trace.builder import EventBuilder
+from pdtrace.trace.model import Trace
+
+START_NS = 1_700_000_000_000_000_000
+MS = 1_000_000
+US = 1_000
+
+
+def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, tokens: int = 12,
+                      stage_ns: Sequence[int] | None = None, sched_ns: int = 50 * US, update_ns: int = 50 * US,
+                      empty_ns: int = 20 * US, arrivals: Sequence[int] | None = None, tp: int = 1,
+                      instance: str = "E", config: bool = True, gpu_times: bool = False,
+                      wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None) -> Trace:
+    """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
+    remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done)."""
+    stage_ns = list(stage_ns or [MS] * pp)
+    b = builder or EventBuilder(instance=instance, role="both", start_ns=START_NS)
+    reqs = [f"r{i}" for i in range(n_requests)]
+    arrive = {r: START_NS + (arrivals[i] if arrivals else 0) for i, r in enumerate(reqs)}
+    wait_kv = dict(wait_kv or {})
+    sched_pid, worker_pid = 1000, 2000
+
+    def sched(kind: str, ts: int, **f) -> None:
+        comp = "engine" if kind.startswith("step_") else "scheduler"
+        b.add(kind, ts=ts, pid=sched_pid, component=comp, instance=instance, **f)
+
+    def worker(kind: str, ts: int, pp_rank: int, tp_rank: int, **f) -> None:
+        b.add(kind, ts=ts, pid=worker_pid + pp_rank * tp + tp_rank, component="worker", pp_rank=pp_rank,
+              tp_rank=tp_rank, instance=instance, **f)
+
+    t = START_NS
+    if config:
+        sched("engine_config", t, n=1024, detail={"block_size": 16, "pp": pp, "tp": tp, "dp": 1,
+                                                  "batch_queue_size": pp, "async_scheduling": False,
+                                                  "defer_block_free": False, "runner": "v1",
+                                                  "max_num_seqs": 256, "max_num_batched_tokens": 8192})
+    added: set[str] = set()
+    ready: list[str] = []
+    kv_ready_at: dict[str, int] = {}
+    waiting_kv: set[str] = set()
+    done = {r: 0 for r in reqs}
+    finished: set[str] = set()
+    queue: deque[tuple[int, list[str], int]] = deque()
+    rank_free = [[t] * tp for _ in range(pp)]
+    next_block = 1
+    step = 0
+
+    def admit(now: int) -> None:
+        for r in reqs:
+            if r not in added and arrive[r] <= now:
+                added.add(r)
+                sched("req_add", max(arrive[r], now - 1), req=r, n=16)
+                ready.append(r)
+        for r in sorted(waiting_kv):
+            if kv_ready_at[r] <= now:
+                waiting_kv.discard(r)
+                sched("kv_recv_done", now, req=r, step=max(step - 1, 0), status="WAITING_FOR_REMOTE_KVS")
+                ready.append(r)
+
+    def unfinished() -> bool:
+        return len(finished) < len(reqs)
+
+    while unfinished() or queue:
+        admit(t)
+        live = [r for r in added if r not in finished]
+        if len(queue) < pp and live:
+            batch: list[str] = []
+            for r in list(ready):
+                if len(batch) >= batch_cap:
+                    break
+                if r in wait_kv:
+                    continue
+                batch.append(r)
+            new_wait = [r for r in ready if r in wait_kv][:1]
+            k = step
+            step += 1
+            n_tok = sum(16 if done[r] == 0 else 1 for r in batch)
+            if not batch and not queue and not new_wait:
+                # nothing ready and nothing in flight: the engine idles until the next arrival / receive
+                nxt = [arrive[r] for r in reqs if r not in added] + [kv_ready_at[r] for r in waiting_kv]
+                step -= 1
+                if not nxt:
+                    break
+                t = max(t + 1, min(nxt))
+                continue
+            for r in new_wait:
+                ready.remove(r)
+                blocks = [next_block, next_block + 1]
+                next_block += 2
+                sched("blocks_alloc", t, step=k, req=r, blocks=blocks, detail={"hit": 0})
+                sched("req_wait_kv", t, step=k, req=r, blocks=blocks, n=32)
+                kv_ready_at[r] = t + wait_kv.pop(r)
+                waiting_kv.add(r)
+            for r in batch:
+                if done[r] == 0:
+                    sched("blocks_alloc", t, step=k, req=r, blocks=[next_block], detail={"hit": 0})
+                    next_block += 1
+            sched("sched", t, step=k, n=n_tok, detail={"running": len(live) - len(waiting_kv), "waiting": 0,
+                                                       "waiting_kv": len(waiting_kv), "free_blocks": 512,
+                                                       "dur_ns": sched_ns})
+            for r in batch:
+                sched("req_sched", t, step=k, req=r, n=16 if done[r] == 0 else 1)
+                ready.remove(r)
+            t += sched_ns
+            sched("step_submit", t, step=k, n=len(queue) + 1)
+            prev_end = t
+            for r_ in range(pp):
+                dur = stage_ns[r_] if batch else empty_ns
+                end = prev_end
+                for q in range(tp):
+                    begin = max(rank_free[r_][q], prev_end)
+                    end = begin + dur
+                    if gpu_times:
+                        worker("exec_begin", begin - 5 * US, r_, q, step=k, n=n_tok)
+                        worker("exec_end", end + 5 * US, r_, q, step=k, n=n_tok,
+                               detail={"rpc": "execute_model", "gpu_begin_ns": begin, "gpu_end_ns": end})
+                    else:
+                        worker("exec_begin", begin, r_, q, step=k, n=n_tok)
+                        worker("exec_end", end, r_, q, step=k, n=n_tok, detail={"rpc": "execute_model"})
+                    rank_free[r_][q] = end
+                prev_end = end
+            queue.append((k, batch, prev_end))
+            t += 1
+            continue
+        if not queue:
+            nxt = [arrive[r] for r in reqs if r not in added] + [kv_ready_at[r] for r in waiting_kv]
+            if not nxt:
+                break
+            t = max(t + 1, min(nxt))
+            continue
+        k, batch, end = queue.popleft()
+        out_ts = max(t, end)
+        sched("step_output", out_ts, step=k, detail={"wait_ns": out_ts - t})
+        t = out_ts + update_ns
+        for r in batch:
+            done[r] += 1
+            if done[r] >= tokens:
+                finished.add(r)
+                sched("blocks_free", t, step=k, req=r, blocks=[1], reason="finished", deferred=False)
+                sched("req_finish", t, step=k, req=r, reason="length", status="RUNNING", delay_free=False)
+            else:
+                ready.append(r)
+        t += 1
+    return b.trace()
+
+
+def healthy_pp4() -> Trace:
+    """PP=4, eight requests in four micro-batches of two: the pipeline stays full."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2)
+
+
+def few_requests_pp4() -> Trace:
+    """PP=4 with two decoding requests: at most two micro-batches, so stages wait (queue not full)."""
+    return simulate_pipeline(pp=4, n_requests=2, batch_cap=1)
+
+
+def one_microbatch_pp4() -> Trace:
+    """vLLM #28270: eight requests all scheduled into one micro-batch on PP=4: one batch in flight."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=8)
+
+
+def slow_stage_pp4() -> Trace:
+    """PP=4 with stage 1 twice as slow as the others: the stages after it wait on it."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, stage_ns=[MS, 2 * MS, MS, MS])
+
+
+def slow_scheduler_pp4() -> Trace:
+    """PP=4, full micro-batches, but schedule() takes 3 ms per step: the stages wait for the host."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, sched_ns=3 * MS)
+
+
+def two_waves_pp4() -> Trace:
+    """PP=4: one wave of requests, 200 ms with nothing to do, a second wave."""
+    return simulate_pipeline(pp=4, n_requests=16, batch_cap=2, tokens=6,
+                             arrivals=[0] * 8 + [200 * MS] * 8)
