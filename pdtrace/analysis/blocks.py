@@ -217,3 +217,61 @@ def _build_frame(ctx: Any) -> pd.DataFrame:
 def block_ownership(ctx: Any) -> pd.DataFrame:
     """One row per holding interval of a block by a request: the columns of OWNERSHIP_COLUMNS."""
     return ctx.cached("block_ownership", lambda: _build_frame(ctx))
+
+
+@dataclass
+class ReleaseGaps:
+    """Times a request held no block after having held some: from the free that emptied its table (`free_row`,
+    `start_pos`) to its next allocation (`end_pos`, NO if none)."""
+
+    rk: np.ndarray
+    start_pos: np.ndarray
+    end_pos: np.ndarray
+    free_row: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rk)
+
+    def find(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """For each (rk, pos): the index of the gap that contains pos, else NO."""
+        from pdtrace.analysis.columns import last_before
+
+        idx = last_before(rk, pos, self.rk, self.start_pos, strict=True)
+        ok = idx >= 0
+        end = np.where(ok, self.end_pos[np.maximum(idx, 0)] if len(self.end_pos) else NO, NO)
+        inside = ok & ((end < 0) | (pos < end))
+        return np.where(inside, idx, NO)
+
+
+def _running_count(key: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Running sum of delta within runs of equal (sorted) key."""
+    running = np.cumsum(delta)
+    if len(key) == 0:
+        return running
+    group_start = np.ones(len(key), bool)
+    group_start[1:] = key[1:] != key[:-1]
+    base = np.maximum.accumulate(np.where(group_start, np.arange(len(key)), 0))
+    return running - np.where(base > 0, running[np.maximum(base - 1, 0)], 0)
+
+
+def _build_gaps(ctx: Any) -> ReleaseGaps:
+    own = ownership(ctx)
+    closed = own.free_row >= 0
+    key = np.concatenate([own.rk, own.rk[closed]]).astype(np.int64)
+    pos = np.concatenate([own.alloc_pos, own.free_pos[closed]])
+    delta = np.concatenate([np.ones(len(own), np.int64), -np.ones(int(closed.sum()), np.int64)])
+    row = np.concatenate([own.alloc_row, own.free_row[closed]])
+    order = _sort_by(key, pos)
+    key, pos, delta, row = key[order], pos[order], delta[order], row[order]
+    count = _running_count(key, delta)
+    zero = np.flatnonzero((delta < 0) & (count == 0))
+    nxt = zero + 1
+    has_next = nxt < len(key)
+    has_next[has_next] = key[nxt[has_next]] == key[zero[has_next]]
+    end = np.where(has_next, pos[np.minimum(nxt, len(key) - 1)] if len(key) else NO, NO)
+    return ReleaseGaps(rk=key[zero], start_pos=pos[zero], end_pos=end, free_row=row[zero])
+
+
+def release_gaps(ctx: Any) -> ReleaseGaps:
+    """The request-level "holds nothing" gaps, cached on the context."""
+    return ctx.cached("release_gaps", lambda: _build_gaps(ctx))

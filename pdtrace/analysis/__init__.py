@@ -1,0 +1,204 @@
+"""pdtrace's analyses: `analyze(trace_or_path, rules=None, config=None)` returns the findings as a DataFrame.
+
+This is the one code path behind both the notebook API and `pdtrace analyze`:
+1. load the trace if given a path (`pdtrace.trace.reader.open_trace`);
+2. keep the rows inside `config.since_ns` / `config.until_ns` and `config.instances` (one vectorised mask);
+3. run the selected rules from the registry (`pdtrace.analysis.registry.load_rules`, the `pdtrace.rules`
+   entry-point group) on one shared AnalysisContext, so derived tables (columns, request and ownership tables,
+   step index) are computed once;
+4. concatenate their findings and sort them by severity (errors first), then time, then rule.
+
+`summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
+severity and rule, "N errors from M contexts", the leak summary in blocks per instance (and % of the pool), and
+the bubble summary per rank from `pipeline_bubble` findings.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
+from pdtrace.analysis.registry import ENTRY_POINT_GROUP, Rule, RuleLoadError, load_rules
+from pdtrace.errors import UsageError
+from pdtrace.trace.model import Trace
+
+__all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig"]
+
+
+def available_rules() -> tuple[dict[str, Rule], list[str]]:
+    """(registered rules by id, warnings). A plugin that fails to load is left out with a warning rather than
+    hiding every other rule."""
+    try:
+        return load_rules(), []
+    except RuleLoadError:
+        rules: dict[str, Rule] = {}
+        notes: list[str] = []
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                rule = ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin is reported, not fatal
+                notes.append(f"rule plugin {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
+                continue
+            if isinstance(rule, Rule):
+                rules.setdefault(rule.id, rule)
+            else:
+                notes.append(f"rule plugin {ep.name!r} ({ep.value}) is not a pdtrace.analysis.registry.Rule")
+        return rules, notes
+
+
+def select_rules(rules: Iterable[str | Rule] | None, registered: dict[str, Rule]) -> list[Rule]:
+    """The rules to run: all registered ones, or the given ids / Rule objects (unknown ids raise UsageError)."""
+    if rules is None:
+        return list(registered.values())
+    chosen: list[Rule] = []
+    for item in rules:
+        if isinstance(item, Rule):
+            chosen.append(item)
+            continue
+        name = str(item).strip()
+        if not name:
+            continue
+        if name not in registered:
+            raise UsageError(f"unknown rule {name!r} (known: {', '.join(sorted(registered))})")
+        chosen.append(registered[name])
+    if not chosen:
+        raise UsageError("no rule selected")
+    return chosen
+
+
+def window(trace: Trace, config: AnalysisConfig) -> Trace:
+    """The rows of the trace inside the config's time window and instances (the trace itself if unbounded)."""
+    table = trace.table
+    mask = None
+    if config.since_ns is not None:
+        mask = pc.greater_equal(table.column("ts_ns"), pa.scalar(int(config.since_ns), pa.int64()))
+    if config.until_ns is not None:
+        m = pc.less(table.column("ts_ns"), pa.scalar(int(config.until_ns), pa.int64()))
+        mask = m if mask is None else pc.and_(mask, m)
+    if config.instances:
+        inst = table.column("instance")
+        if pa.types.is_dictionary(inst.type):
+            inst = inst.cast(inst.type.value_type)
+        m = pc.is_in(inst, value_set=pa.array(list(config.instances), pa.string()))
+        mask = m if mask is None else pc.and_(mask, m)
+    if mask is None:
+        return trace
+    filtered = trace.filter(mask)
+    filtered.__dict__.pop("events", None)
+    return filtered
+
+
+def _load(trace_or_path: Any) -> Trace:
+    if isinstance(trace_or_path, Trace):
+        return trace_or_path
+    if isinstance(trace_or_path, (str, os.PathLike, Path)):
+        from pdtrace.trace.reader import open_trace
+
+        return open_trace(trace_or_path)
+    raise UsageError(f"analyze() takes a Trace or a path, not {type(trace_or_path).__name__}")
+
+
+def _check(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
+    if frame is None or len(frame) == 0:
+        return empty_findings()
+    missing = [c for c in FINDING_COLUMNS if c not in frame.columns]
+    if missing:
+        raise UsageError(f"rule {rule.id!r} returned findings without the columns {missing}")
+    return frame[list(FINDING_COLUMNS)]
+
+
+def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
+            config: AnalysisConfig | None = None) -> pd.DataFrame:
+    """Run the rules on a trace (or a trace path) and return the findings, errors first, then by time.
+
+    The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
+    that ran), `events` (rows analysed), `trace` (its path) and `warnings` (rule plugins that failed to load).
+    """
+    config = config or AnalysisConfig()
+    trace = _load(trace_or_path)
+    registered, notes = available_rules()
+    chosen = select_rules(rules, registered)
+    trace = window(trace, config)
+    ctx = AnalysisContext(trace=trace, config=config)
+    frames = [f for f in (_check(rule.run(ctx), rule) for rule in chosen) if len(f)]
+    if frames:
+        findings = pd.concat(frames, ignore_index=True)
+        rank = findings["severity"].map(SEVERITY_ORDER).fillna(-1).to_numpy()
+        ts = pd.to_numeric(findings["ts_ns"], errors="coerce").fillna(0).to_numpy(np.float64)
+        order = np.lexsort((findings["rule"].astype(str).to_numpy(), ts, -rank))
+        findings = findings.iloc[order].reset_index(drop=True)
+    else:
+        findings = empty_findings()
+    findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
+                      "warnings": notes}
+    return findings
+
+
+def _leak_summary(leaks: pd.DataFrame) -> list[dict[str, Any]]:
+    rows: dict[tuple[str, Any], dict[str, Any]] = {}
+    for rec in leaks.to_dict("records"):  # one per leak finding
+        extra = rec.get("extra") or {}
+        key = (str(rec.get("instance")), rec.get("dp_rank"))
+        entry = rows.setdefault(key, {"instance": key[0], "dp_rank": key[1], "blocks": 0, "definitely": 0,
+                                      "indirectly": 0, "possibly": 0, "requests": 0, "pool_blocks": None})
+        n = int(extra.get("n_blocks") or len(rec.get("blocks") or []))
+        cls = str(extra.get("class") or rec.get("subrule"))
+        entry["blocks"] += n
+        if cls in ("definitely", "indirectly", "possibly"):
+            entry[cls] += n
+        entry["requests"] += 1
+        if extra.get("pool_blocks"):
+            entry["pool_blocks"] = int(extra["pool_blocks"])
+    out = []
+    for entry in rows.values():
+        pool = entry["pool_blocks"]
+        entry["pool_percent"] = round(100.0 * entry["blocks"] / pool, 2) if pool else None
+        out.append(entry)
+    return sorted(out, key=lambda e: (e["instance"], -1 if e["dp_rank"] is None else e["dp_rank"]))
+
+
+def _bubble_summary(bubbles: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for rec in bubbles.to_dict("records"):  # pipeline_bubble findings are per rank, few
+        extra = dict(rec.get("extra") or {})
+        entry = {"instance": rec.get("instance"), "dp_rank": rec.get("dp_rank"), "severity": rec.get("severity"),
+                 "subrule": rec.get("subrule"), "message": rec.get("message")}
+        for key in ("pp_rank", "tp_rank", "idle_fraction", "idle_ns", "busy_ns", "span_ns", "n_bubbles",
+                    "causes", "top_cause", "dur_ns"):
+            if key in extra:
+                entry[key] = extra[key]
+        out.append(entry)
+    return out
+
+
+def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
+    """Counts per severity and rule, errors and contexts, leak summary per instance, bubble summary per rank."""
+    by_severity = {s: int((findings["severity"] == s).sum()) if len(findings) else 0 for s in SEVERITY_ORDER}
+    by_rule: dict[str, int] = {}
+    if len(findings):
+        by_rule = {str(k): int(v) for k, v in findings["rule"].value_counts(sort=False).items()}
+    errors = findings[findings["severity"] == "error"] if len(findings) else findings
+    contexts = int(errors["context"].astype(str).nunique()) if len(errors) else 0
+    leaks = findings[findings["rule"] == "leaked_blocks"] if len(findings) else findings
+    bubbles = findings[findings["rule"] == "pipeline_bubble"] if len(findings) else findings
+    return {
+        "findings": int(len(findings)),
+        "by_severity": by_severity,
+        "by_rule": by_rule,
+        "errors": by_severity["error"],
+        "error_contexts": contexts,
+        "rules": list(findings.attrs.get("rules", [])),
+        "events": findings.attrs.get("events"),
+        "leaks": _leak_summary(leaks) if len(leaks) else [],
+        "bubbles": _bubble_summary(bubbles) if len(bubbles) else [],
+    }

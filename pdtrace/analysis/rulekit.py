@@ -1,0 +1,216 @@
+"""What the block and transfer rules share: step submit/output lookups, engine configs, recorder gaps, evidence refs.
+
+Everything here is computed once per analysis (cached on the context) from small subsets of rows (engine rows,
+`engine_config`, recorder rows); evidence dicts are built only for the rows a finding cites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from pdtrace.analysis.columns import NO, Columns, columns
+
+DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
+
+
+@dataclass
+class StepIndex:
+    """Submit and output positions per (scheduler key, step), and the tokens of each scheduled step."""
+
+    span: int
+    submit_key: np.ndarray   # sorted composite keys sk * span + step
+    submit_pos: np.ndarray
+    submit_row: np.ndarray
+    output_key: np.ndarray
+    output_pos: np.ndarray
+    output_row: np.ndarray
+    sched_key: np.ndarray
+    sched_tokens: np.ndarray
+    has_outputs: np.ndarray  # per sk: the trace has engine rows for this scheduler
+
+    def key(self, sk: np.ndarray, step: np.ndarray) -> np.ndarray:
+        return sk.astype(np.int64) * self.span + step
+
+    @staticmethod
+    def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
+        if len(keys) == 0:
+            return np.full(len(query), NO, np.int64)
+        idx = np.searchsorted(keys, query)
+        idx_c = np.minimum(idx, len(keys) - 1)
+        found = (idx < len(keys)) & (keys[idx_c] == query)
+        return np.where(found, values[idx_c], NO)
+
+    def output_pos_of(self, sk: np.ndarray, step: np.ndarray) -> np.ndarray:
+        """Position of the step's step_output (NO if none or step unknown)."""
+        out = self._lookup(self.output_key, self.output_pos, self.key(sk, step))
+        return np.where(step >= 0, out, NO)
+
+    def output_row_of(self, sk: np.ndarray, step: np.ndarray) -> np.ndarray:
+        out = self._lookup(self.output_key, self.output_row, self.key(sk, step))
+        return np.where(step >= 0, out, NO)
+
+    def tokens_of(self, sk: np.ndarray, step: np.ndarray) -> np.ndarray:
+        return self._lookup(self.sched_key, self.sched_tokens, self.key(sk, step))
+
+    def in_flight_rows(self, sk: int, pos: int) -> list[int]:
+        """step_submit rows of this scheduler submitted before pos whose step_output comes after pos (or never)."""
+        lo = np.searchsorted(self.submit_key, sk * self.span)
+        hi = np.searchsorted(self.submit_key, (sk + 1) * self.span)
+        keys = self.submit_key[lo:hi]
+        before = self.submit_pos[lo:hi] < pos
+        out = self._lookup(self.output_key, self.output_pos, keys)
+        flying = before & ((out < 0) | (out > pos))
+        return self.submit_row[lo:hi][flying].tolist()
+
+
+def _index(cols: Columns) -> StepIndex:
+    sub = cols.rows_of("step_submit")
+    outp = cols.rows_of("step_output")
+    sch = cols.rows_of("sched")
+    steps = cols.step
+    span = int(steps.max()) + 2 if cols.n else 2
+
+    def sorted_by_key(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        rows = rows[steps[rows] >= 0]
+        key = cols.sk[rows].astype(np.int64) * span + steps[rows]
+        order = np.argsort(key, kind="stable")
+        return key[order], cols.pos[rows[order]], rows[order]
+
+    sk_, sp, sr = sorted_by_key(sub)
+    ok, op, orow = sorted_by_key(outp)
+    ck, _, crow = sorted_by_key(sch)
+    has = np.zeros(int(cols.sk.max()) + 1 if cols.n else 0, bool)
+    has[cols.sk[outp]] = True
+    return StepIndex(span, sk_, sp, sr, ok, op, orow, ck, cols.nvalue[crow], has)
+
+
+def step_index(ctx: Any) -> StepIndex:
+    return ctx.cached("rulekit.step_index", lambda: _index(columns(ctx)))
+
+
+def engine_configs(ctx: Any) -> dict[int, dict[str, Any]]:
+    """engine_config detail (plus `num_blocks` from n) per scheduler key."""
+    def build() -> dict[int, dict[str, Any]]:
+        cols = columns(ctx)
+        rows = cols.rows_of("engine_config")
+        out: dict[int, dict[str, Any]] = {}
+        for row, detail in zip(rows.tolist(), cols.details(rows)):
+            cfg = dict(detail)
+            if cols.nvalue[row] >= 0:
+                cfg["num_blocks"] = int(cols.nvalue[row])
+            out.setdefault(int(cols.sk[row]), cfg)
+        return out
+    return ctx.cached("rulekit.engine_configs", build)
+
+
+def defer_block_free(ctx: Any) -> np.ndarray:
+    """Per scheduler key: engine_config says frees are deferred."""
+    cols = columns(ctx)
+    n_sk = len(cols.sk_names)
+    out = np.zeros(n_sk, bool)
+    for sk, cfg in engine_configs(ctx).items():
+        out[sk] = bool(cfg.get("defer_block_free"))
+    return out
+
+
+@dataclass
+class Gaps:
+    """recorder_gap / recorder_off positions per instance code."""
+
+    inst_codes: list[int]
+    gap_pos: dict[int, np.ndarray]
+    off_pos: dict[int, int]
+
+    def covers(self, inst: int, start_pos: int, end_pos: int) -> str | None:
+        """'recorder_off' or 'recorder_gap' if one covers [start_pos, end_pos] on this instance, else None."""
+        off = self.off_pos.get(inst)
+        if off is not None and off <= end_pos:
+            return "recorder_off"
+        gaps = self.gap_pos.get(inst)
+        if gaps is not None and len(gaps):
+            i = np.searchsorted(gaps, start_pos)
+            if i < len(gaps) and gaps[i] <= end_pos:
+                return "recorder_gap"
+        return None
+
+
+def gaps(ctx: Any) -> Gaps:
+    def build() -> Gaps:
+        cols = columns(ctx)
+        inst, _ = cols.codes("instance")
+        gap_rows = cols.rows_of("recorder_gap")
+        off_rows = cols.rows_of("recorder_off")
+        gap_pos: dict[int, np.ndarray] = {}
+        for code in np.unique(inst[gap_rows]).tolist():
+            gap_pos[code] = np.sort(cols.pos[gap_rows[inst[gap_rows] == code]])
+        off_pos: dict[int, int] = {}
+        for code in np.unique(inst[off_rows]).tolist():
+            off_pos[code] = int(cols.pos[off_rows[inst[off_rows] == code]].min())
+        return Gaps(sorted(set(gap_pos) | set(off_pos)), gap_pos, off_pos)
+    return ctx.cached("rulekit.gaps", build)
+
+
+_REF_COLUMNS = ("kind", "ts_ns", "seq", "req", "step", "instance", "pid", "pp_rank", "tp_rank", "blocks",
+                "reason", "status")
+
+
+class Evidence:
+    """Collects the rows findings cite, then turns them into event refs in one take()."""
+
+    def __init__(self, cols: Columns) -> None:
+        self.cols = cols
+        self._refs: dict[int, dict[str, Any]] = {}
+
+    def refs(self, rows: Iterable[int]) -> None:
+        """Pre-fetch refs for many rows at once."""
+        need = sorted({int(r) for r in rows if r is not None and r >= 0} - set(self._refs))
+        if not need:
+            return
+        table = self.cols.table.select([c for c in _REF_COLUMNS if c in self.cols.table.column_names])
+        for row, rec in zip(need, table.take(pa.array(need, pa.int64())).to_pylist()):
+            clean = {k: v for k, v in rec.items() if v is not None}
+            if "blocks" in clean and len(clean["blocks"]) > 16:
+                clean["n_blocks"] = len(clean["blocks"])
+                clean["blocks"] = clean["blocks"][:16]
+            clean.setdefault("req", None)
+            clean.setdefault("step", None)
+            self._refs[row] = clean
+
+    def ref(self, row: int, note: str | None = None) -> dict[str, Any]:
+        if row not in self._refs:
+            self.refs([row])
+        out = dict(self._refs[row])
+        if note:
+            out["note"] = note
+        return out
+
+
+def sk_instance(cols: Columns, sk: int) -> tuple[str, int | None]:
+    names = cols.sk_names
+    dp = names["dp_rank"].iloc[sk]
+    return str(names["instance"].iloc[sk]), (None if dp is None or dp is np.nan or str(dp) == "<NA>" else int(dp))
+
+
+def inst_code_of_sk(cols: Columns, sk: int) -> int:
+    name = cols.sk_names["instance"].iloc[sk]
+    return cols.code_of("instance", str(name))
+
+
+def groups(keys: np.ndarray) -> list[np.ndarray]:
+    """Indices grouped by key (keys sorted stably); one array per distinct key."""
+    if len(keys) == 0:
+        return []
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    cuts = np.flatnonzero(k[1:] != k[:-1]) + 1
+    return np.split(order, cuts)
+
+
+def fmt_blocks(blocks: list[int], limit: int = 12) -> str:
+    if len(blocks) <= limit:
+        return "[" + ", ".join(str(b) for b in blocks) + "]"
+    return "[" + ", ".join(str(b) for b in blocks[:limit]) + f", ... ({len(blocks)} blocks)]"

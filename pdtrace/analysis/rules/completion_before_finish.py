@@ -1,0 +1,115 @@
+"""completion_before_finish: a transfer completion for a request that is not in a state to receive it.
+
+What trips vLLM's `assert request.is_finished()` in `_free_blocks` (`scheduler.py:3065`) for sends and
+`RequestStatus.is_finished` (`:3577`) for receives (C02: a send completion for a running request).
+
+Algorithm, per aggregated completion row (`kv_send_done` / `kv_recv_done` with a req):
+- The request's state at that moment is the event's `status` where the recorder gave it; otherwise the history: a
+  `req_finish` before the completion means finished; a `req_wait_kv` before it with no `kv_recv_done` /
+  `kv_recv_fail` in between means waiting for remote KV.
+- `send`: a `kv_send_done` whose request is not finished.
+- `recv`: a `kv_recv_done` whose request is neither waiting for remote KV nor finished.
+Status `unknown` and completions for requests the trace never saw are double_free's. Evidence: the completion, the
+request's last `req_sched` before it, the steps in flight (step_submit without step_output yet), the other
+completions of the same update (same scheduler and step), and an `engine_error` of that scheduler right after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.columns import columns, next_at_or_after
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rules.premature_free import last_sched_before
+from pdtrace.analysis.rulekit import Evidence, sk_instance, step_index
+from pdtrace.format import FINISHED_STATUSES
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    rows = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done") & (cols.rk >= 0))
+    if len(rows) == 0:
+        return findings_frame([])
+    rk = cols.rk[rows]
+    pos = cols.pos[rows]
+    send = cols.is_kind("kv_send_done")[rows]
+    status_codes, status_names = cols.codes("status")
+    status = status_codes[rows]
+    finished_codes = [i for i, s in enumerate(status_names) if s in FINISHED_STATUSES]
+    waiting_code = cols.code_of("status", "WAITING_FOR_REMOTE_KVS")
+    unknown_code = cols.code_of("status", "unknown")
+    has_status = status >= 0
+    st_finished = np.isin(status, finished_codes)
+    st_waiting = status == waiting_code
+    fin = st.finish_pos[rk]
+    hist_finished = (fin >= 0) & (fin < pos)
+    hist_waiting = st.recv_open_at(rk, pos)
+    first_seen = np.full(cols.n_requests, np.iinfo(np.int64).max, np.int64)
+    known = np.flatnonzero((cols.rk >= 0) & ~cols.is_kind("kv_send_done", "kv_recv_done"))
+    if len(known):
+        np.minimum.at(first_seen, cols.rk[known], cols.pos[known])
+    seen = first_seen[rk] < pos
+    finished = np.where(has_status, st_finished, hist_finished)
+    waiting = np.where(has_status, st_waiting, hist_waiting)
+    usable = np.where(has_status, status != unknown_code, seen)
+    bad = usable & np.where(send, ~finished, ~(finished | waiting))
+    idx = np.flatnonzero(bad)
+    if len(idx) == 0:
+        return findings_frame([])
+    ev = Evidence(cols)
+    si = step_index(ctx)
+    sched_rows = last_sched_before(ctx, rk[idx], pos[idx])
+    err_rows = cols.rows_of("engine_error")
+    err_next = next_at_or_after(cols.sk[rows[idx]], pos[idx], cols.sk[err_rows], cols.pos[err_rows], strict=True)
+    ev.refs(np.concatenate([rows[idx], sched_rows]))
+    all_comp = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done"))
+    records: list[dict[str, Any]] = []
+    for j, i in enumerate(idx.tolist()):
+        row = int(rows[i])
+        direction = "send" if send[i] else "recv"
+        ref = ev.ref(row, "completion")
+        req = ref.get("req")
+        state = status_names[status[i]] if has_status[i] else (
+            "unfinished (from its history)" if direction == "send" else "not waiting for KV (from its history)")
+        evidence = [ref]
+        if sched_rows[j] >= 0:
+            evidence.append(ev.ref(int(sched_rows[j]), "last scheduled before the completion"))
+        if fin[i] > pos[i]:
+            evidence.append(ev.ref(int(cols.order[fin[i]]), "finished only later"))
+        sk = int(cols.sk[row])
+        flying = si.in_flight_rows(sk, int(pos[i]))
+        evidence += [ev.ref(int(r), "step in flight") for r in flying[:4]]
+        step = cols.step[row]
+        others: list[str] = []
+        if step >= 0:
+            same = all_comp[(cols.sk[all_comp] == sk) & (cols.step[all_comp] == step) & (all_comp != row)]
+            for r in same[:4].tolist():
+                evidence.append(ev.ref(int(r), "in the same update"))
+            others = [str(ev.ref(int(r)).get("req")) for r in same[:32].tolist()]
+        if err_next[j] >= 0:
+            evidence.append(ev.ref(int(err_rows[err_next[j]]), "the engine failed after it"))
+        instance, dp = sk_instance(cols, sk)
+        where = "_free_blocks asserts request.is_finished()" if direction == "send" else \
+            "_update_from_kv_xfer_finished asserts RequestStatus.is_finished"
+        records.append({
+            "rule": "completion_before_finish", "subrule": direction, "severity": "error", "instance": instance,
+            "dp_rank": dp, "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]),
+            "message": f"kv_{direction}_done for {req} while it was {state}: vLLM's {where}",
+            "evidence": evidence, "context": f"completion_before_finish:{direction}:{state}",
+            "extra": {"status": state, "steps_in_flight": len(flying), "others_in_update": others},
+        })
+    return findings_frame(records)
+
+
+RULE = Rule(
+    id="completion_before_finish",
+    summary="a transfer completion for a request that is not finished (send) or not waiting for it (recv)",
+    run=run,
+    subrules=("send", "recv"),
+)

@@ -1,0 +1,146 @@
+"""double_free: blocks or completions released twice.
+
+Algorithm:
+- `not_owned`: flattened `blocks_free` entries that close no holding interval of their (request, block): the
+  request gave up a block it did not hold (blocks.ownership's unmatched frees; one finding per free row). Evidence:
+  the earlier free that released the block (last interval of the same request and block freed before), and its
+  allocation. Downgraded to a warning when the request has no allocation and no `req_add` in the trace at all (it
+  may predate the recording).
+- `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id:
+  vLLM 0.33 asserts `req_id in self.requests` at `scheduler.py:3571` / `:3581`; 0.10 raises KeyError), or with no
+  status and no earlier event of the request in the trace (a warning then: it may predate the recording).
+- `completion_after_free`: a completion inside a request's release gap (blocks.release_gaps) whose emptying free
+  was caused by a completion (reason `sent` / `received`): a second completion for blocks already freed (C09: an
+  aborted request with a receive and a send pending).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.blocks import ownership, release_gaps
+from pdtrace.analysis.columns import NO, columns, last_before
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance, step_index
+
+COMPLETION_FREE_REASONS = ("sent", "received")
+
+
+def _completion_evidence(ctx: Any, ev: Evidence, row: int) -> list[dict[str, Any]]:
+    """Other completions of the same update (same scheduler and step), up to four."""
+    cols = columns(ctx)
+    step = cols.step[row]
+    if step < 0:
+        return []
+    rows = cols.rows_of("kv_send_done", "kv_recv_done")
+    same = rows[(cols.sk[rows] == cols.sk[row]) & (cols.step[rows] == step) & (rows != row)]
+    return [ev.ref(int(r), "in the same update") for r in same[:4].tolist()]
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    own = ownership(ctx)
+    ev = Evidence(cols)
+    records: list[dict[str, Any]] = []
+    kind_codes, kind_names = cols.codes("kind")
+
+    # frees of blocks the request did not hold
+    if len(own.unmatched_row):
+        width = int(max(own.block.max() if len(own) else 0, own.unmatched_block.max())) + 1
+        key_u = own.unmatched_rk.astype(np.int64) * width + own.unmatched_block
+        closed = own.free_row >= 0
+        key_i = own.rk[closed].astype(np.int64) * width + own.block[closed]
+        prev = last_before(key_u, cols.pos[own.unmatched_row], key_i, own.free_pos[closed], strict=True)
+        closed_idx = np.flatnonzero(closed)
+        for group in groups(own.unmatched_row):
+            row = int(own.unmatched_row[group[0]])
+            blocks = sorted(int(b) for b in own.unmatched_block[group])
+            rk = int(own.unmatched_rk[group[0]])
+            prev_i = [int(closed_idx[p]) for p in prev[group] if p >= 0]
+            ev.refs([row] + [int(own.free_row[p]) for p in prev_i[:1]] + [int(own.alloc_row[p]) for p in prev_i[:1]])
+            free_ref = ev.ref(row, "blocks given up again here")
+            evidence = [free_ref]
+            if prev_i:
+                evidence.append(ev.ref(int(own.free_row[prev_i[0]]), "already given up here"))
+                evidence.append(ev.ref(int(own.alloc_row[prev_i[0]]), "allocated here"))
+            instance, dp = sk_instance(cols, int(cols.sk[row]))
+            never_known = st.add_pos[rk] < 0 and not prev_i and not np.any(own.rk == rk)
+            req = free_ref.get("req")
+            records.append({
+                "rule": "double_free", "subrule": "not_owned", "severity": "warning" if never_known else "error",
+                "instance": instance, "dp_rank": dp, "req": req, "blocks": blocks, "step": free_ref.get("step"),
+                "ts_ns": int(cols.ts[row]),
+                "message": f"{req} gave up blocks {fmt_blocks(blocks)} it did not hold"
+                           + (" (freed before)" if prev_i else " (no allocation of them in the trace)"),
+                "evidence": evidence, "context": "double_free:not_owned",
+                "extra": {"previously_freed": bool(prev_i)},
+            })
+
+    # completions for unknown ids, and completions after a completion already freed the blocks
+    comp = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done") & (cols.rk >= 0))
+    status_codes, _ = cols.codes("status")
+    unknown = cols.code_of("status", "unknown")
+    rk = cols.rk[comp]
+    pos = cols.pos[comp]
+    is_unknown = status_codes[comp] == unknown
+    first_seen = np.full(cols.n_requests, np.iinfo(np.int64).max, np.int64)
+    known_rows = np.flatnonzero((cols.rk >= 0) & ~cols.is_kind("kv_send_done", "kv_recv_done"))
+    if len(known_rows):
+        np.minimum.at(first_seen, cols.rk[known_rows], cols.pos[known_rows])
+    never_seen = (status_codes[comp] < 0) & (first_seen[rk] > pos)
+    gaps = release_gaps(ctx)
+    g = gaps.find(rk, pos) if len(gaps) else np.full(len(comp), NO)
+    reason_codes, reason_names = cols.codes("reason")
+    completion_reasons = [reason_names.index(r) for r in COMPLETION_FREE_REASONS if r in reason_names]
+    gap_free_row = np.where(g >= 0, gaps.free_row[np.maximum(g, 0)] if len(gaps) else NO, NO)
+    after = (g >= 0) & ~is_unknown & np.isin(np.where(gap_free_row >= 0, reason_codes[np.maximum(gap_free_row, 0)],
+                                                       -9), completion_reasons)
+    si = step_index(ctx)
+    for i in np.flatnonzero(is_unknown | never_seen | after).tolist():
+        row = int(comp[i])
+        kind = kind_names[kind_codes[row]]
+        ev.refs([row])
+        ref = ev.ref(row, "completion")
+        req = ref.get("req")
+        r = int(rk[i])
+        evidence = [ref]
+        if after[i]:
+            sub, sev = "completion_after_free", "error"
+            evidence.append(ev.ref(int(gap_free_row[i]), "blocks already freed here by an earlier completion"))
+            msg = f"a second transfer completion ({kind}) for {req} after a completion already freed its blocks"
+        else:
+            sub = "unknown_id"
+            sev = "error" if is_unknown[i] else "warning"
+            if st.last_free_pos[r] >= 0 and st.last_free_pos[r] < pos[i]:
+                evidence.append(ev.ref(int(cols.order[st.last_free_pos[r]]), "blocks last freed here"))
+            if st.finish_pos[r] >= 0 and st.finish_pos[r] < pos[i]:
+                evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
+            msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): vLLM asserts "
+                   "req_id in self.requests" if is_unknown[i] else
+                   f"{kind} for {req}, which has no earlier event in the trace")
+        evidence += _completion_evidence(ctx, ev, row)
+        sk = int(cols.sk[row])
+        flying = si.in_flight_rows(sk, int(pos[i]))
+        instance, dp = sk_instance(cols, sk)
+        records.append({
+            "rule": "double_free", "subrule": sub, "severity": sev, "instance": instance, "dp_rank": dp,
+            "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]), "message": msg,
+            "evidence": evidence, "context": f"double_free:{sub}:{kind}",
+            "extra": {"steps_in_flight": len(flying)},
+        })
+    return findings_frame(records)
+
+
+RULE = Rule(
+    id="double_free",
+    summary="blocks given up by a request that no longer owns them; a second completion after the blocks were "
+            "freed; completions for unknown ids",
+    run=run,
+    subrules=("not_owned", "unknown_id", "completion_after_free"),
+)

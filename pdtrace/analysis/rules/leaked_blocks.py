@@ -1,0 +1,155 @@
+"""leaked_blocks: blocks that never go back, memcheck-style classes.
+
+Algorithm, over the ownership intervals never closed by a free (one finding per request):
+- `definitely` (error): the owner finished (`req_finish`) and has no open transfer at the end of the trace: nothing
+  will ever free the blocks.
+- `indirectly` (error): the owner is stuck waiting on a peer for longer than the grace period (`grace_s`, default
+  480 s) before the end of the trace: finished with delay_free and no `kv_send_done` / `kv_expire`, or waiting for
+  remote KV with no `kv_recv_done` / `kv_recv_fail`. Shorter waits are transfers still in flight, not leaks.
+- `possibly` (warning): the owner is alive (not finished) and had no scheduler event for longer than the grace
+  period before the end of the trace.
+- A deferred free (`deferred=true`) whose blocks were held by nobody else and never reached `blocks_pool_free`,
+  although the step that was the last one submitted before the free has its `step_output` and a later non-empty
+  step has had its update (deferred frees drain there), is `definitely` (context `deferred_never_drained`) unless
+  the block was allocated again (the pool got it back unrecorded).
+A `recorder_gap` or `recorder_off` of the instance between the moment in question and the end of the trace
+downgrades the finding one severity (extra `downgraded`). `extra` carries `class`, `n_blocks`, `held_s` and
+`pool_blocks` (engine_config n), which the leak summary adds up per instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.blocks import ownership
+from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rulekit import (DOWNGRADE, Evidence, engine_configs, fmt_blocks, gaps, groups,
+                                      inst_code_of_sk, sk_instance, step_index)
+
+CLASS_SEVERITY = {"definitely": "error", "indirectly": "error", "possibly": "warning"}
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    if cols.n == 0:
+        return findings_frame([])
+    st = request_state(ctx)
+    own = ownership(ctx)
+    grace_ns = int(ctx.config.grace_s * 1e9)
+    end_pos = cols.n
+    end_ts = int(cols.ts.max())
+    gp = gaps(ctx)
+    ev = Evidence(cols)
+    cfgs = engine_configs(ctx)
+    records: list[dict[str, Any]] = []
+
+    def ts_at(pos: int) -> int:
+        return int(cols.ts[cols.order[pos]])
+
+    def emit(cls: str, sk: int, req_row: int, blocks: list[int], since_pos: int, why: str,
+             evidence: list[dict[str, Any]], context: str, step: Any) -> None:
+        instance, dp = sk_instance(cols, sk)
+        severity = CLASS_SEVERITY[cls]
+        gap = gp.covers(inst_code_of_sk(cols, sk), since_pos, end_pos)
+        extra: dict[str, Any] = {"class": cls, "n_blocks": len(blocks), "held_s": (end_ts - ts_at(since_pos)) / 1e9,
+                                 "pool_blocks": cfgs.get(sk, {}).get("num_blocks")}
+        if gap:
+            severity = DOWNGRADE[severity]
+            extra["downgraded"] = gap
+            why += f" ({gap} in the trace: events may be missing)"
+        req = ev.ref(req_row).get("req")
+        records.append({
+            "rule": "leaked_blocks", "subrule": cls, "severity": severity, "instance": instance, "dp_rank": dp,
+            "req": req, "blocks": blocks, "step": step, "ts_ns": ts_at(since_pos),
+            "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} {cls} lost: {req} {why}",
+            "evidence": evidence, "context": context, "extra": extra,
+        })
+
+    open_iv = np.flatnonzero(own.free_row < 0)
+    if len(open_iv):
+        for group in groups(own.rk[open_iv]):
+            members = open_iv[group]
+            rk = int(own.rk[members[0]])
+            sk = int(own.sk[members[0]])
+            blocks = sorted({int(b) for b in own.block[members]})
+            alloc_row = int(own.alloc_row[members].min())
+            fin = int(st.finish_pos[rk])
+            send_open = bool(st.send_open_at(np.array([rk]), np.array([end_pos]))[0])
+            recv_open = bool(st.recv_open_at(np.array([rk]), np.array([end_pos]))[0])
+            ev.refs([alloc_row] + ([int(cols.order[fin])] if fin >= 0 else []))
+            evidence = [ev.ref(alloc_row, "allocated here")]
+            if send_open or recv_open:
+                since = fin if send_open else int(st.wait_kv_pos[rk])
+                if end_ts - ts_at(since) <= grace_ns:
+                    continue
+                cls = "indirectly"
+                evidence.append(ev.ref(int(cols.order[since]), "finished with delay_free: waiting for the peer's "
+                                       "read" if send_open else "waiting for remote KV since"))
+                why = (f"waits {'to send its KV' if send_open else 'for remote KV'} for "
+                       f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {ctx.config.grace_s:g} s) and never completes")
+                context = f"leaked_blocks:indirectly:{'send' if send_open else 'recv'}"
+            elif fin >= 0:
+                since = fin
+                cls = "definitely"
+                evidence.append(ev.ref(int(cols.order[fin]), "request finished"))
+                why = "finished and has no open transfer, but never gave them up"
+                context = "leaked_blocks:definitely:finished"
+            else:
+                last = int(st.last_pos[rk])
+                if last < 0 or end_ts - ts_at(last) <= grace_ns:
+                    continue
+                since = last
+                cls = "possibly"
+                evidence.append(ev.ref(int(cols.order[last]), "last event of the request"))
+                why = f"is still alive but idle for {(end_ts - ts_at(last)) / 1e9:.1f} s"
+                context = "leaked_blocks:possibly:idle"
+            emit(cls, sk, alloc_row, blocks, since, why, evidence, context, ev.ref(alloc_row).get("step"))
+
+    _deferred_never_drained(ctx, ev, emit)
+    return findings_frame(records)
+
+
+def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
+    cols = columns(ctx)
+    own = ownership(ctx)
+    value, valid = cols.bool_col("deferred")
+    free_row = np.where(own.free_row >= 0, own.free_row, 0)
+    cand = np.flatnonzero((own.free_row >= 0) & valid[free_row] & value[free_row] & (own.pool_free_row < 0)
+                          & (own.others_at_free == 0) & (own.next_alloc_pos < 0))
+    if len(cand) == 0:
+        return
+    si = step_index(ctx)
+    sub = cols.rows_of("step_submit")
+    last_sub = last_before(own.sk[cand], own.free_pos[cand], cols.sk[sub], cols.pos[sub], strict=True)
+    has = last_sub >= 0
+    step = np.where(has, cols.step[sub[np.maximum(last_sub, 0)]], NO)
+    fence_out = si.output_pos_of(own.sk[cand], step)
+    outs = cols.rows_of("step_output")
+    tokens = si.tokens_of(cols.sk[outs], cols.step[outs])
+    busy = outs[tokens > 0]
+    later = next_at_or_after(own.sk[cand], fence_out, cols.sk[busy], cols.pos[busy], strict=True)
+    leaked = cand[has & (fence_out >= 0) & (later >= 0)]
+    for group in groups(own.free_row[leaked]):
+        members = leaked[group]
+        row = int(own.free_row[members[0]])
+        blocks = sorted(int(b) for b in own.block[members])
+        ev.refs([row, int(own.alloc_row[members[0]])])
+        evidence = [ev.ref(row, "deferred free"), ev.ref(int(own.alloc_row[members[0]]), "allocated here")]
+        emit("definitely", int(own.sk[members[0]]), row, blocks, int(cols.pos[row]),
+             "freed them with a deferred free that never reached the pool although its fence passed", evidence,
+             "leaked_blocks:definitely:deferred_never_drained", ev.ref(row).get("step"))
+
+
+RULE = Rule(
+    id="leaked_blocks",
+    summary="blocks still owned at the end of the trace, or past the grace period, by a finished request or one "
+            "stuck on a transfer; deferred frees that never reach the pool",
+    run=run,
+    subrules=("definitely", "indirectly", "possibly"),
+)

@@ -1,0 +1,290 @@
+"""premature_free: blocks given up too early.
+
+Algorithm (all over arrays of `blocks_free` rows and ownership intervals; positions are the global time order):
+
+- `unfinished`: a free whose reason is not `preempted`, `skipped` or `load_failed` (the frees vLLM makes for running
+  requests) while the request is not finished: no `req_finish` before it, and it is not the free of
+  `_free_request` itself (the recorder writes that free just before `req_finish`: same step, no `req_sched` between).
+- `send_open`: a free while the request's send is open: `req_finish` with delay_free (not for a pending receive) and
+  no `kv_send_done` / `kv_expire` since (v10: an abort during the delayed free re-runs `_free_request`).
+- `recv_open`: a free (other than `load_failed`) while the request waits for remote KV: after `req_wait_kv`, before
+  `kv_recv_done` / `kv_recv_fail` (v10 frees an aborted `WAITING_FOR_REMOTE_KVS` request at once; v33 waits).
+- `quorum` (the per-rank check lives here): where the instance has `kv_send_rank` / `kv_recv_rank` rows, an
+  aggregated `kv_send_done` / `kv_recv_done` reached the scheduler before every expected rank reported (expected =
+  detail `expected_ranks`, else engine_config tp*pp): the blocks are freed while some rank still transfers.
+- `async_load_reuse`: a freed block handed (a later `req_wait_kv` allocation) to a request whose KV arrives
+  asynchronously before the step_output of the freeing request's last step: the remote write races that step.
+  Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported.
+- `not_deferred`: an immediate free (deferred=false) on a scheduler whose engine_config says `defer_block_free`
+  while the request's last scheduled step is still in flight (no step_output yet).
+One finding per free row and subrule (the first of unfinished, send_open, recv_open, not_deferred), blocks grouped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.blocks import ownership
+from pdtrace.analysis.columns import NO, columns, last_before
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rulekit import (Evidence, defer_block_free, engine_configs, fmt_blocks, groups, sk_instance,
+                                      step_index)
+
+RUNNING_FREE_REASONS = ("preempted", "skipped", "load_failed")
+
+
+def last_sched_before(ctx: Any, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Row of the request's last req_sched before pos (NO if none), only over the requests asked about."""
+    cols = columns(ctx)
+    if len(rk) == 0:
+        return np.empty(0, np.int64)
+    wanted = np.zeros(cols.n_requests, bool)
+    wanted[rk] = True
+    rows = cols.rows_of("req_sched")
+    rows = rows[(cols.rk[rows] >= 0)]
+    rows = rows[wanted[cols.rk[rows]]]
+    idx = last_before(rk, pos, cols.rk[rows], cols.pos[rows], strict=True)
+    return np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
+
+
+def _free_rows(ctx: Any) -> dict[str, np.ndarray]:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    rows = np.flatnonzero(cols.is_kind("blocks_free") & (cols.rk >= 0))
+    rk = cols.rk[rows]
+    pos = cols.pos[rows]
+    reason, names = cols.codes("reason")
+    running_ok = np.isin(reason[rows], [names.index(r) for r in RUNNING_FREE_REASONS if r in names])
+    load_failed = reason[rows] == cols.code_of("reason", "load_failed")
+    fin = st.finish_pos[rk]
+    fin_row = cols.order[np.maximum(fin, 0)] if cols.n else fin
+    same_step = cols.step[fin_row] == cols.step[rows]
+    last_sched = st.last_sched_pos[rk]
+    at_finish = (fin > pos) & same_step & ~((last_sched > pos) & (last_sched < fin))
+    finished_before = (fin >= 0) & (fin < pos)
+    unfinished = ~running_ok & ~finished_before & ~at_finish
+    send_open = st.send_open_at(rk, pos)
+    recv_open = st.recv_open_at(rk, pos) & ~load_failed
+    return {"rows": rows, "rk": rk, "pos": pos, "unfinished": unfinished, "send_open": send_open,
+            "recv_open": recv_open}
+
+
+def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
+    cols = columns(ctx)
+    out = np.zeros(len(fr["rows"]), bool)
+    defer = defer_block_free(ctx)
+    if not defer.any():
+        return out
+    value, valid = cols.bool_col("deferred")
+    rows = fr["rows"]
+    sk = cols.sk[rows]
+    cand = np.flatnonzero(defer[sk] & valid[rows] & ~value[rows])
+    if len(cand) == 0:
+        return out
+    si = step_index(ctx)
+    sched_row = last_sched_before(ctx, fr["rk"][cand], fr["pos"][cand])
+    has = sched_row >= 0
+    step = np.where(has, cols.step[np.maximum(sched_row, 0)], NO)
+    out_pos = si.output_pos_of(sk[cand], step)
+    flying = has & ((out_pos > fr["pos"][cand]) | ((out_pos < 0) & si.has_outputs[sk[cand]]))
+    out[cand[flying]] = True
+    return out
+
+
+def _quorum(ctx: Any) -> list[dict[str, Any]]:
+    cols = columns(ctx)
+    rank_rows = cols.rows_of("kv_send_rank", "kv_recv_rank")
+    if len(rank_rows) == 0:
+        return []
+    inst, _ = cols.codes("instance")
+    req, _ = cols.codes("req")
+    kind, knames = cols.codes("kind")
+    send_rank = knames.index("kv_send_rank") if "kv_send_rank" in knames else -9
+    pp = cols.table.column("pp_rank").to_pandas().fillna(-1).to_numpy().astype(np.int64)
+    tp = cols.table.column("tp_rank").to_pandas().fillna(-1).to_numpy().astype(np.int64)
+    ranks = pd.DataFrame({"inst": inst[rank_rows], "req": req[rank_rows],
+                          "send": kind[rank_rows] == send_rank, "rpos": cols.pos[rank_rows],
+                          "rank": pp[rank_rows] * 10_000 + tp[rank_rows]})
+    done_rows = cols.rows_of("kv_send_done", "kv_recv_done")
+    done_rows = done_rows[np.isin(inst[done_rows], np.unique(ranks["inst"]))]
+    if len(done_rows) == 0:
+        return []
+    send_done = cols.code_of("kind", "kv_send_done")
+    done = pd.DataFrame({"row": done_rows, "inst": inst[done_rows], "req": req[done_rows],
+                         "send": kind[done_rows] == send_done, "pos": cols.pos[done_rows]})
+    joined = done.merge(ranks, on=["inst", "req", "send"], how="left")
+    joined = joined[joined["rpos"].isna() | (joined["rpos"] < joined["pos"])]
+    got = joined.groupby("row")["rank"].nunique()
+    expected_default: dict[int, int] = {}
+    for sk, cfg in engine_configs(ctx).items():
+        try:
+            expected_default[sk] = int(cfg.get("tp", 1)) * int(cfg.get("pp", 1))
+        except (TypeError, ValueError):
+            pass
+    details = cols.details(done_rows)
+    out = []
+    ev = Evidence(cols)
+    for row, detail in zip(done_rows.tolist(), details):
+        expected = detail.get("expected_ranks")
+        if expected is None:
+            expected = expected_default.get(int(cols.sk[row]))
+        if not expected:
+            continue
+        have = int(got.get(row, 0))
+        if have >= int(expected):
+            continue
+        instance, dp = sk_instance(cols, int(cols.sk[row]))
+        direction = "send" if kind[row] == send_done else "recv"
+        mine = ranks[(ranks["inst"] == inst[row]) & (ranks["req"] == req[row]) & (ranks["send"] == (direction == "send"))]
+        rank_rows_before = rank_rows[np.isin(cols.pos[rank_rows], mine["rpos"][mine["rpos"] < cols.pos[row]])]
+        evidence = [ev.ref(row, f"aggregated kv_{direction}_done after {have} of {expected} ranks")]
+        evidence += [ev.ref(int(r), "rank reported") for r in rank_rows_before[:8].tolist()]
+        reqname = ev.ref(row).get("req")
+        out.append({
+            "rule": "premature_free", "subrule": "quorum", "severity": "error", "instance": instance,
+            "dp_rank": dp, "req": reqname, "blocks": [], "step": ev.ref(row).get("step"),
+            "ts_ns": int(cols.ts[row]),
+            "message": f"kv_{direction}_done for {reqname} reached the scheduler after {have} of {expected} ranks "
+                       f"reported: its blocks are freed while other ranks may still transfer them",
+            "evidence": evidence, "context": f"premature_free:quorum:{direction}",
+            "extra": {"ranks_reported": have, "ranks_expected": int(expected), "direction": direction},
+        })
+    return out
+
+
+SUBRULE_TEXT = {
+    "unfinished": "freed while the request was still unfinished",
+    "send_open": "freed while the request's KV send was still open (finished with delay_free, no kv_send_done yet)",
+    "recv_open": "freed while the request was still waiting for remote KV (no kv_recv_done / kv_recv_fail yet)",
+    "not_deferred": "freed immediately although this scheduler defers frees (defer_block_free) and the request's "
+                    "last step was still in flight",
+}
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    own = ownership(ctx)
+    fr = _free_rows(ctx)
+    fr["not_deferred"] = _not_deferred(ctx, fr)
+    records: list[dict[str, Any]] = []
+    ev = Evidence(cols)
+    si = step_index(ctx)
+    reason_codes, reason_names = cols.codes("reason")
+
+    flagged = np.zeros(len(fr["rows"]), bool)
+    subrule = np.full(len(fr["rows"]), "", dtype=object)
+    for name in ("unfinished", "send_open", "recv_open", "not_deferred"):
+        hit = fr[name] & ~flagged
+        subrule[hit] = name
+        flagged |= hit
+    idx = np.flatnonzero(flagged)
+    if len(idx):
+        free_rows = fr["rows"][idx]
+        # the intervals each flagged free closed: allocation rows as evidence
+        closes = pd.DataFrame({"free_row": own.free_row, "alloc_row": own.alloc_row, "block": own.block})
+        closes = closes[closes["free_row"].isin(free_rows)]
+        first_alloc = closes.groupby("free_row")["alloc_row"].min()
+        sched_rows = last_sched_before(ctx, fr["rk"][idx], fr["pos"][idx])
+        ev.refs(np.concatenate([free_rows, first_alloc.to_numpy(), sched_rows]))
+        for i, free_row, sched_row in zip(idx.tolist(), free_rows.tolist(), sched_rows.tolist()):
+            rk = int(fr["rk"][i])
+            pos = int(fr["pos"][i])
+            sub = str(subrule[i])
+            sk = int(cols.sk[free_row])
+            instance, dp = sk_instance(cols, sk)
+            free_ref = ev.ref(free_row, "blocks given up here")
+            blocks = list(free_ref.get("blocks") or [])
+            evidence = [free_ref]
+            if free_row in first_alloc.index:
+                evidence.append(ev.ref(int(first_alloc[free_row]), "allocated here"))
+            if sub == "send_open":
+                evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished with delay_free: send open"))
+            elif sub == "recv_open":
+                evidence.append(ev.ref(int(cols.order[st.wait_kv_pos[rk]]), "waiting for remote KV since"))
+            elif sub == "unfinished" and st.finish_pos[rk] > pos:
+                evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished only later"))
+            if sched_row >= 0:
+                evidence.append(ev.ref(int(sched_row), "last scheduled before the free"))
+            flying = si.in_flight_rows(sk, pos)
+            for r in flying[:4]:
+                evidence.append(ev.ref(int(r), "step in flight at the free"))
+            rc = reason_codes[free_row]
+            reason = reason_names[rc] if rc >= 0 else None
+            req = free_ref.get("req")
+            records.append({
+                "rule": "premature_free", "subrule": sub, "severity": "error", "instance": instance, "dp_rank": dp,
+                "req": req, "blocks": blocks, "step": free_ref.get("step"), "ts_ns": int(cols.ts[free_row]),
+                "message": f"blocks {fmt_blocks(blocks)} of {req} {SUBRULE_TEXT[sub]} (free reason {reason})",
+                "evidence": evidence, "context": f"premature_free:{sub}:{reason}",
+                "extra": {"free_reason": reason, "steps_in_flight": len(flying)},
+            })
+
+    records += _async_reuse(ctx, ev)
+    records += _quorum(ctx)
+    return findings_frame(records)
+
+
+def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
+    cols = columns(ctx)
+    own = ownership(ctx)
+    si = step_index(ctx)
+    cand = np.flatnonzero((own.free_row >= 0) & (own.next_wait_kv_pos >= 0))
+    if len(cand) == 0:
+        return []
+    sched_row = last_sched_before(ctx, own.rk[cand], own.free_pos[cand])
+    has = sched_row >= 0
+    step = np.where(has, cols.step[np.maximum(sched_row, 0)], NO)
+    out_pos = si.output_pos_of(own.sk[cand], step)
+    wait_pos = own.next_wait_kv_pos[cand]
+    racing = has & (((out_pos > wait_pos)) | ((out_pos < 0) & si.has_outputs[own.sk[cand]]))
+    hit = cand[racing]
+    if len(hit) == 0:
+        return []
+    sched_hit = sched_row[racing]
+    records = []
+    # one finding per (free row, wait_kv row)
+    key = own.free_row[hit].astype(np.int64) * (cols.n + 1) + own.next_wait_kv_row[hit]
+    for group in groups(key):
+        members = hit[group]
+        first = int(members[0])
+        free_row = int(own.free_row[first])
+        wait_row = int(own.next_wait_kv_row[first])
+        srow = int(sched_hit[group[0]])
+        blocks = sorted(int(b) for b in own.block[members])
+        sk = int(own.sk[first])
+        instance, dp = sk_instance(cols, sk)
+        ev.refs([free_row, wait_row, srow, int(own.alloc_row[first])])
+        step_k = int(cols.step[srow])
+        out_row = int(si.output_row_of(np.array([sk]), np.array([step_k]))[0])
+        evidence = [ev.ref(free_row, "blocks given up here"), ev.ref(int(own.alloc_row[first]), "allocated here"),
+                    ev.ref(srow, f"step {step_k} used them and was still in flight"),
+                    ev.ref(wait_row, "handed to a request whose KV is written asynchronously")]
+        if out_row >= 0:
+            evidence.append(ev.ref(out_row, "the step's output came only here"))
+        old = ev.ref(free_row).get("req")
+        new = ev.ref(wait_row).get("req")
+        records.append({
+            "rule": "premature_free", "subrule": "async_load_reuse", "severity": "error", "instance": instance,
+            "dp_rank": dp, "req": old, "blocks": blocks, "step": ev.ref(free_row).get("step"),
+            "ts_ns": int(cols.ts[free_row]),
+            "message": f"blocks {fmt_blocks(blocks)} freed by {old} went to {new} (remote KV load) before step "
+                       f"{step_k}, which used them, had its output: the asynchronous write races that step",
+            "evidence": evidence, "context": "premature_free:async_load_reuse",
+            "extra": {"new_owner": new, "step_in_flight": step_k},
+        })
+    return records
+
+
+RULE = Rule(
+    id="premature_free",
+    summary="blocks given up while their request is unfinished or its KV transfer is open, or handed to an "
+            "asynchronously loaded request before the step that used them has its output",
+    run=run,
+    subrules=("unfinished", "send_open", "recv_open", "quorum", "async_load_reuse", "not_deferred"),
+)

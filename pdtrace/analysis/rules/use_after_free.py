@@ -1,0 +1,167 @@
+"""use_after_free: blocks used after their owner gave them up.
+
+Algorithm:
+- From the ownership intervals, each request's *release gaps*: from the free that left it holding no block to its
+  next allocation (blocks.release_gaps: a running count of open intervals per request, sorted by position).
+- `sched_after_free`: a `req_sched` of the request inside a gap (scheduled with a freed block table).
+- `remote_read`: a `remote_read` naming the request (the reader's detail `remote_instance` names the owner's
+  instance) inside a gap: a peer read blocks that were already freed.
+- `completion_after_free`: a `kv_send_done` / `kv_recv_done` inside a gap whose emptying free was not itself
+  caused by a completion (reason other than `sent` / `received`): the transfer touched freed blocks. A second
+  completion after a completion-caused free is double_free's; status `unknown` is double_free's too.
+- `reused_during_transfer`: a block freed while the request's transfer was open (send: delay_free and no
+  kv_send_done / kv_expire yet; receive: waiting for remote KV, no kv_recv_done / kv_recv_fail yet) and then
+  allocated to another request before that transfer closed: the still-running transfer reads or writes another
+  request's KV. (A still-running *step* writing reused blocks is safe on one CUDA stream, except for asynchronous
+  loads, which premature_free reports as `async_load_reuse`.)
+Lookups are searchsorted joins on (request key, position); one finding per offending event or per free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.blocks import ownership, release_gaps
+from pdtrace.analysis.columns import NO, columns
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance
+
+COMPLETION_FREE_REASONS = ("sent", "received")
+
+
+def _remote_read_rk(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, owner's request key) of remote_read rows whose detail names a known owner instance."""
+    cols = columns(ctx)
+    rows = cols.rows_of("remote_read")
+    if len(rows) == 0:
+        return rows, np.empty(0, np.int64)
+    details = cols.details(rows)
+    req_codes, req_names = cols.codes("req")
+    reads = pd.DataFrame({
+        "row": rows,
+        "instance": [str(d.get("remote_instance")) if d.get("remote_instance") is not None else None
+                     for d in details],
+        "req": [str(d.get("remote_req")) if d.get("remote_req") is not None
+                else (req_names[c] if c >= 0 else None) for d, c in zip(details, req_codes[rows])],
+    }).dropna()
+    names = cols.rk_names.reset_index().rename(columns={"index": "rk"})[["rk", "instance", "req"]]
+    names = names.astype({"instance": object, "req": object})
+    joined = reads.merge(names, on=["instance", "req"], how="inner").drop_duplicates("row")
+    return joined["row"].to_numpy(np.int64), joined["rk"].to_numpy(np.int64)
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    cols = columns(ctx)
+    st = request_state(ctx)
+    own = ownership(ctx)
+    gaps = release_gaps(ctx)
+    ev = Evidence(cols)
+    records: list[dict[str, Any]] = []
+    reason_codes, reason_names = cols.codes("reason")
+    completion_reasons = [reason_names.index(r) for r in COMPLETION_FREE_REASONS if r in reason_names]
+    status_codes, _ = cols.codes("status")
+    unknown = cols.code_of("status", "unknown")
+
+    if len(gaps):
+        in_gap = np.zeros(cols.n_requests, bool)
+        in_gap[gaps.rk] = True
+        q_rows = np.flatnonzero(cols.is_kind("req_sched", "kv_send_done", "kv_recv_done") & (cols.rk >= 0))
+        q_rows = q_rows[in_gap[cols.rk[q_rows]]]
+        q_rk = cols.rk[q_rows]
+        r_rows, r_rk = _remote_read_rk(ctx)
+        keep = in_gap[r_rk] if len(r_rk) else np.zeros(0, bool)
+        q_rows = np.concatenate([q_rows, r_rows[keep]])
+        q_rk = np.concatenate([q_rk, r_rk[keep]])
+        g = gaps.find(q_rk, cols.pos[q_rows]) if len(q_rows) else np.empty(0, np.int64)
+        hit = np.flatnonzero(g >= 0)
+        kind_codes, kind_names = cols.codes("kind")
+        for i in hit.tolist():
+            row = int(q_rows[i])
+            gap = int(g[i])
+            free_row = int(gaps.free_row[gap])
+            kind = kind_names[kind_codes[row]]
+            if kind in ("kv_send_done", "kv_recv_done"):
+                if reason_codes[free_row] in completion_reasons or status_codes[row] == unknown:
+                    continue
+                sub = "completion_after_free"
+            elif kind == "remote_read":
+                sub = "remote_read"
+            else:
+                sub = "sched_after_free"
+            ev.refs([row, free_row])
+            free_ref = ev.ref(free_row, "blocks given up here")
+            blocks = list(free_ref.get("blocks") or [])
+            sk = int(cols.sk[free_row])
+            instance, dp = sk_instance(cols, sk)
+            req = free_ref.get("req")
+            rk = int(q_rk[i])
+            evidence = [ev.ref(row, f"{kind} after the free"), free_ref]
+            if st.finish_pos[rk] >= 0:
+                evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "request finished"))
+            what = {"sched_after_free": "was scheduled again", "remote_read": "was read by a peer",
+                    "completion_after_free": f"got a {kind}"}[sub]
+            records.append({
+                "rule": "use_after_free", "subrule": sub, "severity": "error", "instance": instance,
+                "dp_rank": dp, "req": req, "blocks": blocks, "step": ev.ref(row).get("step"),
+                "ts_ns": int(cols.ts[row]),
+                "message": f"{req} {what} after it gave up all its blocks {fmt_blocks(blocks)} and before any new "
+                           f"allocation",
+                "evidence": evidence, "context": f"use_after_free:{sub}:{kind}",
+                "extra": {"free_reason": reason_names[reason_codes[free_row]] if reason_codes[free_row] >= 0
+                          else None},
+            })
+
+    # blocks handed to another request while the old owner's transfer is still open
+    cand = np.flatnonzero((own.free_row >= 0) & (own.next_alloc_pos >= 0))
+    if len(cand):
+        rk = own.rk[cand]
+        fpos = own.free_pos[cand]
+        send = st.send_open_at(rk, fpos)
+        recv = st.recv_open_at(rk, fpos)
+        close = np.where(send, st.send_close_pos[rk], np.where(recv, st.recv_close_pos[rk], NO))
+        npos = own.next_alloc_pos[cand]
+        bad = (send | recv) & ((close < 0) | (npos < close))
+        hit = cand[bad]
+        direction = np.where(send[bad], "send", "recv")
+        close_hit = close[bad]
+        for group in groups(own.free_row[hit].astype(np.int64) * (cols.n + 1) + own.next_alloc_row[hit]):
+            members = hit[group]
+            first = int(members[0])
+            free_row = int(own.free_row[first])
+            new_row = int(own.next_alloc_row[first])
+            d = str(direction[group[0]])
+            c = int(close_hit[group[0]])
+            ev.refs([free_row, new_row, int(own.alloc_row[first])] + ([int(cols.order[c])] if c >= 0 else []))
+            blocks = sorted(int(b) for b in own.block[members])
+            instance, dp = sk_instance(cols, int(own.sk[first]))
+            old = ev.ref(free_row).get("req")
+            new = ev.ref(new_row).get("req")
+            evidence = [ev.ref(free_row, f"freed while the {d} was open"),
+                        ev.ref(int(own.alloc_row[first]), "allocated here"),
+                        ev.ref(new_row, f"reallocated to {new}")]
+            if c >= 0:
+                evidence.append(ev.ref(int(cols.order[c]), f"the {d} completed only here"))
+            records.append({
+                "rule": "use_after_free", "subrule": "reused_during_transfer", "severity": "error",
+                "instance": instance, "dp_rank": dp, "req": old, "blocks": blocks,
+                "step": ev.ref(new_row).get("step"), "ts_ns": int(cols.ts[new_row]),
+                "message": f"blocks {fmt_blocks(blocks)} of {old} went to {new} while {old}'s KV {d} was still "
+                           f"open: the transfer {'reads' if d == 'send' else 'writes'} another request's KV",
+                "evidence": evidence, "context": f"use_after_free:reused_during_transfer:{d}",
+                "extra": {"new_owner": new, "direction": d},
+            })
+    return findings_frame(records)
+
+
+RULE = Rule(
+    id="use_after_free",
+    summary="a block used again by its old owner after the free, or reused while the old owner's transfer still "
+            "runs",
+    run=run,
+    subrules=("sched_after_free", "remote_read", "completion_after_free", "reused_during_transfer"),
+)
