@@ -113,6 +113,24 @@ def test_instance_filter(trace_dir):
     assert len(open_trace(trace_dir, instances=["nobody"])) == 0
 
 
+def test_instance_filter_does_not_read_other_instances_files(trace_dir, monkeypatch):
+    import pdtrace.trace.reader as reader
+
+    read: list[str] = []
+    original = reader._read_files
+
+    def spy(paths, columns, expression):
+        read.extend(paths)
+        return original(paths, columns, expression)
+
+    monkeypatch.setattr(reader, "_read_files", spy)
+    trace = open_trace(trace_dir, instances="decode-0")
+    assert len(trace) == 15
+    assert read and all(Path(p).relative_to(trace_dir).parts[0] == "decode-0" for p in read)
+    # every file's metadata is still listed (dropped events, sources)
+    assert len(trace.files) == len(find_part_files(trace_dir))
+
+
 def test_time_window_is_half_open(trace_dir):
     all_ts = sorted(open_trace(trace_dir).table.column("ts_ns").to_pylist())
     since, until = all_ts[5], all_ts[12]

@@ -117,9 +117,12 @@ def info(
     format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
-    from pdtrace.trace.summary import SUMMARY_COLUMNS, summarize
+    from pdtrace.format import COLUMNS
+    from pdtrace.trace.summary import summarize
 
-    summary = summarize(load_trace(trace, columns=SUMMARY_COLUMNS))
+    # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
+    # a trace, so every value the validator knows how to check is loaded and checked.
+    summary = summarize(load_trace(trace, columns=[c for c in COLUMNS if c != "blocks"]))
     if format is InfoFormat.json:
         typer.echo(json.dumps(summary, indent=2))
     else:

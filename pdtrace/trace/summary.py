@@ -79,29 +79,43 @@ def _time_span(table: pa.Table) -> dict[str, Any]:
 def _instances(table: pa.Table) -> list[dict[str, Any]]:
     if table.num_rows == 0:
         return []
-    grouped = table.group_by("instance").aggregate([
-        ("role", "distinct"), ("pid", "distinct"), ("dp_rank", "distinct"), ("pp_rank", "distinct"),
-        ("tp_rank", "distinct"), ("ts_ns", "count"), ("req", "count_distinct"),
-    ]).to_pylist()
-    rows = [{
-        "instance": g["instance"],
-        "roles": _sorted_values(g["role_distinct"]),
-        "pids": _sorted_values(g["pid_distinct"]),
-        "dp_ranks": _sorted_values(g["dp_rank_distinct"]),
-        "pp_ranks": _sorted_values(g["pp_rank_distinct"]),
-        "tp_ranks": _sorted_values(g["tp_rank_distinct"]),
-        "events": g["ts_ns_count"],
-        "requests": g["req_count_distinct"],
-    } for g in grouped]
-    return sorted(rows, key=lambda r: r["instance"])
+    # One hash group-by over the identity columns gives the distinct (instance, role, pid, ranks) combinations, a
+    # few per writer; folding those per instance in Python is cheap. Requests need their own distinct count.
+    keys = ["instance", "role", "pid", "dp_rank", "pp_rank", "tp_rank"]
+    combos = table.select(keys + ["ts_ns"]).group_by(keys).aggregate([("ts_ns", "count")]).to_pylist()
+    requests = {g["instance"]: g["req_count_distinct"]
+                for g in table.select(["instance", "req"]).group_by("instance")
+                .aggregate([("req", "count_distinct")]).to_pylist()}
+    folded: dict[str, dict[str, Any]] = {}
+    for combo in combos:
+        row = folded.setdefault(combo["instance"], {"roles": set(), "pids": set(), "dp_ranks": set(),
+                                                    "pp_ranks": set(), "tp_ranks": set(), "events": 0})
+        row["roles"].add(combo["role"])
+        row["pids"].add(combo["pid"])
+        row["dp_ranks"].add(combo["dp_rank"])
+        row["pp_ranks"].add(combo["pp_rank"])
+        row["tp_ranks"].add(combo["tp_rank"])
+        row["events"] += combo["ts_ns_count"]
+    rows = []
+    for instance in sorted(folded):
+        row = folded[instance]
+        rows.append({
+            "instance": instance,
+            **{name: _sorted_values(list(row[name])) for name in ("roles", "pids", "dp_ranks", "pp_ranks",
+                                                                  "tp_ranks")},
+            "events": row["events"],
+            "requests": requests.get(instance, 0),
+        })
+    return rows
 
 
 def _schedulers(table: pa.Table) -> list[dict[str, Any]]:
     if table.num_rows == 0:
         return []
-    on_scheduler = table.filter(pc.equal(table.column("component"), "scheduler"))
-    keys = on_scheduler.select(["instance", "dp_rank"]).group_by(["instance", "dp_rank"]).aggregate([]).to_pylist()
-    sched = table.filter(pc.equal(table.column("kind"), "sched")).select(["instance", "dp_rank", "step", "detail"])
+    # Select before filtering: filtering copies every column it keeps.
+    on_scheduler = table.select(["instance", "dp_rank"]).filter(pc.equal(table.column("component"), "scheduler"))
+    keys = on_scheduler.group_by(["instance", "dp_rank"]).aggregate([]).to_pylist()
+    sched = table.select(["instance", "dp_rank", "step", "detail"]).filter(pc.equal(table.column("kind"), "sched"))
     # Rows without `empty_run` give a null match: they stand for one step.
     runs = pc.struct_field(pc.extract_regex(pc.fill_null(sched.column("detail"), ""),
                                             r'"empty_run"\s*:\s*(?P<k>\d+)'), [0])
