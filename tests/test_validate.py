@@ -172,6 +172,17 @@ def test_accepted_type_variants_normalise_to_the_format_schema():
     assert normal.to_pylist() == table.to_pylist()
 
 
+def test_all_null_columns_of_null_type_are_accepted_where_nullable():
+    table = good_table()
+    nulls = pa.nulls(table.num_rows)
+    variant = table.set_column(table.schema.get_field_index("tp_rank"), "tp_rank", nulls)
+    assert validate_table(variant, where="v") == []
+    normal = normalize_table(variant)
+    assert normal.schema.equals(SCHEMA) and normal.column("tp_rank").null_count == table.num_rows
+    bad = table.set_column(table.schema.get_field_index("pid"), "pid", nulls)
+    assert error_of(bad) == "t.parquet: column 'pid': expected int32, found null"
+
+
 def test_extra_columns_are_a_note():
     table = good_table().append_column("gpu_id", pa.array([0] * 6))
     notes = validate_table(table, where="t")

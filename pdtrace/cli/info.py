@@ -1,7 +1,14 @@
 """`pdtrace info TRACE`: what a trace holds (instances, processes, ranks, time span, kinds, steps, requests).
 
 The numbers come from `pdtrace.trace.summary.summarize`; this module only loads the trace and renders them.
-`--format json` prints summarize()'s dict (its keys are documented in pdtrace/trace/summary.py).
+`--format json` prints summarize()'s dict, whose keys are stable (documented in full in pdtrace/trace/summary.py):
+trace, events, files, skipped_files [{path, reason}], dropped_events, sources, schema_versions, pdtrace_versions,
+time {start_ns, end_ns, duration_ns, start, end}, instances [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks,
+events, requests}], schedulers [{instance, dp_rank, steps, sched_events, first_step, last_step}], kinds {kind: rows},
+requests, manifest {command, vllm_version, created} or null, warnings.
+
+Warnings found while loading (skipped part files, unknown kinds, a bad manifest) go to stderr, one line each;
+unreadable input is a one-line error and exit status 2.
 """
 
 from __future__ import annotations

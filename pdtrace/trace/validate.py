@@ -8,7 +8,8 @@ Three levels, cheapest first, so that the reader can check every file of a 10M-e
 - `check_schema(schema, where)`: column names and Arrow types (from the footer). Every format column must be
   there. Accepted variants: dictionary columns and `req` may be plain or dictionary-encoded strings (any index
   width, `string` or `large_string` values); `detail` string or large_string; `blocks` a list or large_list of
-  any integer type; integer columns any integer type (the reader casts them, safely, to the format's width).
+  any integer type; integer columns any integer type (the reader casts them, safely, to the format's width);
+  a nullable column may have Arrow's `null` type (all null, as some writers store a column they cannot type).
   Columns the format does not know are left alone (a newer minor format adds columns), with a note.
 - `check_values(table, where)`: non-null columns hold no null; `role`, `component` in their vocabularies;
   `reason` in `pdtrace.format.REASONS` for the kinds listed there (null is allowed). Vectorised with
@@ -71,6 +72,8 @@ def _is_string(type_: pa.DataType) -> bool:
 
 def type_accepted(column: str, type_: pa.DataType) -> bool:
     """Whether a column of this Arrow type can be read as the format's `column` (see the module docstring)."""
+    if pa.types.is_null(type_):  # an all-null column from a writer that could not infer its type
+        return SCHEMA.field(column).nullable
     if column in _TEXT_COLUMNS:
         if pa.types.is_dictionary(type_):
             return _is_string(type_.value_type)
