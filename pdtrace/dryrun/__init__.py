@@ -1,0 +1,139 @@
+"""`pdtrace record --dry-run`: vLLM 0.33.0's real EngineCore and Scheduler on a simulated cluster.
+
+The real engine loop, scheduler, KV cache manager, block pool and NixlConnector scheduler side run unchanged; only
+the workers, the KV transfer engine and the client are simulated (pdtrace/dryrun/executor.py, transfer.py,
+sim.py), on a virtual clock. Recording goes through the same hooks as a live run
+(`pdtrace.recording.vllm.install_hooks()` after `session.configure(..., source="dryrun", clock=...)`); only what no
+real vLLM code runs for here (the workers' exec spans, per-rank transfer reports, the persistent batch) is emitted
+by the simulated workers, on the "worker" channel of each instance's recorder.
+
+Importing this package does not import vLLM: `DryRunConfig` is usable without it; `run_dry_run` imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
+from pdtrace.errors import RecordingError
+
+SUPPORTED_VLLM = "0.33.0"
+
+__all__ = ["DryRunConfig", "DryRunResult", "run_dry_run", "FAULTS", "INSTANCE_LAYOUTS",
+           "parse_length_distribution", "SUPPORTED_VLLM"]
+
+
+@dataclass
+class DryRunResult:
+    """What a dry run did. `error` is set when vLLM itself raised (the trace is kept and ends with engine_error)."""
+
+    output_dir: Path
+    steps: int
+    requests: int  # workload requests
+    requests_finished: int  # finishes seen by the client/proxy (P and D finishes both count)
+    events: int  # rows written
+    error: str | None = None
+    instances: list[str] = field(default_factory=list)
+    virtual_s: float = 0.0
+    wall_s: float = 0.0
+    engine_steps: dict[str, int] = field(default_factory=dict)
+    injected: list[str] = field(default_factory=list)
+
+
+def _check_vllm() -> None:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
+                             f"README.md): {exc}") from None
+    version = getattr(vllm, "__version__", "unknown")
+    if version != SUPPORTED_VLLM:
+        raise RecordingError(f"the dry run drives vLLM {SUPPORTED_VLLM}'s engine; this is vLLM {version}")
+
+
+def _count_rows(output_dir: Path) -> int:
+    import pyarrow.parquet as pq
+
+    total = 0
+    for p in output_dir.rglob("*.parquet"):
+        if any(part.startswith(("_", ".")) for part in p.relative_to(output_dir).parts):
+            continue
+        total += pq.ParquetFile(p).metadata.num_rows
+    return total
+
+
+def _use_virtual_durations(clock: Any) -> None:
+    """The hooks time schedule() (`dur_ns`) and the futures' waits (`wait_ns`) with their module's `_now`; in a
+    dry run those durations must come from the virtual clock too, or the same seed would not give the same trace."""
+    import importlib
+
+    try:
+        table = importlib.import_module("pdtrace.recording.vllm.v0_33")
+    except ImportError:
+        return
+    if hasattr(table, "_now"):
+        table._now = clock
+
+
+def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike) -> DryRunResult:
+    """Run vLLM's real engine core(s) on the simulated cluster `config` describes; write the trace to `output_dir`.
+
+    Same config and seed: the same events (ts_ns, seq and every field but pid). Raises RecordingError when vLLM is
+    missing or another version, UsageError for a bad config, and RecordingError if `output_dir` already holds a
+    trace. An exception raised by vLLM during the run is not raised: it is in `result.error` and in the trace.
+    """
+    config.validate()
+    out = Path(output_dir)
+    if out.exists() and any(out.rglob("*.parquet")):
+        raise RecordingError(f"{out} already holds a trace; choose an empty or new directory")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # The simulated workers behave like the V1 model runner (persistent batch); say so to vLLM's config too.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    _check_vllm()
+    from pdtrace.recording import session
+    from pdtrace.recording.vllm import install_hooks
+
+    from pdtrace.dryrun.faults import reshape_workload
+    from pdtrace.dryrun.sim import SimCluster
+    from pdtrace.dryrun.workload import make_workload
+
+    wall0 = time.perf_counter()
+    workload = make_workload(config)
+    reshape_workload(config, workload)
+    cluster = SimCluster(config, workload)
+    out.mkdir(parents=True, exist_ok=True)
+    session.configure(str(out), source="dryrun", clock=cluster.clock)
+    if not install_hooks():
+        raise RecordingError("pdtrace's vLLM hooks could not be installed for this vLLM version")
+    _use_virtual_durations(cluster.clock)
+    try:
+        cluster.build()
+        stats = cluster.run()
+    finally:
+        session.close_all()
+    manifest = out / "_manifest.json"
+    if not manifest.exists():
+        manifest.write_text(json.dumps({"command": "pdtrace record --dry-run", "source": "dryrun",
+                                        "vllm_version": SUPPORTED_VLLM, "dry_run": config.to_dict()},
+                                       indent=1, sort_keys=True) + "\n")
+    start = cluster.start_ns
+    end = max(e.timeline.now for e in cluster.engines)
+    return DryRunResult(output_dir=out, steps=stats.steps, requests=len(workload),
+                        requests_finished=stats.requests_finished, events=_count_rows(out), error=stats.error,
+                        instances=[e.instance for e in cluster.engines], virtual_s=(end - start) / 1e9,
+                        wall_s=time.perf_counter() - wall0, engine_steps=dict(stats.engine_steps),
+                        injected=list(cluster.faults.injected))
+
+
+def summarize(result: DryRunResult) -> dict[str, Any]:
+    """A JSON-friendly summary (for `pdtrace record --dry-run` to print)."""
+    d = dict(result.__dict__)
+    d["output_dir"] = str(result.output_dir)
+    return d

@@ -1,0 +1,146 @@
+"""The dry run's configuration: topology, workload, simulated timings and faults (no vLLM import here).
+
+`DryRunConfig.validate()` refuses what real vLLM 0.33.0 refuses (the V1 model runner with pipeline parallelism and
+async scheduling together, config/vllm.py:1665-1681) and what a fault needs but the topology lacks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdtrace.errors import UsageError
+
+#: Fault names, each reproducing one real class of incident (see pdtrace/dryrun/faults.py).
+FAULTS: dict[str, str] = {
+    "completion_before_finish": "P workers report finished_sending for a request whose prefill is still running "
+    "(vLLM asserts request.is_finished() in _free_blocks)",
+    "lost_send_completion": "P workers never report finished_sending for one request: its delayed free leaks",
+    "abort_while_waiting_kv": "a D request is aborted while WAITING_FOR_REMOTE_KVS, its read still in flight",
+    "duplicate_completion": "P rank 0 reports finished_sending for one request a second time, one step later",
+    "missing_rank_completion": "the last TP rank of P never reports finished_sending for one request",
+    "slow_transfer": "one request's KV read takes far longer than the run: D waits for KV until the end",
+    "starve": "a head-of-line request whose prompt needs more blocks than the pool holds never fits",
+    "few_requests_pp": "fewer ready requests than PP stages (requests arrive one at a time): pipeline bubbles",
+}
+
+INSTANCE_LAYOUTS = ("pd", "p", "single")
+
+_DIST_RE = re.compile(r"^(?:(?P<fixed>\d+)|uniform:(?P<lo>\d+):(?P<hi>\d+)|exp:(?P<mean>\d+(?:\.\d+)?))$")
+
+
+def parse_length_distribution(spec: str | int) -> tuple[str, float, float]:
+    """Parse a length distribution: `N` (fixed), `uniform:A:B` (inclusive) or `exp:MEAN` (exponential, >= 1)."""
+    if isinstance(spec, int):
+        spec = str(spec)
+    m = _DIST_RE.match(spec.strip())
+    if not m:
+        raise UsageError(f"bad length distribution {spec!r}: use N, uniform:A:B or exp:MEAN")
+    if m.group("fixed") is not None:
+        n = int(m.group("fixed"))
+        if n < 1:
+            raise UsageError(f"bad length distribution {spec!r}: lengths are at least 1")
+        return ("fixed", n, n)
+    if m.group("lo") is not None:
+        lo, hi = int(m.group("lo")), int(m.group("hi"))
+        if lo < 1 or hi < lo:
+            raise UsageError(f"bad length distribution {spec!r}: need 1 <= A <= B")
+        return ("uniform", lo, hi)
+    mean = float(m.group("mean"))
+    if mean < 1:
+        raise UsageError(f"bad length distribution {spec!r}: the mean is at least 1")
+    return ("exp", mean, mean)
+
+
+def distribution_max(spec: str | int) -> int:
+    """An upper bound used to size max_model_len (exponential: 8x the mean, where draws are clipped)."""
+    kind, a, b = parse_length_distribution(spec)
+    return int(b) if kind != "exp" else int(8 * a) + 1
+
+
+@dataclass
+class DryRunConfig:
+    """Everything a dry run needs. Times are virtual (the recorder's injectable clock), never wall-clock."""
+
+    # topology
+    pp: int = 1
+    tp: int = 1
+    instances: str = "pd"  # "pd": one prefill and one decode engine; "p": prefill only; "single": aggregated
+    num_blocks: int = 2048
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    async_scheduling: bool = False
+    enable_prefix_caching: bool = True
+    # workload
+    requests: int = 32
+    rate: float = 50.0  # requests per virtual second (Poisson); <= 0: all arrive at t=0
+    prompt_len: str = "uniform:64:256"
+    output_len: str = "exp:32"
+    seed: int = 0
+    # simulated cluster (virtual time)
+    transfer_latency_us_per_block: float = 20.0  # KV read time per block (latency part)
+    transfer_setup_us: float = 200.0  # fixed cost per read (handshake amortised, RDMA post, notification)
+    transfer_bandwidth_gbps: float = 0.0  # > 0 adds bytes / bandwidth, with `kv_bytes_per_block`
+    kv_bytes_per_block: int = 2 * 1024 * 1024
+    compute_us_per_token: float = 20.0  # per PP stage: a stage does 1/pp of the layers
+    compute_us_fixed: float = 400.0  # per PP stage and step (kernel launches, sampling share)
+    sched_cost_us: float = 150.0  # simulated CPU time of one schedule() (fixed: same seed, same trace)
+    sched_cost_us_per_req: float = 4.0  # plus this per scheduled request
+    update_cost_us_per_req: float = 3.0  # update_from_output CPU time per request in the step
+    idle_sleep_us: float = 1000.0  # vLLM's time.sleep(0.001) after a step that executed nothing (core.py:1693)
+    proxy_delay_us: float = 500.0  # P output -> proxy -> D request
+    drain_timeout_ms: float = 300.0  # stop once nothing progressed for this long (virtual) after the last arrival
+    max_virtual_s: float = 600.0  # hard stop
+    faults: list[str] = field(default_factory=list)
+    fault_request: int = -1  # index of the request a fault targets; -1: picked by the fault
+    slow_transfer_ms: float = 5000.0  # the slow_transfer fault's read time
+    real_scheduler_time: bool = False  # add the scheduler's measured CPU time instead (not deterministic)
+    instance_prefix: str = ""  # instance ids: "<prefix>prefill-0", "<prefix>decode-0", "<prefix>engine-0"
+
+    def validate(self) -> "DryRunConfig":
+        """Check the configuration; raise UsageError (exit 2) with one line naming the option."""
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise UsageError(msg)
+
+        need(self.pp >= 1 and self.tp >= 1, "--pp and --tp must be at least 1")
+        need(self.instances in INSTANCE_LAYOUTS, f"--instances must be one of {', '.join(INSTANCE_LAYOUTS)}")
+        need(self.num_blocks >= 4, "--num-blocks must be at least 4")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             "--block-size must be a power of two")
+        need(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
+        need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
+        need(self.requests >= 0, "--requests must be >= 0")
+        parse_length_distribution(self.prompt_len)
+        parse_length_distribution(self.output_len)
+        if self.async_scheduling and self.pp > 1:
+            # Real vLLM 0.33.0 raises this for the V1 model runner, which is what a dry run simulates.
+            raise UsageError("Async scheduling is not supported by the V1 model runner with pipeline parallelism "
+                             "(vLLM 0.33.0 rejects --async-scheduling with --pp > 1)")
+        unknown = [f for f in self.faults if f not in FAULTS]
+        need(not unknown, f"unknown fault {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        pd_faults = {"completion_before_finish", "lost_send_completion", "abort_while_waiting_kv",
+                     "duplicate_completion", "missing_rank_completion", "slow_transfer"}
+        bad = sorted(pd_faults & set(self.faults))
+        if bad and self.instances == "single":
+            raise UsageError(f"fault {bad[0]} needs a prefill/decode pair (--instances pd or p)")
+        d_faults = sorted({"abort_while_waiting_kv", "slow_transfer"} & set(self.faults))
+        if d_faults and self.instances != "pd":
+            raise UsageError(f"fault {d_faults[0]} needs a decode instance (--instances pd)")
+        if "missing_rank_completion" in self.faults:
+            need(self.pp * self.tp >= 2, "fault missing_rank_completion needs --tp or --pp of at least 2")
+        if "few_requests_pp" in self.faults:
+            need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
+        need(self.requests >= 1 or not self.faults, "faults need at least one request")
+        if "starve" in self.faults:
+            # The starving prompt must come in one chunk: chunked, it would run and preempt itself instead.
+            need(self.max_num_batched_tokens >= self.num_blocks * self.block_size,
+                 f"fault starve needs --max-num-batched-tokens >= --num-blocks x --block-size "
+                 f"({self.num_blocks * self.block_size})")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (for the manifest and the result)."""
+        return asdict(self)

@@ -1,0 +1,50 @@
+"""The dry run's workload: arrival times and prompt/output lengths drawn from one seeded `random.Random`.
+
+Only the standard library's generator is used, so the same seed gives the same requests on every platform.
+Prompt tokens are random ids below 30000 (never the model's EOS id 50256), so prefix-cache hits are rare.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pdtrace.dryrun.config import DryRunConfig, parse_length_distribution
+
+EOS_TOKEN_ID = 50256
+VOCAB_FOR_PROMPTS = 30000
+
+
+@dataclass
+class WorkloadRequest:
+    """One client request of the workload."""
+
+    index: int
+    arrival_ns: int  # virtual time relative to the start of the run
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def draw_length(rng: random.Random, spec: str | int) -> int:
+    """One draw from a length distribution (see config.parse_length_distribution)."""
+    kind, a, b = parse_length_distribution(spec)
+    if kind == "fixed":
+        return int(a)
+    if kind == "uniform":
+        return rng.randint(int(a), int(b))
+    return max(1, min(int(8 * a), int(round(rng.expovariate(1.0 / a)))))
+
+
+def make_workload(config: DryRunConfig) -> list[WorkloadRequest]:
+    """The requests of a run, in arrival order. Faults may reshape one of them afterwards (faults.py)."""
+    rng = random.Random(config.seed)
+    out: list[WorkloadRequest] = []
+    t = 0.0
+    for i in range(config.requests):
+        if config.rate > 0 and i > 0:
+            t += rng.expovariate(config.rate)
+        prompt_len = draw_length(rng, config.prompt_len)
+        max_tokens = draw_length(rng, config.output_len)
+        tokens = [rng.randrange(VOCAB_FOR_PROMPTS) for _ in range(prompt_len)]
+        out.append(WorkloadRequest(i, int(t * 1e9), tokens, max_tokens))
+    return out
