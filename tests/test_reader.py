@@ -291,6 +291,18 @@ def test_files_with_other_accepted_types_are_normalised(trace_dir):
     assert trace.table.column("instance").to_pylist().count("prefill-0") == 15 + 3
 
 
+def test_a_value_that_does_not_fit_the_format_type_names_its_file(trace_dir):
+    table = build().table().slice(0, 2)
+    big_pids = pa.array([5, 2**40], pa.int64())
+    # the same schema as the bad file (pid int64), before it: both are read as one dataset
+    write_part(trace_dir / "prefill-0" / "zz" / "part-000000.parquet",
+               table.set_column(4, "pid", pa.array([5, 6], pa.int64())))
+    bad = write_part(trace_dir / "prefill-0" / "zz" / "part-000001.parquet",
+                     table.set_column(4, "pid", big_pids))
+    with pytest.raises(TraceError, match=f"^{bad}: column 'pid' cannot be read as int32"):
+        open_trace(trace_dir)
+
+
 def test_dropped_events_and_sources_come_from_the_metadata(tmp_path):
     table = build().table()
     write_part(tmp_path / "a" / "part-0.parquet", table.slice(0, 10), file_metadata("0.1.0", "vllm-0.33.0", 7))

@@ -249,6 +249,11 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
     for _schema, paths in runs:
         try:
             tables.append(normalize_table(_read_files(paths, selected, expression), selected, paths[0]))
+        except TraceError:
+            # A value that does not fit the format's type (say a pid beyond int32): name the file that holds it.
+            for name in paths:
+                normalize_table(_read_files([name], selected, expression), selected, name)
+            raise
         except (OSError, pa.ArrowException):
             # A corrupt data page somewhere in the run: read its files one by one and skip the bad ones.
             for name in paths:
