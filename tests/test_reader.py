@@ -303,6 +303,19 @@ def test_a_value_that_does_not_fit_the_format_type_names_its_file(trace_dir):
         open_trace(trace_dir)
 
 
+def test_a_note_shared_by_many_files_is_said_once(tmp_path):
+    table = build().table()
+    for index in range(3):
+        write_part(tmp_path / f"part-{index}.parquet",
+                   table.slice(index * 10, 10).append_column("gpu", pa.array([0] * 10)))
+    with pytest.warns(TraceWarning) as caught:
+        trace = open_trace(tmp_path)
+    assert trace.warnings == [f"{tmp_path / 'part-0.parquet'}: columns unknown to this pdtrace ignored: gpu "
+                              "(and 2 more files)"]
+    assert len(caught) == 1
+    assert trace.table.column_names == list(SCHEMA.names) and len(trace) == 30
+
+
 def test_dropped_events_and_sources_come_from_the_metadata(tmp_path):
     table = build().table()
     write_part(tmp_path / "a" / "part-0.parquet", table.slice(0, 10), file_metadata("0.1.0", "vllm-0.33.0", 7))

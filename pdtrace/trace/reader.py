@@ -216,6 +216,7 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
 
     files: list[TraceFile] = []
     skipped: list[SkippedFile] = []
+    file_notes_seen: dict[str, list[str]] = {}  # a note's text without its file -> the files it applies to
     runs: list[tuple[pa.Schema, list[str]]] = []  # consecutive files with one schema: one dataset each
     for candidate in candidates:
         name = str(candidate)
@@ -228,7 +229,8 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
             continue
         info, file_notes = check_metadata(metadata.metadata, name)
         file_notes += check_schema(schema, name)
-        notes.extend(file_notes)
+        for note in file_notes:
+            file_notes_seen.setdefault(note.removeprefix(f"{name}: "), []).append(name)
         files.append(TraceFile(path=name, rows=metadata.num_rows, **info))
         if wanted_instances is not None and _instance_stats_exclude(metadata, set(wanted_instances)):
             continue
@@ -237,6 +239,11 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
             runs[-1][1].append(name)
         else:
             runs.append((plain, [name]))
+
+    # The same note on every part file (say, a column this pdtrace does not know) is said once.
+    for text, names in file_notes_seen.items():
+        more = f" (and {len(names) - 1} more files)" if len(names) > 1 else ""
+        notes.append(f"{names[0]}: {text}{more}")
 
     if not files:
         if len(skipped) == 1:
