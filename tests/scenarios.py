@@ -357,3 +357,113 @@ HEALTHY: dict[str, Callable[[], Trace]] = {
     "abort_immediate": abort_immediate,
     "pp4_pipeline": pp4_pipeline,
 }
+
+
+# -- random well-formed lifecycles (for property tests) ----------------------------------------------------------
+def random_healthy(seed: int, n_requests: int = 12, num_blocks: int = 48, pp: int = 1) -> Trace:
+    """A random but well-formed run of one scheduler: plain requests, P-side requests with a delayed free and a
+    send, D-side requests that wait for remote KV, preemption and resume, aborts, prefix hits on a block still
+    held. Every request ends finished and freed (the run goes on until all are done)."""
+    import random
+
+    rng = random.Random(seed)
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=num_blocks, pp=pp)
+    free_pool = list(range(1, num_blocks))
+    kinds = {f"r{i}": rng.choice(["plain", "plain", "send", "recv", "abort"]) for i in range(n_requests)}
+    pending = list(kinds)
+    state: dict[str, str] = {}
+    sending: list[str] = []
+    receiving: list[str] = []
+    steps = 0
+
+    def take(n: int) -> list[int] | None:
+        if len(free_pool) < n:
+            return None
+        got = [free_pool.pop(rng.randrange(len(free_pool))) for _ in range(n)]
+        return got
+
+    # freed blocks go back to the pool only once every step in flight at the free has its output, as vLLM 0.33's
+    # defer_block_free fence guarantees for a KV consumer (async loads must not race a running step)
+    quarantine: list[tuple[int, list[int]]] = []
+
+    def give(req: str) -> None:
+        quarantine.append((e.next_step - 1, list(e.held.get(req, []))))
+
+    def release(done_step: int) -> None:
+        for item in [q for q in quarantine if q[0] <= done_step]:
+            quarantine.remove(item)
+            free_pool.extend(item[1])
+
+    while (pending or state or sending or receiving) and steps < 400:
+        steps += 1
+        sched: dict[str, int] = {}
+        alloc: dict[str, list[int]] = {}
+        wait_kv: dict[str, list[int]] = {}
+        preempt: dict[str, list[int]] = {}
+        running = [r for r, s in state.items() if s == "running"]
+        if running and rng.random() < 0.1:
+            victim = running[-1]
+            preempt[victim] = list(e.held.get(victim, []))
+            quarantine.append((e.next_step - 1, preempt[victim]))
+            state[victim] = "preempted"
+            running.remove(victim)
+        for r in running:
+            if rng.random() < 0.3:
+                got = take(1)
+                if got is None:
+                    continue
+                alloc[r] = got
+            sched[r] = 1
+        for r in [r for r, s in state.items() if s in ("preempted", "ready")]:
+            got = take(rng.randint(1, 3))
+            if got is None:
+                continue
+            alloc[r] = got
+            sched[r] = 16
+            state[r] = "running"
+        if pending and rng.random() < 0.6:
+            r = pending.pop(0)
+            kind = kinds[r]
+            got = take(rng.randint(1, 3))
+            if got is None:
+                pending.insert(0, r)
+            else:
+                e.add(r, n=16 * len(got), remote_prefill=kind == "recv", remote_decode=kind == "send")
+                if kind == "recv":
+                    wait_kv[r] = got
+                    state[r] = "waiting_kv"
+                    receiving.append(r)
+                else:
+                    alloc[r] = got
+                    sched[r] = 16 * len(got)
+                    state[r] = "running"
+        e.step(sched, alloc=alloc, wait_kv=wait_kv, preempt=preempt)
+        while len(e.in_flight) >= pp:
+            release(e.output())
+            done_recv = [r for r in receiving if state.get(r) == "waiting_kv" and rng.random() < 0.4]
+            for r in done_recv:
+                receiving.remove(r)
+                e.recv_done(r)
+                state[r] = "ready"
+            for r in list(state):
+                if state[r] == "running" and r in sched and rng.random() < 0.25:
+                    kind = kinds[r]
+                    if kind == "send":
+                        e.finish(r, reason="length", delay_free=True)
+                        sending.append(r)
+                        state.pop(r)
+                    elif kind == "abort":
+                        give(r)
+                        e.finish(r, reason="abort")
+                        state.pop(r)
+                    else:
+                        give(r)
+                        e.finish(r, reason="stop")
+                        state.pop(r)
+            for r in [r for r in sending if rng.random() < 0.5]:
+                sending.remove(r)
+                give(r)
+                e.send_done(r)
+    e.run_out()
+    return b.trace()

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from pdtrace.trace.model import Trace
 
 NO = -1  # the "absent" value of every code, key, step and position array
+ABSENT = -2  # code_of() for a value the column does not hold
 
 
 def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
@@ -79,8 +80,9 @@ class Columns:
         return self._codes[name]
 
     def code_of(self, name: str, value: str) -> int:
+        """The code of one value; ABSENT (never equal to any code, nor to NO for null) if the column lacks it."""
         names = self.codes(name)[1]
-        return names.index(value) if value in names else NO
+        return names.index(value) if value in names else ABSENT
 
     def is_kind(self, *kinds: str) -> np.ndarray:
         codes, names = self.codes("kind")

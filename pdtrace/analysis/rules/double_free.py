@@ -58,6 +58,8 @@ def run(ctx: Any) -> pd.DataFrame:
         key_i = own.rk[closed].astype(np.int64) * width + own.block[closed]
         prev = last_before(key_u, cols.pos[own.unmatched_row], key_i, own.free_pos[closed], strict=True)
         closed_idx = np.flatnonzero(closed)
+        has_interval = np.zeros(cols.n_requests, bool)
+        has_interval[own.rk] = True
         for group in groups(own.unmatched_row):
             row = int(own.unmatched_row[group[0]])
             blocks = sorted(int(b) for b in own.unmatched_block[group])
@@ -70,7 +72,7 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(own.free_row[prev_i[0]]), "already given up here"))
                 evidence.append(ev.ref(int(own.alloc_row[prev_i[0]]), "allocated here"))
             instance, dp = sk_instance(cols, int(cols.sk[row]))
-            never_known = st.add_pos[rk] < 0 and not prev_i and not np.any(own.rk == rk)
+            never_known = st.add_pos[rk] < 0 and not prev_i and not has_interval[rk]
             req = free_ref.get("req")
             records.append({
                 "rule": "double_free", "subrule": "not_owned", "severity": "warning" if never_known else "error",
