@@ -79,7 +79,8 @@ def make_part(rng: np.random.Generator, rows: int, instance: str, role: str, pid
 
 def write_trace(directory: Path, events: int) -> None:
     rng = np.random.default_rng(0)
-    writers = [(inst, role, pid, worker) for inst, role, base in (("prefill-0", "prefill", 1000), ("decode-0", "decode", 2000))
+    instances = (("prefill-0", "prefill", 1000), ("decode-0", "decode", 2000))
+    writers = [(inst, role, pid, worker) for inst, role, base in instances
                for pid, worker in ((base, None), (base + 1, 0), (base + 2, 1), (base + 3, 2))]
     per_writer = events // len(writers)
     for index, (instance, role, pid, worker) in enumerate(writers):

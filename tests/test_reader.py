@@ -283,7 +283,7 @@ def test_files_with_other_accepted_types_are_normalised(trace_dir):
     table = build().table().slice(0, 3)
     plain = pa.table({name: (table.column(name).cast(pa.string()) if pa.types.is_dictionary(field.type)
                              else table.column(name).cast(pa.int64()) if name == "pid" else table.column(name))
-                      for name, field in zip(SCHEMA.names, SCHEMA)})
+                      for name, field in zip(SCHEMA.names, SCHEMA, strict=True)})
     write_part(trace_dir / "plain" / "part-000000.parquet", plain)
     trace = open_trace(trace_dir)
     assert trace.table.schema.equals(SCHEMA)

@@ -121,7 +121,7 @@ def _render(summary: dict[str, Any]) -> None:
 @app.command()
 def info(
     trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
-    format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
+    output_format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
     from pdtrace.format import COLUMNS
@@ -130,7 +130,7 @@ def info(
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
     # a trace, so every value the validator knows how to check is loaded and checked.
     summary = summarize(load_trace(trace, columns=[c for c in COLUMNS if c != "blocks"]))
-    if format is InfoFormat.json:
+    if output_format is InfoFormat.json:
         typer.echo(json.dumps(summary, indent=2))
     else:
         _render(summary)
