@@ -1,0 +1,438 @@
+"""unscheduled_request: requests the scheduler left behind.
+
+Positions are the global time order of `pdtrace.analysis.columns`; request keys (`rk`) name (instance, dp_rank,
+req). Steps are counted as `schedule()` calls of the request's scheduler (`sched` rows, a coalesced row counting
+its `empty_run`), with prefix sums over the scheduler's `sched` rows and searchsorted, never per event.
+
+A step *had room* for a waiting request when other requests ran (tokens > 0), the token budget was not exhausted
+(tokens < max_num_batched_tokens and running < max_num_seqs, where engine_config gives them) and the pool had the
+blocks its prompt needs (sched detail free_blocks >= ceil(prompt / block_size); 1 block without a block size). The
+room count of a window is a prefix sum of (budget and free_blocks >= 1); windows reaching the threshold on that
+upper bound are then checked exactly against the request's own block need (one numpy slice per candidate).
+
+Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
+- `starved`: a waiting period (from req_add, req_preempt or the close of a KV receive, to the next req_sched,
+  req_wait_kv or req_finish) with at least starve_steps steps that had room. Error when still waiting at the end of
+  the trace, warning when it was served late. The message names the head-of-line blocker: the oldest request that
+  was waiting unscheduled when the period began.
+- `never_scheduled`: never scheduled, unfinished, not waiting for remote KV, and starve_steps steps went by after
+  req_add without room for it (with room it is `starved`): warning (an overloaded pool, not a scheduler bug).
+- `preempted_not_resumed`: preempted, unfinished, no req_sched after the preemption while starve_steps steps went
+  by: error when starve_steps of them had room, warning otherwise.
+- `stuck_waiting_kv`: req_wait_kv with no kv_recv_done / kv_recv_fail after it, request unfinished. Error when it
+  has waited longer than grace_s (past every connector timeout); warning when requests that began waiting later
+  have already received their KV (overtaken: the transfer is lost, not slow) and starve_steps steps went by;
+  info when the engine kept stepping (starve_steps steps) but nothing else says it is lost: the trace may just end
+  mid-transfer. A receive that closed but only after grace_s is a warning.
+- `dropped_from_batch` (vLLM's V1 runner only; the rows exist only there): batch_remove reason `unscheduled` on a
+  worker lane, no batch_add on that lane after it, request unfinished. Error when the scheduler scheduled it again
+  and the lane executed that step (the worker ran a step whose request it had dropped); warning when it was never
+  scheduled again and zombie_steps steps went by.
+- `zombie`: in the running set (scheduled, not preempted or finished since) and not scheduled for zombie_steps
+  steps: the longest such gap per request. Error when the gap is open at the end of the trace, warning when the
+  request was scheduled (or preempted, or finished) again later.
+A `recorder_gap` or `recorder_off` on the instance over a finding's window lowers its severity one level (the
+missing event may have been dropped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.requests import RequestState, request_state
+from pdtrace.analysis.rulekit import DOWNGRADE, Evidence, engine_configs, gaps, inst_code_of_sk, sk_instance
+from pdtrace.analysis.steps import detail_number
+
+_MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
+
+
+class SchedCounter:
+    """The `sched` rows of every scheduler sorted by (sk, pos), with prefix sums for window counts."""
+
+    def __init__(self, ctx: AnalysisContext, cols: Columns) -> None:
+        rows = cols.rows_of("sched")
+        rows = rows[cols.sk[rows] >= 0]
+        self.span = int(cols.n) + 2
+        key = cols.sk[rows].astype(np.int64) * self.span + cols.pos[rows]
+        order = np.argsort(key, kind="stable")
+        rows = rows[order]
+        self.key = key[order]
+        self.rows = rows
+        empty_run = detail_number(ctx, rows, "empty_run")
+        weight = np.where(np.isnan(empty_run), 1.0, empty_run)
+        free = detail_number(ctx, rows, "free_blocks")
+        running = detail_number(ctx, rows, "running")
+        tokens = cols.nvalue[rows].astype(np.float64)
+        sk = cols.sk[rows]
+        n_sk = len(cols.sk_names)
+        max_tokens = np.full(n_sk, np.inf)
+        max_seqs = np.full(n_sk, np.inf)
+        self.block_size = np.full(n_sk, np.nan)
+        for s, cfg in engine_configs(ctx).items():
+            for arr, name in ((max_tokens, "max_num_batched_tokens"), (max_seqs, "max_num_seqs"),
+                              (self.block_size, "block_size")):
+                try:
+                    arr[s] = float(cfg[name])
+                except (KeyError, TypeError, ValueError):
+                    pass
+        # free_blocks unknown: room is not judged on blocks (NaN compares false below, so fill with +inf)
+        self.free = np.where(np.isnan(free), np.inf, free)
+        budget = (tokens > 0) & (tokens < max_tokens[sk]) & ~(running >= max_seqs[sk])
+        self.budget = budget
+        self.cum_weight = np.r_[0.0, np.cumsum(weight)]
+        self.cum_room = np.r_[0, np.cumsum(budget & (self.free >= 1))]
+
+    def _range(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Index range [lo, hi) of the sched rows of scheduler sk strictly between positions a and b (b = -1:
+        to the end of the trace)."""
+        base = sk.astype(np.int64) * self.span
+        lo = np.searchsorted(self.key, base + a, "right")
+        end = np.where(b < 0, base + self.span - 1, base + b)
+        hi = np.searchsorted(self.key, end, "left")
+        return lo, np.maximum(hi, lo)
+
+    def steps_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        lo, hi = self._range(sk, a, b)
+        return self.cum_weight[hi] - self.cum_weight[lo]
+
+    def room_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray, need: np.ndarray,
+                     threshold: int) -> np.ndarray:
+        """Steps with room for a request needing `need` blocks, strictly between a and b; exact where the upper
+        bound reaches `threshold`."""
+        lo, hi = self._range(sk, a, b)
+        room = (self.cum_room[hi] - self.cum_room[lo]).astype(np.int64)
+        exact = np.flatnonzero((room >= threshold) & (need > 1))[:_MAX_EXACT]
+        for i in exact.tolist():  # one slice per candidate finding
+            s = slice(lo[i], hi[i])
+            room[i] = int(np.count_nonzero(self.budget[s] & (self.free[s] >= need[i])))
+        return room
+
+
+def _sorted_events(cols: Columns, kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, composite key rk*span+pos, kind code) of the request's events of these kinds, sorted by key."""
+    rows = np.flatnonzero(cols.is_kind(*kinds) & (cols.rk >= 0) & (cols.sk >= 0))
+    span = int(cols.n) + 2
+    key = cols.rk[rows].astype(np.int64) * span + cols.pos[rows]
+    order = np.argsort(key, kind="stable")
+    kind, _ = cols.codes("kind")
+    return rows[order], key[order], kind[rows[order]]
+
+
+def _next_in(sorted_key: np.ndarray, rk: np.ndarray, pos: np.ndarray, span: int) -> np.ndarray:
+    """Index into the sorted events of the first one of the same rk strictly after pos; -1 if none."""
+    if len(sorted_key) == 0:
+        return np.full(len(rk), NO, np.int64)
+    q = rk.astype(np.int64) * span + pos
+    idx = np.searchsorted(sorted_key, q, "right")
+    ok = idx < len(sorted_key)
+    idx_c = np.minimum(idx, len(sorted_key) - 1)
+    same = ok & (sorted_key[idx_c] // span == rk)
+    return np.where(same, idx_c, NO)
+
+
+class _Out:
+    """Collects finding records; evidence rows fetched in one take at the end."""
+
+    def __init__(self, ctx: AnalysisContext, cols: Columns) -> None:
+        self.ctx = ctx
+        self.cols = cols
+        self.ev = Evidence(cols)
+        self.gaps = gaps(ctx)
+        self.pending: list[tuple[dict[str, Any], list[tuple[int, str | None]]]] = []
+
+    def add(self, subrule: str, severity: str, rk: int, start_row: int, end_pos: int, message: str,
+            evidence: list[tuple[int, str | None]], extra: dict[str, Any]) -> None:
+        cols = self.cols
+        names = cols.rk_names
+        sk = int(names["sk"].iloc[rk])
+        instance, dp = sk_instance(cols, sk)
+        covered = self.gaps.covers(inst_code_of_sk(cols, sk), int(cols.pos[start_row]),
+                                   int(end_pos if end_pos >= 0 else cols.n))
+        if covered:
+            severity = DOWNGRADE[severity]
+            message += f" ({covered} on {instance} over this window: the missing event may have been dropped)"
+            extra = dict(extra, downgraded=covered)
+        step = int(cols.step[start_row])
+        self.pending.append(({
+            "rule": "unscheduled_request", "subrule": subrule, "severity": severity, "instance": instance,
+            "dp_rank": dp, "req": str(names["req"].iloc[rk]), "blocks": [], "step": step if step >= 0 else None,
+            "ts_ns": int(cols.ts[start_row]), "message": message, "context": f"unscheduled_request:{subrule}",
+            "extra": extra,
+        }, [(r, note) for r, note in evidence if r is not None and r >= 0]))
+
+    def frame(self) -> pd.DataFrame:
+        self.ev.refs(r for _, evs in self.pending for r, _ in evs)
+        records = []
+        for rec, evs in self.pending:
+            rec["evidence"] = [self.ev.ref(int(r), note) for r, note in evs]
+            records.append(rec)
+        return findings_frame(records)
+
+
+def _row(cols: Columns, pos: np.ndarray | int) -> Any:
+    return np.where(np.asarray(pos) >= 0, cols.order[np.maximum(pos, 0)], NO)
+
+
+def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int) -> str | None:
+    """The oldest other request of the scheduler, added before this one, that waited unscheduled through the whole
+    window (a, b) (b = -1: to the end of the trace): the head of the line."""
+    mine = np.flatnonzero(st.sk == sk)
+    end = b if b >= 0 else cols.n
+    add = st.add_pos[mine]
+    first = st.first_sched_pos[mine]
+    fin = st.finish_pos[mine]
+    kv = st.wait_kv_pos[mine]
+    waiting = ((add >= 0) & (add < st.add_pos[rk]) & ((first < 0) | (first > end)) & ((fin < 0) | (fin > end))
+               & (mine != rk) & ((kv < 0) | (kv > end)))
+    cand = mine[waiting]
+    if len(cand) == 0:
+        return None
+    return str(cols.rk_names["req"].iloc[int(cand[np.argmin(st.add_pos[cand])])])
+
+
+def _prompt_need(ctx: AnalysisContext, cols: Columns, st: RequestState, sc: SchedCounter) -> np.ndarray:
+    """Blocks each request's prompt needs (>= 1): ceil(req_add n / block_size) where both are known."""
+    need = np.ones(st.n, np.int64)
+    add = st.add_pos
+    has = add >= 0
+    rows = _row(cols, add[has])
+    prompt = cols.nvalue[rows].astype(np.float64)
+    bs = sc.block_size[st.sk[has]]
+    blocks = np.where((prompt > 0) & (bs > 0), np.ceil(prompt / np.where(bs > 0, bs, 1)), 1)
+    need[has] = np.maximum(blocks, 1).astype(np.int64)
+    return need
+
+
+def _fmt_ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def run(ctx: AnalysisContext) -> pd.DataFrame:
+    cols = columns(ctx)
+    if cols.n == 0 or cols.n_requests == 0:
+        return findings_frame([])
+    st = request_state(ctx)
+    cfg = ctx.config
+    sc = SchedCounter(ctx, cols)
+    out = _Out(ctx, cols)
+    need = _prompt_need(ctx, cols, st, sc)
+    span = int(cols.n) + 2
+    unfinished = st.finish_pos < 0
+    kind_names = cols.codes("kind")[1]
+    code = {k: (kind_names.index(k) if k in kind_names else -9) for k in
+            ("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "kv_recv_done", "kv_recv_fail")}
+
+    ev_rows, ev_key, ev_kind = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish", "req_preempt"))
+    ev_rk = ev_key // span if len(ev_key) else ev_key
+    ev_pos = ev_key % span if len(ev_key) else ev_key
+
+    # --- waiting periods: starved / never_scheduled / preempted_not_resumed ------------------------------------
+    start_rows = np.flatnonzero(cols.is_kind("req_add", "req_preempt") & (cols.rk >= 0) & (cols.sk >= 0))
+    recv_close = st.recv_close_pos[st.recv_close_pos >= 0]
+    start_rows = np.concatenate([start_rows, _row(cols, recv_close).astype(np.int64)])
+    rk = cols.rk[start_rows]
+    pos = cols.pos[start_rows]
+    nxt = _next_in(ev_key, rk, pos, span)
+    # a period ends at the next req_sched / req_wait_kv / req_finish; a preemption cannot end a waiting period
+    end_pos = np.where(nxt >= 0, ev_pos[np.maximum(nxt, 0)] if len(ev_pos) else NO, NO)
+    is_open = nxt < 0
+    sk = cols.sk[start_rows]
+    steps = sc.steps_between(sk, pos, end_pos)
+    # requests that wait for remote KV right from the add are not waiting to be scheduled until the KV arrives
+    start_kind = cols.codes("kind")[0][start_rows]
+    threshold = int(cfg.starve_steps)
+    cand = np.flatnonzero(steps >= threshold)
+    room = np.zeros(len(start_rows), np.int64)
+    if len(cand):
+        room[cand] = sc.room_between(sk[cand], pos[cand], end_pos[cand], need[rk[cand]], threshold)
+    ts_end = cols.ts[cols.order[-1]]
+    reported = np.zeros(st.n, bool)
+    for i in np.flatnonzero(steps >= threshold).tolist():  # candidate findings only
+        r = int(rk[i])
+        srow = int(start_rows[i])
+        kind = int(start_kind[i])
+        open_ = bool(is_open[i])
+        end_row = int(_row(cols, end_pos[i])) if not open_ else NO
+        waited_ns = (ts_end if open_ else cols.ts[end_row]) - cols.ts[srow]
+        n_steps = int(steps[i])
+        n_room = int(room[i])
+        if open_ and not unfinished[r]:
+            continue
+        evidence: list[tuple[int, str | None]] = [(srow, "waiting from here")]
+        if end_row >= 0:
+            evidence.append((end_row, "first scheduled after"))
+        extra = {"steps_waited": n_steps, "steps_with_room": n_room, "blocks_needed": int(need[r]),
+                 "waited_ns": int(waited_ns), "open_at_end": open_}
+        if kind == code["req_preempt"] and open_:
+            sev = "error" if n_room >= threshold else "warning"
+            msg = (f"request {cols.rk_names['req'].iloc[r]} was preempted and never resumed: {n_steps} steps "
+                   f"({_fmt_ms(waited_ns)}) to the end of the trace, {n_room} of them with room for it")
+            out.add("preempted_not_resumed", sev, r, srow, NO, msg, evidence, extra)
+            reported[r] = True
+            continue
+        if n_room >= threshold:
+            blocker = _blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i])) if len(out.pending) < 200 else None
+            sev = "error" if open_ else "warning"
+            tail = "still waiting at the end of the trace" if open_ else f"then scheduled ({_fmt_ms(waited_ns)})"
+            msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps while other requests ran, "
+                   f"{n_room} of them with room for it (token budget left, >= {int(need[r])} free blocks); {tail}")
+            if blocker:
+                msg += f"; head of line: {blocker}, waiting since before it"
+                extra["head_of_line"] = blocker
+            out.add("starved", sev, r, srow, end_pos[i], msg, evidence, extra)
+            reported[r] = True
+            continue
+        if open_ and kind == code["req_add"] and st.first_sched_pos[r] < 0 and not reported[r] \
+                and (st.wait_kv_pos[r] < 0):
+            msg = (f"request {cols.rk_names['req'].iloc[r]} was never scheduled: {n_steps} steps "
+                   f"({_fmt_ms(waited_ns)}) since it was added, none with room for it "
+                   f"(>= {int(need[r])} free blocks and token budget)")
+            out.add("never_scheduled", "warning", r, srow, NO, msg, evidence, extra)
+            reported[r] = True
+
+    # --- stuck_waiting_kv -----------------------------------------------------------------------------------
+    grace_ns = int(float(cfg.grace_s) * 1e9)
+    waiters = np.flatnonzero(st.wait_kv_pos >= 0)
+    if len(waiters):
+        wrow = _row(cols, st.wait_kv_pos[waiters]).astype(np.int64)
+        wts = cols.ts[wrow]
+        close = st.recv_close_pos[waiters]
+        crow = _row(cols, close).astype(np.int64)
+        closed = close >= 0
+        cts = np.where(closed, cols.ts[np.maximum(crow, 0)], ts_end)
+        wsk = st.sk[waiters]
+        # overtaken: requests of the same scheduler that began waiting later and already closed
+        overtaken = np.zeros(len(waiters), np.int64)
+        for s in np.unique(wsk).tolist():  # per scheduler
+            m = wsk == s
+            done_waits = np.sort(wts[m & closed])
+            overtaken[m] = len(done_waits) - np.searchsorted(done_waits, wts[m], "right")
+        wsteps = sc.steps_between(wsk, st.wait_kv_pos[waiters], np.full(len(waiters), NO))
+        age = cts - wts
+        for i in np.flatnonzero((closed & (age > grace_ns)) | (~closed & unfinished[waiters]
+                                                               & ((age > grace_ns) | (wsteps >= threshold)))).tolist():
+            r = int(waiters[i])
+            evidence = [(int(_row(cols, st.add_pos[r])), None), (int(wrow[i]), "waiting for remote KV")]
+            extra = {"waited_ns": int(age[i]), "steps_since": int(wsteps[i]), "overtaken_by": int(overtaken[i]),
+                     "grace_s": float(cfg.grace_s), "open_at_end": not bool(closed[i])}
+            name = cols.rk_names["req"].iloc[r]
+            if closed[i]:
+                evidence.append((int(crow[i]), "receive closed"))
+                msg = f"request {name} waited {_fmt_ms(age[i])} for remote KV, longer than grace {cfg.grace_s:g} s"
+                out.add("stuck_waiting_kv", "warning", r, int(wrow[i]), int(close[i]), msg, evidence, extra)
+                continue
+            if age[i] > grace_ns:
+                sev = "error"
+                why = f"longer than the grace period ({cfg.grace_s:g} s, past every connector timeout)"
+            elif overtaken[i] and wsteps[i] >= threshold:
+                sev = "warning"
+                why = f"while {int(overtaken[i])} requests that began waiting later already received theirs"
+            else:
+                sev = "info"
+                why = "while the engine kept stepping (the trace may end mid-transfer)"
+            msg = (f"request {name} still waits for remote KV at the end of the trace: {_fmt_ms(age[i])}, "
+                   f"{int(wsteps[i])} steps, {why}")
+            out.add("stuck_waiting_kv", sev, r, int(wrow[i]), NO, msg, evidence, extra)
+
+    # --- dropped_from_batch (V1 runner) -------------------------------------------------------------------
+    brows = np.flatnonzero(cols.is_kind("batch_add", "batch_remove") & (cols.rk >= 0))
+    if len(brows):
+        reason, rnames = cols.codes("reason")
+        kinds = cols.codes("kind")[0]
+        pp = cols.table.column("pp_rank").to_numpy(zero_copy_only=False)
+        tp = cols.table.column("tp_rank").to_numpy(zero_copy_only=False)
+        pid = cols.table.column("pid").to_numpy()
+        lane = pd.DataFrame({"row": brows, "rk": cols.rk[brows], "pid": pid[brows],
+                             "pp": np.nan_to_num(np.asarray(pp[brows], dtype=np.float64), nan=-1),
+                             "tp": np.nan_to_num(np.asarray(tp[brows], dtype=np.float64), nan=-1),
+                             "pos": cols.pos[brows], "is_add": kinds[brows] == code_of(cols, "batch_add"),
+                             "unsched": reason[brows] == (rnames.index("unscheduled") if "unscheduled" in rnames
+                                                          else -9)})
+        last = lane.sort_values("pos").groupby(["rk", "pid", "pp", "tp"], sort=False).tail(1)
+        dropped = last[~last["is_add"] & last["unsched"] & unfinished[last["rk"].to_numpy()]]
+        if len(dropped):
+            exec_rows = cols.rows_of("exec_end", "exec_begin")
+            lane_last_step = pd.Series(cols.step[exec_rows]).groupby(pid[exec_rows]).max()
+            for d in dropped.itertuples(index=False):  # candidate findings only
+                r = int(d.rk)
+                drow = int(d.row)
+                dpos = int(d.pos)
+                nxt_i = _next_in(ev_key[ev_kind == code["req_sched"]], np.array([r]), np.array([dpos]), span)[0]
+                sched_keys = ev_key[ev_kind == code["req_sched"]]
+                sched_rows_ = ev_rows[ev_kind == code["req_sched"]]
+                name = cols.rk_names["req"].iloc[r]
+                if nxt_i >= 0:
+                    srow = int(sched_rows_[nxt_i])
+                    ran = lane_last_step.get(int(d.pid), -1) >= cols.step[srow] >= 0
+                    if not ran:
+                        continue
+                    msg = (f"request {name} was removed from the persistent batch of pp{int(d.pp)}/tp{int(d.tp)} as "
+                           f"unscheduled, scheduled again at step {int(cols.step[srow])}, and never re-added on that "
+                           "worker although it executed that step")
+                    out.add("dropped_from_batch", "error", r, drow, int(sched_keys[nxt_i] % span),
+                            msg, [(drow, "batch_remove unscheduled"), (srow, "scheduled again")],
+                            {"pp_rank": int(d.pp), "tp_rank": int(d.tp)})
+                else:
+                    n_after = float(sc.steps_between(np.array([st.sk[r]]), np.array([dpos]), np.array([NO]))[0])
+                    if n_after < int(cfg.zombie_steps):
+                        continue
+                    msg = (f"request {name} was removed from the persistent batch of pp{int(d.pp)}/tp{int(d.tp)} as "
+                           f"unscheduled and never came back: unfinished, {int(n_after)} steps to the end of the trace")
+                    out.add("dropped_from_batch", "warning", r, drow, NO, msg, [(drow, "batch_remove unscheduled")],
+                            {"pp_rank": int(d.pp), "tp_rank": int(d.tp), "steps_since": int(n_after)})
+
+    # --- zombie --------------------------------------------------------------------------------------------
+    is_sched = ev_kind == code["req_sched"]
+    if is_sched.any():
+        idx = np.flatnonzero(is_sched)
+        same_next = np.r_[ev_rk[1:] == ev_rk[:-1], False]
+        has_next = same_next[idx]
+        nxt_pos = np.where(has_next, ev_pos[np.minimum(idx + 1, len(ev_pos) - 1)], NO)
+        z_rk = ev_rk[idx]
+        # an open gap counts only while the request is unfinished
+        keep = has_next | unfinished[z_rk]
+        idx, nxt_pos, z_rk, has_next = idx[keep], nxt_pos[keep], z_rk[keep], has_next[keep]
+        gap = sc.steps_between(st.sk[z_rk], ev_pos[idx], nxt_pos)
+        # steps strictly between the two events; under the next event's own step it was handled, so no -1 fixup
+        big = gap >= int(cfg.zombie_steps)
+        if big.any():
+            frame = pd.DataFrame({"i": idx[big], "rk": z_rk[big], "gap": gap[big], "open": ~has_next[big],
+                                  "nxt": nxt_pos[big]})
+            frame = frame.sort_values(["rk", "gap"]).groupby("rk").tail(1)
+            for z in frame.itertuples(index=False):  # one per request
+                srow = int(ev_rows[z.i])
+                r = int(z.rk)
+                name = cols.rk_names["req"].iloc[r]
+                if z.open:
+                    msg = (f"request {name} is in the running set but was not scheduled in its last {int(z.gap)} "
+                           f"steps, and is not finished at the end of the trace")
+                    evidence = [(srow, "last scheduled")]
+                    out.add("zombie", "error", r, srow, NO, msg, evidence, {"steps": int(z.gap), "open_at_end": True})
+                else:
+                    nrow = int(_row(cols, int(z.nxt)))
+                    msg = (f"request {name} stayed in the running set {int(z.gap)} steps without being scheduled "
+                           f"or finished, then {kind_names[cols.codes('kind')[0][nrow]]}")
+                    evidence = [(srow, "scheduled"), (nrow, "next")]
+                    out.add("zombie", "warning", r, srow, int(z.nxt), msg, evidence,
+                            {"steps": int(z.gap), "open_at_end": False})
+    return out.frame()
+
+
+def code_of(cols: Columns, kind: str) -> int:
+    return cols.code_of("kind", kind)
+
+
+RULE = Rule(
+    id="unscheduled_request",
+    summary="requests never scheduled, starved, stuck waiting for KV, preempted and not resumed, dropped, zombies",
+    run=run,
+    subrules=("never_scheduled", "starved", "stuck_waiting_kv", "preempted_not_resumed", "dropped_from_batch",
+              "zombie"),
+)

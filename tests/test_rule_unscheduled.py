@@ -1,0 +1,325 @@
+"""unscheduled_request: each subrule on a scenario that has it and on a healthy twin that does not."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.rules.unscheduled_request import RULE, run
+from scenarios import HEALTHY, Engine, builder
+from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
+
+
+def findings(trace, **config):
+    return run(AnalysisContext(trace, AnalysisConfig().with_overrides(**config)))
+
+
+def by_sub(frame, subrule):
+    return frame[frame["subrule"] == subrule]
+
+
+def engine(**kw) -> tuple[object, Engine]:
+    b = builder()
+    return b, Engine(b, instance="E", role="both", **kw)
+
+
+def run_steps(e: Engine, n: int, sched: dict[str, int]) -> None:
+    for _ in range(n):
+        e.step(dict(sched))
+        e.output()
+
+
+def test_rule_object():
+    assert RULE.id == "unscheduled_request"
+    assert set(RULE.subrules) == {"never_scheduled", "starved", "stuck_waiting_kv", "preempted_not_resumed",
+                                  "dropped_from_batch", "zombie"}
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_healthy_scenarios_give_nothing(name):
+    assert len(findings(HEALTHY[name]())) == 0
+
+
+@pytest.mark.parametrize("make", [healthy_pp4, few_requests_pp4, one_microbatch_pp4])
+def test_pipeline_runs_give_nothing(make):
+    assert len(findings(make())) == 0
+
+
+def head_of_line(small_served_after: int | None) -> object:
+    """`big` (40 blocks) cannot fit in 32 free blocks and blocks the FCFS queue; `small` (1 block) could."""
+    b, e = engine()
+    e.add("runner", n=16)
+    e.add("big", n=640)
+    e.add("small", n=16)
+    e.step({"runner": 16}, alloc={"runner": [1]})
+    e.output()
+    for i in range(60):
+        if small_served_after is not None and i == small_served_after:
+            e.step({"runner": 1, "small": 16}, alloc={"small": [2]})
+        else:
+            e.step({"runner": 1})
+        e.output()
+    return b.trace()
+
+
+def test_starved_by_head_of_line_blocker():
+    f = findings(head_of_line(None))
+    starved = by_sub(f, "starved")
+    assert list(starved["req"]) == ["small"]
+    row = starved.iloc[0]
+    assert row["severity"] == "error"  # still waiting at the end
+    assert row["extra"]["head_of_line"] == "big"
+    assert row["extra"]["steps_with_room"] >= 50
+    assert "big" in row["message"]
+    # the blocker itself never had room: never_scheduled, a warning, not starved
+    never = by_sub(f, "never_scheduled")
+    assert list(never["req"]) == ["big"] and never.iloc[0]["severity"] == "warning"
+    assert any(ev["kind"] == "req_add" and ev["req"] == "small" for ev in row["evidence"])
+
+
+def test_starved_then_served_is_a_warning():
+    f = by_sub(findings(head_of_line(55)), "starved")
+    assert list(f["req"]) == ["small"]
+    assert f.iloc[0]["severity"] == "warning"
+    assert f.iloc[0]["extra"]["open_at_end"] is False
+
+
+def test_served_quickly_is_not_starved():
+    f = findings(head_of_line(3))
+    assert len(by_sub(f, "starved")) == 0
+
+
+def test_threshold_comes_from_config():
+    assert len(by_sub(findings(head_of_line(None), starve_steps=100), "starved")) == 0
+    assert len(by_sub(findings(head_of_line(20)), "starved")) == 0
+    assert len(by_sub(findings(head_of_line(20), starve_steps=10), "starved")) == 1
+
+
+def test_no_room_in_the_token_budget_is_not_starvation():
+    b, e = engine()
+    e.add("runner", n=16)
+    e.add("small", n=16)
+    e.step({"runner": 16}, alloc={"runner": [1]})
+    e.output()
+    for _ in range(60):  # every step uses the whole budget of 2048 tokens
+        e.step({"runner": 2048})
+        e.output()
+    f = findings(b.trace())
+    assert len(by_sub(f, "starved")) == 0
+    assert list(by_sub(f, "never_scheduled")["req"]) == ["small"]
+
+
+def preempted(resume_after: int | None) -> object:
+    b, e = engine(num_blocks=8)
+    e.add("a", n=32)
+    e.add("b", n=32)
+    e.step({"a": 32, "b": 32}, alloc={"a": [1, 2], "b": [3, 4]})
+    e.output()
+    e.step({"a": 1}, alloc={"a": [5, 6]}, preempt={"b": [3, 4]})
+    e.output()
+    for i in range(60):
+        if resume_after is not None and i == resume_after:
+            e.step({"a": 1, "b": 32}, alloc={"b": [3, 4]})
+        elif resume_after is not None and i > resume_after:
+            e.step({"a": 1, "b": 1})
+        else:
+            e.step({"a": 1})
+        e.output()
+    return b.trace()
+
+
+def test_preempted_not_resumed():
+    f = findings(preempted(None))
+    p = by_sub(f, "preempted_not_resumed")
+    assert list(p["req"]) == ["b"]
+    assert p.iloc[0]["severity"] == "error"  # room existed (32 free blocks)
+    assert p.iloc[0]["evidence"][0]["kind"] == "req_preempt"
+    assert len(by_sub(f, "zombie")) == 0  # preempted: out of the running set
+
+
+def test_preemption_then_resume_is_not_preempted_not_resumed():
+    f = findings(preempted(2))
+    assert len(f) == 0
+    late = findings(preempted(55))
+    assert len(by_sub(late, "preempted_not_resumed")) == 0
+    assert list(by_sub(late, "starved")["severity"]) == ["warning"]
+
+
+def waiting_kv(recv: bool, later_recv: bool = False, steps: int = 60) -> object:
+    b = builder()
+    d = Engine(b, instance="D", role="decode")
+    d.add("runner", n=16)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=3)
+    d.step({"runner": 16}, alloc={"runner": [1]}, wait_kv={"r1": [2, 3, 4]})
+    d.output()
+    if later_recv:
+        d.add("r2", n=40, remote_prefill=True, remote_instance="P", remote_req="r2", remote_blocks=3)
+        d.step({"runner": 1}, wait_kv={"r2": [5, 6, 7]})
+        d.output()
+        d.step({"runner": 1})
+        d.output()
+        d.recv_done("r2")
+        d.step({"runner": 1, "r2": 1})
+        d.output()
+        d.finish("r2", reason="length")
+    for i in range(steps):
+        d.step({"runner": 1, "r1": 1} if recv and 3 < i < 8 else {"runner": 1})
+        d.output()
+        if recv and i == 3:
+            d.recv_done("r1")
+        if recv and i == 7:
+            d.finish("r1", reason="length")
+    return b.trace()
+
+
+def test_stuck_waiting_kv_severities():
+    plain = by_sub(findings(waiting_kv(recv=False)), "stuck_waiting_kv")
+    assert list(plain["req"]) == ["r1"] and plain.iloc[0]["severity"] == "info"
+    overtaken = by_sub(findings(waiting_kv(recv=False, later_recv=True)), "stuck_waiting_kv")
+    assert list(overtaken["req"]) == ["r1"] and overtaken.iloc[0]["severity"] == "warning"
+    assert overtaken.iloc[0]["extra"]["overtaken_by"] == 1
+    past_grace = by_sub(findings(waiting_kv(recv=False), grace_s=0.01), "stuck_waiting_kv")
+    assert past_grace.iloc[0]["severity"] == "error"
+    assert "grace" in past_grace.iloc[0]["message"]
+
+
+def test_received_kv_is_not_stuck():
+    assert len(findings(waiting_kv(recv=True))) == 0
+    # received, but only after the grace period: a warning
+    late = by_sub(findings(waiting_kv(recv=True), grace_s=0.001), "stuck_waiting_kv")
+    assert list(late["severity"]) == ["warning"]
+
+
+def test_short_wait_at_end_is_not_reported():
+    assert len(findings(waiting_kv(recv=False, steps=10))) == 0
+
+
+def zombie(rescheduled_at: int | None, gap_marker: bool = False) -> object:
+    b, e = engine()
+    e.add("a", n=16)
+    e.add("b", n=16)
+    e.step({"a": 16, "b": 16}, alloc={"a": [1], "b": [2]})
+    e.output()
+    for i in range(60):
+        if gap_marker and i == 10:
+            e.ev("recorder_gap", n=100)
+        e.step({"b": 1, "a": 1} if i == rescheduled_at else {"b": 1})
+        e.output()
+    return b.trace()
+
+
+def test_zombie_open_at_end_is_an_error():
+    z = by_sub(findings(zombie(None)), "zombie")
+    assert list(z["req"]) == ["a"]
+    assert z.iloc[0]["severity"] == "error" and z.iloc[0]["extra"]["steps"] >= 59
+
+
+def test_zombie_that_came_back_is_a_warning_and_short_gaps_are_fine():
+    z = by_sub(findings(zombie(55)), "zombie")
+    assert list(z["severity"]) == ["warning"]
+    assert len(by_sub(findings(zombie(20)), "zombie")) == 0
+
+
+def test_recorder_gap_downgrades():
+    z = by_sub(findings(zombie(None, gap_marker=True)), "zombie")
+    assert z.iloc[0]["severity"] == "warning"
+    assert z.iloc[0]["extra"]["downgraded"] == "recorder_gap"
+
+
+def dropped(re_add: bool, scheduled_again: bool = True) -> object:
+    b, e = engine()
+    e.add("a", n=16)
+    e.add("b", n=16)
+    e.step({"a": 16, "b": 16}, alloc={"a": [1], "b": [2]})
+    e.output()
+    w = dict(component="worker", pid=1001, pp_rank=0, tp_rank=0)
+    e.ev("batch_add", step=0, req="a", reason="new", **w)
+    k = e.step({"b": 1})
+    e.ev("batch_remove", step=k, req="a", reason="unscheduled", **w)
+    e.ev("exec_begin", step=k, n=1, **w)
+    e.ev("exec_end", step=k, n=1, **w)
+    e.output()
+    k = e.step({"a": 1, "b": 1} if scheduled_again else {"b": 1})
+    if re_add:
+        e.ev("batch_add", step=k, req="a", reason="resumed", **w)
+    e.ev("exec_begin", step=k, n=2, **w)
+    e.ev("exec_end", step=k, n=2, **w)
+    e.output()
+    if not scheduled_again:
+        run_steps(e, 55, {"b": 1})
+    return b.trace()
+
+
+def test_dropped_from_batch():
+    d = by_sub(findings(dropped(re_add=False)), "dropped_from_batch")
+    assert list(d["req"]) == ["a"] and d.iloc[0]["severity"] == "error"
+    kinds = [ev["kind"] for ev in d.iloc[0]["evidence"]]
+    assert kinds == ["batch_remove", "req_sched"]
+
+
+def test_dropped_and_never_back_is_a_warning():
+    d = by_sub(findings(dropped(re_add=False, scheduled_again=False)), "dropped_from_batch")
+    assert list(d["severity"]) == ["warning"]
+
+
+def test_re_added_is_not_dropped():
+    assert len(by_sub(findings(dropped(re_add=True)), "dropped_from_batch")) == 0
+
+
+# -- random well-formed schedules ----------------------------------------------------------------------------
+@st.composite
+def schedules(draw):
+    """A fair FCFS engine: requests arrive, are scheduled within a few steps, run a few steps (some preempted and
+    resumed at once, some waiting briefly for remote KV), and finish."""
+    n_req = draw(st.integers(1, 8))
+    plan = [(draw(st.integers(0, 20)), draw(st.integers(1, 6)), draw(st.booleans()), draw(st.booleans()))
+            for _ in range(n_req)]
+    return plan
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedules())
+def test_random_well_formed_schedules_never_error(plan):
+    b, e = engine()
+    state: dict[str, dict] = {}
+    for step in range(40):
+        sched: dict[str, int] = {}
+        alloc: dict[str, list[int]] = {}
+        wait: dict[str, list[int]] = {}
+        preempt: dict[str, list[int]] = {}
+        for i, (arrive, length, remote, gets_preempted) in enumerate(plan):
+            r = f"r{i}"
+            s = state.get(r)
+            if s is None and step == arrive:
+                e.add(r, n=16, **({"remote_prefill": True} if remote else {}))
+                state[r] = s = {"left": length, "phase": "wait_kv" if remote else "ready", "t": step}
+                if remote:
+                    wait[r] = [100 + i]
+                    continue
+            if s is None or s["phase"] == "done":
+                continue
+            if s["phase"] == "wait_kv":
+                if step - s["t"] >= 2:
+                    e.recv_done(r)
+                    s["phase"] = "ready"
+                continue
+            if gets_preempted and s["left"] == 1 and not s.get("was_preempted"):
+                preempt[r] = []
+                s["was_preempted"] = True
+                continue
+            sched[r] = 1
+            if not s.get("alloc"):
+                alloc[r] = [1 + i]
+                s["alloc"] = True
+            s["left"] -= 1
+        e.step(sched, alloc=alloc, wait_kv=wait, preempt=preempt)
+        e.output()
+        for r in list(sched):
+            if state[r]["left"] <= 0:
+                e.finish(r, reason="length")
+                state[r]["phase"] = "done"
+    f = findings(b.trace())
+    assert not (f["severity"] == "error").any(), f[["subrule", "message"]].to_string()
