@@ -172,9 +172,10 @@ def _bubble_summary(bubbles: pd.DataFrame) -> list[dict[str, Any]]:
     for rec in bubbles.to_dict("records"):  # pipeline_bubble findings are per rank, few
         extra = dict(rec.get("extra") or {})
         entry = {"instance": rec.get("instance"), "dp_rank": rec.get("dp_rank"), "severity": rec.get("severity"),
-                 "subrule": rec.get("subrule"), "message": rec.get("message")}
-        for key in ("pp_rank", "tp_rank", "idle_fraction", "idle_ns", "busy_ns", "span_ns", "n_bubbles",
-                    "causes", "top_cause", "dur_ns"):
+                 "message": rec.get("message")}
+        entry["cause"] = rec.get("subrule")
+        for key in ("p", "pp_rank", "tp_rank", "wall_ns", "idle_fraction", "lost_fraction", "avoidable_fraction",
+                    "idle_ns_by_cause", "intervals"):
             if key in extra:
                 entry[key] = extra[key]
         out.append(entry)

@@ -51,3 +51,78 @@ class AnalysisConfig:
                 raise UsageError(f"analysis setting {key!r} must not be negative, got {value!r}")
             clean[name] = value
         return replace(self, **clean)
+
+
+#: Keys of `[tool.pdtrace]` besides the AnalysisConfig fields: milliseconds for the bubble threshold, and the
+#: analyze defaults (`rules`, `fail_on`).
+PYPROJECT_EXTRA_KEYS = ("bubble_min_ms", "rules", "fail_on")
+
+
+def find_pyproject(start: str | None = None) -> "Path | None":
+    """The nearest pyproject.toml with a `[tool.pdtrace]` table, from `start` (default: the cwd) upward."""
+    import os
+    from pathlib import Path
+
+    here = Path(start or os.getcwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / "pyproject.toml"
+        if candidate.is_file() and _has_tool_pdtrace(candidate):
+            return candidate
+    return None
+
+
+def _has_tool_pdtrace(path: "Path") -> bool:
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            return "pdtrace" in tomllib.load(handle).get("tool", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
+def load_pyproject_table(path: "str | Path", required: bool = True) -> dict[str, Any]:
+    """The `[tool.pdtrace]` table of a pyproject.toml ({} if absent and not required). Bad TOML -> UsageError."""
+    import tomllib
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML ({exc})") from None
+    table = data.get("tool", {}).get("pdtrace")
+    if table is None:
+        if required:
+            raise UsageError(f"{path}: no [tool.pdtrace] table")
+        return {}
+    if not isinstance(table, dict):
+        raise UsageError(f"{path}: [tool.pdtrace] must be a table")
+    return table
+
+
+def config_from_table(table: dict[str, Any], base: AnalysisConfig | None = None) -> tuple[AnalysisConfig, dict]:
+    """(AnalysisConfig with the table's thresholds, the analyze defaults found: rules, fail_on). Unknown keys raise
+    UsageError, so a typo in pyproject.toml does not silently fall back to a default."""
+    base = base or AnalysisConfig()
+    settings: dict[str, Any] = {}
+    defaults: dict[str, Any] = {}
+    for key, value in table.items():
+        name = key.replace("-", "_")
+        if name == "bubble_min_ms":
+            try:
+                settings["bubble_min_ns"] = int(float(value) * 1_000_000)
+            except (TypeError, ValueError):
+                raise UsageError(f"[tool.pdtrace] bubble_min_ms must be a number, got {value!r}") from None
+        elif name in ("rules", "fail_on"):
+            defaults[name] = value
+        elif name in ("since_ns", "until_ns", "instances"):
+            raise UsageError(f"[tool.pdtrace] {key} is a per-run option; pass it on the command line")
+        else:
+            settings[name] = value
+    return base.with_overrides(**settings), defaults

@@ -13,7 +13,9 @@ from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
 # Each import registers one verb on `app`.
 # (verb modules are imported below)
 from pdtrace.cli import info  # noqa: E402,F401
+from pdtrace.cli import analyze  # noqa: E402,F401
 from pdtrace.cli import plot  # noqa: E402,F401
+from pdtrace.cli import export  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

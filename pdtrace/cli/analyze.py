@@ -1,0 +1,149 @@
+"""`pdtrace analyze TRACE`: run the rules and report the findings (memcheck-like text, or JSON); the exit status
+makes it a CI gate (0 clean, 1 findings at or above --fail-on, 2 bad usage or unreadable input).
+
+Thresholds come from, in increasing priority: the defaults (pdtrace.analysis.config), `[tool.pdtrace]` of a
+pyproject.toml (`--config PATH`, else the nearest one from the current directory upward that has the table), then
+the flags. The analysis itself is `pdtrace.analysis.analyze`, the same code path as the Python API.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+
+
+class AnalyzeFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+FAIL_LEVELS = {"error": ("error",), "warning": ("error", "warning"), "info": ("error", "warning", "info"),
+               "never": ()}
+
+_TIME = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*(ns|us|µs|ms|s|m|min)?\s*$")
+_UNIT_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000, "m": 60_000_000_000,
+            "min": 60_000_000_000}
+
+
+def parse_time(value: str, start_ns: int, option: str) -> int:
+    """An absolute ns timestamp from `--since` / `--until`: seconds (or with a unit: 500ms, 2min) relative to the
+    trace start; a bare integer of 16 digits or more, or a value with unit `ns` of that size, is absolute ns since
+    the epoch."""
+    match = _TIME.match(value)
+    if not match:
+        raise UsageError(f"{option}: cannot read {value!r} as a time (seconds from the trace start, e.g. 1.5, "
+                         "500ms, 2min; or absolute ns since the epoch)")
+    number, unit = match.group(1), match.group(2)
+    if unit is None and re.fullmatch(r"\d{16,}", number.strip()):
+        return int(number)
+    if unit == "ns" and re.fullmatch(r"\d{16,}", number.strip()):
+        return int(number)
+    ns = float(number) * _UNIT_NS[unit or "s"]
+    return start_ns + int(round(ns))
+
+
+def _split(values: Optional[list[str]]) -> list[str]:
+    out: list[str] = []
+    for value in values or []:
+        out.extend(v.strip() for v in value.split(",") if v.strip())
+    return out
+
+
+@app.command()
+def analyze(
+    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    format: AnalyzeFormat = typer.Option(AnalyzeFormat.text, "--format", "-f", help="text (default) or json."),
+    rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
+                                              help="Rules to run, comma-separated or repeated (default: all)."),
+    instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
+                                                 help="Only this instance (repeat for several)."),
+    since: Optional[str] = typer.Option(None, "--since", help="Start of the window: seconds from the trace start "
+                                        "(1.5, 500ms, 2min) or absolute ns since the epoch."),
+    until: Optional[str] = typer.Option(None, "--until", help="End of the window (exclusive), same forms."),
+    fail_on: Optional[str] = typer.Option(None, "--fail-on",
+                                          help="Exit 1 when a finding is at or above this severity: error "
+                                               "(default), warning, info or never."),
+    grace_s: Optional[float] = typer.Option(None, "--grace-s", help="Grace period for transfers and leaks, s "
+                                            "(default 480)."),
+    starve_steps: Optional[int] = typer.Option(None, "--starve-steps", help="Steps before a waiting request is "
+                                               "starved (default 50)."),
+    zombie_steps: Optional[int] = typer.Option(None, "--zombie-steps", help="Steps before a running request that "
+                                               "is neither scheduled nor finished is a zombie (default 50)."),
+    bubble_min_ms: Optional[float] = typer.Option(None, "--bubble-min-ms", help="Shortest idle gap reported as a "
+                                                  "bubble, ms (default 1)."),
+    bubble_warn_fraction: Optional[float] = typer.Option(None, "--bubble-warn-fraction",
+                                                         help="Lost fraction of a PP rank that makes a warning "
+                                                              "(default 0.10)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A pyproject.toml whose [tool.pdtrace] table "
+                                          "holds thresholds (default: the nearest one from the current directory)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Text: show every finding of a context in full."),
+) -> None:
+    """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
+    unscheduled requests and pipeline bubbles, with the events that prove them."""
+    import pyarrow.compute as pc
+
+    from pdtrace.analysis import analyze as run_analysis
+    from pdtrace.analysis import available_rules, select_rules, summarize_findings
+    from pdtrace.analysis.config import config_from_table, find_pyproject, load_pyproject_table
+    from pdtrace.trace.reader import open_trace
+
+    pyproject = config if config is not None else find_pyproject()
+    table = load_pyproject_table(pyproject, required=config is not None) if pyproject is not None else {}
+    settings, defaults = config_from_table(table)
+    overrides: dict[str, Any] = {"grace_s": grace_s, "starve_steps": starve_steps, "zombie_steps": zombie_steps,
+                                 "bubble_warn_fraction": bubble_warn_fraction}
+    if bubble_min_ms is not None:
+        overrides["bubble_min_ns"] = int(bubble_min_ms * 1_000_000)
+    settings = settings.with_overrides(**overrides)
+
+    level = (fail_on or str(defaults.get("fail_on", "error"))).strip().lower()
+    if level not in FAIL_LEVELS:
+        raise UsageError(f"--fail-on must be one of {', '.join(FAIL_LEVELS)}, not {level!r}")
+    wanted_rules = _split(rules) or None
+    if wanted_rules is None and defaults.get("rules"):
+        value = defaults["rules"]
+        wanted_rules = _split([value] if isinstance(value, str) else [str(v) for v in value])
+    registered, notes = available_rules()
+    chosen = select_rules(wanted_rules, registered)  # unknown ids: exit 2 before the trace is read
+    for note in notes:
+        err_console.print(f"pdtrace: warning: {note}", markup=False)
+
+    loaded = open_trace(trace, warn=False)
+    for note in loaded.warnings:
+        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+    start_ns = int(pc.min(loaded.table.column("ts_ns")).as_py()) if len(loaded) else 0
+    instances = _split(instance) or None
+    if instances:
+        col = loaded.table.column("instance")
+        known = set(pc.unique(col.cast(col.type.value_type) if hasattr(col.type, "value_type") else col)
+                    .to_pylist())
+        unknown = [name for name in instances if name not in known]
+        if unknown:
+            raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: {', '.join(sorted(known))})")
+    settings = settings.with_overrides(
+        since_ns=parse_time(since, start_ns, "--since") if since is not None else None,
+        until_ns=parse_time(until, start_ns, "--until") if until is not None else None,
+    )
+    if instances:
+        settings = settings.__class__(**{**settings.__dict__, "instances": tuple(instances)})
+
+    findings = run_analysis(loaded, rules=chosen, config=settings)
+    summary = summarize_findings(findings)
+    if format is AnalyzeFormat.json:
+        from pdtrace.report.json_report import render_json
+
+        typer.echo(render_json(findings, summary, str(trace)))
+    else:
+        from pdtrace.report.terminal import render_terminal
+
+        render_terminal(findings, summary, out_console, trace=str(trace), start_ns=start_ns, verbose=verbose)
+    failing = FAIL_LEVELS[level]
+    hit = bool(len(findings)) and bool(findings["severity"].isin(failing).any())
+    raise typer.Exit(EXIT_FINDINGS if hit else EXIT_OK)

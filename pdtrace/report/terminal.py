@@ -1,0 +1,184 @@
+"""The terminal report of `pdtrace analyze`, shaped like valgrind memcheck's.
+
+Findings are grouped by context (same rule, subrule and code path), contexts ordered errors first, then by time.
+For each context the first finding is shown in full: what went wrong, then its evidence in order (where the blocks
+were freed, where they were allocated, what was still in flight, ...), each event with its time relative to the
+start of the trace, step, seq and request; the other findings of the context follow as one line each (all of them
+with `verbose`). Then the leak summary (blocks per instance, % of the pool), the bubble summary per PP rank, and the
+memcheck line "ERROR SUMMARY: N errors from M contexts". Only renders: the numbers come from
+`pdtrace.analysis.summarize_findings`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from pdtrace import __version__
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+PREFIX = "==pdtrace== "
+MORE_PER_CONTEXT = 5
+TABLE_WIDTH = 110  # summary tables are not squeezed to 80 columns when stdout is a pipe
+
+
+def _rel(ts: Any, start_ns: int | None) -> str:
+    if ts is None or ts is pd.NA:
+        return "-"
+    try:
+        ts = int(ts)
+    except (TypeError, ValueError):
+        return "-"
+    if start_ns is None:
+        return str(ts)
+    return f"+{(ts - start_ns) / 1e9:.6f} s"
+
+
+def _blocks(blocks: Any, limit: int = 12) -> str:
+    blocks = list(blocks or [])
+    if len(blocks) <= limit:
+        return "[" + ", ".join(str(b) for b in blocks) + "]"
+    return "[" + ", ".join(str(b) for b in blocks[:limit]) + f", ... +{len(blocks) - limit}]"
+
+
+def _event_line(ev: dict[str, Any], start_ns: int | None) -> str:
+    parts = [f"{ev.get('kind', '?'):<16}", f"{_rel(ev.get('ts_ns'), start_ns):>16}"]
+    if ev.get("instance") is not None:
+        where = str(ev["instance"])
+        if ev.get("pp_rank") is not None:
+            where += f" pp{ev['pp_rank']}"
+        if ev.get("tp_rank") is not None:
+            where += f" tp{ev['tp_rank']}"
+        parts.append(where)
+    if ev.get("step") is not None:
+        parts.append(f"step {ev['step']}")
+    if ev.get("seq") is not None:
+        parts.append(f"seq {ev['seq']}")
+    if ev.get("req") is not None:
+        parts.append(f"req {ev['req']}")
+    if ev.get("blocks"):
+        parts.append(f"blocks {_blocks(ev['blocks'])}")
+    if ev.get("reason") is not None:
+        parts.append(f"reason {ev['reason']}")
+    if ev.get("status") is not None:
+        parts.append(f"status {ev['status']}")
+    return "  ".join(parts)
+
+
+def _where(rec: dict[str, Any]) -> str:
+    inst = str(rec.get("instance"))
+    dp = rec.get("dp_rank")
+    if dp is not None and dp is not pd.NA and str(dp) != "nan":
+        inst += f" dp{int(dp)}"
+    return inst
+
+
+def _finding(console: Console, rec: dict[str, Any], start_ns: int | None, count: int) -> None:
+    sev = str(rec.get("severity"))
+    head = Text(PREFIX)
+    head.append(sev.upper(), style=SEVERITY_STYLE.get(sev, ""))
+    head.append(f" {rec.get('rule')}/{rec.get('subrule')}  [{_where(rec)}]", style="bold")
+    if rec.get("req") is not None:
+        head.append(f"  req {rec['req']}")
+    if rec.get("step") is not None and str(rec.get("step")) not in ("nan", "<NA>"):
+        head.append(f"  step {rec['step']}")
+    head.append(f"  at {_rel(rec.get('ts_ns'), start_ns)}")
+    if count > 1:
+        head.append(f"   ({count} in this context)", style="dim")
+    console.print(head)
+    console.print(Text(PREFIX + "   " + str(rec.get("message"))))
+    evidence = rec.get("evidence") or []
+    width = max((len(str(ev.get("note") or ev.get("kind"))) for ev in evidence), default=0)
+    for ev in evidence:
+        label = str(ev.get("note") or ev.get("kind"))
+        console.print(Text(f"{PREFIX}     {label:>{width}}: " + _event_line(ev, start_ns)), soft_wrap=True)
+
+
+def _one_line(rec: dict[str, Any], start_ns: int | None) -> str:
+    bits = [f"{_rel(rec.get('ts_ns'), start_ns)}", _where(rec)]
+    if rec.get("req") is not None:
+        bits.append(f"req {rec['req']}")
+    extra = rec.get("extra") or {}
+    if isinstance(extra, dict) and extra.get("pp_rank") is not None:
+        bits.append(f"pp{extra['pp_rank']}")
+    if rec.get("blocks"):
+        bits.append(f"blocks {_blocks(rec['blocks'], 6)}")
+    message = str(rec.get("message") or "")
+    bits.append(message if len(message) <= 110 else message[:107] + "...")
+    return "  ".join(bits)
+
+
+def _leak_table(leaks: list[dict[str, Any]]) -> Table:
+    table = Table(title="LEAK SUMMARY (KV blocks)", title_justify="left")
+    for name in ("instance", "dp", "definitely", "indirectly", "possibly", "total", "requests", "% of pool"):
+        table.add_column(name, justify="left" if name == "instance" else "right")
+    for row in leaks:
+        pct = row.get("pool_percent")
+        table.add_row(str(row["instance"]), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
+                      str(row["definitely"]), str(row["indirectly"]), str(row["possibly"]), str(row["blocks"]),
+                      str(row["requests"]), "-" if pct is None else f"{pct:.1f}%")
+    return table
+
+
+def _bubble_table(bubbles: list[dict[str, Any]]) -> Table:
+    table = Table(title="BUBBLE SUMMARY (per PP rank)", title_justify="left")
+    for name in ("instance", "dp", "pp rank", "idle", "lost", "avoidable", "main cause", "severity"):
+        table.add_column(name, justify="left" if name in ("instance", "main cause", "severity") else "right")
+
+    def pct(value: Any) -> str:
+        return "-" if value is None else f"{100.0 * float(value):.1f}%"
+
+    for row in sorted(bubbles, key=lambda r: (str(r.get("instance")), r.get("pp_rank") or 0)):
+        rank = row.get("pp_rank")
+        p = row.get("p")
+        table.add_row(str(row.get("instance")), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
+                      "-" if rank is None else (f"{rank}/{p}" if p else str(rank)), pct(row.get("idle_fraction")),
+                      pct(row.get("lost_fraction")), pct(row.get("avoidable_fraction")), str(row.get("cause") or "-"),
+                      str(row.get("severity")))
+    return table
+
+
+def render_terminal(findings: pd.DataFrame, summary: dict[str, Any], console: Console, trace: str | None = None,
+                    start_ns: int | None = None, verbose: bool = False) -> None:
+    """Print the memcheck-shaped report of a findings DataFrame (as returned by pdtrace.analysis.analyze)."""
+    console.print(Text(f"{PREFIX}pdtrace {__version__}: memcheck for the KV cache"))
+    rules = ", ".join(summary.get("rules") or []) or "-"
+    events = summary.get("events")
+    console.print(Text(f"{PREFIX}trace {trace or '<memory>'}"
+                       + (f" ({events:,} events)" if isinstance(events, int) else "") + f"; rules: {rules}"),
+                  soft_wrap=True)
+    console.print(Text(PREFIX))
+    if len(findings):
+        records = findings.to_dict("records")  # one per finding
+        contexts: dict[str, list[dict[str, Any]]] = {}
+        for rec in records:  # findings arrive sorted: errors first, then by time
+            contexts.setdefault(str(rec.get("context") or f"{rec.get('rule')}:{rec.get('subrule')}"), []).append(rec)
+        for members in contexts.values():
+            first = members[0]
+            _finding(console, first, start_ns, len(members))
+            rest = members[1:] if verbose else members[1:1 + MORE_PER_CONTEXT]
+            if verbose:
+                for rec in rest:
+                    console.print(Text(PREFIX))
+                    _finding(console, rec, start_ns, 1)
+            else:
+                for rec in rest:
+                    console.print(Text(f"{PREFIX}   also: {_one_line(rec, start_ns)}"), soft_wrap=True)
+                hidden = len(members) - 1 - len(rest)
+                if hidden > 0:
+                    console.print(Text(f"{PREFIX}   ... and {hidden} more in this context (--verbose shows all)"))
+            console.print(Text(PREFIX))
+    if summary.get("leaks"):
+        console.print(_leak_table(summary["leaks"]), width=max(console.width, TABLE_WIDTH))
+    if summary.get("bubbles"):
+        console.print(_bubble_table(summary["bubbles"]), width=max(console.width, TABLE_WIDTH))
+    sev = summary.get("by_severity", {})
+    line = Text(f"{PREFIX}ERROR SUMMARY: ")
+    line.append(f"{summary.get('errors', 0)} errors from {summary.get('error_contexts', 0)} contexts",
+                style="bold red" if summary.get("errors") else "bold green")
+    line.append(f" (warnings: {sev.get('warning', 0)}, info: {sev.get('info', 0)})")
+    console.print(line)
