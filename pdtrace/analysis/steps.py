@@ -9,7 +9,7 @@ ranks sat idle.
 
 `exec_spans(ctx)`  one row per RPC a rank ran for a step (instance, dp_rank, pp_rank, tp_rank, step, rpc).
     Algorithm: sort the `exec_begin` / `exec_end` rows by writer lane (instance, dp_rank, pp_rank, tp_rank, pid) and
-    (ts_ns, seq); a worker runs its RPCs strictly in order, so an `exec_begin` pairs with the row right after it when
+    `seq` (its exact order); a worker runs its RPCs strictly in order, so an `exec_begin` pairs with the row right after it when
     that row is an `exec_end` of the same lane and step. Unpaired rows keep their one timestamp (NA for the other).
     `rpc` comes from the `exec_end` detail where the recorder gave it, else from the RPC's position in the step
     (first `execute_model`, second `sample_tokens`). `gpu_begin_ns` / `gpu_end_ns` likewise from the detail.
@@ -237,7 +237,7 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
 
     def build() -> pd.DataFrame:
         ev = select_rows(ctx, ["exec_begin", "exec_end"])
-        ev = ev.sort_values(["inst", "dp", "pp", "tp", "pid", "ts_ns", "seq"], kind="stable").reset_index(drop=True)
+        ev = ev.sort_values(["inst", "dp", "pp", "tp", "pid", "seq"], kind="stable").reset_index(drop=True)
         is_begin = (ev["kind"] == "exec_begin").to_numpy()
         lane = ev[["inst", "dp", "pp", "tp", "pid"]].to_numpy()
         step = ev["step"].to_numpy()

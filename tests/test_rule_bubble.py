@@ -1,0 +1,139 @@
+"""pipeline_bubble: causes, fractions and severities on modelled PP=4 runs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.rules.pipeline_bubble import RULE, run
+from pdtrace.analysis.steps import bubbles
+from scenarios import HEALTHY
+from scenarios_pipeline import (MS, US, few_requests_pp4, healthy_pp4, one_microbatch_pp4, simulate_pipeline,
+                                slow_scheduler_pp4, slow_stage_pp4, two_waves_pp4)
+
+
+def findings(trace, **config):
+    return run(AnalysisContext(trace, AnalysisConfig().with_overrides(**config)))
+
+
+def test_rule_object():
+    assert RULE.id == "pipeline_bubble"
+    assert "queue_not_full" in RULE.subrules
+
+
+def test_healthy_full_pipeline_is_info_only():
+    f = findings(healthy_pp4())
+    assert len(f) == 4  # one per PP rank
+    assert set(f["severity"]) == {"info"}
+    for extra in f["extra"]:
+        assert extra["p"] == 4
+        assert extra["lost_fraction"] < 0.10
+        assert extra["idle_ns_by_cause"]["queue_not_full"] == 0
+    assert sorted(e["pp_rank"] for e in f["extra"]) == [0, 1, 2, 3]
+
+
+def test_fewer_ready_requests_than_stages_is_queue_not_full():
+    f = findings(few_requests_pp4())
+    assert set(f["subrule"]) == {"queue_not_full"}
+    # two requests for four stages: workload-limited, a warning, not a broken pipeline
+    assert set(f["severity"]) == {"warning"}
+    for extra in f["extra"]:
+        assert extra["idle_fraction"] > 0.4
+        assert extra["avoidable_fraction"] == 0.0
+    ctx = AnalysisContext(few_requests_pp4())
+    b = bubbles(ctx)
+    assert len(b) > 0 and set(b["cause"]) == {"queue_not_full"}
+    assert (b["in_flight"] < 4).all() and (b["runnable"] == 2).all()
+
+
+def test_one_micro_batch_with_enough_requests_is_an_error():
+    f = findings(one_microbatch_pp4())
+    assert set(f["severity"]) == {"error"}
+    assert set(f["subrule"]) == {"queue_not_full"}
+    assert all(e["unfilled_fraction"] >= 0.5 for e in f["extra"])
+    ev = f.iloc[0]["evidence"]
+    assert ev[0]["kind"] == "exec_end" and "queue_not_full" in ev[0]["note"]
+
+
+def test_slow_stage_is_stage_imbalance_downstream_and_upstream():
+    f = findings(slow_stage_pp4())
+    ranks = {e["pp_rank"]: (sev, sub) for e, sev, sub in zip(f["extra"], f["severity"], f["subrule"])}
+    assert ranks[2] == ("warning", "stage_imbalance")
+    assert ranks[3] == ("warning", "stage_imbalance")
+    assert ranks[0][1] == "stage_imbalance"  # the queue is full of steps held by the slow stage
+    assert ranks[1][0] == "info"  # the slow stage itself is never idle
+    assert f[f["extra"].map(lambda e: e["pp_rank"]) == 1].iloc[0]["extra"]["idle_fraction"] == 0
+
+
+def test_slow_scheduler_is_scheduler_cpu_on_every_stage():
+    f = findings(slow_scheduler_pp4())
+    assert set(f["subrule"]) == {"scheduler_cpu"}
+    assert set(f["severity"]) == {"warning"}  # host time is a tuning problem, never an error
+
+
+def test_idle_between_waves_is_not_a_bubble():
+    f = findings(two_waves_pp4())
+    assert set(f["severity"]) == {"info"}
+    for extra in f["extra"]:
+        assert extra["idle_ns_by_cause"]["idle_no_requests"] > 150 * MS
+        assert extra["lost_fraction"] < 0.10
+        assert extra["bursts"] == 2
+
+
+def test_kv_transfer_wait():
+    # a request that waits 50 ms for remote KV after another finished: the stages wait on the transfer
+    trace = simulate_pipeline(pp=2, n_requests=2, batch_cap=1, tokens=6, wait_kv={"r1": 50 * MS},
+                              arrivals=[0, 1 * MS])
+    b = bubbles(AnalysisContext(trace))
+    assert "kv_transfer" in set(b["cause"])
+    f = findings(trace)
+    assert not (f["severity"] == "error").any()
+
+
+def test_bubble_min_ns_filters_intervals_not_the_sums():
+    big = findings(few_requests_pp4(), bubble_min_ns=100 * MS)
+    small = findings(few_requests_pp4())
+    assert all(e["intervals"] == 0 for e in big["extra"])
+    assert [e["idle_fraction"] for e in big["extra"]] == [e["idle_fraction"] for e in small["extra"]]
+
+
+def test_warn_fraction_from_config():
+    f = findings(slow_scheduler_pp4(), bubble_warn_fraction=0.99)
+    assert set(f["severity"]) == {"info"}
+
+
+def test_gpu_times_are_used_when_present():
+    f = findings(simulate_pipeline(pp=4, n_requests=8, batch_cap=2, gpu_times=True))
+    assert set(f["severity"]) == {"info"}
+
+
+def test_tensor_parallel_lanes_are_summed_per_stage():
+    f = findings(simulate_pipeline(pp=2, n_requests=2, batch_cap=1, tp=2))
+    assert len(f) == 2
+    assert all(e["tp_lanes"] == 2 for e in f["extra"])
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_healthy_scenarios_give_no_error(name):
+    f = findings(HEALTHY[name]())
+    assert not (f["severity"] == "error").any()
+
+
+def test_no_pipeline_no_findings():
+    assert len(findings(simulate_pipeline(pp=1, n_requests=2, batch_cap=1))) == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=st.integers(2, 4), cap=st.integers(1, 3), extra=st.integers(0, 4), tokens=st.integers(2, 8),
+       stages=st.lists(st.integers(200, 3000), min_size=4, max_size=4), sched_us=st.integers(10, 2000),
+       arrivals=st.lists(st.integers(0, 20), min_size=16, max_size=16))
+def test_random_full_pipelines_never_error(pp, cap, extra, tokens, stages, sched_us, arrivals):
+    n = pp * cap + extra
+    trace = simulate_pipeline(pp=pp, n_requests=n, batch_cap=cap, tokens=tokens,
+                              stage_ns=[s * US for s in stages[:pp]], sched_ns=sched_us * US,
+                              arrivals=[a * US for a in arrivals[:n]])
+    f = findings(trace)
+    assert not (f["severity"] == "error").any(), f[["subrule", "message"]].to_string()
