@@ -24,7 +24,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
 from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, block_usage, request_phases  # noqa: E402
-from pdtrace.plot.window import Selection  # noqa: E402
+from pdtrace.plot.window import Selection, findings_of  # noqa: E402
 
 WIDTH_IN = 14.0
 #: Drawing area of the axes as a fraction of the figure width (used to size a pixel in ns).
@@ -114,13 +114,6 @@ def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) 
     frame = pd.DataFrame({"col": col, "v": value, "i": np.arange(len(ts))})
     keep = np.sort(frame.loc[frame.groupby("col")["v"].idxmax(), "i"].to_numpy())
     return ts[keep], value[keep]
-
-
-def _findings(ctx: AnalysisContext) -> pd.DataFrame:
-    """The findings `pdtrace analyze` reports for this trace and configuration (one code path with analyze)."""
-    from pdtrace.analysis import analyze
-
-    return ctx.cached("plot.findings", lambda: analyze(ctx.trace, config=ctx.config))
 
 
 # --- pipeline -----------------------------------------------------------------------------------------------------
@@ -257,7 +250,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         ph = ph[ph["req"].isin(list(sel.requests))]
     if len(ph) == 0:
         raise sel.empty("request phases")
-    findings = _findings(ctx)
+    findings = findings_of(ctx)
     f = findings[findings["req"].notna()] if len(findings) else findings
     if len(f):
         f = f.assign(instance=f["instance"].astype("str"), req=f["req"].astype("str"),
@@ -329,7 +322,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """KV blocks in use over time per scheduler, stacked by owner state, with the pool size as a line."""
-    usage = block_usage(ctx, findings=_findings(ctx))
+    usage = block_usage(ctx, findings=findings_of(ctx))
     usage = usage[sel.keep_instance(usage["instance"])]
     keys = usage[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
     tx = _time_axis(sel, dpi)

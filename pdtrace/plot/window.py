@@ -49,6 +49,8 @@ class Selection:
     instances: frozenset[str] | None
     requests: frozenset[str] | None
     window: Window
+    #: (instance, req) of the named requests and their P/D peers (None without --request).
+    request_pairs: frozenset[tuple[str, str]] | None = None
 
     def empty(self, what: str) -> EmptySelection:
         return EmptySelection(f"nothing to show: no {what} in the selection ({self.window.describe()})")
@@ -80,15 +82,16 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
     hi = t0 + int(round(window.until_s * 1e9)) if window.until_s is not None else t1
     instances = frozenset(window.instances) if window.instances else None
     requests = frozenset(window.requests) if window.requests else None
+    pairs: frozenset[tuple[str, str]] | None = None
     if requests is not None:
+        pairs = _request_pairs(ctx, requests, instances)
         ph = request_phases(ctx)
-        mine = ph[ph["req"].isin(list(requests))]
-        if instances is not None:
-            mine = mine[mine["instance"].isin(list(instances))]
+        wanted = pd.DataFrame(sorted(pairs), columns=["instance", "req"])
+        mine = ph.merge(wanted, on=["instance", "req"]) if len(wanted) else ph.iloc[:0]
         if len(mine) == 0:
             raise EmptySelection(f"nothing to show: no request {', '.join(sorted(requests))} in the trace"
                                  + (f" on instance {', '.join(sorted(instances))}" if instances else ""))
-        # The request's life, not the freed tail that runs to the end of the trace.
+        # The requests' lives (their P/D peers' included), not the freed tails that run to the end of the trace.
         live = mine[mine["phase"] != "freed"]
         span_from = live if len(live) else mine
         lo = max(lo, int(span_from["start_ns"].min()))
@@ -99,4 +102,32 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
         raise EmptySelection(f"nothing to show: the window ({window.describe()}) is outside the trace, which lasts "
                              f"{(t1 - t0) / 1e9:g} s")
     return Selection(t0_ns=t0, lo_ns=lo, hi_ns=max(hi, lo + 1), instances=instances, requests=requests,
-                     window=window)
+                     window=window, request_pairs=pairs)
+
+
+def _request_pairs(ctx: AnalysisContext, requests: frozenset[str],
+                   instances: frozenset[str] | None) -> frozenset[tuple[str, str]]:
+    """(instance, req) of the named requests and, without --instance, of their P/D peers: the prefill request a
+    decode request received from (its remote_instance / remote_req) and the decode requests that received from
+    a named prefill request."""
+    from pdtrace.analysis.requests import request_table
+
+    rt = request_table(ctx)
+    mine = rt[rt["req"].isin(list(requests))]
+    if instances is not None:
+        mine = mine[mine["instance"].isin(list(instances))]
+        return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str")))
+    up = mine.dropna(subset=["remote_instance", "remote_req"])
+    down = rt.dropna(subset=["remote_instance", "remote_req"]).merge(
+        mine[["instance", "req"]].rename(columns={"instance": "remote_instance", "req": "remote_req"}))
+    return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str"))) \
+        | frozenset(zip(up["remote_instance"].astype("str"), up["remote_req"].astype("str"))) \
+        | frozenset(zip(down["instance"].astype("str"), down["req"].astype("str")))
+
+
+def findings_of(ctx: AnalysisContext) -> pd.DataFrame:
+    """The findings `pdtrace analyze` reports for this trace and configuration: plots and exports mark exactly
+    these (one code path with analyze), computed once per context."""
+    from pdtrace.analysis import analyze
+
+    return ctx.cached("plot.findings", lambda: analyze(ctx.trace, config=ctx.config))

@@ -1,0 +1,59 @@
+"""`pdtrace export TRACE --to chrome|perfetto -o FILE`: a trace for ui.perfetto.dev (or chrome://tracing).
+
+The export is built by `pdtrace.export` from the analyses' tables; this module reads the options, loads the trace
+and reports what was written.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.cli.info import load_trace
+
+
+class ExportFormat(str, Enum):
+    chrome = "chrome"
+    perfetto = "perfetto"
+
+
+@app.command()
+def export(
+    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    to: ExportFormat = typer.Option(ExportFormat.chrome, "--to",
+                                    help="chrome: Trace Event JSON; perfetto: protobuf (needs `pip install "
+                                         "perfetto`)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Output file (default: <trace>.json or <trace>.pftrace)."),
+    instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
+                                                 help="Only this instance (repeat for several)."),
+    since: Optional[float] = typer.Option(None, "--since", help="Window start, seconds from the trace start."),
+    until: Optional[float] = typer.Option(None, "--until", help="Window end, seconds from the trace start."),
+    request: Optional[list[str]] = typer.Option(None, "--request", "-r",
+                                                help="Only this request and its P/D peer (repeat for several), "
+                                                     "over its lifetime."),
+) -> None:
+    """Export a trace to Chrome Trace Event JSON or Perfetto protobuf: processes per instance, threads per rank
+    and request, slices, block counters and P->D transfer flows."""
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.export import export as run_export
+    from pdtrace.plot import Window
+
+    if to is ExportFormat.perfetto:
+        from pdtrace.export.perfetto import _builder_classes
+
+        _builder_classes()  # a missing optional package fails before the trace is read
+    loaded = load_trace(trace)
+    stem = Path(str(trace).rstrip("/")).name or "trace"
+    target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
+    window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    err_console.print(f"pdtrace: exporting {len(loaded):,} events to {to.value} ...", markup=False)
+    model = run_export(AnalysisContext(loaded), to.value, target, window=window, trace_name=str(trace))
+    counts = model.counts()
+    out_console.print(f"{target}: {counts['processes']} processes, {counts['threads']} threads, "
+                      f"{counts['slices']:,} slices, {counts['counters']:,} counter samples, "
+                      f"{counts['flows']:,} flows", markup=False)

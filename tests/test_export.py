@@ -1,0 +1,191 @@
+"""`pdtrace export`: Chrome Trace Event JSON (and Perfetto protobuf when the optional package is there) with the
+slices, counters and flows the analyses' tables say it should have."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.requests import request_table
+from pdtrace.analysis.steps import exec_spans, step_table
+from pdtrace.analysis.timelines import block_usage, request_phases
+from pdtrace.export import export
+from pdtrace.plot import Window
+from pdtrace.plot.window import findings_of
+
+from scenarios import healthy_pd, pp4_pipeline  # noqa: E402
+from test_timelines import MS, T0, pd_scenario  # noqa: E402
+
+
+def chrome(trace, tmp_path: Path, window: Window | None = None) -> dict:
+    out = tmp_path / "out.json"
+    export(AnalysisContext(trace), "chrome", out, window=window)
+    return json.loads(out.read_text())
+
+
+def by_ph(doc: dict) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for event in doc["traceEvents"]:
+        groups.setdefault(event["ph"], []).append(event)
+    return groups
+
+
+def names(doc: dict, kind: str) -> dict[tuple[int, int | None], str]:
+    return {(e["pid"], e.get("tid")): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == kind}
+
+
+@pytest.mark.parametrize("make", [pd_scenario, healthy_pd, pp4_pipeline])
+def test_chrome_export_has_one_slice_per_step_span_and_phase(tmp_path: Path, make) -> None:
+    trace = make().trace() if make is pd_scenario else make()
+    doc = chrome(trace, tmp_path)
+    ev = by_ph(doc)
+    ctx = AnalysisContext(trace)
+    transfers = request_table(ctx).dropna(subset=["remote_req", "recv_done_ts"])
+    n_flows = len(transfers)
+    assert len(ev.get("s", [])) == len(ev.get("f", [])) == n_flows
+    expected_slices = (len(step_table(ctx)) + len(exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"]))
+                       + len(request_phases(ctx)) + 2 * n_flows)
+    assert len(ev["X"]) == expected_slices
+    assert len(ev["C"]) == len(block_usage(ctx, findings=findings_of(ctx)))
+    processes = names(doc, "process_name")
+    instances = set(trace.events["instance"].astype(str))
+    assert {v.split(" (")[0] for v in processes.values()} == instances
+    # every slice and counter sits on a named process; every slice on a named thread
+    threads = names(doc, "thread_name")
+    assert all((e["pid"], None) in processes for e in ev["X"] + ev["C"])
+    assert all((e["pid"], e["tid"]) in threads for e in ev["X"])
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in ev["X"])
+
+
+def test_chrome_flow_goes_from_prefill_send_to_decode_receive(tmp_path: Path) -> None:
+    doc = chrome(pd_scenario().trace(), tmp_path)
+    ev = by_ph(doc)
+    processes = {pid: name for (pid, _), name in names(doc, "process_name").items()}
+    threads = names(doc, "thread_name")
+    (s,), (f,) = ev["s"], ev["f"]
+    assert s["id"] == f["id"] and f["bp"] == "e"
+    assert processes[s["pid"]].startswith("prefill-0") and threads[(s["pid"], s["tid"])] == "req r1"
+    assert processes[f["pid"]].startswith("decode-0") and threads[(f["pid"], f["tid"])] == "req d1"
+    assert s["ts"] == pytest.approx(6.7 * 1000) and f["ts"] == pytest.approx(19 * 1000)  # r1's finish, d1's recv
+    # each end lies inside a slice of its thread (what the viewer binds the arrow to)
+    for end, mark in ((s, "kv send"), (f, "kv recv")):
+        inside = [x for x in ev["X"] if (x["pid"], x["tid"]) == (end["pid"], end["tid"])
+                  and x["ts"] <= end["ts"] <= x["ts"] + x["dur"]]
+        assert mark in {x["name"] for x in inside}
+
+
+def test_chrome_counters_carry_blocks_by_owner_state(tmp_path: Path) -> None:
+    doc = chrome(pd_scenario().trace(), tmp_path)
+    processes = {pid: name for (pid, _), name in names(doc, "process_name").items()}
+    prefill = [e for e in by_ph(doc)["C"] if processes[e["pid"]].startswith("prefill-0")]
+    assert [e["name"] for e in prefill] == ["KV blocks"] * len(prefill)
+    peak = max(sum(e["args"].values()) for e in prefill)
+    assert peak == 6
+    assert set(prefill[0]["args"]) == {"running", "finished_awaiting_transfer", "leaked"}
+
+
+def test_chrome_window_and_request_selection(tmp_path: Path) -> None:
+    trace = pd_scenario().trace()
+    whole = by_ph(chrome(trace, tmp_path))
+    part = by_ph(chrome(trace, tmp_path, Window(since_s=0.005, until_s=0.010)))
+    assert 0 < len(part["X"]) < len(whole["X"])
+    assert all(5000 <= e["ts"] <= 10000 and e["ts"] + e["dur"] <= 10000 + 1e-6 for e in part["X"])
+    assert all(5000 <= e["ts"] <= 10000 for e in part["C"])
+    assert "s" not in part  # the transfer lands at 19 ms, outside the window
+
+    doc = chrome(trace, tmp_path, Window(requests=("d1",)))
+    request_threads = {v for v in names(doc, "thread_name").values() if v.startswith("req ")}
+    assert request_threads == {"req d1", "req r1"}  # d1 and the prefill request it received from
+    assert len(by_ph(doc)["s"]) == 1
+
+
+def test_export_names_json_strings_safely(tmp_path: Path) -> None:
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance='odd"inst\\x', start_ns=T0)
+    b.add("req_add", ts=T0, req='q"1\n', n=4)
+    b.add("req_sched", ts=T0 + MS, step=0, req='q"1\n', n=4)
+    doc = chrome(b.trace(), tmp_path)
+    assert {v.split(" (")[0] for v in names(doc, "process_name").values()} == {'odd"inst\\x'}
+    assert 'req q"1 ' in set(names(doc, "thread_name").values())
+
+
+# --- Perfetto protobuf -----------------------------------------------------------------------------------------------
+
+
+def test_perfetto_export_without_the_package_says_how_to_get_it(cli, tmp_path: Path, monkeypatch) -> None:
+    trace_dir = pd_scenario().write(tmp_path / "t")
+    monkeypatch.setitem(sys.modules, "perfetto", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "perfetto.trace_builder.proto_builder", None)
+    r = cli("export", trace_dir, "--to", "perfetto", "-o", tmp_path / "x.pftrace")
+    assert r.exit_code == 2
+    assert "pip install perfetto" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.pftrace").exists()
+
+
+def test_perfetto_export_parses_back_with_the_same_counts(tmp_path: Path) -> None:
+    pytest.importorskip("perfetto.trace_builder.proto_builder")
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+
+    out = tmp_path / "x.pftrace"
+    model = export(AnalysisContext(pd_scenario().trace()), "perfetto", out)
+    parsed = Trace()
+    parsed.ParseFromString(out.read_bytes())
+    types = Counter(p.track_event.type for p in parsed.packet if p.HasField("track_event"))
+    assert types[TrackEvent.TYPE_SLICE_BEGIN] == types[TrackEvent.TYPE_SLICE_END] == len(model.slices)
+    assert types[TrackEvent.TYPE_COUNTER] == 3 * len(model.counters)
+    flows = [p.track_event for p in parsed.packet if p.track_event.flow_ids]
+    ends = [p.track_event for p in parsed.packet if p.track_event.terminating_flow_ids]
+    assert [e.name for e in flows] == ["kv send"] and [e.name for e in ends] == ["kv recv"]
+    tracks = {p.track_descriptor.thread.thread_name for p in parsed.packet if p.HasField("track_descriptor")}
+    assert {"req r1", "req d1", "dp0 PP1 TP0"} <= tracks
+    # slices nest on each track: replaying begin/end never closes an unopened slice
+    depth: Counter = Counter()
+    for p in sorted((p for p in parsed.packet if p.HasField("track_event")), key=lambda p: p.timestamp):
+        if p.track_event.type == TrackEvent.TYPE_SLICE_BEGIN:
+            depth[p.track_event.track_uuid] += 1
+        elif p.track_event.type == TrackEvent.TYPE_SLICE_END:
+            depth[p.track_event.track_uuid] -= 1
+            assert depth[p.track_event.track_uuid] >= 0
+    assert all(v == 0 for v in depth.values())
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_export_chrome(cli, tmp_path: Path) -> None:
+    trace_dir = pd_scenario().write(tmp_path / "demo")
+    out = tmp_path / "out.json"
+    r = cli("export", trace_dir, "--to", "chrome", "-o", out)
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert len(by_ph(doc)["X"]) == 25
+    assert "25 slices" in r.stdout and "1 flows" in r.stdout
+
+
+def test_cli_export_default_name(cli, tmp_path: Path, monkeypatch) -> None:
+    trace_dir = pd_scenario().write(tmp_path / "demo")
+    monkeypatch.chdir(tmp_path)
+    r = cli("export", trace_dir, "--request", "r2")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert {v for v in names(doc, "thread_name").values() if v.startswith("req ")} == {"req r2"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--instance", "nope"], "nothing to show"),
+    (["--request", "nope"], "no request nope"),
+    (["--since", "9"], "outside the trace"),
+])
+def test_cli_export_empty_selection_exits_2(cli, tmp_path: Path, args: list[str], message: str) -> None:
+    trace_dir = pd_scenario().write(tmp_path / "demo")
+    r = cli("export", trace_dir, "-o", tmp_path / "o.json", *args)
+    assert r.exit_code == 2
+    assert message in r.stderr
+    assert not (tmp_path / "o.json").exists()
