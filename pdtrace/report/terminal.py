@@ -115,7 +115,7 @@ def _one_line(rec: dict[str, Any], start_ns: int | None) -> str:
 def _leak_table(leaks: list[dict[str, Any]]) -> Table:
     table = Table(title="LEAK SUMMARY (KV blocks)", title_justify="left")
     for name in ("instance", "dp", "definitely", "indirectly", "possibly", "total", "requests", "% of pool"):
-        table.add_column(name, justify="left" if name == "instance" else "right")
+        table.add_column(name, justify="left" if name == "instance" else "right", no_wrap=True, min_width=len(name))
     for row in leaks:
         pct = row.get("pool_percent")
         table.add_row(str(row["instance"]), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
@@ -127,7 +127,8 @@ def _leak_table(leaks: list[dict[str, Any]]) -> Table:
 def _bubble_table(bubbles: list[dict[str, Any]]) -> Table:
     table = Table(title="BUBBLE SUMMARY (per PP rank)", title_justify="left")
     for name in ("instance", "dp", "pp rank", "idle", "lost", "avoidable", "main cause", "severity"):
-        table.add_column(name, justify="left" if name in ("instance", "main cause", "severity") else "right")
+        table.add_column(name, justify="left" if name in ("instance", "main cause", "severity") else "right",
+                         no_wrap=True, min_width=len(name))
 
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100.0 * float(value):.1f}%"
