@@ -192,3 +192,16 @@ def test_block_usage_counts_a_shared_block_once() -> None:
     # a holds 1,2,3; b adds 1,2 (shared) and 4: four distinct blocks, not six.
     assert u["in_use"].max() == 4
     assert u["in_use"].iloc[-1] == 0
+
+
+def test_block_usage_takes_leaks_from_the_leaked_blocks_rule() -> None:
+    from pdtrace.analysis import analyze
+
+    trace = pd_scenario().trace()
+    leaks = analyze(trace, rules=["leaked_blocks"])
+    assert set(leaks["req"]) == {"r3"}  # r3 finished without freeing; r2's transfer is within the grace period
+    u = block_usage(AnalysisContext(trace))  # runs the rule itself
+    assert u.equals(block_usage(AnalysisContext(trace), findings=analyze(trace)))
+    p = u[u["instance"] == "prefill-0"]
+    assert p["leaked"].max() == 1
+    assert int(p.loc[p["leaked"] > 0, "ts_ns"].min()) == T0 + int(6.8 * MS)  # from r3's finish

@@ -149,14 +149,17 @@ def _empty_usage() -> pd.DataFrame:
 def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
     """(instance, req, block, leak_ts) of the blocks the `leaked_blocks` rule reports (block -1: all of them)."""
     if findings is None:
-        from pdtrace.analysis.registry import load_rules
+        from pdtrace.analysis import available_rules
 
-        rule = load_rules().get("leaked_blocks")
+        rule = available_rules()[0].get("leaked_blocks")
         findings = ctx.cached("timelines.leaked_blocks", lambda: rule.run(ctx)) if rule else None
     cols = ["instance", "req", "block", "leak_ts"]
-    if findings is None or len(findings) == 0:
+    if findings is None or len(findings) == 0 or not (findings["rule"] == "leaked_blocks").any():
         return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("block", "leak_ts") else "str") for c in cols})
     leaks = findings[findings["rule"] == "leaked_blocks"]
+    # `possibly` leaked (an owner still alive, only quiet) is not counted as leaked; definitely / indirectly are.
+    leak_class = [e.get("class") if isinstance(e, dict) else None for e in leaks["extra"]]  # per finding
+    leaks = leaks[[c != "possibly" for c in leak_class]]
     # One row per finding (few): their blocks lists become rows; an empty or missing list means all blocks.
     blocks = [list(b) if isinstance(b, (list, tuple, np.ndarray)) and len(b) else [-1] for b in leaks["blocks"]]
     lengths = [len(b) for b in blocks]
