@@ -1,0 +1,32 @@
+"""vLLM's `vllm.general_plugins` entry point: `install()` turns pdtrace's recording on in a vLLM process.
+
+vLLM calls `install()` once per process (API server, each EngineCore at the top of `EngineCore.__init__`, each
+worker before distributed init); forked children inherit the parent's state instead. It does nothing unless
+`PDTRACE_TRACE_DIR` is set. Then it configures the recording session (recorders open lazily, per process) and
+applies the hook table of the installed vLLM version. It never raises into vLLM.
+
+Recording path: standard library only at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pdtrace.recording.session import TRACE_DIR_ENV
+
+
+def install() -> None:
+    """Entry point: record into `$PDTRACE_TRACE_DIR` if it is set; otherwise do nothing at all."""
+    if not os.environ.get(TRACE_DIR_ENV):
+        return
+    try:
+        from pdtrace.recording import session
+        from pdtrace.recording.vllm import install_hooks, installed_vllm_version
+
+        version = installed_vllm_version()
+        session.configure_from_env(source=f"vllm-{version}" if version else "vllm")
+        install_hooks(version)
+    except Exception as exc:  # the plugin must never stop vLLM from starting
+        from pdtrace.recording.vllm._runtime import RUNTIME
+
+        RUNTIME.fail("plugin install", exc)

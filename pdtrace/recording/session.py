@@ -1,0 +1,126 @@
+"""The recording session of one process: where traces go, and one Recorder per (process, instance, dp rank).
+
+A live run turns recording on with the environment variable `PDTRACE_TRACE_DIR` (the vLLM plugin calls
+`configure_from_env()`); a dry run calls `configure(directory, source="dryrun", clock=...)` itself. Recorders are
+opened lazily, on the first event of an instance in a process: vLLM forks its children after the plugin ran in
+the parent, so a child finds the parent's configuration and opens its own recorders under its own pid.
+
+Recording path: imports only the standard library (the Recorder, which needs pyarrow, is imported on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.recording.recorder import Recorder
+
+#: The recording switch: the directory a live vLLM run records into. Unset or empty: the plugin does nothing.
+TRACE_DIR_ENV = "PDTRACE_TRACE_DIR"
+
+log = logging.getLogger("pdtrace")
+
+_lock = threading.Lock()
+_directory: str | None = None
+_source = "dryrun"
+_clock: Callable[[], int] | None = None
+#: (pid, instance, dp_rank) -> Recorder. Keyed by pid so that a forked child never reuses its parent's writers.
+_recorders: dict[tuple[int, str, int | None], "Recorder"] = {}
+
+
+def configure(directory: str | os.PathLike[str], source: str = "dryrun",
+              clock: Callable[[], int] | None = None) -> None:
+    """Record into `directory` from now on (closing this process's recorders of an earlier session first)."""
+    global _directory, _source, _clock
+    close_all()
+    with _lock:
+        _directory = os.fspath(directory)
+        _source = source
+        _clock = clock
+
+
+def configure_from_env(source: str) -> bool:
+    """Configure from `PDTRACE_TRACE_DIR` unless a session is already configured; False when the switch is off."""
+    directory = os.environ.get(TRACE_DIR_ENV)
+    if not directory:
+        return False
+    if _directory is None:
+        configure(directory, source=source)
+    return True
+
+
+def is_configured() -> bool:
+    """Whether a session is configured (recorders can be opened)."""
+    return _directory is not None
+
+
+def directory() -> str | None:
+    """The configured trace directory, or None."""
+    return _directory
+
+
+def recorder(instance: str, role: str, dp_rank: int | None = None) -> "Recorder":
+    """This process's Recorder for one engine instance (created on first use)."""
+    key = (os.getpid(), instance, dp_rank)
+    rec = _recorders.get(key)
+    if rec is not None:
+        return rec
+    with _lock:
+        rec = _recorders.get(key)
+        if rec is None:
+            if _directory is None:
+                raise RuntimeError("pdtrace recording session is not configured")
+            from pdtrace.recording.recorder import Recorder
+
+            rec = Recorder(_directory, instance=instance, role=role, source=_source, dp_rank=dp_rank,
+                           component="scheduler", clock=_clock)
+            _recorders[key] = rec
+    return rec
+
+
+def recorders() -> list["Recorder"]:
+    """This process's open recorders."""
+    pid = os.getpid()
+    return [rec for (rec_pid, _, _), rec in list(_recorders.items()) if rec_pid == pid]
+
+
+def flush_all() -> None:
+    """Flush this process's recorders (after an engine error, before the process may die)."""
+    for rec in recorders():
+        try:
+            rec.flush()
+        except Exception:  # a recorder must never take its host down
+            log.debug("pdtrace: flush failed", exc_info=True)
+
+
+def recording_off_all(error: str) -> None:
+    """Emit `recorder_off` on every recorder of this process and stop them accepting events."""
+    for rec in recorders():
+        try:
+            rec.recording_off(error)
+        except Exception:
+            log.debug("pdtrace: recording_off failed", exc_info=True)
+
+
+def close_all() -> None:
+    """Close this process's recorders (flushing them) and forget every recorder, the parent's included."""
+    with _lock:
+        mine = recorders()
+        _recorders.clear()
+    for rec in mine:
+        try:
+            rec.close()
+        except Exception:
+            log.debug("pdtrace: close failed", exc_info=True)
+
+
+def reset() -> None:
+    """Close everything and forget the configuration (tests, and a dry run that ends its session)."""
+    global _directory
+    close_all()
+    with _lock:
+        _directory = None

@@ -1,0 +1,88 @@
+"""Version-independent helpers of the vLLM hooks: instance ids, roles, and the per-scheduler recording state."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pdtrace.recording import session
+
+#: Attribute under which pdtrace keeps its state on vLLM objects (scheduler, KV cache manager, block pool,
+#: engine core, worker, model runner).
+STATE_ATTR = "_pdtrace"
+#: Attribute carrying the recorder's step id on a SchedulerOutput (pickled to the workers with it).
+STEP_ATTR = "_pdtrace_step"
+
+_DP_SUFFIX = re.compile(r"^(?P<name>.*)_dp(?P<rank>\d+)$")
+_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+def split_dp_suffix(engine_id: str) -> tuple[str, int | None]:
+    """vLLM rewrites a data-parallel engine's id to `{id}_dp{N}`: return (id, N), or (engine_id, None)."""
+    m = _DP_SUFFIX.match(engine_id)
+    if m is None:
+        return engine_id, None
+    return m.group("name"), int(m.group("rank"))
+
+
+def instance_of(vllm_config: Any) -> tuple[str, str, int | None]:
+    """(instance, role, dp_rank) of the engine a vllm_config describes (trace-format rules for `instance`)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp_rank = getattr(parallel, "data_parallel_rank", None)
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    engine_id = getattr(kv, "engine_id", None) if kv is not None else None
+    if engine_id:
+        name, suffix_rank = split_dp_suffix(str(engine_id))
+        if suffix_rank is not None:
+            dp_rank = suffix_rank
+        role = _ROLES.get(getattr(kv, "kv_role", None) or "", "none")
+    else:
+        name = str(getattr(vllm_config, "instance_id", None) or "vllm")
+        role = "none"
+    return name, role, (int(dp_rank) if dp_rank is not None else None)
+
+
+def remote_instance(engine_id: Any) -> str | None:
+    """A remote engine id as `instance` (same `_dp{N}` rule)."""
+    if not engine_id:
+        return None
+    return split_dp_suffix(str(engine_id))[0]
+
+
+class SchedulerState:
+    """What pdtrace keeps per vLLM scheduler: its recorder channels, step counter and call context."""
+
+    __slots__ = (
+        "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason", "free_req",
+        "xfer_sending", "finishing", "waiting_kv", "draining", "wait_ns", "engine_attached",
+    )
+
+    def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
+        self.sched = scheduler
+        self.rec = session.recorder(instance, role, dp_rank)
+        self.ch = self.rec.channel("scheduler")
+        self.eng = self.rec.channel("engine")
+        self.next_step = 0
+        self.cur_step: int | None = None
+        self.tables: list[dict[str, list[Any]]] = []
+        self.tbl0: dict[str, list[Any]] | None = None
+        self.free_reason: str | None = None
+        self.free_req: str | None = None
+        self.xfer_sending: frozenset[str] | set[str] = frozenset()
+        self.finishing: tuple[str, str | None, str | None, bool] | None = None
+        self.waiting_kv: set[str] = set()
+        self.draining = False
+        self.wait_ns: int | None = None
+        self.engine_attached = False
+
+
+class WorkerState:
+    """What pdtrace keeps per worker (or model runner): its channel, once the ranks are known, and the last step."""
+
+    __slots__ = ("ch", "conn", "step", "n")
+
+    def __init__(self, ch: Any, conn: Any) -> None:
+        self.ch = ch
+        self.conn = conn
+        self.step: int | None = None
+        self.n: int | None = None

@@ -1,0 +1,38 @@
+"""Fixtures of the vLLM tier: hooks installed through the plugin entry point into a fresh trace directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tier needs vLLM 0.33.0 (.ci/install-vllm.sh VENV builds its venv)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+
+@pytest.fixture
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return harness.tiny_model_dir(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def recording(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Recording on, as in a live run: PDTRACE_TRACE_DIR set, then the entry point function vLLM calls."""
+    from pdtrace.recording import plugin, session
+    from pdtrace.recording.vllm import hooks_installed, uninstall_hooks
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    trace = tmp_path / "trace"
+    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(trace))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    plugin.install()
+    assert hooks_installed()
+    yield trace
+    session.reset()
+    uninstall_hooks()
+    RUNTIME.reset()
+

@@ -1,0 +1,310 @@
+"""Drive vLLM 0.33.0's real Scheduler (NixlConnector scheduler side) and real EngineCore on this CPU-only box.
+
+Shared by tests/vllm and bench/record_overhead.py (the dry run keeps its own copy under pdtrace/dryrun/: package
+code must not import tests). Adapted from upstream vLLM's tests/v1/kv_connector/unit/utils.py, with a local model
+directory (a hand-written Llama config.json, no weights, no tokenizer) so nothing touches the network.
+
+Faithfulness rules for fake model outputs (shared/research/vllm_cpu_feasibility.md §5): no sampled token for a
+partial-prefill chunk, and an output-bearing future when nothing was scheduled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BLOCK_SIZE = 16
+EOS_TOKEN_ID = 50256
+
+_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 50304,
+    "max_position_embeddings": 4096,
+    "eos_token_id": EOS_TOKEN_ID,
+    "bos_token_id": 1,
+    "torch_dtype": "float16",
+    "rms_norm_eps": 1e-5,
+}
+
+
+def tiny_model_dir(root: str | os.PathLike[str]) -> str:
+    """A local model directory holding only a tiny Llama config.json."""
+    path = Path(root) / "tiny-llama"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_LLAMA_CONFIG))
+    return str(path)
+
+
+def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_id: str | None = None,
+                     max_num_seqs: int = 16, max_num_batched_tokens: int = 64, enable_prefix_caching: bool = True,
+                     block_size: int = BLOCK_SIZE, pp: int = 1, num_blocks: int = 100) -> Any:
+    """A VllmConfig for a CPU scheduler, with a NixlConnector unless kv_role is None.
+
+    PP cannot be requested through the config on CPU (validation wants a distributed setup), so it is set after
+    the config is built (the research notes verified that this gives max_concurrent_batches == pp).
+    """
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
+                             VllmConfig)
+
+    mc = ModelConfig(model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float16", seed=42,
+                     max_model_len=2048)
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=mc.is_encoder_decoder)
+    cc = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=enable_prefix_caching)
+    kv = None
+    if kv_role is not None:
+        kv = KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, kv_connector_extra_config={},
+                              engine_id=engine_id or f"engine-{uuid.uuid4().hex[:8]}")
+    vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kv,
+                    device_config=DeviceConfig("cpu"))
+    if pp > 1:
+        vc.parallel_config.pipeline_parallel_size = pp
+    vc.cache_config.num_gpu_blocks = num_blocks
+    return vc
+
+
+def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                                                      dtype=torch.float32))])
+
+
+def make_scheduler(vllm_config: Any, num_blocks: int = 100) -> Any:
+    """vLLM's real Scheduler over `num_blocks` blocks (block 0 is the null block)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config(num_blocks), log_stats=True,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=vllm_config.cache_config.block_size)
+
+
+_hasher = None
+
+
+def block_hasher(block_size: int = BLOCK_SIZE) -> Any:
+    global _hasher
+    if _hasher is None:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        _hasher = get_request_block_hasher(block_size, sha256)
+    return _hasher
+
+
+def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 16, remote_decode: bool = False,
+                 remote_prefill: bool = False, remote_engine_id: str = "prefill-engine",
+                 remote_request_id: str | None = None, remote_block_ids: list[int] | None = None,
+                 prompt: list[int] | None = None, ignore_eos: bool = True) -> Any:
+    """A Request as vLLM's EngineCore would admit it; P side (`remote_decode`) or D side (`remote_prefill`)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    if remote_decode:
+        max_tokens = 1
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sp.update_from_generation_config({}, EOS_TOKEN_ID)  # what the input processor does with the model's EOS
+    tokens = prompt if prompt is not None else [(hash(request_id) + i) % 50000 + 2 for i in range(num_tokens)]
+    req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                  mm_features=None, block_hasher=block_hasher())
+    if remote_decode:
+        req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+    elif remote_prefill:
+        n_blocks = (len(tokens) + BLOCK_SIZE - 1) // BLOCK_SIZE
+        req.kv_transfer_params = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": remote_block_ids or list(range(1, n_blocks + 1)),
+            "remote_engine_id": remote_engine_id, "remote_request_id": remote_request_id or f"p-{request_id}",
+            "remote_host": "127.0.0.1", "remote_port": 1234, "tp_size": 1,
+        }
+    return req
+
+
+class OutputFaker:
+    """Builds faithful ModelRunnerOutputs for SchedulerOutputs: a token only once a request's prompt is covered."""
+
+    def __init__(self, token_id: int = 42) -> None:
+        self.token_id = token_id
+        self.prompt_len: dict[str, int] = {}
+        self.computed: dict[str, int] = {}
+
+    def output(self, so: Any, *, finished_sending: Iterable[str] = (), finished_recving: Iterable[str] = (),
+               eos: Iterable[str] = ()) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        for new in so.scheduled_new_reqs:
+            self.prompt_len[new.req_id] = len(new.prompt_token_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+        eos = set(eos)
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            done = self.computed.get(req_id, 0) + n
+            self.computed[req_id] = done
+            req_ids.append(req_id)
+            covered = done >= self.prompt_len.get(req_id, 0)
+            sampled.append([EOS_TOKEN_ID if req_id in eos else self.token_id] if covered else [])
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            self.computed[req_id] = 0
+        kvo = None
+        if finished_sending or finished_recving:
+            kvo = KVConnectorOutput(finished_sending=set(finished_sending) or None,
+                                    finished_recving=set(finished_recving) or None)
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                                 pooler_output=None, kv_connector_output=kvo)
+
+
+def step(scheduler: Any, faker: OutputFaker, **kwargs: Any) -> tuple[Any, Any]:
+    """schedule() then update_from_output() with a faithful fake output; returns (scheduler_output, outputs)."""
+    so = scheduler.schedule()
+    return so, scheduler.update_from_output(so, faker.output(so, **kwargs))
+
+
+def num_free_blocks(scheduler: Any) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+# ----------------------------------------------------------------------------------- EngineCore, fake executor
+
+
+def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
+    """An Executor whose workers are canned answers; execute_model / sample_tokens return resolved futures.
+
+    `inject` (class attribute, dict step-index -> dict of finished_sending / finished_recving) lets a test put
+    transfer completions into the output of the n-th executed step.
+    """
+    import torch
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    class FakeExecutor(Executor):
+        uses_ray = False
+        supports_pp = True
+        inject: dict[int, dict[str, set[str]]] = {}
+        submitted: list[Any] = []
+
+        def _init_executor(self) -> None:
+            self.faker = OutputFaker()
+            self._pending: Any = None
+
+        @property
+        def max_concurrent_batches(self) -> int:
+            return pp
+
+        def check_health(self) -> None:
+            return None
+
+        def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None,
+                           non_block: bool = False, **_: Any) -> Any:
+            name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
+            spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size, num_kv_heads=1,
+                                     head_size=1, dtype=torch.float32)
+            answers = {
+                "get_kv_cache_spec": [{"layer": spec}],
+                "determine_available_memory": [available_memory],
+                "get_supported_kv_cache_layouts": [["NHD", "HND"]],
+                "get_kv_connector_handshake_metadata": [None],
+            }
+            if name == "compile_or_warm_up_model":
+                from vllm.v1.worker.worker_base import CompilationTimes
+
+                result: Any = [CompilationTimes(0, 0)]
+            else:
+                result = answers.get(name, [None])
+            if non_block:
+                fut: Future = Future()
+                fut.set_result(result)
+                return fut
+            return result
+
+        def _output(self, so: Any) -> Any:
+            FakeExecutor.submitted.append(so)
+            extra = FakeExecutor.inject.pop(len(FakeExecutor.submitted) - 1, {})
+            return self.faker.output(so, **extra)
+
+        def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+            fut: Future = Future()
+            if scheduler_output.total_num_scheduled_tokens > 0:
+                self._pending = scheduler_output
+                fut.set_result(None)
+            else:
+                fut.set_result(self._output(scheduler_output))
+            return fut if non_block else fut.result()
+
+        def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+            fut: Future = Future()
+            so, self._pending = self._pending, None
+            fut.set_result(self._output(so))
+            return fut if non_block else fut.result()
+
+        def take_draft_token_ids(self) -> Any:
+            return None
+
+    return FakeExecutor
+
+
+def make_engine(vllm_config: Any, pp: int = 2) -> Any:
+    """vLLM's real EngineCore (batch queue of `pp` steps) on the fake executor."""
+    from vllm.v1.engine.core import EngineCore
+
+    return EngineCore(vllm_config, executor_class=fake_executor_class(pp), log_stats=False)
+
+
+def engine_add(engine: Any, request: Any) -> None:
+    """Add a request as EngineCore.add_request would after preprocessing (hashing set up)."""
+    request.block_hasher = engine.request_block_hasher
+    if request.block_hasher is not None:
+        request.block_hashes = []
+        request.update_block_hashes()
+    engine.scheduler.add_request(request)
+
+
+# ------------------------------------------------------------------------------------------- reading back
+
+
+def read_events(trace_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every event of a trace through pdtrace.open_trace, as dicts (detail parsed), in (pid, instance, seq) order."""
+    import pdtrace
+
+    rows = pdtrace.open_trace(str(trace_dir)).table.to_pylist()
+    for row in rows:
+        row["detail"] = json.loads(row["detail"]) if row["detail"] else {}
+    rows.sort(key=lambda r: (r["pid"], r["instance"], r["seq"]))
+    return rows
+
+
+def of_kind(events: list[dict[str, Any]], *kinds: str, req: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] in kinds and (req is None or e["req"] == req)]
+
+
+def brief(events: list[dict[str, Any]]) -> list[tuple]:
+    """(kind, step, req, blocks) per event: what most assertions compare."""
+    return [(e["kind"], e["step"], e["req"], e["blocks"]) for e in events]
+
+
+def close_and_read(trace_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Close this process's recorders (flushing them), then read the trace back (`read_events`)."""
+    from pdtrace.recording import session
+
+    session.close_all()
+    return read_events(trace_dir)

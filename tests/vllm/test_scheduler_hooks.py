@@ -1,0 +1,202 @@
+"""vLLM tier: pdtrace's hooks on vLLM 0.33.0's REAL Scheduler with the NixlConnector scheduler side.
+
+The hooks are installed by the entry point function vLLM calls (fixture `recording`), events are read back with
+pdtrace.open_trace.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_is_what_vllm_loads(tmp_path, monkeypatch):
+    import vllm.plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from pdtrace.recording import session
+    from pdtrace.recording.vllm import hooks_installed, uninstall_hooks
+    from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
+
+    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(tmp_path / "trace"))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    try:
+        vllm.plugins.load_general_plugins()
+        assert hooks_installed()
+        assert hasattr(Scheduler.schedule, ORIGINAL_ATTR)
+        assert session.directory() == str(tmp_path / "trace")
+    finally:
+        session.reset()
+        uninstall_hooks()
+    assert not hasattr(Scheduler.schedule, ORIGINAL_ATTR)
+
+
+def test_prefill_side_lifecycle(recording, model_dir):
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0"))
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("r1", 40, remote_decode=True))
+    H.step(s, faker)                                   # step 0: prefill, finishes with length, blocks held
+    assert H.num_free_blocks(s) == 96
+    H.step(s, faker)                                   # step 1: nothing to do; D has not read yet
+    H.step(s, faker, finished_sending={"r1"})          # step 2: the send completes, blocks freed
+    assert H.num_free_blocks(s) == 99
+
+    events = H.close_and_read(recording)
+    assert {e["instance"] for e in events} == {"prefill-0"}
+    assert {e["role"] for e in events} == {"prefill"}
+    config = H.of_kind(events, "engine_config")
+    assert len(config) == 1 and config[0]["n"] == 100
+    assert config[0]["detail"]["connector"] == "NixlConnector"
+    assert config[0]["detail"]["kv_role"] == "kv_producer"
+
+    r1 = [e for e in events if e["req"] == "r1"]
+    assert [(e["kind"], e["step"]) for e in r1] == [
+        ("req_add", None), ("blocks_alloc", 0), ("req_sched", 0), ("req_finish", 0),
+        ("kv_send_done", 2), ("blocks_free", 2), ("blocks_pool_free", 2)]
+    add, alloc, sched, finish, send, free, pool = r1
+    assert add["n"] == 40 and add["detail"] == {"remote_prefill": False, "remote_decode": True}
+    assert alloc["blocks"] == [1, 2, 3]
+    assert sched["n"] == 40
+    assert (finish["reason"], finish["status"], finish["delay_free"]) == ("length", "FINISHED_LENGTH_CAPPED", True)
+    assert send["status"] == "FINISHED_LENGTH_CAPPED"
+    assert (free["blocks"], free["reason"], free["deferred"]) == ([1, 2, 3], "sent", False)
+    assert sorted(pool["blocks"]) == [1, 2, 3]
+    assert [e["step"] for e in H.of_kind(events, "sched")] == [0, 1, 2]
+    assert [e["step"] for e in H.of_kind(events, "step_output")] == [0, 1, 2]
+
+
+def test_decode_side_lifecycle(recording, model_dir):
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0_dp1"))
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("d1", 40, remote_prefill=True, remote_request_id="p7",
+                                 remote_engine_id="prefill-0_dp3", remote_block_ids=[11, 12, 13],
+                                 ignore_eos=False, max_tokens=8))
+    so0, _ = H.step(s, faker)                          # step 0: blocks allocated, waiting for remote KV
+    assert not so0.num_scheduled_tokens
+    H.step(s, faker, finished_recving={"d1"})          # step 1: the receive completes
+    H.step(s, faker)                                   # step 2: d1 runs (1 token)
+    H.step(s, faker, eos={"d1"})                       # step 3: EOS, finished, freed
+    assert H.num_free_blocks(s) == 99
+
+    events = H.close_and_read(recording)
+    assert {(e["instance"], e["dp_rank"]) for e in events} == {("decode-0", 1)}
+    d1 = [e for e in events if e["req"] == "d1"]
+    assert [(e["kind"], e["step"]) for e in d1] == [
+        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("kv_recv_done", 1), ("req_sched", 2),
+        ("req_sched", 3), ("req_finish", 3), ("blocks_free", 3), ("blocks_pool_free", 3)]
+    add, alloc, wait, recv, _, _, finish, free, pool = d1
+    assert add["detail"] == {"remote_prefill": True, "remote_decode": False, "remote_instance": "prefill-0",
+                             "remote_req": "p7", "remote_blocks": [11, 12, 13]}
+    assert alloc["blocks"] == [1, 2, 3] and alloc["detail"] == {"hit": 0, "external": 3}
+    assert wait["blocks"] == [1, 2, 3] and wait["n"] == 40
+    assert recv["status"] == "WAITING_FOR_REMOTE_KVS"
+    assert (finish["reason"], finish["status"], finish["delay_free"]) == ("stop", "FINISHED_STOPPED", False)
+    assert (free["blocks"], free["reason"], free["deferred"]) == ([1, 2, 3], "finished", False)
+    assert sorted(pool["blocks"]) == [1, 2, 3] and pool["req"] == "d1"
+    waiting_kv = [e["detail"]["waiting_kv"] for e in H.of_kind(events, "sched")]
+    assert waiting_kv == [1, 1, 0, 0]
+
+
+def test_preemption_and_resumption(recording, model_dir):
+    # 9 usable blocks, two 48-token prompts growing by 40 tokens each: the second is preempted, then resumed.
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None, max_num_batched_tokens=128), num_blocks=10)
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("r1", 48, max_tokens=40))
+    s.add_request(H.make_request("r2", 48, max_tokens=40))
+    for _ in range(200):
+        if not s.has_requests():
+            break
+        H.step(s, faker)
+    assert not s.has_requests() and H.num_free_blocks(s) == 9
+
+    events = H.close_and_read(recording)
+    preempts = H.of_kind(events, "req_preempt")
+    assert len(preempts) == 1
+    victim, step = preempts[0]["req"], preempts[0]["step"]
+    held = [b for e in H.of_kind(events, "blocks_alloc", req=victim) if e["step"] <= step for b in e["blocks"]]
+    frees = H.of_kind(events, "blocks_free", req=victim)
+    assert frees[0]["step"] == step and frees[0]["reason"] == "preempted" and frees[0]["deferred"] is False
+    assert frees[0]["blocks"] == held
+    resumed = [e for e in H.of_kind(events, "req_sched", req=victim) if e["step"] > step]
+    assert resumed, "the preempted request never ran again"
+    realloc = [e for e in H.of_kind(events, "blocks_alloc", req=victim) if e["step"] > step]
+    assert realloc[0]["step"] == resumed[0]["step"]
+    finish = H.of_kind(events, "req_finish", req=victim)
+    assert len(finish) == 1 and finish[0]["step"] > resumed[0]["step"]
+    assert frees[-1]["reason"] == "finished"
+    # Every block the pool got back was freed by its owner first, and the pool ends where it began.
+    pooled = sorted(b for e in H.of_kind(events, "blocks_pool_free") for b in e["blocks"])
+    freed = sorted(b for e in H.of_kind(events, "blocks_free") for b in e["blocks"])
+    assert pooled == freed
+
+
+def test_prefix_cache_hit(recording, model_dir):
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None, max_num_batched_tokens=128))
+    faker = H.OutputFaker()
+    prompt = list(range(100, 164))                    # 4 full blocks
+    s.add_request(H.make_request("a", 64, max_tokens=2, prompt=prompt))
+    H.step(s, faker)
+    H.step(s, faker)                                   # a finishes; its hashed blocks stay revivable
+    s.add_request(H.make_request("b", 64, max_tokens=2, prompt=prompt))
+    H.step(s, faker)
+
+    events = H.close_and_read(recording)
+    a_blocks = H.of_kind(events, "blocks_alloc", req="a")[0]["blocks"]
+    b_alloc = H.of_kind(events, "blocks_alloc", req="b")[0]
+    hit = b_alloc["detail"]["hit"]
+    assert hit == 3                                    # vLLM recomputes the last prompt token: 63 tokens hit
+    assert b_alloc["blocks"][:hit] == a_blocks[:hit]
+    assert H.of_kind(events, "req_sched", req="b")[0]["n"] == 64 - hit * H.BLOCK_SIZE
+
+
+def test_pdtrace_error_switches_recording_off_and_vllm_carries_on(recording, model_dir, monkeypatch):
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom inside pdtrace")
+
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0"))
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("r1", 40, remote_decode=True))
+    H.step(s, faker)
+    monkeypatch.setattr(v0_33, "_table_ids", broken)   # the next free hook fails
+    H.step(s, faker, finished_sending={"r1"})
+    s.add_request(H.make_request("r2", 40, remote_decode=True))
+    H.step(s, faker)
+    H.step(s, faker, finished_sending={"r2"})
+    assert H.num_free_blocks(s) == 99 and not s.requests    # vLLM did all its work
+
+    assert RUNTIME.errors == 1 and not RUNTIME.active
+    events = H.close_and_read(recording)
+    off = H.of_kind(events, "recorder_off")
+    assert len(off) == 1 and "boom inside pdtrace" in off[0]["detail"]["error"]
+    assert events[-1]["kind"] == "recorder_off"       # nothing recorded after it
+    assert not H.of_kind(events, "req_add", req="r2")
+
+
+def test_step_id_travels_with_the_scheduler_output(recording, model_dir):
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None))
+    s.add_request(H.make_request("r1", 20))
+    so = s.schedule()
+    assert pickle.loads(pickle.dumps(so))._pdtrace_step == 0   # workers receive it pickled
+    assert s.schedule()._pdtrace_step == 1
+
+
+def test_uninstall_restores_vllm(recording, model_dir):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from pdtrace.recording.vllm import uninstall_hooks
+    from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
+
+    original = Scheduler.schedule.__pdtrace_original__
+    uninstall_hooks()
+    assert Scheduler.schedule is original
+    assert not hasattr(KVCacheManager.allocate_slots, ORIGINAL_ATTR)
