@@ -1,0 +1,208 @@
+"""The chronological story of one request or one step: what `pdtrace show` prints, and where a finding's evidence
+points.
+
+`request_story(trace, req, instance=None)`  every event of the request on every instance. Algorithm: start from the
+    (instance, req) pairs that name `req` (only `instance` when given); follow the P/D links in `req_add` details
+    (a decode-side request names its prefill side in `remote_instance` / `remote_req`; a prefill-side request is
+    named by the decode-side adds that point at it) until no new pair appears; take every row of those pairs (one
+    numpy mask over dictionary codes), plus the deferred drains that returned the request's blocks to the pool
+    (`blocks_pool_free` rows with no req, on the same instance, at or after the request's deferred free, sharing a
+    block with it). Sorted by (ts_ns, pid, seq).
+`step_story(trace, step, instance=None)`  every event of step K (scheduler, engine and worker rows), same order.
+`step_ranks(trace, step, instance=None)`  per rank lane (instance, dp_rank, pp_rank, tp_rank) and RPC: when its
+    `exec_end` for the step came relative to the step's `step_output` (`before`, `after`, `never`; `no_output` when
+    the step has none): whether vLLM's update_from_output for step K waited for every PP rank, read off the trace.
+    The lanes expected are every lane that executed anything on that instance, plus engine_config's pp x tp grid.
+`collapse_runs(story)`  consecutive `req_sched` rows of one request as one row (for reading long decodes).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pdtrace.analysis.columns import columns
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.steps import detail_number, detail_text, exec_spans, step_table
+from pdtrace.trace.model import Trace
+
+STORY_COLUMNS = ("ts_ns", "instance", "role", "dp_rank", "pid", "component", "pp_rank", "tp_rank", "kind", "step",
+                 "req", "blocks", "n", "reason", "status", "delay_free", "deferred", "detail", "seq")
+RANK_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "rpc", "exec_begin_ts", "exec_end_ts", "output_ts",
+                "relation")
+
+
+def _frame(trace: Trace, rows: np.ndarray) -> pd.DataFrame:
+    names = [c for c in STORY_COLUMNS if c in trace.table.column_names]
+    if len(rows) == 0:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in names})
+    sub = trace.table.select(names).take(pa.array(np.asarray(rows, dtype=np.int64)))
+    frame = sub.to_pandas(types_mapper={pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
+                                        pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}.get)
+    for col in ("instance", "role", "component", "kind", "reason", "status"):
+        if col in frame and isinstance(frame[col].dtype, pd.CategoricalDtype):
+            frame[col] = frame[col].astype(object)
+    frame["blocks"] = [list(b) if b is not None else None for b in sub.column("blocks").to_pylist()] \
+        if "blocks" in names else None
+    frame = frame.sort_values(["ts_ns", "pid", "seq"], kind="stable").reset_index(drop=True)
+    start = int(frame["ts_ns"].iloc[0])
+    frame.insert(1, "t_ns", frame["ts_ns"].astype("int64") - start)
+    return frame
+
+
+def related_requests(trace: Trace, req: str, instance: str | None = None) -> list[tuple[str, str]]:
+    """The (instance, req) pairs of one request across P and D, following req_add's remote links."""
+    ctx = AnalysisContext(trace)
+    cols = columns(ctx)
+    inst_codes, inst_names = cols.codes("instance")
+    req_codes, req_names = cols.codes("req")
+    if req not in req_names:
+        return []
+    rc = req_names.index(req)
+    seed = np.flatnonzero(req_codes == rc)
+    pairs = {(inst_names[i], req) for i in np.unique(inst_codes[seed]).tolist()}
+    if instance is not None:
+        pairs = {p for p in pairs if p[0] == instance}
+    adds = cols.rows_of("req_add")
+    if len(adds) == 0 or not pairs:
+        return sorted(pairs)
+    add_inst = np.asarray(inst_names, dtype=object)[inst_codes[adds]]
+    add_req = np.asarray(req_names + [None], dtype=object)[req_codes[adds]]
+    remote_inst = detail_text(ctx, adds, "remote_instance")
+    remote_req = detail_text(ctx, adds, "remote_req")
+    linked = ~pd.isna(remote_inst)
+    links = pd.DataFrame({"inst": add_inst[linked], "req": add_req[linked], "r_inst": remote_inst[linked],
+                          "r_req": np.where(pd.isna(remote_req[linked]), add_req[linked], remote_req[linked])})
+    for _ in range(4):  # P <-> D chains are one link long; a few rounds reach a fixed point
+        before = len(pairs)
+        keys = pd.Series([f"{i}\x00{r}" for i, r in pairs])
+        here = (links["inst"] + "\x00" + links["req"]).isin(keys)
+        there = (links["r_inst"] + "\x00" + links["r_req"]).isin(keys)
+        pairs |= set(zip(links.loc[here, "r_inst"], links.loc[here, "r_req"]))
+        pairs |= set(zip(links.loc[there, "inst"], links.loc[there, "req"]))
+        if len(pairs) == before:
+            break
+    return sorted((str(i), str(r)) for i, r in pairs)
+
+
+def request_story(trace: Trace, req: str, instance: str | None = None) -> pd.DataFrame:
+    """Every event of one request on every instance (see the module docstring); empty if the trace lacks it."""
+    pairs = related_requests(trace, req, instance)
+    ctx = AnalysisContext(trace)
+    cols = columns(ctx)
+    if not pairs:
+        return _frame(trace, np.empty(0, np.int64))
+    inst_codes, inst_names = cols.codes("instance")
+    req_codes, req_names = cols.codes("req")
+    mask = np.zeros(cols.n, bool)
+    for inst, r in pairs:  # a handful of pairs
+        if inst in inst_names and r in req_names:
+            mask |= (inst_codes == inst_names.index(inst)) & (req_codes == req_names.index(r))
+    # deferred drains (req null) that returned this request's blocks to the pool
+    value, valid = cols.bool_col("deferred")
+    deferred_free = np.flatnonzero(mask & cols.is_kind("blocks_free") & valid & value)
+    if len(deferred_free):
+        block_row, block_id = cols.block_rows
+        drains = cols.is_kind("blocks_pool_free") & (req_codes < 0)
+        for inst in np.unique(inst_codes[deferred_free]).tolist():
+            mine = deferred_free[inst_codes[deferred_free] == inst]
+            freed = block_id[np.isin(block_row, mine)]
+            since = cols.ts[mine].min()
+            cand = drains & (inst_codes == inst) & (cols.ts >= since)
+            hit = np.unique(block_row[cand[block_row] & np.isin(block_id, freed)])
+            mask[hit] = True
+    return _frame(trace, np.flatnonzero(mask))
+
+
+def step_story(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:
+    """Every event of step `step` (scheduler, engine and worker rows); empty if no row has it."""
+    cols = columns(AnalysisContext(trace))
+    mask = cols.step == int(step)
+    if instance is not None:
+        inst_codes, inst_names = cols.codes("instance")
+        mask &= inst_codes == (inst_names.index(instance) if instance in inst_names else -9)
+    return _frame(trace, np.flatnonzero(mask))
+
+
+def step_ranks(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:
+    """Per rank lane and RPC: exec_end of step `step` before or after its step_output, or never."""
+    ctx = AnalysisContext(trace)
+    cols = columns(ctx)
+    inst_codes, inst_names = cols.codes("instance")
+    exec_rows = cols.rows_of("exec_begin", "exec_end")
+    pp = pc.fill_null(trace.table.column("pp_rank"), -1).to_numpy().astype(np.int64)
+    tp = pc.fill_null(trace.table.column("tp_rank"), -1).to_numpy().astype(np.int64)
+    lanes = pd.DataFrame({"inst": inst_codes[exec_rows], "dp": cols.dp[exec_rows].astype(np.int64),
+                          "pp": pp[exec_rows], "tp": tp[exec_rows]}).drop_duplicates()
+    cfg_rows = cols.rows_of("engine_config")
+    if len(cfg_rows):
+        cfg_pp = detail_number(ctx, cfg_rows, "pp")
+        cfg_tp = detail_number(ctx, cfg_rows, "tp")
+        grid = [(int(inst_codes[r]), int(cols.dp[r]), p, t)
+                for r, npp, ntp in zip(cfg_rows.tolist(), cfg_pp, cfg_tp) if npp == npp and ntp == ntp
+                for p in range(int(npp)) for t in range(int(ntp))]
+        if grid:
+            lanes = pd.concat([lanes, pd.DataFrame(grid, columns=["inst", "dp", "pp", "tp"])]).drop_duplicates()
+    keep = (cols.step == int(step)) | cols.is_kind("engine_config")
+    if instance is not None:
+        code = inst_names.index(instance) if instance in inst_names else -9
+        keep &= inst_codes == code
+        lanes = lanes[lanes["inst"] == code]
+    sub = trace.filter(keep)
+    sctx = AnalysisContext(sub)
+    steps = step_table(sctx)
+    steps = steps[steps["step"] == int(step)]
+    spans = exec_spans(sctx)
+    spans = spans[spans["step"] == int(step)]
+    steps_with = set(steps["instance"].astype(str))
+    lanes = lanes.assign(instance=[inst_names[i] for i in lanes["inst"]])
+    lanes = lanes[lanes["instance"].isin(steps_with | set(spans["instance"].astype(str)))]
+    lanes = lanes.rename(columns={"dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank"}).drop(columns=["inst"])
+    if len(lanes) == 0:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in RANK_COLUMNS})
+    spans = spans.assign(instance=spans["instance"].astype(str),
+                         dp_rank=spans["dp_rank"].fillna(-1).astype(np.int64),
+                         pp_rank=spans["pp_rank"].fillna(-1).astype(np.int64),
+                         tp_rank=spans["tp_rank"].fillna(-1).astype(np.int64))
+    rpcs = spans[["rpc"]].drop_duplicates() if len(spans) else pd.DataFrame({"rpc": ["execute_model"]})
+    grid = lanes.merge(rpcs, how="cross")
+    out = grid.merge(spans[["instance", "dp_rank", "pp_rank", "tp_rank", "rpc", "begin_ts", "end_ts"]],
+                     on=["instance", "dp_rank", "pp_rank", "tp_rank", "rpc"], how="left")
+    outputs = steps.assign(instance=steps["instance"].astype(str),
+                           dp_rank=steps["dp_rank"].fillna(-1).astype(np.int64))[["instance", "dp_rank",
+                                                                                   "output_ts"]]
+    out = out.merge(outputs, on=["instance", "dp_rank"], how="left")
+    end = out["end_ts"].astype("Int64")
+    output = out["output_ts"].astype("Int64")
+    no_end = end.isna().to_numpy()
+    no_out = output.isna().to_numpy()
+    before = (end <= output).fillna(False).to_numpy(dtype=bool)
+    out["relation"] = np.select([no_end, no_out, before], ["never", "no_output", "before"], default="after")
+    out = out.rename(columns={"begin_ts": "exec_begin_ts", "end_ts": "exec_end_ts"})
+    out = out.sort_values(["instance", "dp_rank", "rpc", "pp_rank", "tp_rank"]).reset_index(drop=True)
+    return out[list(RANK_COLUMNS)]
+
+
+def collapse_runs(story: pd.DataFrame, kinds: Iterable[str] = ("req_sched",)) -> pd.DataFrame:
+    """Consecutive rows of the given kinds for one (instance, req) as one row: kind gets the count
+    (`req_sched x12`), step the range (`first_step`, `last_step` columns), n the sum."""
+    if len(story) == 0:
+        return story.assign(last_step=pd.Series(dtype="Int64"), count=pd.Series(dtype=np.int64))
+    kinds = tuple(kinds)
+    k = story["kind"].astype(str).to_numpy()
+    inst = story["instance"].astype(str).to_numpy()
+    req = story["req"].astype(object).to_numpy()
+    foldable = np.isin(k, kinds)
+    same = np.r_[False, (k[1:] == k[:-1]) & (inst[1:] == inst[:-1]) & (req[1:] == req[:-1])]
+    run_id = np.cumsum(~(foldable & same))
+    story = story.assign(_run=run_id)
+    agg: dict[str, object] = {c: "first" for c in story.columns if c not in ("_run",)}
+    agg["n"] = lambda values: values.sum(min_count=1)
+    out = story.groupby("_run", sort=True).agg(agg)
+    out["last_step"] = pd.array(story.groupby("_run", sort=True)["step"].last().to_numpy(), dtype="Int64")
+    out["count"] = story.groupby("_run", sort=True).size().to_numpy()
+    return out.reset_index(drop=True)

@@ -1,0 +1,159 @@
+"""`pdtrace show` and the story functions behind it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdtrace.analysis.story import collapse_runs, related_requests, request_story, step_ranks, step_story
+from pdtrace.trace.builder import EventBuilder
+from scenarios import Engine, builder, deferred_frees, healthy_pd
+from scenarios_pipeline import healthy_pp4
+
+
+def lagging_rank_trace() -> object:
+    """PP=2, step 0: rank 1's exec_end comes after the step_output (no connector: only the output rank replies);
+    rank 1 never executes step 1."""
+    b = EventBuilder(instance="E", role="both")
+    b.add("engine_config", n=64, detail={"pp": 2, "tp": 1, "block_size": 16})
+    b.add("req_add", req="a", n=16)
+    b.add("sched", step=0, n=16, detail={"running": 1, "free_blocks": 60})
+    b.add("req_sched", step=0, req="a", n=16)
+    b.add("step_submit", component="engine", step=0, n=1)
+    b.add("exec_begin", pid=2000, pp_rank=0, tp_rank=0, step=0, n=16)
+    b.add("exec_end", pid=2000, pp_rank=0, tp_rank=0, step=0, n=16)
+    b.add("exec_begin", pid=2001, pp_rank=1, tp_rank=0, step=0, n=16)
+    b.add("step_output", component="engine", step=0)
+    b.add("req_finish", step=0, req="a", reason="length", status="RUNNING", delay_free=False)
+    b.add("exec_end", pid=2001, pp_rank=1, tp_rank=0, step=0, n=16)
+    b.add("sched", step=1, n=0, detail={"running": 0})
+    b.add("step_submit", component="engine", step=1, n=1)
+    b.add("exec_begin", pid=2000, pp_rank=0, tp_rank=0, step=1, n=0)
+    b.add("exec_end", pid=2000, pp_rank=0, tp_rank=0, step=1, n=0)
+    b.add("step_output", component="engine", step=1)
+    return b.trace()
+
+
+def test_request_story_joins_prefill_and_decode():
+    trace = healthy_pd()
+    assert related_requests(trace, "r1", "D") == [("D", "r1"), ("P", "r1")]
+    story = request_story(trace, "r1", "D")
+    assert set(story["instance"]) == {"P", "D"}
+    kinds = list(story["kind"])
+    for kind in ("req_add", "blocks_alloc", "req_wait_kv", "remote_read", "kv_send_done", "kv_recv_done",
+                 "req_finish", "blocks_pool_free"):
+        assert kind in kinds
+    assert story["ts_ns"].is_monotonic_increasing
+    assert story["t_ns"].iloc[0] == 0
+
+
+def test_request_story_follows_renamed_remote_ids():
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    p.add("p-77", n=32, remote_decode=True)
+    p.step({"p-77": 32}, alloc={"p-77": [1, 2]})
+    p.output()
+    p.finish("p-77", reason="length", delay_free=True)
+    d.add("d-5", n=32, remote_prefill=True, remote_instance="P", remote_req="p-77", remote_blocks=2)
+    d.add("other", n=32)
+    trace = b.trace()
+    from_d = request_story(trace, "d-5")
+    assert set(zip(from_d["instance"], from_d["req"])) == {("P", "p-77"), ("D", "d-5")}
+    from_p = request_story(trace, "p-77")
+    assert ("D", "d-5") in set(zip(from_p["instance"], from_p["req"]))
+    assert "other" not in set(from_p["req"])
+
+
+def test_request_story_includes_the_deferred_drain():
+    story = request_story(deferred_frees(), "r1")
+    drains = story[(story["kind"] == "blocks_pool_free") & story["req"].isna()]
+    assert len(drains) == 1 and 1 in drains.iloc[0]["blocks"]
+
+
+def test_unknown_request_gives_an_empty_story():
+    assert len(request_story(healthy_pd(), "nope")) == 0
+    assert len(request_story(healthy_pd(), "r1", instance="X")) == 0
+
+
+def test_collapse_runs():
+    story = request_story(healthy_pd(), "r1")
+    short = collapse_runs(story)
+    run = short[short["kind"] == "req_sched"]
+    assert list(run["count"]) == [1, 2]
+    assert int(run.iloc[1]["step"]) == 2 and int(run.iloc[1]["last_step"]) == 3 and int(run.iloc[1]["n"]) == 2
+
+
+def test_step_story_and_ranks_full_pipeline():
+    trace = healthy_pp4()
+    story = step_story(trace, 5)
+    assert set(story["step"]) == {5}
+    assert {"sched", "req_sched", "step_submit", "exec_begin", "exec_end", "step_output"} <= set(story["kind"])
+    ranks = step_ranks(trace, 5)
+    assert list(ranks["pp_rank"]) == [0, 1, 2, 3]
+    assert set(ranks["relation"]) == {"before"}
+
+
+def test_step_ranks_lagging_and_missing_rank():
+    trace = lagging_rank_trace()
+    r0 = step_ranks(trace, 0).set_index("pp_rank")["relation"].to_dict()
+    assert r0 == {0: "before", 1: "after"}
+    r1 = step_ranks(trace, 1).set_index("pp_rank")["relation"].to_dict()
+    assert r1 == {0: "before", 1: "never"}
+
+
+def test_cli_show_request(cli, tmp_path):
+    healthy_pd_dir = tmp_path / "pd"
+    from pdtrace.trace.builder import write_table
+    write_table(healthy_pd().table, healthy_pd_dir)
+    res = cli("show", healthy_pd_dir, "--req", "r1", "--instance", "D")
+    assert res.exit_code == 0, res.stderr
+    assert "request r1 (D:r1, P:r1)" in res.stdout
+    assert "kv_send_done" in res.stdout and "req_sched x2" in res.stdout and "steps 2..3" in res.stdout
+    full = cli("show", healthy_pd_dir, "--req", "r1", "--full")
+    assert "req_sched x2" not in full.stdout
+    js = cli("show", healthy_pd_dir, "--req", "r1", "--format", "json")
+    doc = json.loads(js.stdout)
+    assert {"instance": "P", "req": "r1"} in doc["requests"]
+    assert doc["events"][0]["kind"] == "req_add" and doc["events"][0]["detail"] == {"remote_decode": True}
+
+
+def test_cli_show_step_says_which_ranks_came_before_the_output(cli, tmp_path):
+    from pdtrace.trace.builder import write_table
+    write_table(lagging_rank_trace().table, tmp_path / "t")
+    res = cli("show", tmp_path / "t", "--step", "0")
+    assert res.exit_code == 0, res.stderr
+    assert "update_from_output(0) on E/dp0" in res.stdout
+    assert "pp0/tp0 before" in res.stdout and "pp1/tp0 after" in res.stdout
+    assert "waited for every rank: no, 1/2" in res.stdout
+    assert "completions in step 0's update: req_finish a" in res.stdout
+    res1 = cli("show", tmp_path / "t", "--step", "1", "--format", "json")
+    doc = json.loads(res1.stdout)
+    assert {r["pp_rank"]: r["relation"] for r in doc["ranks"]} == {0: "before", 1: "never"}
+    assert doc["waited_for_every_rank"] == {"E/dp0": False}
+    write_table(healthy_pp4().table, tmp_path / "pp4")
+    ok = cli("show", tmp_path / "pp4", "--step", "5")
+    assert "waited for every rank: yes, 4/4" in ok.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--req", "missing"], "request 'missing' not found"),
+    (["--step", "999"], "step 999 not found"),
+    (["--step", "1", "--instance", "nowhere"], "step 1 not found"),
+    ([], "exactly one of --req"),
+    (["--req", "a", "--step", "1"], "exactly one of --req"),
+])
+def test_cli_show_bad_usage_is_one_line_exit_2(cli, tmp_path, args, message):
+    from pdtrace.trace.builder import write_table
+    write_table(lagging_rank_trace().table, tmp_path / "t")
+    res = cli("show", tmp_path / "t", *args)
+    assert res.exit_code == 2
+    assert message in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert res.stdout == ""
+
+
+def test_cli_show_unreadable_trace(cli, tmp_path):
+    res = cli("show", tmp_path / "nothing", "--req", "a")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
