@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,52 @@ def _count_rows(output_dir: Path) -> int:
     return total
 
 
+def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
+    import subprocess
+    import tempfile
+
+    _check_vllm_importable()
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pdtrace-dryrun-") as tmp:
+        cfg_path, res_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        cfg_path.write_text(json.dumps(config.to_dict()))
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        # vLLM logs on stdout; the child's stdout goes to our stderr (stdout is for results).
+        proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", str(cfg_path), str(out), str(res_path)],
+                              env=env, stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0 or not res_path.exists():
+            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+            raise RecordingError(f"the dry run's process failed (exit {proc.returncode}): {tail[0]}")
+        if proc.stderr:
+            sys.stderr.write(proc.stderr)
+        data = json.loads(res_path.read_text())
+    if data.get("usage_error"):
+        from pdtrace.errors import UsageError
+
+        raise UsageError(data["usage_error"])
+    if data.get("recording_error"):
+        raise RecordingError(data["recording_error"])
+    data["output_dir"] = Path(data["output_dir"])
+    return DryRunResult(**data)
+
+
+def _has_fileno(stream: Any) -> bool:
+    try:
+        stream.fileno()
+        return True
+    except Exception:
+        return False
+
+
+def _check_vllm_importable() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
+                             "README.md)")
+
+
 def _use_virtual_durations(clock: Any) -> None:
     """The hooks time schedule() (`dur_ns`) and the futures' waits (`wait_ns`) with their module's `_now`; in a
     dry run those durations must come from the virtual clock too, or the same seed would not give the same trace."""
@@ -80,17 +127,26 @@ def _use_virtual_durations(clock: Any) -> None:
         table._now = clock
 
 
-def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike) -> DryRunResult:
+def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
     """Run vLLM's real engine core(s) on the simulated cluster `config` describes; write the trace to `output_dir`.
 
     Same config and seed: the same events (ts_ns, seq and every field but pid). Raises RecordingError when vLLM is
     missing or another version, UsageError for a bad config, and RecordingError if `output_dir` already holds a
     trace. An exception raised by vLLM during the run is not raised: it is in `result.error` and in the trace.
+
+    vLLM iterates sets of request ids (finished_sending, finished_req_ids...), whose order depends on Python's
+    string hashing; so the run happens in a child process with PYTHONHASHSEED=0 unless this process already has
+    hash randomization off (`in_process=None`). The child also keeps EngineCore's process-wide side effects
+    (gc.freeze, vLLM's environment cache) out of the caller.
     """
     config.validate()
     out = Path(output_dir)
     if out.exists() and any(out.rglob("*.parquet")):
         raise RecordingError(f"{out} already holds a trace; choose an empty or new directory")
+    if in_process is None:
+        in_process = sys.flags.hash_randomization == 0
+    if not in_process:
+        return _run_in_child(config, out)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

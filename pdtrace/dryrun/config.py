@@ -135,10 +135,15 @@ class DryRunConfig:
             need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
         need(self.requests >= 1 or not self.faults, "faults need at least one request")
         if "starve" in self.faults:
+            need(self.instances != "single", "fault starve needs a prefill instance that holds blocks for its "
+                 "decoder (--instances pd or p)")
             # The starving prompt must come in one chunk: chunked, it would run and preempt itself instead.
-            need(self.max_num_batched_tokens >= self.num_blocks * self.block_size,
-                 f"fault starve needs --max-num-batched-tokens >= --num-blocks x --block-size "
-                 f"({self.num_blocks * self.block_size})")
+            pool = (self.num_blocks - 1) * self.block_size
+            need(self.max_num_batched_tokens >= pool,
+                 f"fault starve needs --max-num-batched-tokens >= (--num-blocks - 1) x --block-size ({pool})")
+            need(distribution_max(self.prompt_len) + distribution_max(self.output_len) <= pool,
+                 "fault starve needs the other requests to fit the pool: lower --prompt-len/--output-len or "
+                 "raise --num-blocks")
         return self
 
     def to_dict(self) -> dict[str, Any]:

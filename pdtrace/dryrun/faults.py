@@ -9,7 +9,7 @@ client; vLLM's own code then does what it does (including raising its asserts).
 | duplicate_completion | P rank 0 reports the target's send once more at its next step | with one rank: `assert req_id in self.requests` (:3581); with more, the aggregator completes early |
 | missing_rank_completion | the last P rank never reports the target's send | the aggregator waits forever: the blocks leak |
 | slow_transfer | the target read takes `slow_transfer_ms` | D keeps it WAITING_FOR_REMOTE_KVS (and P holds its blocks) |
-| starve | the target's prompt needs every block of the pool plus one | it never fits: it waits at the head of the line |
+| starve | the target's prompt needs every usable block of P's pool (vLLM 0.33 refuses a max_model_len that could never fit, so the pool must shrink at run time): request 0's send completion is lost, pinning its blocks | the target never fits and waits at the head of the line; FCFS blocks the requests behind it |
 | few_requests_pp | a closed-loop client keeps at most max(1, pp // 2) requests in flight | fewer ready micro-batches than stages: bubbles |
 
 The target is workload request `fault_request` (default: request 1 for completion_before_finish, else requests // 3).
@@ -46,8 +46,13 @@ def reshape_workload(config: DryRunConfig, workload: list[WorkloadRequest]) -> N
         _resize_prompt(wl, need)
     if "starve" in faults and workload:
         wl = workload[fault_target(config, "starve")]
-        # The pool has num_blocks - 1 usable blocks (block 0 is vLLM's null block): one block more never fits.
-        _resize_prompt(wl, config.num_blocks * config.block_size)
+        # All num_blocks - 1 usable blocks (block 0 is vLLM's null block): fits an empty pool, nothing less.
+        _resize_prompt(wl, starve_prompt_len(config))
+
+
+def starve_prompt_len(config: DryRunConfig) -> int:
+    """The starving prompt: as long as the usable pool holds (P's max_tokens=1 makes it exactly the pool)."""
+    return (config.num_blocks - 1) * config.block_size - 1
 
 
 def _resize_prompt(wl: WorkloadRequest, n: int) -> None:
@@ -67,6 +72,8 @@ class FaultInjector:
         self.p_target = {f: f"r{fault_target(cfg, f):05d}" + ("" if cfg.instances == "single" else "-p")
                          for f in self.faults}
         self.d_target = {f: f"r{fault_target(cfg, f):05d}-d" for f in self.faults}
+        # starve: the request whose lost send completion pins blocks for good (shrinking P's pool).
+        self.pin_target = "r00000-p" if "starve" in self.faults else None
         self._cbf_step: Any = None
         self._cbf_done = False
         self._dup_armed = False
@@ -76,7 +83,9 @@ class FaultInjector:
     def client_concurrency(self) -> int:
         """0 for an open-loop client; the closed-loop limit for few_requests_pp."""
         if "few_requests_pp" in self.faults:
-            return max(1, self.cluster.config.pp // 2)
+            limit = max(1, self.cluster.config.pp // 2)
+            self.injected.append(f"closed-loop client: at most {limit} request(s) in flight")
+            return limit
         return 0
 
     def before_step(self, engine: "SimEngine") -> None:
@@ -84,6 +93,8 @@ class FaultInjector:
 
     def read_ns(self, engine: "SimEngine", req_id: str, normal_ns: int) -> int:
         if "slow_transfer" in self.faults and req_id == self.d_target["slow_transfer"]:
+            if engine.ranks and not any("slow read" in x for x in self.injected):
+                self.injected.append(f"slow read of {req_id}: {self.cluster.config.slow_transfer_ms:.0f} ms")
             return int(self.cluster.config.slow_transfer_ms * NS_PER_MS)
         if "abort_while_waiting_kv" in self.faults and req_id == self.d_target["abort_while_waiting_kv"]:
             return max(20 * normal_ns, 20 * NS_PER_MS)
@@ -113,6 +124,10 @@ class FaultInjector:
                 sends = sends - {target}
                 if rank.pp_rank == 0 and rank.tp_rank == 0:
                     self.injected.append(f"lost finished_sending {target}")
+        if self.pin_target is not None and self.pin_target in sends:
+            sends = sends - {self.pin_target}
+            if rank.pp_rank == 0 and rank.tp_rank == 0:
+                self.injected.append(f"lost finished_sending {self.pin_target}: its blocks stay pinned")
         if "missing_rank_completion" in f:
             target = self.p_target["missing_rank_completion"]
             last = (engine.pp - 1, engine.tp - 1)

@@ -449,6 +449,9 @@ class SimCluster:
         longest = max([len(w.prompt_token_ids) + w.max_tokens for w in workload], default=0)
         self.max_model_len = max(256, longest + 16,
                                  distribution_max(config.prompt_len) + distribution_max(config.output_len) + 16)
+        if "starve" in config.faults:
+            # vLLM refuses a max_model_len its pool could never hold: exactly the usable pool.
+            self.max_model_len = (config.num_blocks - 1) * config.block_size
         self._order = 0
         self.want_eos: dict[str, bool] = {}
         self.faults = FaultInjector(self)
@@ -623,7 +626,12 @@ class SimCluster:
             try:
                 outputs, executed = e.core.step_fn()
             except Exception as exc:  # vLLM itself raised (its assert): the hooks recorded engine_error
-                self.stats.error = f"{e.instance}: {type(exc).__name__}: {exc}"
+                import traceback
+
+                tb = traceback.extract_tb(exc.__traceback__)
+                where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+                msg = f": {exc}" if str(exc) else ""
+                self.stats.error = f"{e.instance}: {type(exc).__name__}{msg}{where}"
                 self._record_engine_error(e, exc)
                 break
             self.stats.steps += 1
