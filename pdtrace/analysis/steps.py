@@ -204,9 +204,11 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
                             "wait_ns": detail_number(ctx, out["row"].to_numpy(), "wait_ns")})
         out = out.sort_values("output_ts", kind="stable").drop_duplicates(key, keep="first")
 
+        # nullable Int64 before the outer joins: a float64 NaN column would round ns timestamps
+        s["sched_ts"] = s["sched_ts"].astype("Int64")
+        sub["submit_ts"] = sub["submit_ts"].astype("Int64")
+        out["output_ts"] = out["output_ts"].astype("Int64")
         table = s.merge(sub, on=key, how="outer").merge(out, on=key, how="outer")
-        for col in ("sched_ts", "submit_ts", "output_ts"):
-            table[col] = table[col].astype("Int64")
         return table.sort_values(key, kind="stable").reset_index(drop=True)
 
     return ctx.cached("steps:step_frame", build)
@@ -509,7 +511,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
                         how="left")
         steps = _step_frame(ctx)
         sub = steps[["inst", "dp", "step"]].rename(columns={"step": "step_after"})
-        sub["t_sub"] = _int64(steps["submit_ts"].fillna(steps["sched_ts"]))
+        sub["t_sub"] = pd.array(_int64(steps["submit_ts"].fillna(steps["sched_ts"])), dtype="Int64")
         bub = bub.merge(sub, on=["inst", "dp", "step_after"], how="left")
 
         funcs = _count_functions(ctx)
@@ -517,7 +519,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         n = len(bub)
         s = bub["start_ns"].to_numpy()
         e = bub["end_ns"].to_numpy()
-        t_sub = bub["t_sub"].fillna(_NULL).to_numpy(dtype=np.int64)
+        t_sub = bub["t_sub"].astype("Int64").fillna(_NULL).to_numpy(dtype=np.int64)
         no_live = np.zeros(n, np.int64)
         no_run = np.zeros(n, np.int64)
         runnable = np.zeros(n, np.int64)
