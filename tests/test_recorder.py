@@ -200,13 +200,17 @@ def test_detail_dict_str_and_unencodable(tmp_path: Path) -> None:
 
 
 def test_wrong_value_types_are_coerced_not_lost(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
     rec = make(tmp_path)
     rec.emit("blocks_alloc", step=2, req=123, blocks=("4", 5), n="not a number", delay_free=1)
-    rec.emit("blocks_alloc", step=3, req="r2", blocks=[6], n=1)
+    rec.emit("blocks_alloc", step="3", req="r2", blocks=[6], n=1.0)
+    rec.emit("blocks_alloc", step=np.int64(4), req="r3", blocks=np.array([7, 8], dtype=np.int64), n=np.int32(9))
+    rec.emit("blocks_alloc", step=2**70, req="r4", blocks=[2**40], n=-1)  # out of range: null, not an error
     rec.close()
     rows = rows_of(tmp_path)
-    assert [(r["req"], r["blocks"], r["n"], r["delay_free"]) for r in rows] == [
-        ("123", [4, 5], None, True), ("r2", [6], 1, None)]
+    assert [(r["step"], r["req"], r["blocks"], r["n"], r["delay_free"]) for r in rows] == [
+        (2, "123", [4, 5], None, True), (3, "r2", [6], 1, None), (4, "r3", [7, 8], 9, None),
+        (None, "r4", None, -1, None)]
 
 
 def test_channels_ranks_and_validation(tmp_path: Path) -> None:

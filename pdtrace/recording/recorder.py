@@ -15,8 +15,8 @@ numbers rows by their position in that stream (strictly increasing per writer, a
 The writer thread (a daemon, started lazily on the first event of each process) wakes every `flush_interval_s` or
 when `flush_events` rows are waiting, takes the rows out of the list with one slice copy and one slice delete (each
 atomic, so an append that races the take simply stays for the next part), converts them column by column
-(`zip(*rows)` + `pa.array`, with the garbage collector paused, since that creates millions of short-lived objects),
-JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
+(`zip(*rows)`, then Arrow buffers filled by C-level iteration, with the garbage collector paused, since that creates
+many short-lived objects), JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
 `<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary encoding for the dictionary columns
 and `req`) under a temporary name starting with `.`, then renames it: a crash leaves only whole part files.
 
@@ -41,7 +41,9 @@ from __future__ import annotations
 import array
 import atexit
 import gc
+import itertools
 import json
+import operator
 import os
 import signal
 import sys
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pdtrace import __version__
@@ -91,9 +94,22 @@ def _rank(value: Any) -> int | None:
     return rank
 
 
+try:  # json's C encoder built once: JSONEncoder.encode builds one per call, half the cost of a small dict
+    from json.encoder import c_make_encoder as _c_make_encoder
+    from json.encoder import encode_basestring_ascii as _encode_basestring_ascii
+
+    _C_ENCODE = (_c_make_encoder(None, str, _encode_basestring_ascii, None, ":", ",", False, False, True)
+                 if _c_make_encoder is not None else None)
+except (ImportError, TypeError):  # another Python's json: the public path
+    _C_ENCODE = None
+
+
 def _encode_detail(detail: Any) -> str:
-    """JSON text of a detail; an object json cannot encode (a circular dict, odd keys) still gives one."""
+    """JSON text of a detail (what json.dumps with compact separators and default=str gives); an object json
+    cannot encode (a circular dict, odd keys) still gives one."""
     try:
+        if _C_ENCODE is not None:
+            return "".join(_C_ENCODE(detail, 0))
         return _encode_json(detail)
     except Exception:
         return _encode_json({"unencodable": repr(detail)[:200]})
@@ -550,23 +566,152 @@ class Recorder:
         self._accept_below = 0 if self._state == _NEW else -1
 
 
-def _int64_column(values: tuple) -> pa.Array:
-    """A non-null int64 column; array.array converts large ints (ns timestamps) ~10x faster than pa.array."""
-    try:
-        return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(array.array("q", values))])
-    except (TypeError, OverflowError, ValueError):
-        return pa.array([_as_int(v) or 0 for v in values], pa.int64())
+# ---- conversion: buffered rows -> Arrow table ----------------------------------------------------------------------
+#
+# Columns are built with `pa.Array.from_buffers` over `array.array` / `bytes` buffers filled by C-level iteration
+# (map, itertools, dict lookups), never with `pa.array(python_list)` or `pa.scalar`: those ask pyarrow's pandas shim
+# whether the input is a pandas object, which imports pandas (about half a second holding the GIL, tens of MB) into
+# every recording process. It is also several times faster than `pa.array` for ns timestamps.
+
+_NONE_TO_ZERO = {None: 0}
+_NONES = itertools.repeat(None)
+_ZEROS = itertools.repeat(0)
 
 
-def _as_int(value: Any) -> int | None:
+def _u8(data: bytes) -> pa.Array:
+    return pa.Array.from_buffers(pa.uint8(), len(data), [None, pa.py_buffer(data)])
+
+
+def _validity(values: tuple, by_identity: bool = False) -> tuple[pa.Buffer | None, int]:
+    """(validity bitmap or None, null count) of a column whose nulls are None. `by_identity` for columns that may
+    hold objects whose `== None` is not a bool (numpy arrays of block ids); `tuple.count` is faster otherwise."""
+    if by_identity:
+        nulls = bytes(map(operator.is_, values, _NONES)).count(1)
+    else:
+        nulls = values.count(None)
+    if nulls == 0:
+        return None, 0
+    valid = bytes(map(operator.is_not, values, _NONES))
+    return pc.cast(_u8(valid), pa.bool_()).buffers()[1], nulls
+
+
+_NULL_SENTINEL = {"q": -(2**63), "h": -(2**15)}  # stands for None in an integer buffer (then masked out)
+_NONE_TO_SENTINEL = {code: {None: value} for code, value in _NULL_SENTINEL.items()}
+_BOOL_CODES = {None: 2, True: 1, False: 0}
+
+
+def _masked(arrow_type: pa.DataType, data: array.array, valid: pa.Array, nulls: int) -> pa.Array:
+    """`data` as an array of `arrow_type` whose validity is the boolean array `valid`."""
+    return pa.Array.from_buffers(arrow_type, len(data), [valid.buffers()[1], pa.py_buffer(data)], null_count=nulls)
+
+
+def _repeat(arrow_type: pa.DataType, code: str, value: int, length: int) -> pa.Array:
+    return pa.Array.from_buffers(arrow_type, length, [None, pa.py_buffer(array.array(code, [value]) * length)])
+
+
+def _int_column(values: tuple, arrow_type: pa.DataType, code: str) -> pa.Array:
+    """A nullable integer column (`code`: the array.array type code of `arrow_type`). None becomes a sentinel in
+    one C-level pass, and the validity is one vectorised comparison with it."""
+    count = len(values)
+    nulls = values.count(None)
+    if nulls == count:
+        return pa.nulls(count, arrow_type)
     try:
-        return None if value is None else int(value)
+        if not nulls:
+            return pa.Array.from_buffers(arrow_type, count, [None, pa.py_buffer(array.array(code, values))])
+        sentinel = _NULL_SENTINEL[code]
+        data = array.array(code, map(_NONE_TO_SENTINEL[code].get, values, values))
+    except (TypeError, ValueError, OverflowError):  # a float, a string, an out-of-range value from a hook
+        return _int_column(tuple(map(_as_int, values, itertools.repeat(code))), arrow_type, code)
+    plain = pa.Array.from_buffers(arrow_type, count, [None, pa.py_buffer(data)])
+    return _masked(arrow_type, data, pc.not_equal(plain, _repeat(arrow_type, code, sentinel, count)), nulls)
+
+
+def _bool_column(values: tuple) -> pa.Array:
+    count = len(values)
+    nulls = values.count(None)
+    if nulls == count:
+        return pa.nulls(count, pa.bool_())
+    try:
+        codes = _u8(bytes(map(_BOOL_CODES.get, values, values)))
+    except (TypeError, ValueError):  # truthy values that are not bools
+        return _bool_column(tuple(None if v is None else bool(v) for v in values))
+    bits = pc.equal(codes, _repeat(pa.uint8(), "B", 1, count)).buffers()[1]
+    validity = pc.not_equal(codes, _repeat(pa.uint8(), "B", 2, count)).buffers()[1] if nulls else None
+    return pa.Array.from_buffers(pa.bool_(), count, [validity, bits], null_count=nulls)
+
+
+def _strings(values: list) -> pa.Array:
+    """A non-null string array from a list of str."""
+    encoded = [value.encode("utf-8", "replace") for value in values]
+    offsets = array.array("i", itertools.accumulate(map(len, encoded), initial=0))
+    return pa.Array.from_buffers(pa.string(), len(values),
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
+
+
+def _dictionary_column(values: tuple) -> pa.DictionaryArray:
+    """A nullable dictionary<int32, string> column: codes by one dict lookup per row, strings encoded once each."""
+    count = len(values)
+    nulls = values.count(None)
+    if nulls == count:
+        return pa.nulls(count, _DICT_TYPE)
+    try:
+        codes = dict.fromkeys(values)
+        codes.pop(None, None)
+        distinct = list(codes)
+        dictionary = _strings(distinct)
+    except (TypeError, AttributeError):  # an unhashable or non-str value: use its str()
+        return _dictionary_column(tuple(map(_as_str, values)))
+    for code, value in enumerate(distinct):
+        codes[value] = code
+    codes[None] = -1  # a null slot (masked out below; Arrow ignores the index under a null)
+    data = array.array("i", map(codes.__getitem__, values))
+    if nulls:
+        plain = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(data)])
+        indices = _masked(pa.int32(), data, pc.not_equal(plain, _repeat(pa.int32(), "i", -1, count)), nulls)
+    else:
+        indices = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(data)])
+    return pa.DictionaryArray.from_arrays(indices, dictionary)
+
+
+def _string_column(values: tuple) -> pa.Array:
+    """A nullable plain string column (through the dictionary path: repeated values are encoded once)."""
+    if values.count(None) == len(values):
+        return pa.nulls(len(values), pa.string())
+    encoded = _dictionary_column(values)
+    return encoded.dictionary.take(encoded.indices)
+
+
+def _blocks_column(values: tuple) -> pa.Array:
+    """A nullable list<int32> column from lists/tuples of block ids."""
+    count = len(values)
+    validity, nulls = _validity(values, by_identity=True)
+    if nulls == count:
+        return pa.nulls(count, _LIST_TYPE)
+    try:
+        offsets = array.array("i", itertools.accumulate(map(operator.length_hint, values, _ZEROS), initial=0))
+        flat = array.array("i", itertools.chain.from_iterable(filter(None, values)))
+        if len(flat) != offsets[-1]:
+            raise ValueError("an iterator without a length")
+    except (TypeError, ValueError, OverflowError):
+        return _blocks_column(tuple(map(_as_blocks, values)))
+    child = pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat)])
+    return pa.Array.from_buffers(_LIST_TYPE, count, [validity, pa.py_buffer(offsets)], null_count=nulls,
+                                 children=[child])
+
+
+def _as_int(value: Any, code: str = "q") -> int | None:
+    """An int a column of type `code` can hold, or None."""
+    try:
+        number = None if value is None else int(value)
     except (TypeError, ValueError, OverflowError):
         return None
+    if number is not None and not -_INT_LIMITS[code] <= number < _INT_LIMITS[code]:
+        return None
+    return number
 
 
-def _as_bool(value: Any) -> bool | None:
-    return None if value is None else bool(value)
+_INT_LIMITS = {"q": 2**63, "i": 2**31, "h": 2**15}
 
 
 def _as_str(value: Any) -> str | None:
@@ -575,40 +720,21 @@ def _as_str(value: Any) -> str | None:
 
 def _as_blocks(value: Any) -> list[int] | None:
     try:
-        return None if value is None else [int(b) for b in value]
+        blocks = None if value is None else [int(b) for b in value]
     except (TypeError, ValueError, OverflowError):
         return None
+    if blocks is not None and not all(-(2**31) <= b < 2**31 for b in blocks):
+        return None
+    return blocks
 
 
-_SANITIZE = {pa.int64(): _as_int, pa.int16(): _as_int, pa.bool_(): _as_bool, pa.string(): _as_str,
-             _LIST_TYPE: _as_blocks}
-
-
-def _column(values: tuple, arrow_type: pa.DataType) -> pa.Array:
-    """A nullable column; values a hook got wrong (a float step, a numpy scalar pyarrow refuses) are coerced or
-    nulled rather than losing the batch."""
-    if values.count(None) == len(values):
-        return pa.nulls(len(values), arrow_type)
-    try:
-        return pa.array(values, arrow_type)
-    except (pa.ArrowException, TypeError, ValueError, OverflowError):
-        fix = _SANITIZE[arrow_type]
-        return pa.array([fix(v) for v in values], arrow_type)
-
-
-def _dictionary_column(values: tuple) -> pa.Array:
-    if values.count(None) == len(values):
-        return pa.nulls(len(values), _DICT_TYPE)
-    try:
-        plain = pa.array(values, pa.string())
-    except (pa.ArrowException, TypeError):
-        plain = pa.array([_as_str(v) for v in values], pa.string())
-    return plain.dictionary_encode()
-
-
-def _constant_dictionary(value: str, length: int) -> pa.Array:
+def _constant_dictionary(value: str, length: int) -> pa.DictionaryArray:
     indices = pa.Array.from_buffers(pa.int32(), length, [None, pa.py_buffer(bytes(4 * length))])
-    return pa.DictionaryArray.from_arrays(indices, pa.array([value], pa.string()))
+    return pa.DictionaryArray.from_arrays(indices, _strings([value]))
+
+
+def _int_buffer_column(arrow_type: pa.DataType, data: array.array) -> pa.Array:
+    return pa.Array.from_buffers(arrow_type, len(data), [None, pa.py_buffer(data)])
 
 
 def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
@@ -616,43 +742,51 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
     """Buffered rows (as `Channel.emit` appends them) to a table with exactly `pdtrace.format.SCHEMA`.
 
     seq_start: the seq of the first row (rows are numbered in order); channels: id -> (component, dp, pp, tp).
+    Values of the wrong type are coerced (a numeric string, a numpy integer) or nulled; a row is never lost.
     """
     gc_was_enabled = gc.isenabled()
-    gc.disable()  # zip(*rows) and the conversions make millions of objects the GC would scan for nothing
+    gc.disable()  # zip(*rows) and the conversions make many objects the GC would scan for nothing
     try:
         count = len(rows)
         (ts, chan, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail) = zip(*rows)
         del rows
-        if detail.count(None) != count:
-            detail = tuple(d if d is None or d.__class__ is str else _encode_detail(d) for d in detail)
+        if detail.count(None) != count:  # JSON-encode dict details: a Python loop over those rows only
+            texts = list(detail)
+            for index in itertools.compress(range(count), map(operator.is_not, detail, _NONES)):
+                value = texts[index]
+                if value.__class__ is not str:
+                    texts[index] = _encode_detail(value)
+            detail = tuple(texts)
+        try:
+            ts_data = array.array("q", ts)
+        except (TypeError, ValueError, OverflowError):  # a clock returning floats
+            ts_data = array.array("q", [_as_int(t) or 0 for t in ts])
 
-        channel_ids = pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(array.array("i", chan))])
-        names = sorted({key[0] for key in channels})
-        component_codes = pa.array([names.index(key[0]) for key in channels], pa.int32())
-        component = pa.DictionaryArray.from_arrays(component_codes.take(channel_ids), pa.array(names, pa.string()))
-        ranks = [pa.array([key[i] for key in channels], pa.int16()).take(channel_ids) for i in (1, 2, 3)]
+        channel_ids = _int_buffer_column(pa.int32(), array.array("i", chan))
+        component = _dictionary_column(tuple(key[0] for key in channels))
+        component = pa.DictionaryArray.from_arrays(component.indices.take(channel_ids), component.dictionary)
+        ranks = [_int_column(tuple(key[i] for key in channels), pa.int16(), "h").take(channel_ids) for i in (1, 2, 3)]
 
         arrays = [
-            _int64_column(ts),
-            pa.Array.from_buffers(pa.int64(), count,
-                                  [None, pa.py_buffer(array.array("q", range(seq_start, seq_start + count)))]),
+            _int_buffer_column(pa.int64(), ts_data),
+            _int_buffer_column(pa.int64(), array.array("q", range(seq_start, seq_start + count))),
             _constant_dictionary(instance, count),
             _constant_dictionary(role, count),
-            pa.Array.from_buffers(pa.int32(), count, [None, pa.py_buffer(array.array("i", [pid]) * count)]),
+            _int_buffer_column(pa.int32(), array.array("i", [pid]) * count),
             component,
             ranks[0],
             ranks[1],
             ranks[2],
             _dictionary_column(kind),
-            _column(step, pa.int64()),
-            _column(req, pa.string()),
-            _column(blocks, _LIST_TYPE),
-            _column(n, pa.int64()),
+            _int_column(step, pa.int64(), "q"),
+            _string_column(req),
+            _blocks_column(blocks),
+            _int_column(n, pa.int64(), "q"),
             _dictionary_column(reason),
             _dictionary_column(status),
-            _column(delay_free, pa.bool_()),
-            _column(deferred, pa.bool_()),
-            _column(detail, pa.string()),
+            _bool_column(delay_free),
+            _bool_column(deferred),
+            _string_column(detail),
         ]
         return pa.Table.from_arrays(arrays, schema=SCHEMA)
     finally:
