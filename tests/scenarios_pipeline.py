@@ -59,6 +59,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
     queue: deque[tuple[int, list[str], int]] = deque()
     rank_free = [[t] * tp for _ in range(pp)]
     next_block = 1
+    held: dict[str, list[int]] = {}
     step = 0
 
     def admit(now: int) -> None:
@@ -105,11 +106,13 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                 next_block += 2
                 sched("blocks_alloc", t, step=k, req=r, blocks=blocks, detail={"hit": 0})
                 sched("req_wait_kv", t, step=k, req=r, blocks=blocks, n=32)
+                held.setdefault(r, []).extend(blocks)
                 kv_ready_at[r] = t + wait_kv.pop(r)
                 waiting_kv.add(r)
             for r in batch:
                 if done[r] == 0:
                     sched("blocks_alloc", t, step=k, req=r, blocks=[next_block], detail={"hit": 0})
+                    held.setdefault(r, []).append(next_block)
                     next_block += 1
             sched("sched", t, step=k, n=n_tok, detail={"running": len(live) - len(waiting_kv), "waiting": 0,
                                                        "waiting_kv": len(waiting_kv), "free_blocks": 512,
@@ -152,7 +155,8 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
             done[r] += 1
             if done[r] >= tokens:
                 finished.add(r)
-                sched("blocks_free", t, step=k, req=r, blocks=[1], reason="finished", deferred=False)
+                sched("blocks_free", t, step=k, req=r, blocks=held[r], reason="finished", deferred=False)
+                sched("blocks_pool_free", t, step=k, req=r, blocks=held.pop(r))
                 sched("req_finish", t, step=k, req=r, reason="length", status="RUNNING", delay_free=False)
             else:
                 ready.append(r)

@@ -137,3 +137,12 @@ def test_random_full_pipelines_never_error(pp, cap, extra, tokens, stages, sched
                               arrivals=[a * US for a in arrivals[:n]])
     f = findings(trace)
     assert not (f["severity"] == "error").any(), f[["subrule", "message"]].to_string()
+
+
+def test_modelled_runs_are_clean_for_every_rule():
+    from pdtrace.analysis import analyze
+
+    for make in (healthy_pp4, few_requests_pp4, slow_stage_pp4, two_waves_pp4):
+        f = analyze(make())
+        assert set(f["rule"]) <= {"pipeline_bubble"}, f[["rule", "message"]].to_string()
+    assert set(analyze(one_microbatch_pp4())["severity"]) == {"error"}
