@@ -16,7 +16,6 @@ from pdtrace.analysis.steps import exec_spans, step_table
 from pdtrace.analysis.timelines import block_usage, request_phases
 from pdtrace.export import export
 from pdtrace.plot import Window
-from pdtrace.plot.window import findings_of
 
 from scenarios import healthy_pd, pp4_pipeline  # noqa: E402
 from test_timelines import MS, T0, pd_scenario  # noqa: E402
@@ -51,7 +50,7 @@ def test_chrome_export_has_one_slice_per_step_span_and_phase(tmp_path: Path, mak
     expected_slices = (len(step_table(ctx)) + len(exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"]))
                        + len(request_phases(ctx)) + 2 * n_flows)
     assert len(ev["X"]) == expected_slices
-    assert len(ev["C"]) == len(block_usage(ctx, findings=findings_of(ctx)))
+    assert len(ev["C"]) == len(block_usage(ctx))
     processes = names(doc, "process_name")
     instances = set(trace.events["instance"].astype(str))
     assert {v.split(" (")[0] for v in processes.values()} == instances

@@ -51,8 +51,8 @@ def _empty_phases() -> pd.DataFrame:
 def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
     """One row per phase interval of a request: instance, dp_rank, role, req, phase, start_ns, end_ns.
 
-    Algorithm: take the scheduler rows that carry a request and can change its state; sort them by (instance,
-    dp_rank, req, ts_ns, pid, seq). Each row maps to the phase it starts: `req_add` -> waiting, `req_wait_kv` ->
+    Algorithm: take the scheduler rows that carry a request and can change its state; sort them by request key
+    (instance, dp_rank, req) and position in the global event order (columns.py: time, then each writer's seq). Each row maps to the phase it starts: `req_add` -> waiting, `req_wait_kv` ->
     waiting_kv, `kv_recv_done`/`kv_recv_fail` -> waiting (loaded or failed: back in the queue), `req_sched` ->
     running, `req_preempt` -> waiting, `req_finish` -> finished_holding when `delay_free` (the blocks stay owned
     for a transfer) else freed, `blocks_free` -> freed. A request is "finished" from its `req_finish` until the next
@@ -66,65 +66,71 @@ def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
 
 
 def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
-    ev = ctx.trace.events
-    if len(ev) == 0:
-        return _empty_phases()
-    kind = ev["kind"].astype("str")
-    sel = (ev["component"].astype("str") == "scheduler").to_numpy() & ev["req"].notna().to_numpy() \
-        & kind.isin(_STATE_KINDS).to_numpy()
-    e = pd.DataFrame({
-        "instance": ev["instance"].astype("str").to_numpy()[sel],
-        "dp_rank": ev["dp_rank"].fillna(-1).to_numpy(dtype=np.int64)[sel],
-        "role": ev["role"].astype("str").to_numpy()[sel],
-        "req": ev["req"].astype("str").to_numpy()[sel],
-        "kind": kind.to_numpy()[sel],
-        "delay_free": ev["delay_free"].fillna(False).to_numpy(dtype=bool)[sel],
-        "ts_ns": ev["ts_ns"].to_numpy(dtype=np.int64)[sel],
-        "pid": ev["pid"].to_numpy(dtype=np.int64)[sel],
-        "seq": ev["seq"].to_numpy(dtype=np.int64)[sel],
-    })
-    if len(e) == 0:
-        return _empty_phases()
-    e = e.sort_values(["instance", "dp_rank", "req", "ts_ns", "pid", "seq"], kind="stable", ignore_index=True)
-    key = e[["instance", "dp_rank", "req"]]
-    group = (key != key.shift()).any(axis=1).cumsum().to_numpy()
-    k = e["kind"].to_numpy()
-    is_add = k == "req_add"
-    lifecycle = pd.Series(is_add).groupby(group).cumsum().to_numpy()
-    finished = pd.Series(k == "req_finish").groupby([group, lifecycle]).cummax().to_numpy()
+    from pdtrace.analysis.columns import bool_column, columns
 
-    phase = np.full(len(e), -1, dtype=np.int64)
+    cols = columns(ctx)
+    if cols.n == 0:
+        return _empty_phases()
+    comp_codes, comp_names = cols.codes("component")
+    mask = (cols.rk >= 0) & cols.is_kind(*_STATE_KINDS)
+    if "scheduler" in comp_names:
+        mask &= comp_codes == comp_names.index("scheduler")
+    else:
+        mask[:] = False
+    rows = np.flatnonzero(mask)
+    if len(rows) == 0:
+        return _empty_phases()
+    rows = rows[np.lexsort((cols.pos[rows], cols.rk[rows]))]  # per request, in the global event order
+    rk = cols.rk[rows]
+    kind_codes, kind_names = cols.codes("kind")
+    kind_lut = np.full(len(kind_names), -1, np.int64)
+    for i, name in enumerate(_STATE_KINDS):  # per kind (eight)
+        if name in kind_names:
+            kind_lut[kind_names.index(name)] = i
+    k = kind_lut[kind_codes[rows]]
+    is_add, is_wait_kv, is_recv_done, is_recv_fail, is_sched, is_preempt, is_finish, is_free = (
+        k == i for i in range(len(_STATE_KINDS)))
+    delay_free = bool_column(cols.table, "delay_free")[0][rows]
+
+    new_group = np.ones(len(rows), dtype=bool)
+    new_group[1:] = rk[1:] != rk[:-1]
+    # A lifecycle runs from a request's first row or a req_add to the next; "finished" once it had a req_finish
+    # (a running maximum of 2*lifecycle + finished: lifecycles only grow along the sorted rows).
+    lifecycle = np.cumsum(new_group | is_add)
+    finished = (np.maximum.accumulate(2 * lifecycle + is_finish) - 2 * lifecycle) == 1
+
+    phase = np.full(len(rows), -1, dtype=np.int64)
     active = ~finished
     phase[is_add] = _WAITING
-    phase[(k == "req_wait_kv") & active] = _WAITING_KV
-    phase[((k == "kv_recv_done") | (k == "kv_recv_fail") | (k == "req_preempt")) & active] = _WAITING
-    phase[k == "req_sched"] = _RUNNING
-    fin = k == "req_finish"
-    phase[fin] = np.where(e["delay_free"].to_numpy()[fin], _FINISHED_HOLDING, _FREED)
-    phase[(k == "blocks_free") & finished & ~fin] = _FREED
+    phase[is_wait_kv & active] = _WAITING_KV
+    phase[(is_recv_done | is_recv_fail | is_preempt) & active] = _WAITING
+    phase[is_sched] = _RUNNING
+    phase[is_finish] = np.where(delay_free[is_finish], _FINISHED_HOLDING, _FREED)
+    phase[is_free & finished & ~is_finish] = _FREED
 
     keep = phase >= 0
-    e, phase, group = e[keep].reset_index(drop=True), phase[keep], group[keep]
-    changed = np.ones(len(e), dtype=bool)
-    changed[1:] = (phase[1:] != phase[:-1]) | (group[1:] != group[:-1])
-    e, phase, group = e[changed].reset_index(drop=True), phase[changed], group[changed]
+    rows, rk, phase = rows[keep], rk[keep], phase[keep]
+    changed = np.ones(len(rows), dtype=bool)
+    changed[1:] = (phase[1:] != phase[:-1]) | (rk[1:] != rk[:-1])
+    rows, rk, phase = rows[changed], rk[changed], phase[changed]
 
     _, trace_end = trace_span(ctx)
-    start = e["ts_ns"].to_numpy()
-    end = np.full(len(e), trace_end, dtype=np.int64)
-    same_next = np.zeros(len(e), dtype=bool)
-    same_next[:-1] = group[1:] == group[:-1]
-    end[:-1] = np.where(same_next[:-1], start[1:], trace_end)
-    out = pd.DataFrame({
-        "instance": e["instance"].astype("str"),
-        "dp_rank": pd.array(np.where(e["dp_rank"] < 0, None, e["dp_rank"]), dtype="Int16"),
-        "role": e["role"].astype("str"),
-        "req": e["req"].astype("str"),
+    start = cols.ts[rows]
+    end = np.full(len(rows), trace_end, dtype=np.int64)
+    same_next = rk[1:] == rk[:-1]
+    end[:-1] = np.where(same_next, start[1:], trace_end)
+    names = cols.rk_names
+    keep = end > start
+    rk, phase, start, end = rk[keep], phase[keep], start[keep], end[keep]
+    return pd.DataFrame({
+        "instance": names["instance"].to_numpy(dtype=object)[rk].astype(str),
+        "dp_rank": pd.array(names["dp_rank"].to_numpy()[rk], dtype="Int16"),
+        "role": names["role"].to_numpy(dtype=object)[rk].astype(str),
+        "req": names["req"].to_numpy(dtype=object)[rk].astype(str),
         "phase": pd.Categorical.from_codes(phase, categories=PHASES, ordered=True),
         "start_ns": start,
         "end_ns": end,
-    })
-    return out[out["end_ns"] > out["start_ns"]].reset_index(drop=True)
+    }).astype({"instance": "str", "role": "str", "req": "str"})
 
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:

@@ -24,10 +24,8 @@ def export(ctx: AnalysisContext, to: str, output: str | Path, window: Window | N
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # fail on a missing package before any work
-    from pdtrace.plot.window import findings_of
-
     sel = resolve(ctx, window or Window())
-    model = build_model(ctx, sel, findings=findings_of(ctx))
+    model = build_model(ctx, sel)
     try:
         if to == "chrome":
             from pdtrace.export.chrome import write_chrome

@@ -126,6 +126,20 @@ def _engine_labels(frame: pd.DataFrame, multi_dp: set[str]) -> pd.Series:
     return inst.where(~inst.isin(list(multi_dp)), inst + " dp" + dp)
 
 
+def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
+    """The step_submit / step_output rows (a filter in Arrow, so the other events never become pandas)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = ctx.trace.table
+    kind = table.column("kind")
+    if pa.types.is_dictionary(kind.type):
+        kind = kind.cast(kind.type.value_type)
+    rows = table.filter(pc.is_in(kind, value_set=pa.array(["step_submit", "step_output"])))
+    frame = rows.select(["ts_ns", "instance", "dp_rank", "kind", "n"]).to_pandas()
+    return frame.assign(instance=frame["instance"].astype("str"), kind=frame["kind"].astype("str"))
+
+
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """One lane per (instance, DP rank, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
     step_submit / step_output ticks on an engine lane per scheduler."""
@@ -164,8 +178,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     legend: list = []
 
     # In-flight depth per scheduler: the most steps step_submit ever saw in flight (1 without a batch queue).
-    ev = ctx.trace.events
-    submits = ev[(ev["kind"] == "step_submit").to_numpy() & ev["n"].notna().to_numpy()]
+    engine_rows = _engine_rows(ctx)
+    submits = engine_rows[(engine_rows["kind"] == "step_submit").to_numpy() & engine_rows["n"].notna().to_numpy()]
     depth_of = submits.assign(engine=_engine_labels(submits, multi_dp)).groupby("engine")["n"].max()
     depth = spans["engine"].map(depth_of).fillna(1).astype(np.int64).to_numpy()
     multi_slot = bool((depth > 1).any())
@@ -213,8 +227,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         labels_left -= len(wide)
 
     # step_submit / step_output ticks on each scheduler's engine lane, at most one per pixel column
-    marks = ev[(ev["kind"].isin(["step_submit", "step_output"])).to_numpy()
-               & sel.keep_instance(ev["instance"]) & sel.contains(ev["ts_ns"])]
+    marks = engine_rows[sel.keep_instance(engine_rows["instance"]) & sel.contains(engine_rows["ts_ns"])]
     marks = marks.assign(engine=_engine_labels(marks, multi_dp))
     marks = marks.merge(lane_table[lane_table["pp_rank"] == -1][["engine", "lane"]], on="engine")
     for kind, colour, (lo, hi) in (("step_submit", "#08519c", (0.0, 0.4)), ("step_output", "#a50f15", (-0.4, 0.0))):
@@ -322,7 +335,8 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """KV blocks in use over time per scheduler, stacked by owner state, with the pool size as a line."""
-    usage = block_usage(ctx, findings=findings_of(ctx))
+    # Leaks: the leaked_blocks rule's own run on this context (the code analyze runs; no other rule is needed).
+    usage = block_usage(ctx)
     usage = usage[sel.keep_instance(usage["instance"])]
     keys = usage[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
     tx = _time_axis(sel, dpi)

@@ -56,10 +56,9 @@ class Selection:
         return EmptySelection(f"nothing to show: no {what} in the selection ({self.window.describe()})")
 
     def keep_instance(self, values: pd.Series | np.ndarray) -> np.ndarray:
-        values = np.asarray(pd.Series(values).astype("str"))
         if self.instances is None:
             return np.ones(len(values), dtype=bool)
-        return np.isin(values, list(self.instances))
+        return pd.Series(values).isin(list(self.instances)).to_numpy(dtype=bool)
 
     def overlaps(self, start: pd.Series | np.ndarray, end: pd.Series | np.ndarray) -> np.ndarray:
         """Intervals [start, end] that meet the window."""
