@@ -323,3 +323,30 @@ def test_random_well_formed_schedules_never_error(plan):
                 state[r]["phase"] = "done"
     f = findings(b.trace())
     assert not (f["severity"] == "error").any(), f[["subrule", "message"]].to_string()
+
+
+def test_zombie_counts_coalesced_empty_steps():
+    b, e = engine()
+    e.add("a", n=16)
+    e.step({"a": 16}, alloc={"a": [1]})
+    e.output()
+    # one sched row standing for 80 empty schedule() calls: step ids jump by 80
+    e.ev("sched", step=e.next_step, n=0, detail={"running": 1, "empty_run": 80})
+    e.next_step += 80
+    e.step({})
+    e.output()
+    z = by_sub(findings(b.trace()), "zombie")
+    assert list(z["req"]) == ["a"] and z.iloc[0]["extra"]["steps"] >= 80
+
+
+def test_zombie_ended_by_an_abort_between_steps():
+    b, e = engine()
+    e.add("a", n=16)
+    e.add("b", n=16)
+    e.step({"a": 16, "b": 16}, alloc={"a": [1], "b": [2]})
+    e.output()
+    run_steps(e, 60, {"b": 1})
+    e._current = None
+    e.finish("a", reason="abort")  # step null: counted with the sched-row prefix sums
+    z = by_sub(findings(b.trace()), "zombie")
+    assert list(z["severity"]) == ["warning"] and z.iloc[0]["extra"]["steps"] == 60

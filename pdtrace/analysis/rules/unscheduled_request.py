@@ -87,6 +87,10 @@ class SchedCounter:
         budget = (tokens > 0) & (tokens < max_tokens[sk]) & ~(running >= max_seqs[sk])
         self.budget = budget
         self.cum_weight = np.r_[0.0, np.cumsum(weight)]
+        # each scheduler's last step id (a coalesced run's last id included)
+        self.last_step = np.full(n_sk, NO, np.int64)
+        if len(rows):
+            np.maximum.at(self.last_step, sk, cols.step[rows] + np.maximum(weight, 1).astype(np.int64) - 1)
         self.cum_room = np.r_[0, np.cumsum(budget & (self.free >= 1))]
 
     def _range(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,14 +119,18 @@ class SchedCounter:
         return room
 
 
-def _sorted_events(cols: Columns, kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, composite key rk*span+pos, kind code) of the request's events of these kinds, sorted by key."""
-    rows = np.flatnonzero(cols.is_kind(*kinds) & (cols.rk >= 0) & (cols.sk >= 0))
+def _sorted_events(cols: Columns, kinds: tuple[str, ...]) -> tuple[np.ndarray, ...]:
+    """(rows, composite key rk*span+pos, rk, pos, kind code) of the requests' events of these kinds, sorted by
+    key."""
+    rows = np.flatnonzero(cols.is_kind(*kinds) & (cols.rk >= 0))
     span = int(cols.n) + 2
-    key = cols.rk[rows].astype(np.int64) * span + cols.pos[rows]
+    rk = cols.rk[rows]
+    pos = cols.pos[rows]
+    key = rk.astype(np.int64) * span + pos
     order = np.argsort(key, kind="stable")
     kind, _ = cols.codes("kind")
-    return rows[order], key[order], kind[rows[order]]
+    rows = rows[order]
+    return rows, key[order], rk[order], pos[order], kind[rows]
 
 
 def _next_in(sorted_key: np.ndarray, rk: np.ndarray, pos: np.ndarray, span: int) -> np.ndarray:
@@ -229,9 +237,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     code = {k: (kind_names.index(k) if k in kind_names else -9) for k in
             ("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "kv_recv_done", "kv_recv_fail")}
 
-    ev_rows, ev_key, ev_kind = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish", "req_preempt"))
-    ev_rk = ev_key // span if len(ev_key) else ev_key
-    ev_pos = ev_key % span if len(ev_key) else ev_key
+    ev_rows, ev_key, ev_rk, ev_pos, ev_kind = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish",
+                                                                     "req_preempt"))
 
     # --- waiting periods: starved / never_scheduled / preempted_not_resumed ------------------------------------
     start_rows = np.flatnonzero(cols.is_kind("req_add", "req_preempt") & (cols.rk >= 0) & (cols.sk >= 0))
@@ -394,13 +401,23 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         idx = np.flatnonzero(is_sched)
         same_next = np.r_[ev_rk[1:] == ev_rk[:-1], False]
         has_next = same_next[idx]
-        nxt_pos = np.where(has_next, ev_pos[np.minimum(idx + 1, len(ev_pos) - 1)], NO)
+        nxt = np.minimum(idx + 1, len(ev_pos) - 1)
+        nxt_pos = np.where(has_next, ev_pos[nxt], NO)
         z_rk = ev_rk[idx]
         # an open gap counts only while the request is unfinished
         keep = has_next | unfinished[z_rk]
-        idx, nxt_pos, z_rk, has_next = idx[keep], nxt_pos[keep], z_rk[keep], has_next[keep]
-        gap = sc.steps_between(st.sk[z_rk], ev_pos[idx], nxt_pos)
-        # steps strictly between the two events; under the next event's own step it was handled, so no -1 fixup
+        idx, nxt, nxt_pos, z_rk, has_next = idx[keep], nxt[keep], nxt_pos[keep], z_rk[keep], has_next[keep]
+        # step ids count schedule() calls (a coalesced empty run advances them by its length), so the calls
+        # strictly between two events of the request are a difference of steps; an open gap runs to the
+        # scheduler's last step; the prefix-sum count only where the next event has no step (an abort between
+        # steps)
+        step_here = cols.step[ev_rows[idx]]
+        step_next = cols.step[ev_rows[nxt]]
+        z_sk = st.sk[z_rk]
+        gap = np.where(has_next, step_next - step_here - 1, sc.last_step[z_sk] - step_here).astype(np.float64)
+        slow = np.flatnonzero((has_next & (step_next < 0)) | (step_here < 0))
+        if len(slow):
+            gap[slow] = sc.steps_between(z_sk[slow], ev_pos[idx[slow]], nxt_pos[slow])
         big = gap >= int(cfg.zombie_steps)
         if big.any():
             frame = pd.DataFrame({"i": idx[big], "rk": z_rk[big], "gap": gap[big], "open": ~has_next[big],
