@@ -75,9 +75,8 @@ def _pool_block_key(sk: np.ndarray, block: np.ndarray, width: int) -> np.ndarray
 
 def _build(cols: Columns) -> Ownership:
     rk_all = cols.rk
-    has_req = rk_all >= 0
-    a_rows, a_blocks = cols.flat_blocks(cols.is_kind("blocks_alloc") & has_req)
-    f_rows, f_blocks = cols.flat_blocks(cols.is_kind("blocks_free") & has_req)
+    a_rows, a_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("blocks_alloc")))
+    f_rows, f_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("blocks_free")))
     rows = np.concatenate([a_rows, f_rows])
     block = np.concatenate([a_blocks, f_blocks]).astype(np.int64)
     is_alloc = np.concatenate([np.ones(len(a_rows), bool), np.zeros(len(f_rows), bool)])
@@ -132,7 +131,7 @@ def _build(cols: Columns) -> Ownership:
     others[ev_id[is_end]] = count_after[is_end]
 
     # pool frees, next holder, next req_wait_kv allocation of the block
-    p_rows, p_blocks = cols.flat_blocks(cols.is_kind("blocks_pool_free"))
+    p_rows, p_blocks = cols.flat_blocks(cols.mask_of_rows(cols.rows_of("blocks_pool_free")))
     p_key = _pool_block_key(cols.sk[p_rows], p_blocks, width)
     fkey = pkey[closed]
     fpos = free_pos[closed]
@@ -152,7 +151,7 @@ def _build(cols: Columns) -> Ownership:
     next_row[idx[ok]] = alloc_row[hit[ok]]
     next_pos[idx[ok]] = alloc_pos[hit[ok]]
 
-    w_rows, w_blocks = cols.flat_blocks(cols.is_kind("req_wait_kv") & has_req)
+    w_rows, w_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("req_wait_kv")))
     w_key = _pool_block_key(cols.sk[w_rows], w_blocks, width)
     wait_row = np.full(n_int, NO, np.int64)
     wait_pos = np.full(n_int, NO, np.int64)

@@ -65,6 +65,7 @@ class Columns:
 
     trace: Trace
     _codes: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict, repr=False)
+    _rows: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def table(self) -> pa.Table:
@@ -84,6 +85,26 @@ class Columns:
         names = self.codes(name)[1]
         return names.index(value) if value in names else ABSENT
 
+    def rows_of(self, *kinds: str) -> np.ndarray:
+        """Rows of the given kinds, in row order (cached: rules ask for the same kinds again)."""
+        key = ("rows",) + kinds
+        if key not in self._rows:
+            self._rows[key] = np.flatnonzero(self.is_kind(*kinds))
+        return self._rows[key]
+
+    def req_rows(self, *kinds: str) -> np.ndarray:
+        """Rows of the given kinds that name a request (cached)."""
+        key = ("req_rows",) + kinds
+        if key not in self._rows:
+            rows = self.rows_of(*kinds)
+            self._rows[key] = rows[self.rk[rows] >= 0]
+        return self._rows[key]
+
+    def mask_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        mask = np.zeros(self.n, bool)
+        mask[rows] = True
+        return mask
+
     def is_kind(self, *kinds: str) -> np.ndarray:
         codes, names = self.codes("kind")
         wanted = [names.index(k) for k in kinds if k in names]
@@ -94,9 +115,6 @@ class Columns:
         lut = np.zeros(len(names), bool)
         lut[wanted] = True
         return lut[codes]
-
-    def rows_of(self, *kinds: str) -> np.ndarray:
-        return np.flatnonzero(self.is_kind(*kinds))
 
     @cached_property
     def ts(self) -> np.ndarray:
@@ -153,14 +171,26 @@ class Columns:
     def _request_keys(self) -> tuple[np.ndarray, np.ndarray]:
         req, _ = self.codes("req")
         has = req >= 0
-        combined = self.sk.astype(np.int64) * (int(req.max()) + 2 if self.n else 1) + req
+        width = int(req.max()) + 1 if self.n else 1
+        combined = self.sk.astype(np.int64) * width + req
+        space = (int(self.sk.max()) + 1) * width if self.n else 0
         rk = np.full(self.n, NO, np.int64)
-        codes, uniques = pd.factorize(combined[has], sort=False)
-        rk[has] = codes
+        if 0 < space <= 64_000_000:
+            # dense key space: one bincount and a lookup table instead of hashing every row
+            counts = np.bincount(combined[has], minlength=space)
+            present = np.flatnonzero(counts)
+            lut = np.full(space, NO, np.int64)
+            lut[present] = np.arange(len(present))
+            rk[has] = lut[combined[has]]
+            n_keys = len(present)
+        else:
+            codes, uniques = pd.factorize(combined[has], sort=False)
+            rk[has] = codes
+            n_keys = len(uniques)
         # per key: the row where it first appears, to name it
-        first = np.full(len(uniques), NO, np.int64)
+        first = np.full(n_keys, NO, np.int64)
         rows = np.flatnonzero(has)
-        first[codes[::-1]] = rows[::-1]
+        first[rk[rows][::-1]] = rows[::-1]
         return rk, first
 
     @property

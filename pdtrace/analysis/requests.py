@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_per_key
 
@@ -54,6 +55,14 @@ class RequestState:
     last_preempt_pos: np.ndarray
     last_pos: np.ndarray           # the request's last scheduler event
 
+    @property
+    def first_known_pos(self) -> np.ndarray:
+        """The earliest of add, wait_kv, first schedule and finish (NO if none): when the trace first knew it."""
+        big = np.iinfo(np.int64).max
+        stacked = np.stack([self.add_pos, self.wait_kv_pos, self.first_sched_pos, self.finish_pos])
+        first = np.where(stacked >= 0, stacked, big).min(axis=0) if self.n else np.empty(0, np.int64)
+        return np.where(first == big, NO, first)
+
     def recv_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Whether a receive is open at pos: after req_wait_kv and before it closed."""
         wait = self.wait_kv_pos[rk]
@@ -70,20 +79,18 @@ class RequestState:
 
 
 def _first(cols: Columns, kinds: tuple[str, ...], n: int, extra_mask: np.ndarray | None = None) -> np.ndarray:
-    mask = cols.is_kind(*kinds) & (cols.rk >= 0)
+    rows = cols.req_rows(*kinds)
     if extra_mask is not None:
-        mask &= extra_mask
-    rows = np.flatnonzero(mask)
+        rows = rows[extra_mask[rows]]
     return first_per_key(cols.rk[rows], cols.pos[rows], n)
 
 
 def _first_after(cols: Columns, kinds: tuple[str, ...], after: np.ndarray, n: int,
                  extra_mask: np.ndarray | None = None) -> np.ndarray:
     """First position per key of the given kinds strictly after `after[rk]` (which is -1 where there is none)."""
-    mask = cols.is_kind(*kinds) & (cols.rk >= 0)
+    rows = cols.req_rows(*kinds)
     if extra_mask is not None:
-        mask &= extra_mask
-    rows = np.flatnonzero(mask)
+        rows = rows[extra_mask[rows]]
     rk = cols.rk[rows]
     pos = cols.pos[rows]
     keep = (after[rk] >= 0) & (pos > after[rk])
@@ -94,21 +101,22 @@ def _build_state(cols: Columns) -> RequestState:
     n = cols.n_requests
     rk = cols.rk
     pos = cols.pos
-    has_req = rk >= 0
-    sched = np.flatnonzero(cols.is_kind("req_sched") & has_req)
-    finish_rows = np.flatnonzero(cols.is_kind("req_finish") & has_req)
+    sched = cols.req_rows("req_sched")
+    finish_rows = cols.req_rows("req_finish")
     finish_pos = first_per_key(rk[finish_rows], pos[finish_rows], n)
     delay_value, delay_valid = cols.bool_col("delay_free")
     delay_free = np.zeros(n, bool)
     firsts = finish_pos[rk[finish_rows]] == pos[finish_rows]
     delay_free[rk[finish_rows[firsts]]] = (delay_value & delay_valid)[finish_rows[firsts]]
     wait_kv_pos = _first(cols, ("req_wait_kv",), n)
-    has_req_mask = has_req
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
-    preempt_rows = np.flatnonzero(cols.is_kind("req_preempt") & has_req)
-    free_rows = np.flatnonzero(cols.is_kind("blocks_free") & has_req)
+    preempt_rows = cols.req_rows("req_preempt")
+    free_rows = cols.req_rows("blocks_free")
     sched_rk = rk[sched]
-    any_rows = np.flatnonzero(has_req_mask & (cols.sk >= 0))
+    # the request's last scheduler event: over the kinds that move a request (not every row that names it)
+    any_rows = cols.req_rows("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "blocks_alloc",
+                             "blocks_free", "kv_send_done", "kv_recv_done", "kv_recv_fail", "kv_expire",
+                             "kv_heartbeat")
     return RequestState(
         n=n,
         sk=cols.rk_names["sk"].to_numpy() if n else np.empty(0, np.int32),
@@ -171,8 +179,8 @@ def _remote_fields(cols: Columns, n: int) -> dict[str, Any]:
     detail = cols.table.column("detail")
     import pyarrow.compute as pc
 
-    mask = cols.is_kind("req_add") & (cols.rk >= 0) & pc.is_valid(detail).to_numpy(zero_copy_only=False)
-    rows = np.flatnonzero(mask)
+    rows = cols.req_rows("req_add")
+    rows = rows[pc.is_valid(detail.take(pa.array(rows))).to_numpy(zero_copy_only=False)] if len(rows) else rows
     if len(rows):
         for row, d in zip(rows.tolist(), cols.details(rows)):  # one per request
             key = int(cols.rk[row])

@@ -33,12 +33,13 @@ from pdtrace.format import FINISHED_STATUSES
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     st = request_state(ctx)
-    rows = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done") & (cols.rk >= 0))
+    rows = cols.rows_of("kv_send_done", "kv_recv_done")
+    rows = rows[cols.rk[rows] >= 0]
     if len(rows) == 0:
         return findings_frame([])
     rk = cols.rk[rows]
     pos = cols.pos[rows]
-    send = cols.is_kind("kv_send_done")[rows]
+    send = cols.codes("kind")[0][rows] == cols.code_of("kind", "kv_send_done")
     status_codes, status_names = cols.codes("status")
     status = status_codes[rows]
     finished_codes = [i for i, s in enumerate(status_names) if s in FINISHED_STATUSES]
@@ -50,11 +51,8 @@ def run(ctx: Any) -> pd.DataFrame:
     fin = st.finish_pos[rk]
     hist_finished = (fin >= 0) & (fin < pos)
     hist_waiting = st.recv_open_at(rk, pos)
-    first_seen = np.full(cols.n_requests, np.iinfo(np.int64).max, np.int64)
-    known = np.flatnonzero((cols.rk >= 0) & ~cols.is_kind("kv_send_done", "kv_recv_done"))
-    if len(known):
-        np.minimum.at(first_seen, cols.rk[known], cols.pos[known])
-    seen = first_seen[rk] < pos
+    first = st.first_known_pos[rk]
+    seen = (first >= 0) & (first < pos)
     finished = np.where(has_status, st_finished, hist_finished)
     waiting = np.where(has_status, st_waiting, hist_waiting)
     usable = np.where(has_status, status != unknown_code, seen)
@@ -68,7 +66,7 @@ def run(ctx: Any) -> pd.DataFrame:
     err_rows = cols.rows_of("engine_error")
     err_next = next_at_or_after(cols.sk[rows[idx]], pos[idx], cols.sk[err_rows], cols.pos[err_rows], strict=True)
     ev.refs(np.concatenate([rows[idx], sched_rows]))
-    all_comp = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done"))
+    all_comp = cols.rows_of("kv_send_done", "kv_recv_done")
     records: list[dict[str, Any]] = []
     for j, i in enumerate(idx.tolist()):
         row = int(rows[i])

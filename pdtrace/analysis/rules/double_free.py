@@ -85,17 +85,15 @@ def run(ctx: Any) -> pd.DataFrame:
             })
 
     # completions for unknown ids, and completions after a completion already freed the blocks
-    comp = np.flatnonzero(cols.is_kind("kv_send_done", "kv_recv_done") & (cols.rk >= 0))
+    comp = cols.rows_of("kv_send_done", "kv_recv_done")
+    comp = comp[cols.rk[comp] >= 0]
     status_codes, _ = cols.codes("status")
     unknown = cols.code_of("status", "unknown")
     rk = cols.rk[comp]
     pos = cols.pos[comp]
     is_unknown = status_codes[comp] == unknown
-    first_seen = np.full(cols.n_requests, np.iinfo(np.int64).max, np.int64)
-    known_rows = np.flatnonzero((cols.rk >= 0) & ~cols.is_kind("kv_send_done", "kv_recv_done"))
-    if len(known_rows):
-        np.minimum.at(first_seen, cols.rk[known_rows], cols.pos[known_rows])
-    never_seen = (status_codes[comp] < 0) & (first_seen[rk] > pos)
+    first = st.first_known_pos[rk]
+    never_seen = (status_codes[comp] < 0) & ((first < 0) | (first > pos)) & (st.last_free_pos[rk] < 0)
     gaps = release_gaps(ctx)
     g = gaps.find(rk, pos) if len(gaps) else np.full(len(comp), NO)
     reason_codes, reason_names = cols.codes("reason")

@@ -39,23 +39,34 @@ RUNNING_FREE_REASONS = ("preempted", "skipped", "load_failed")
 
 
 def last_sched_before(ctx: Any, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Row of the request's last req_sched before pos (NO if none), only over the requests asked about."""
+    """Row of the request's last req_sched before pos (NO if none).
+
+    Most asks come after the request's last schedule (a finish, a completion), where the answer is the request's
+    last req_sched; only the others (e.g. a preemption followed by a resume) search the req_sched rows, of those
+    requests only."""
     cols = columns(ctx)
+    st = request_state(ctx)
+    out = np.full(len(rk), NO, np.int64)
     if len(rk) == 0:
-        return np.empty(0, np.int64)
-    wanted = np.zeros(cols.n_requests, bool)
-    wanted[rk] = True
-    rows = cols.rows_of("req_sched")
-    rows = rows[(cols.rk[rows] >= 0)]
-    rows = rows[wanted[cols.rk[rows]]]
-    idx = last_before(rk, pos, cols.rk[rows], cols.pos[rows], strict=True)
-    return np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
+        return out
+    last = st.last_sched_pos[rk]
+    easy = last < pos
+    out[easy & (last >= 0)] = cols.order[last[easy & (last >= 0)]]
+    hard = np.flatnonzero(~easy)
+    if len(hard):
+        wanted = np.zeros(cols.n_requests, bool)
+        wanted[rk[hard]] = True
+        rows = cols.req_rows("req_sched")
+        rows = rows[wanted[cols.rk[rows]]]
+        idx = last_before(rk[hard], pos[hard], cols.rk[rows], cols.pos[rows], strict=True)
+        out[hard] = np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
+    return out
 
 
 def _free_rows(ctx: Any) -> dict[str, np.ndarray]:
     cols = columns(ctx)
     st = request_state(ctx)
-    rows = np.flatnonzero(cols.is_kind("blocks_free") & (cols.rk >= 0))
+    rows = cols.req_rows("blocks_free")
     rk = cols.rk[rows]
     pos = cols.pos[rows]
     reason, names = cols.codes("reason")

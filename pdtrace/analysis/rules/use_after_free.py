@@ -68,15 +68,20 @@ def run(ctx: Any) -> pd.DataFrame:
     unknown = cols.code_of("status", "unknown")
 
     if len(gaps):
-        in_gap = np.zeros(cols.n_requests, bool)
-        in_gap[gaps.rk] = True
-        q_rows = np.flatnonzero(cols.is_kind("req_sched", "kv_send_done", "kv_recv_done") & (cols.rk >= 0))
-        q_rows = q_rows[in_gap[cols.rk[q_rows]]]
+        # req_sched rows are the bulk of a trace: only those of requests that may be scheduled inside a gap are
+        # looked at (a gap that never ends holds a req_sched only if the request's last one comes after it)
+        suspect = np.zeros(cols.n_requests, bool)
+        endless = gaps.end_pos < 0
+        suspect[gaps.rk[~endless]] = True
+        late = gaps.rk[endless][st.last_sched_pos[gaps.rk[endless]] > gaps.start_pos[endless]]
+        suspect[late] = True
+        sched_rows = cols.req_rows("req_sched")
+        sched_rows = sched_rows[suspect[cols.rk[sched_rows]]] if suspect.any() else sched_rows[:0]
+        q_rows = np.concatenate([sched_rows, cols.req_rows("kv_send_done", "kv_recv_done")])
         q_rk = cols.rk[q_rows]
         r_rows, r_rk = _remote_read_rk(ctx)
-        keep = in_gap[r_rk] if len(r_rk) else np.zeros(0, bool)
-        q_rows = np.concatenate([q_rows, r_rows[keep]])
-        q_rk = np.concatenate([q_rk, r_rk[keep]])
+        q_rows = np.concatenate([q_rows, r_rows])
+        q_rk = np.concatenate([q_rk, r_rk])
         g = gaps.find(q_rk, cols.pos[q_rows]) if len(q_rows) else np.empty(0, np.int64)
         hit = np.flatnonzero(g >= 0)
         kind_codes, kind_names = cols.codes("kind")
