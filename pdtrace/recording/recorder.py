@@ -447,11 +447,14 @@ class Recorder:
 
     def _run(self) -> None:
         while not self._stop:
-            self._wake.wait(self.flush_interval_s)
-            if self._stop:
-                break
-            self._wake.clear()
-            self._drain(until_empty=False)
+            try:
+                self._wake.wait(self.flush_interval_s)
+                if self._stop:
+                    break
+                self._wake.clear()
+                self._drain(until_empty=False)
+            except Exception:  # the writer thread never dies: a later flush may succeed
+                self._count_error()
 
     def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
         """Take the waiting rows and write them as one part; with `until_empty`, repeat until nothing is left (a gap
@@ -582,17 +585,14 @@ def _u8(data: bytes) -> pa.Array:
     return pa.Array.from_buffers(pa.uint8(), len(data), [None, pa.py_buffer(data)])
 
 
-def _validity(values: tuple, by_identity: bool = False) -> tuple[pa.Buffer | None, int]:
-    """(validity bitmap or None, null count) of a column whose nulls are None. `by_identity` for columns that may
-    hold objects whose `== None` is not a bool (numpy arrays of block ids); `tuple.count` is faster otherwise."""
-    if by_identity:
-        nulls = bytes(map(operator.is_, values, _NONES)).count(1)
-    else:
-        nulls = values.count(None)
+def _validity_by_identity(values: tuple) -> tuple[pa.Buffer | None, int]:
+    """(validity bitmap or None, null count) of a column whose nulls are None, comparing by identity: for columns
+    that may hold objects whose `== None` is not a bool (numpy arrays of block ids), where `tuple.count` fails."""
+    is_null = bytes(map(operator.is_, values, _NONES))
+    nulls = is_null.count(1)
     if nulls == 0:
         return None, 0
-    valid = bytes(map(operator.is_not, values, _NONES))
-    return pc.cast(_u8(valid), pa.bool_()).buffers()[1], nulls
+    return pc.equal(_u8(is_null), _repeat(pa.uint8(), "B", 0, len(values))).buffers()[1], nulls
 
 
 _NULL_SENTINEL = {"q": -(2**63), "h": -(2**15)}  # stands for None in an integer buffer (then masked out)
@@ -685,7 +685,7 @@ def _string_column(values: tuple) -> pa.Array:
 def _blocks_column(values: tuple) -> pa.Array:
     """A nullable list<int32> column from lists/tuples of block ids."""
     count = len(values)
-    validity, nulls = _validity(values, by_identity=True)
+    validity, nulls = _validity_by_identity(values)
     if nulls == count:
         return pa.nulls(count, _LIST_TYPE)
     try:
@@ -737,6 +737,12 @@ def _int_buffer_column(arrow_type: pa.DataType, data: array.array) -> pa.Array:
     return pa.Array.from_buffers(arrow_type, len(data), [None, pa.py_buffer(data)])
 
 
+def _sequence(start: int, length: int) -> pa.Array:
+    """start, start + 1, ... as int64: a cumulative sum of ones (no Python int per row)."""
+    ones = _repeat(pa.int64(), "q", 1, length)
+    return pc.add(pc.cumulative_sum(ones), _repeat(pa.int64(), "q", start - 1, length))
+
+
 def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
                   role: str, pid: int) -> pa.Table:
     """Buffered rows (as `Channel.emit` appends them) to a table with exactly `pdtrace.format.SCHEMA`.
@@ -748,6 +754,8 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
     gc.disable()  # zip(*rows) and the conversions make many objects the GC would scan for nothing
     try:
         count = len(rows)
+        if count == 0:
+            return SCHEMA.empty_table()
         (ts, chan, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail) = zip(*rows)
         del rows
         if detail.count(None) != count:  # JSON-encode dict details: a Python loop over those rows only
@@ -769,7 +777,7 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
 
         arrays = [
             _int_buffer_column(pa.int64(), ts_data),
-            _int_buffer_column(pa.int64(), array.array("q", range(seq_start, seq_start + count))),
+            _sequence(seq_start, count),
             _constant_dictionary(instance, count),
             _constant_dictionary(role, count),
             _int_buffer_column(pa.int32(), array.array("i", [pid]) * count),
