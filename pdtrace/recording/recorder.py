@@ -10,15 +10,18 @@ How it stays cheap on the caller's thread: `emit` builds ONE tuple (timestamp, c
 appends it to a list with a pre-bound `list.append`, after one length check against a threshold that the slow path
 and the writer maintain. Nothing else happens there: no locks, no I/O, no JSON. `seq` is not taken on the caller's
 thread either: appends to a list are atomic, so the list order IS the writer's exact event order, and the writer
-numbers rows by their position in that stream (strictly increasing per writer, across part files too).
+numbers rows by their position in that stream (strictly increasing per writer, across part files too; rows lost to
+a drop or a failed write leave a hole). Within one thread, seq order is call order; across threads, `ts_ns` can be
+slightly out of seq order (a thread can be preempted between reading the clock and appending).
 
 The writer thread (a daemon, started lazily on the first event of each process) wakes every `flush_interval_s` or
 when `flush_events` rows are waiting, takes the rows out of the list with one slice copy and one slice delete (each
 atomic, so an append that races the take simply stays for the next part), converts them column by column
 (`zip(*rows)`, then Arrow buffers filled by C-level iteration, with the garbage collector paused, since that creates
-many short-lived objects), JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
-`<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary encoding for the dictionary columns
-and `req`) under a temporary name starting with `.`, then renames it: a crash leaves only whole part files.
+many short-lived objects; never `pa.array` on Python lists, which would import pandas), JSON-encodes dict details
+there, maps channel ids to component/dp/pp/tp, and writes `<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd,
+Parquet dictionary encoding for the dictionary columns and `req`) under a temporary name starting with `.`, then
+links it to its name: a crash leaves only whole part files (and perhaps a hidden temporary file).
 
 Memory is bounded: rows waiting plus rows being written never exceed `max_buffered_events`. Past that, new events
 are dropped and counted (the caller never waits for the writer); when there is room again a `recorder_gap` row
@@ -68,9 +71,9 @@ PartWriter = Callable[[pa.Table, Path], None]
 #: Columns written with Parquet dictionary encoding: the format's dictionary columns plus the repetitive `req`.
 PARQUET_DICTIONARY_COLUMNS: list[str] = [*DICTIONARY_COLUMNS, "req"]
 
-# Layout of one buffered row (what `Channel.emit` appends).
-_TS, _CHANNEL, _KIND = 0, 1, 2
-_ROW_WIDTH = 12
+# One buffered row, as `Channel.emit` appends it: (ts_ns, channel id, kind, step, req, blocks, n, reason, status,
+# delay_free, deferred, detail).
+_TS = 0
 
 # Recorder states.
 _NEW = "new"  # no writer in this process yet: the first event starts it (again after a fork)
@@ -177,7 +180,7 @@ class Channel:
 
 
 def _write_part_default(table: pa.Table, path: Path) -> None:
-    write_part(table, path)
+    write_part(table, path)  # looked up per call, so that tests can monkeypatch the module's write_part
 
 
 def write_part(table: pa.Table, path: Path) -> None:
@@ -266,7 +269,7 @@ class Recorder:
     def _init_writer_state(self) -> None:
         """Per-writer (per-process) counters; a forked child starts from here again."""
         self._pid = os.getpid()
-        key = (str(self.directory), self.instance, self._pid)
+        key = (os.path.abspath(self.directory), self.instance, self._pid)
         # Recorders reopened in one process for one instance continue its seq (one writer per instance and pid).
         self._seq_next = _NEXT_SEQ.get(key, 0)
         self._part_index: int | None = None  # found on the first write (continues after existing parts)
@@ -352,7 +355,10 @@ class Recorder:
         """Write every row emitted before this call (blocks the caller until it is on disk). Never raises."""
         if self._state == _NEW or self._pid != os.getpid():
             return
-        self._drain(until_empty=False)
+        try:
+            self._drain(until_empty=False)
+        except Exception:
+            self._count_error()
 
     def close(self) -> None:
         """Flush everything and stop the writer; idempotent. Later events are ignored. Never raises."""
@@ -371,7 +377,7 @@ class Recorder:
                 thread.join(timeout=30.0)
             if was_started:
                 self._drain(until_empty=True)
-            _NEXT_SEQ[(str(self.directory), self.instance, self._pid)] = self._seq_next
+            _NEXT_SEQ[(os.path.abspath(self.directory), self.instance, self._pid)] = self._seq_next
         except Exception:
             self._count_error()
 
