@@ -424,3 +424,20 @@ def test_instance_names_make_plain_folders(tmp_path: Path) -> None:
     (path,) = part_files(tmp_path)  # found: the folder does not start with "_" (readers would skip it)
     assert path.relative_to(tmp_path).parts[0] == "i_dp_odd"
     assert rows_of(tmp_path)[0]["instance"] == "_dp/odd"
+
+
+def test_recorders_of_one_instance_in_one_process_share_the_writers_seq_and_parts(tmp_path: Path) -> None:
+    # The format's writer is (instance, pid): two dp ranks recorded by one process must not reuse seq or part names.
+    dp0 = make(tmp_path, instance="engine", dp_rank=0)
+    dp1 = make(tmp_path, instance="engine", dp_rank=1)
+    for i in range(6):
+        (dp0 if i % 2 else dp1).emit("sched", step=i)
+        (dp1 if i % 2 else dp0).flush()
+    dp0.close()
+    dp1.close()
+    rows = rows_of(tmp_path)
+    assert sorted(r["step"] for r in rows) == list(range(6))  # no part file overwrote another
+    assert len({r["seq"] for r in rows}) == 6
+    for dp in (0, 1):
+        seqs = [r["seq"] for r in rows if r["dp_rank"] == dp]
+        assert seqs == sorted(seqs)

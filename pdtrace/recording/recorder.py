@@ -269,10 +269,9 @@ class Recorder:
     def _init_writer_state(self) -> None:
         """Per-writer (per-process) counters; a forked child starts from here again."""
         self._pid = os.getpid()
-        key = (os.path.abspath(self.directory), self.instance, self._pid)
-        # Recorders reopened in one process for one instance continue its seq (one writer per instance and pid).
-        self._seq_next = _NEXT_SEQ.get(key, 0)
-        self._part_index: int | None = None  # found on the first write (continues after existing parts)
+        # The writer identity of the format is (instance, pid): recorders of one instance in one process (several
+        # dp ranks, or one reopened after a close) share its seq and part numbers through this key.
+        self._writer_key = (os.path.abspath(self.directory), self.instance, self._pid)
         self._in_flight = 0
         self._wake_pending = False
         self._dropped = 0
@@ -377,7 +376,6 @@ class Recorder:
                 thread.join(timeout=30.0)
             if was_started:
                 self._drain(until_empty=True)
-            _NEXT_SEQ[(os.path.abspath(self.directory), self.instance, self._pid)] = self._seq_next
         except Exception:
             self._count_error()
 
@@ -491,8 +489,7 @@ class Recorder:
             # Slice copy then slice delete: an append racing between them lands after index `count` and stays.
             batch = self._rows[:count]
             del self._rows[:count]
-            seq_start = self._seq_next
-            self._seq_next += count
+            seq_start = _claim_seq(self._writer_key, count)
             self._in_flight = count
             self._wake_pending = False
             self._end_gap_locked(self.max_buffered_events - count)
@@ -537,13 +534,7 @@ class Recorder:
 
     def _next_part_path(self) -> Path:
         folder = self.folder
-        if self._part_index is None:
-            folder.mkdir(parents=True, exist_ok=True)
-            existing = [int(p.name[5:11]) for p in folder.glob("part-*.parquet") if p.name[5:11].isdigit()]
-            self._part_index = max(existing, default=-1) + 1
-        path = folder / f"part-{self._part_index:06d}.parquet"
-        self._part_index += 1
-        return path
+        return folder / f"part-{_claim_part(self._writer_key, folder):06d}.parquet"
 
     # ---- fork ---------------------------------------------------------------------------------------------------
 
@@ -811,7 +802,31 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
 # ---- process-wide hooks: exit, SIGTERM, fork ------------------------------------------------------------------------
 
 _LIVE: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
-_NEXT_SEQ: dict[tuple[str, str, int], int] = {}
+# Per writer (directory, instance, pid): [next seq, next part number or None until the folder is scanned].
+_writer_ids: dict[tuple[str, str, int], list[Any]] = {}
+_writer_ids_lock = threading.Lock()
+
+
+def _claim_seq(key: tuple[str, str, int], count: int) -> int:
+    """The first of `count` consecutive seq numbers of this writer."""
+    with _writer_ids_lock:
+        ids = _writer_ids.setdefault(key, [0, None])
+        start = ids[0]
+        ids[0] += count
+        return start
+
+
+def _claim_part(key: tuple[str, str, int], folder: Path) -> int:
+    """The next part number of this writer (after any part already in its folder: a reused pid)."""
+    with _writer_ids_lock:
+        ids = _writer_ids.setdefault(key, [0, None])
+        if ids[1] is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            existing = [int(p.name[5:11]) for p in folder.glob("part-*.parquet") if p.name[5:11].isdigit()]
+            ids[1] = max(existing, default=-1) + 1
+        index = ids[1]
+        ids[1] += 1
+        return index
 _exit_hooks_pid: int | None = None
 _sigterm_previous: Any = None
 _sigterm_installed = False
@@ -901,6 +916,8 @@ def _after_fork_parent() -> None:
 
 
 def _after_fork_child() -> None:
+    global _writer_ids_lock
+    _writer_ids_lock = threading.Lock()  # the parent's writer thread may have held it at fork time
     _fork_held.clear()
     for rec in list(_LIVE):
         try:
