@@ -215,6 +215,13 @@ def test_forked_child_writes_its_own_events_under_its_pid(tmp_path: Path) -> Non
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
+        silent = os.fork()
+        if silent == 0:  # a child that records nothing opens no files
+            try:
+                rec.close()
+            finally:
+                os._exit(0)
+        os.waitpid(silent, 0)
         for i in range(5, 8):
             rec.emit("sched", step=i, detail={"who": "parent"})
         rec.close()
