@@ -92,7 +92,11 @@ class DryRunConfig:
     idle_sleep_us: float = 1000.0  # vLLM's time.sleep(0.001) after a step that executed nothing (core.py:1693)
     proxy_delay_us: float = 500.0  # P output -> proxy -> D request
     drain_timeout_ms: float = 300.0  # stop once nothing progressed for this long (virtual) after the last arrival
-    max_virtual_s: float = 600.0  # hard stop
+    max_virtual_s: float = 3600.0  # hard stop
+    # When the run ends stuck (a leak, a starved or stuck request), the engines jump this far ahead and take one
+    # more step, so that a trace shows waits longer than the analyzer's grace period without simulating the
+    # ~1000 empty steps a second vLLM runs meanwhile (core.py:1693). 0: end at the drain timeout.
+    end_hold_s: float = 0.0
     faults: list[str] = field(default_factory=list)
     fault_request: int = -1  # index of the request a fault targets; -1: picked by the fault
     slow_transfer_ms: float = 5000.0  # the slow_transfer fault's read time
@@ -113,6 +117,7 @@ class DryRunConfig:
         need(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
         need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
         need(self.requests >= 0, "--requests must be >= 0")
+        need(self.end_hold_s >= 0, "--end-hold-s must be >= 0")
         parse_length_distribution(self.prompt_len)
         parse_length_distribution(self.output_len)
         if self.async_scheduling and self.pp > 1:

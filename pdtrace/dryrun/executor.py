@@ -37,6 +37,7 @@ NO_FORWARD_US = 30.0  # a rank's kv_connector_no_forward for a 0-token step
 SAMPLE_US_LAST = 60.0  # sampling on the last stage
 SAMPLE_US_OTHER = 5.0  # the kv-connector-only sample_tokens reply of a non-last stage
 RPC_ISSUE_US = 15.0  # broadcast message queue: engine -> worker
+RPC_REPLY_US = 15.0  # response message queue: worker -> engine
 
 
 @dataclass

@@ -164,8 +164,11 @@ class SimEngine:
         self.core = EngineCore(vc, executor_class=executor_cls, log_stats=False)
         self.scheduler = self.core.scheduler
         from pdtrace.recording import session
+        from pdtrace.recording.vllm._common import instance_of
 
-        self.recorder = session.recorder(self.instance, self.role)
+        # The very recorder the hooks use for this engine (same instance, role and dp rank): one writer, one seq.
+        instance, role, dp_rank = instance_of(vc)
+        self.recorder = session.recorder(instance, role, dp_rank)
         for pp_rank, tp_rank in self.rank_keys:
             chan = self.recorder.channel("worker", pp_rank=pp_rank, tp_rank=tp_rank)
             self.ranks[(pp_rank, tp_rank)] = RankState(pp_rank, tp_rank, chan)
@@ -235,8 +238,8 @@ class SimEngine:
     # -- the workers ----------------------------------------------------------------------------------------
     def submit_step(self, so: Any) -> Any:
         """Lay one step out on the pipeline (called from SimExecutor.execute_model) and return its record."""
-        from pdtrace.dryrun.executor import (NO_FORWARD_US, RPC_ISSUE_US, SAMPLE_US_LAST, SAMPLE_US_OTHER,
-                                             StepRecord)
+        from pdtrace.dryrun.executor import (NO_FORWARD_US, RPC_ISSUE_US, RPC_REPLY_US, SAMPLE_US_LAST,
+                                             SAMPLE_US_OTHER, StepRecord)
 
         cfg = self.cluster.config
         tl = self.timeline
@@ -270,7 +273,7 @@ class SimEngine:
                     tl.at(end, lambda r=rank: r.channel.emit("exec_begin", step=step, n=tokens))
                     tl.at(sample_end, lambda r=rank: r.channel.emit("exec_end", step=step, n=tokens,
                                                                      detail=_RPC_SAMPLE))
-        rec.ready_ns = ready
+        rec.ready_ns = ready + int(RPC_REPLY_US * NS_PER_US)
         return rec
 
     def _decide_samples(self, so: Any, rec: Any) -> None:
@@ -613,7 +616,9 @@ class SimCluster:
                 break
             if (not pending_clients and not any(e.inputs for e in self.engines)
                     and best_key - self.last_progress > drain_ns):
-                break  # nothing progressed for drain_timeout_ms: the rest is stuck (a leak, a starved request)
+                # Nothing progressed for drain_timeout_ms: the rest is stuck (a leak, a starved request).
+                self._hold_and_step_once()
+                break
             e = best
             clock.current = e.timeline
             if not e.has_work():
@@ -646,6 +651,26 @@ class SimCluster:
             clock.current = e.timeline
             e.timeline.drain()
         return self.stats
+
+    def _hold_and_step_once(self) -> None:
+        """The stuck engines jump `end_hold_s` ahead (the empty steps between are not simulated) and step once."""
+        hold_ns = int(self.config.end_hold_s * 1e9)
+        if hold_ns <= 0:
+            return
+        for e in self.engines:
+            if not e.has_work():
+                continue
+            self.clock.current = e.timeline
+            e.timeline.advance_by(hold_ns)
+            e.deliver_inputs()
+            try:
+                outputs, executed = e.core.step_fn()
+            except Exception as exc:  # noqa: BLE001 - recorded by the hooks, reported in the result
+                self.stats.error = f"{e.instance}: {type(exc).__name__}: {exc}"
+                return
+            self.stats.steps += 1
+            e.core.post_step(executed)
+            self.on_outputs(e, outputs)
 
     def _record_engine_error(self, engine: SimEngine, exc: BaseException) -> None:
         """vLLM raised inside step_fn: the hooks' step_fn wrapper has emitted engine_error; flush what we hold."""

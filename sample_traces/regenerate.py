@@ -1,0 +1,142 @@
+"""Regenerate the shipped sample traces with the dry run (needs vLLM 0.33.0), and optionally their expected.json.
+
+    python sample_traces/regenerate.py                 # every sample's trace/ (expected.json untouched)
+    python sample_traces/regenerate.py starve          # one sample
+    python sample_traces/regenerate.py --expected      # also rewrite expected.json from the current analyzer
+    python sample_traces/regenerate.py --expected-only # only rewrite expected.json (no vLLM needed)
+
+Each sample directory holds `trace/` (the trace, with `_manifest.json` holding the full dry-run config), `REGENERATE`
+(the exact command) and `expected.json` (what `pdtrace analyze --format json` must report, compared by
+tests/test_samples.py on rule, subrule, severity, instance and request counts, never timestamps).
+`expected.json` is rewritten only with --expected, after checking by hand that the findings are the right ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from pdtrace.dryrun import DryRunConfig, run_dry_run  # noqa: E402
+
+#: name -> (what it shows, DryRunConfig fields that differ from the defaults)
+SAMPLES: dict[str, tuple[str, dict]] = {
+    "healthy_pd_pp1": ("healthy 1P1D, PP=1: no errors", dict(requests=24, rate=200.0, seed=1)),
+    "healthy_pd_pp4": ("healthy 1P1D, PP=4, a full pipeline (all requests at once): no errors",
+                       dict(requests=32, pp=4, rate=0.0, prompt_len="uniform:32:128", output_len="exp:24",
+                            seed=2)),
+    "completion_before_finish": ("P reports finished_sending for a request mid-prefill (PP=2): vLLM's assert "
+                                 "in _free_blocks",
+                                 dict(requests=8, pp=2, rate=400.0, faults=["completion_before_finish"], seed=3)),
+    "lost_send_completion": ("a send completion never arrives: P's blocks leak",
+                             dict(requests=12, rate=200.0, faults=["lost_send_completion"], end_hold_s=500.0,
+                                  seed=4)),
+    "abort_while_waiting_kv": ("a D request aborted while its KV read is in flight",
+                               dict(requests=12, rate=200.0, faults=["abort_while_waiting_kv"], seed=5)),
+    "duplicate_completion": ("P rank 0 reports one send twice: vLLM's assert req_id in self.requests",
+                             dict(requests=12, rate=200.0, faults=["duplicate_completion"], seed=6)),
+    "missing_rank_completion": ("TP=2: P's last rank never reports one send; the aggregator waits forever",
+                                dict(requests=12, tp=2, rate=200.0, faults=["missing_rank_completion"],
+                                     end_hold_s=500.0, seed=7)),
+    "slow_transfer": ("one KV read outlasts the run: D waits for KV, P holds the blocks",
+                      dict(requests=12, rate=200.0, faults=["slow_transfer"], slow_transfer_ms=1_000_000.0,
+                           end_hold_s=500.0, seed=8)),
+    "starve": ("a head-of-line request that needs the whole pool, after a leak pinned part of it",
+               dict(requests=16, rate=200.0, num_blocks=64, max_num_batched_tokens=1024,
+                    prompt_len="uniform:32:128", output_len="exp:16", faults=["starve"], end_hold_s=500.0,
+                    seed=9)),
+    "few_requests_pp": ("PP=4 with at most 2 requests in flight: pipeline bubbles",
+                        dict(requests=8, pp=4, faults=["few_requests_pp"], seed=10)),
+}
+
+
+def cli_command(kw: dict) -> str:
+    """The `pdtrace record --dry-run` command line for these config fields (options named after the fields)."""
+    defaults = {f.name: f.default for f in fields(DryRunConfig) if f.name != "faults"}
+    parts = ["pdtrace record --dry-run"]
+    for name, value in kw.items():
+        if name == "faults":
+            parts += [f"--fault {v}" for v in value]
+            continue
+        if value == defaults.get(name):
+            continue
+        opt = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(opt if value else "--no-" + name.replace("_", "-"))
+        else:
+            parts.append(f"{opt} {value:g}" if isinstance(value, float) else f"{opt} {value}")
+    return " ".join(parts)
+
+
+def regenerate(name: str, write_expected: bool) -> None:
+    _, kw = SAMPLES[name]
+    sample = HERE / name
+    trace = sample / "trace"
+    shutil.rmtree(trace, ignore_errors=True)
+    sample.mkdir(parents=True, exist_ok=True)
+    result = run_dry_run(DryRunConfig(**kw), trace)
+    (sample / "REGENERATE").write_text(
+        "# the exact command that made trace/ (run from the repository root; needs vLLM 0.33.0):\n"
+        f"{cli_command(kw)} -o sample_traces/{name}/trace\n"
+        "# equivalently (the config is also in trace/_manifest.json):\n"
+        f"python sample_traces/regenerate.py {name}\n")
+    print(f"{name}: {result.steps} steps, {result.events} events, error={result.error}, "
+          f"injected={result.injected}", file=sys.stderr)
+    if write_expected:
+        write_expected_json(name, result)
+
+
+def write_expected_json(name: str, result: Any = None) -> None:
+    """expected.json from what `pdtrace analyze --format json` reports now (check it by hand before committing)."""
+    import importlib.util
+    import subprocess
+
+    desc, kw = SAMPLES[name]
+    sample = HERE / name
+    spec = importlib.util.spec_from_file_location("test_samples", HERE.parent / "tests" / "test_samples.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    args = ANALYZE_ARGS.get(name, [])
+    proc = subprocess.run([sys.executable, "-m", "pdtrace", "analyze", str(sample / "trace"), "--format", "json",
+                           "--fail-on", "never", *args], capture_output=True, text=True, check=True)
+    findings = json.loads(proc.stdout)["findings"]
+    manifest = json.loads((sample / "trace" / "_manifest.json").read_text())
+    expected = {"sample": name, "description": desc, "analyze_args": args, "config": manifest["dry_run"],
+                "engine_error": getattr(result, "error", None) if result is not None else
+                _previous(sample).get("engine_error"),
+                "findings": mod.summarize_findings(findings)}
+    (sample / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
+
+
+def _previous(sample: Path) -> dict:
+    p = sample / "expected.json"
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+#: Extra `pdtrace analyze` options per sample (none: every sample is analyzed with the defaults).
+ANALYZE_ARGS: dict[str, list[str]] = {}
+
+
+def main(argv: list[str]) -> int:
+    write_expected = "--expected" in argv
+    only_expected = "--expected-only" in argv
+    names = [a for a in argv if not a.startswith("-")] or list(SAMPLES)
+    for name in names:
+        if name not in SAMPLES:
+            print(f"unknown sample {name}; known: {', '.join(SAMPLES)}", file=sys.stderr)
+            return 2
+        if only_expected:
+            write_expected_json(name)
+        else:
+            regenerate(name, write_expected)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
