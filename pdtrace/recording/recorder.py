@@ -597,6 +597,22 @@ _NONE_TO_SENTINEL = {code: {None: value} for code, value in _NULL_SENTINEL.items
 _BOOL_CODES = {None: 2, True: 1, False: 0}
 
 
+def _scatter(values: tuple, build: Callable[[tuple], pa.Array], arrow_type: pa.DataType) -> pa.Array:
+    """A mostly-null column: build only its values (`build` on the non-None ones), then put them in place with one
+    vectorised `replace_with_mask` (cheaper than a per-row pass of the dense builders over the None rows)."""
+    present = bytes(map(operator.is_not, values, _NONES))
+    built = build(tuple(itertools.compress(values, present)))
+    mask = pc.cast(_u8(present), pa.bool_())
+    if isinstance(built, pa.DictionaryArray):
+        indices = pc.replace_with_mask(pa.nulls(len(values), pa.int32()), mask, built.indices)
+        return pa.DictionaryArray.from_arrays(indices, built.dictionary)
+    return pc.replace_with_mask(pa.nulls(len(values), arrow_type), mask, built)
+
+
+def _mostly_null(nulls: int, count: int) -> bool:
+    return nulls * 2 > count and count >= 64
+
+
 def _masked(arrow_type: pa.DataType, data: array.array, valid: pa.Array, nulls: int) -> pa.Array:
     """`data` as an array of `arrow_type` whose validity is the boolean array `valid`."""
     return pa.Array.from_buffers(arrow_type, len(data), [valid.buffers()[1], pa.py_buffer(data)], null_count=nulls)
@@ -613,6 +629,8 @@ def _int_column(values: tuple, arrow_type: pa.DataType, code: str) -> pa.Array:
     nulls = values.count(None)
     if nulls == count:
         return pa.nulls(count, arrow_type)
+    if _mostly_null(nulls, count):
+        return _scatter(values, lambda present: _int_column(present, arrow_type, code), arrow_type)
     try:
         if not nulls:
             return pa.Array.from_buffers(arrow_type, count, [None, pa.py_buffer(array.array(code, values))])
@@ -629,6 +647,8 @@ def _bool_column(values: tuple) -> pa.Array:
     nulls = values.count(None)
     if nulls == count:
         return pa.nulls(count, pa.bool_())
+    if _mostly_null(nulls, count):
+        return _scatter(values, _bool_column, pa.bool_())
     try:
         codes = _u8(bytes(map(_BOOL_CODES.get, values, values)))
     except (TypeError, ValueError):  # truthy values that are not bools
@@ -652,6 +672,8 @@ def _dictionary_column(values: tuple) -> pa.DictionaryArray:
     nulls = values.count(None)
     if nulls == count:
         return pa.nulls(count, _DICT_TYPE)
+    if _mostly_null(nulls, count):
+        return _scatter(values, _dictionary_column, _DICT_TYPE)
     try:
         codes = dict.fromkeys(values)
         codes.pop(None, None)
@@ -673,8 +695,12 @@ def _dictionary_column(values: tuple) -> pa.DictionaryArray:
 
 def _string_column(values: tuple) -> pa.Array:
     """A nullable plain string column (through the dictionary path: repeated values are encoded once)."""
-    if values.count(None) == len(values):
-        return pa.nulls(len(values), pa.string())
+    count = len(values)
+    nulls = values.count(None)
+    if nulls == count:
+        return pa.nulls(count, pa.string())
+    if _mostly_null(nulls, count):
+        return _scatter(values, _string_column, pa.string())
     encoded = _dictionary_column(values)
     return encoded.dictionary.take(encoded.indices)
 
