@@ -639,7 +639,10 @@ def _int_column(values: tuple, arrow_type: pa.DataType, code: str) -> pa.Array:
     except (TypeError, ValueError, OverflowError):  # a float, a string, an out-of-range value from a hook
         return _int_column(tuple(map(_as_int, values, itertools.repeat(code))), arrow_type, code)
     plain = pa.Array.from_buffers(arrow_type, count, [None, pa.py_buffer(data)])
-    return _masked(arrow_type, data, pc.not_equal(plain, _repeat(arrow_type, code, sentinel, count)), nulls)
+    valid = pc.not_equal(plain, _repeat(arrow_type, code, sentinel, count))
+    if valid.false_count != nulls:  # a real value equal to the sentinel: take the validity from the Nones
+        valid = pc.cast(_u8(bytes(map(operator.is_not, values, _NONES))), pa.bool_())
+    return _masked(arrow_type, data, valid, nulls)
 
 
 def _bool_column(values: tuple) -> pa.Array:
