@@ -74,11 +74,16 @@ def kind_rows(ctx: AnalysisContext, kinds: Iterable[str]) -> np.ndarray:
     return columns(ctx).rows_of(*kinds)
 
 
-def _int_col(table: pa.Table, name: str, fill: int = _NULL) -> np.ndarray:
-    col = table.column(name)
-    if col.null_count:
-        col = pc.fill_null(col, fill)
-    return col.to_numpy().astype(np.int64, copy=False)
+def full_column(ctx: AnalysisContext, name: str) -> np.ndarray:
+    """A whole numeric column as numpy (nulls as -1), converted once per analysis and shared."""
+
+    def build() -> np.ndarray:
+        col = ctx.trace.table.column(name)
+        if col.null_count:
+            col = pc.fill_null(col, _NULL)
+        return col.to_numpy()
+
+    return ctx.cached(f"steps:full:{name}", build)
 
 
 def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = False) -> pd.DataFrame:
@@ -86,29 +91,32 @@ def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = Fal
 
     Columns: row (index into the trace), ts_ns, seq, pid, inst (code into `instances(ctx)`), dp, pp, tp, step
     (null ranks / steps as -1), n (float, NaN where null), kind (str categorical); with `with_req`, `req` (string).
+    Built from whole-column numpy arrays indexed by the rows (no Arrow take per column).
     """
+    cols = columns(ctx)
     rows = kind_rows(ctx, kinds)
-    table = ctx.trace.table
-    sub = table.select(["ts_ns", "seq", "pid", "dp_rank", "pp_rank", "tp_rank", "step", "n"]).take(pa.array(rows))
     inst_codes, _ = dict_codes(ctx, "instance")
     kind_codes, kind_values = dict_codes(ctx, "kind")
-    n = sub.column("n")
+    n = cols.nvalue[rows].astype(np.float64)
+    n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
+        zero_copy_only=False))
+    n[~n_valid[rows]] = np.nan
     frame = pd.DataFrame({
         "row": rows,
-        "ts_ns": sub.column("ts_ns").to_numpy(),
-        "seq": sub.column("seq").to_numpy(),
-        "pid": sub.column("pid").to_numpy(),
+        "ts_ns": cols.ts[rows],
+        "seq": full_column(ctx, "seq")[rows],
+        "pid": full_column(ctx, "pid")[rows],
         "inst": inst_codes[rows],
-        "dp": _int_col(sub, "dp_rank"),
-        "pp": _int_col(sub, "pp_rank"),
-        "tp": _int_col(sub, "tp_rank"),
-        "step": _int_col(sub, "step"),
-        "n": pc.cast(n, pa.float64()).to_numpy(zero_copy_only=False) if len(n) else np.empty(0),
+        "dp": cols.dp[rows].astype(np.int64),
+        "pp": full_column(ctx, "pp_rank")[rows].astype(np.int64),
+        "tp": full_column(ctx, "tp_rank")[rows].astype(np.int64),
+        "step": cols.step[rows],
+        "n": n,
         "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_values) if len(kind_values)
         else pd.Categorical([]),
     })
     if with_req:
-        req = table.column("req").take(pa.array(rows))
+        req = ctx.trace.table.column("req").take(pa.array(rows))
         if pa.types.is_dictionary(req.type):
             req = req.cast(req.type.value_type)
         frame["req"] = req.to_pandas()
@@ -120,37 +128,91 @@ def instances(ctx: AnalysisContext) -> list[str]:
     return dict_codes(ctx, "instance")[1]
 
 
-def detail_number(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
-    """The numeric `detail` value `key` of the given rows (float, NaN where absent), vectorised in Arrow.
+def _detail_text(ctx: AnalysisContext, rows: np.ndarray) -> pa.Array:
+    """The detail strings of the rows (nulls as ""). Many rows: a boolean filter over the chunked column (far
+    cheaper than a take across chunks), then a take on the one small contiguous result to restore the order."""
+    rows = np.asarray(rows, dtype=np.int64)
+    column = ctx.trace.table.column("detail")
+    if len(rows) < 65_536:
+        return pc.fill_null(column.take(pa.array(rows)), "")
+    mask = np.zeros(len(column), dtype=bool)
+    mask[rows] = True
+    text = pc.fill_null(column.filter(pa.array(mask)).combine_chunks(), "")
+    ordered = np.flatnonzero(mask)
+    if len(ordered) == len(rows) and np.array_equal(ordered, rows):
+        return text
+    return text.take(pa.array(np.searchsorted(ordered, rows)))
 
-    One regular-expression extraction over the JSON text of those rows only; booleans read as 1/0.
-    """
+
+def _extract(text: pa.Array, pattern: str, key: str, optional: bool) -> tuple[pa.Array, np.ndarray | None]:
+    """Regex-extract one value per row; for an optional key, only over the rows whose text names it (a substring
+    test is several times cheaper than the regex). Returns (values of the rows searched, their indices or None
+    for all rows)."""
+    if optional:
+        has = pc.match_substring(text, f'"{key}"').to_numpy(zero_copy_only=False)
+        idx = np.flatnonzero(has)
+        if len(idx) == 0:
+            return pa.array([], pa.string()), idx
+        if len(idx) < len(text):
+            text = text.take(pa.array(idx))
+        else:
+            idx = None
+    else:
+        idx = None
+    return pc.struct_field(pc.extract_regex(text, pattern), [0]), idx
+
+
+def detail_numbers(ctx: AnalysisContext, rows: np.ndarray, keys: Iterable[str],
+                   optional: Iterable[str] = ()) -> dict[str, np.ndarray]:
+    """Numeric `detail` values of the given rows, one float array per key (NaN where absent; booleans as 1/0).
+
+    The detail text of the rows is taken once; one vectorised regular-expression extraction per key (Arrow,
+    never Python per row), over only the rows that name the key for `optional` keys."""
+    keys = list(keys)
     if len(rows) == 0:
-        return np.empty(0)
-    text = ctx.trace.table.column("detail").take(pa.array(rows))
-    text = pc.fill_null(text, "")
-    found = pc.extract_regex(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9.eE+]+|true|false)')
-    raw = pc.struct_field(found, [0])
-    raw = pc.replace_substring_regex(pc.replace_substring_regex(raw, "^true$", "1"), "^false$", "0")
-    return pc.cast(raw, pa.float64()).to_numpy(zero_copy_only=False)
+        return {k: np.empty(0) for k in keys}
+    text = _detail_text(ctx, rows)
+    optional = set(optional)
+    out = {}
+    for key in keys:
+        raw, idx = _extract(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9.eE+]+|true|false)', key, key in optional)
+        raw = pc.replace_substring_regex(pc.replace_substring_regex(raw, "^true$", "1"), "^false$", "0")
+        values = pc.cast(raw, pa.float64()).to_numpy(zero_copy_only=False)
+        if idx is None:
+            out[key] = values
+        else:
+            full = np.full(len(rows), np.nan)
+            full[idx] = values
+            out[key] = full
+    return out
 
 
-def detail_int(ctx: AnalysisContext, rows: np.ndarray, key: str, fill: int = _NULL) -> np.ndarray:
-    """The integer `detail` value `key` of the given rows (int64, `fill` where absent): exact for ns timestamps."""
+def detail_number(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
+    """The numeric `detail` value `key` of the given rows (float, NaN where absent), vectorised in Arrow."""
+    return detail_numbers(ctx, rows, [key])[key]
+
+
+def detail_int(ctx: AnalysisContext, rows: np.ndarray, key: str, fill: int = _NULL,
+               text: pa.Array | None = None) -> np.ndarray:
+    """The integer `detail` value `key` of the given rows (int64, `fill` where absent): exact for ns timestamps.
+    Only the rows whose text names the key are searched."""
     if len(rows) == 0:
         return np.empty(0, np.int64)
-    text = pc.fill_null(ctx.trace.table.column("detail").take(pa.array(rows)), "")
-    found = pc.extract_regex(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9]+)\s*[,}}]')
-    raw = pc.struct_field(found, [0])
-    return pc.fill_null(pc.cast(raw, pa.int64()), fill).to_numpy(zero_copy_only=False)
+    text = _detail_text(ctx, rows) if text is None else text
+    raw, idx = _extract(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9]+)\s*[,}}]', key, True)
+    values = pc.fill_null(pc.cast(raw, pa.int64()), fill).to_numpy(zero_copy_only=False)
+    if idx is None:
+        return values
+    full = np.full(len(rows), fill, dtype=np.int64)
+    full[idx] = values
+    return full
 
 
 def detail_text(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
     """The string `detail` value `key` of the given rows (None where absent), vectorised in Arrow."""
     if len(rows) == 0:
         return np.empty(0, dtype=object)
-    text = pc.fill_null(ctx.trace.table.column("detail").take(pa.array(rows)), "")
-    found = pc.extract_regex(text, rf'"{key}"\s*:\s*"(?P<v>[^"]*)"')
+    found = pc.extract_regex(_detail_text(ctx, rows), rf'"{key}"\s*:\s*"(?P<v>[^"]*)"')
     return pc.struct_field(found, [0]).to_numpy(zero_copy_only=False)
 
 
@@ -175,41 +237,76 @@ def engine_configs(ctx: AnalysisContext) -> pd.DataFrame:
 
 # -------------------------------------------------------------------------------------------------------- step table
 
+def _first_per_key(key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """Indices of the earliest row of each distinct key, sorted by key."""
+    order = np.lexsort((ts, key))
+    k = key[order]
+    first = np.r_[True, k[1:] != k[:-1]] if len(k) else np.empty(0, bool)
+    return order[first]
+
+
 def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
-    """step_table with integer `inst` codes (internal form)."""
+    """step_table with integer `inst` codes and the sched row index `row` (internal form).
+
+    The three kinds are keyed by one int64 (instance, dp_rank, step) and outer-joined with a sorted union and
+    searchsorted on numpy arrays."""
 
     def build() -> pd.DataFrame:
-        key = ["inst", "dp", "step"]
-        sched = select_rows(ctx, ["sched"])
-        sched = sched[sched["step"] >= 0]
-        rows = sched["row"].to_numpy()
-        s = pd.DataFrame({"inst": sched["inst"].to_numpy(), "dp": sched["dp"].to_numpy(),
-                          "step": sched["step"].to_numpy(), "sched_ts": sched["ts_ns"].to_numpy(),
-                          "tokens": sched["n"].to_numpy()})
-        for col in ("running", "waiting", "waiting_kv", "free_blocks", "dur_ns", "empty_run"):
-            s[col] = detail_number(ctx, rows, col)
-        s["empty_run"] = s["empty_run"].fillna(1.0)
-        s = s.sort_values("sched_ts", kind="stable").drop_duplicates(key, keep="first")
+        cols = columns(ctx)
+        inst_codes, _ = dict_codes(ctx, "instance")
+        n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
+            zero_copy_only=False))
+        dp_span = int(cols.dp.max()) + 2 if cols.n else 2
+        step_span = int(cols.step.max()) + 2 if cols.n else 2
 
-        eng = select_rows(ctx, ["step_submit", "step_output"])
-        eng = eng[eng["step"] >= 0]
-        sub = eng[eng["kind"] == "step_submit"]
-        sub = pd.DataFrame({"inst": sub["inst"].to_numpy(), "dp": sub["dp"].to_numpy(),
-                            "step": sub["step"].to_numpy(), "submit_ts": sub["ts_ns"].to_numpy(),
-                            "in_flight": sub["n"].to_numpy()})
-        sub = sub.sort_values("submit_ts", kind="stable").drop_duplicates(key, keep="first")
-        out = eng[eng["kind"] == "step_output"]
-        out = pd.DataFrame({"inst": out["inst"].to_numpy(), "dp": out["dp"].to_numpy(),
-                            "step": out["step"].to_numpy(), "output_ts": out["ts_ns"].to_numpy(),
-                            "wait_ns": detail_number(ctx, out["row"].to_numpy(), "wait_ns")})
-        out = out.sort_values("output_ts", kind="stable").drop_duplicates(key, keep="first")
+        def keyed(kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+            rows = kind_rows(ctx, kinds)
+            rows = rows[cols.step[rows] >= 0]
+            key = ((inst_codes[rows].astype(np.int64) * dp_span + cols.dp[rows] + 1) * step_span
+                   + cols.step[rows])
+            first = _first_per_key(key, cols.ts[rows])
+            return rows[first], key[first]
 
-        # nullable Int64 before the outer joins: a float64 NaN column would round ns timestamps
-        s["sched_ts"] = s["sched_ts"].astype("Int64")
-        sub["submit_ts"] = sub["submit_ts"].astype("Int64")
-        out["output_ts"] = out["output_ts"].astype("Int64")
-        table = s.merge(sub, on=key, how="outer").merge(out, on=key, how="outer")
-        return table.sort_values(key, kind="stable").reset_index(drop=True)
+        s_rows, s_key = keyed(("sched",))
+        u_rows, u_key = keyed(("step_submit",))
+        o_rows, o_key = keyed(("step_output",))
+        # sorted distinct keys (a sort, not np.union1d: numpy's hash-based unique is slower on these)
+        all_keys = np.sort(np.concatenate([s_key, u_key, o_key]))
+        if len(all_keys):
+            all_keys = all_keys[np.r_[True, all_keys[1:] != all_keys[:-1]]]
+        n = len(all_keys)
+
+        def spread(key: np.ndarray, values: np.ndarray, fill: float | int, dtype: object) -> np.ndarray:
+            out = np.full(n, fill, dtype=dtype)
+            out[np.searchsorted(all_keys, key)] = values
+            return out
+
+        def number(rows: np.ndarray) -> np.ndarray:
+            v = cols.nvalue[rows].astype(np.float64)
+            v[~n_valid[rows]] = np.nan
+            return v
+
+        sched_detail = detail_numbers(ctx, s_rows, ("running", "waiting", "waiting_kv", "free_blocks", "dur_ns",
+                                                    "empty_run"), optional=("empty_run", "waiting_kv"))
+        frame = pd.DataFrame({
+            "inst": (all_keys // step_span // dp_span).astype(np.int64),
+            "dp": (all_keys // step_span % dp_span - 1).astype(np.int64),
+            "step": (all_keys % step_span).astype(np.int64),
+            "row": spread(s_key, s_rows, _NULL, np.int64),
+            "sched_ts": pd.array(spread(s_key, cols.ts[s_rows], _NULL, np.int64), dtype="Int64"),
+            "tokens": spread(s_key, number(s_rows), np.nan, np.float64),
+        })
+        for name, values in sched_detail.items():
+            frame[name] = spread(s_key, values, np.nan, np.float64)
+        frame["empty_run"] = np.where(frame["row"] >= 0, frame["empty_run"].fillna(1.0), np.nan)
+        frame["submit_ts"] = pd.array(spread(u_key, cols.ts[u_rows], _NULL, np.int64), dtype="Int64")
+        frame["in_flight"] = spread(u_key, number(u_rows), np.nan, np.float64)
+        frame["output_ts"] = pd.array(spread(o_key, cols.ts[o_rows], _NULL, np.int64), dtype="Int64")
+        frame["wait_ns"] = spread(o_key, detail_numbers(ctx, o_rows, ["wait_ns"], optional=["wait_ns"])["wait_ns"],
+                                  np.nan, np.float64)
+        for col in ("sched_ts", "submit_ts", "output_ts"):
+            frame[col] = frame[col].mask(frame[col] == _NULL)
+        return frame
 
     return ctx.cached("steps:step_frame", build)
 
@@ -225,7 +322,7 @@ def step_table(ctx: AnalysisContext) -> pd.DataFrame:
         out = frame.rename(columns={"dp": "dp_rank"})
         out.insert(0, "instance", pd.Categorical.from_codes(frame["inst"].to_numpy(), categories=names)
                    if names else pd.Categorical([]))
-        out = out.drop(columns=["inst"])
+        out = out.drop(columns=["inst", "row"])
         out["dp_rank"] = out["dp_rank"].astype("Int64").where(out["dp_rank"] >= 0)
         return out[list(STEP_COLUMNS)]
 
@@ -235,63 +332,85 @@ def step_table(ctx: AnalysisContext) -> pd.DataFrame:
 # -------------------------------------------------------------------------------------------------------- exec spans
 
 def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
-    """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*."""
+    """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*.
+    Numpy throughout: one lexsort of the exec rows by (lane, pid, seq), pairing by position."""
 
     def build() -> pd.DataFrame:
-        ev = select_rows(ctx, ["exec_begin", "exec_end"])
-        ev = ev.sort_values(["inst", "dp", "pp", "tp", "pid", "seq"], kind="stable").reset_index(drop=True)
-        is_begin = (ev["kind"] == "exec_begin").to_numpy()
-        lane = ev[["inst", "dp", "pp", "tp", "pid"]].to_numpy()
-        step = ev["step"].to_numpy()
-        same_next = np.zeros(len(ev), dtype=bool)
-        if len(ev) > 1:
-            same_next[:-1] = (lane[1:] == lane[:-1]).all(axis=1) & (step[1:] == step[:-1])
-        nxt_is_end = np.zeros(len(ev), dtype=bool)
-        nxt_is_end[:-1] = ~is_begin[1:]
-        paired_begin = is_begin & same_next & nxt_is_end
-        paired_end = np.zeros(len(ev), dtype=bool)
-        paired_end[1:] = paired_begin[:-1]
-        lone_begin = is_begin & ~paired_begin
-        lone_end = ~is_begin & ~paired_end
-
-        ts = ev["ts_ns"].to_numpy()
-        n = ev["n"].to_numpy()
+        cols = columns(ctx)
+        rows = kind_rows(ctx, ["exec_begin", "exec_end"])
+        inst_codes, _ = dict_codes(ctx, "instance")
+        kind_codes, kind_names = dict_codes(ctx, "kind")
+        begin_code = kind_names.index("exec_begin") if "exec_begin" in kind_names else -9
+        inst = inst_codes[rows].astype(np.int64)
+        dp = cols.dp[rows].astype(np.int64)
+        pp = full_column(ctx, "pp_rank")[rows].astype(np.int64)
+        tp = full_column(ctx, "tp_rank")[rows].astype(np.int64)
+        pid = full_column(ctx, "pid")[rows].astype(np.int64)
+        seq = full_column(ctx, "seq")[rows]
+        # one int64 per writer lane (instance, dp, pp, tp, pid) so that the sort has two keys, not six
+        lane_code = (((inst * (dp.max(initial=0) + 2) + dp + 1) * (pp.max(initial=0) + 2) + pp + 1)
+                     * (tp.max(initial=0) + 2) + tp + 1) * (pid.max(initial=0) + 1) + pid
+        order = np.lexsort((seq, lane_code))
+        rows, inst, dp, pp, tp, pid = rows[order], inst[order], dp[order], pp[order], tp[order], pid[order]
+        step = cols.step[rows]
+        ts = cols.ts[rows]
+        n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
+            zero_copy_only=False))
+        n = np.where(n_valid[rows], cols.nvalue[rows], np.nan)
+        is_begin = kind_codes[rows] == begin_code
+        same_next = np.zeros(len(rows), dtype=bool)
+        if len(rows) > 1:
+            same_next[:-1] = ((inst[1:] == inst[:-1]) & (dp[1:] == dp[:-1]) & (pp[1:] == pp[:-1])
+                              & (tp[1:] == tp[:-1]) & (pid[1:] == pid[:-1]) & (step[1:] == step[:-1])
+                              & ~is_begin[1:])
+        paired_begin = is_begin & same_next
+        paired_end = np.r_[False, paired_begin[:-1]] if len(rows) else paired_begin
         b_idx = np.flatnonzero(paired_begin)
-        e_idx = b_idx + 1
-        lb = np.flatnonzero(lone_begin)
-        le = np.flatnonzero(lone_end)
-        head = np.concatenate([b_idx, lb, le])  # the row whose lane/step describes the span
-        end_row = np.concatenate([e_idx, np.full(len(lb), -1), le])
-        begin_ts = np.concatenate([ts[b_idx], ts[lb], np.full(len(le), -1)])
-        end_ts = np.concatenate([ts[e_idx], np.full(len(lb), -1), ts[le]])
-        n_tok = np.concatenate([np.where(np.isnan(n[b_idx]), n[e_idx], n[b_idx]), n[lb], n[le]])
-
-        spans = pd.DataFrame({
-            "inst": ev["inst"].to_numpy()[head], "dp": ev["dp"].to_numpy()[head], "pp": ev["pp"].to_numpy()[head],
-            "tp": ev["tp"].to_numpy()[head], "step": step[head], "begin_ts": begin_ts, "end_ts": end_ts,
-            "n": n_tok,
-        })
-        has_end = end_row >= 0
-        end_trace_rows = np.full(len(spans), -1, dtype=np.int64)
-        end_trace_rows[has_end] = ev["row"].to_numpy()[end_row[has_end]]
-        rpc = np.full(len(spans), None, dtype=object)
-        gpu_b = np.full(len(spans), _NULL, dtype=np.int64)
-        gpu_e = np.full(len(spans), _NULL, dtype=np.int64)
+        lb = np.flatnonzero(is_begin & ~paired_begin)
+        le = np.flatnonzero(~is_begin & ~paired_end)
+        head = np.concatenate([b_idx, lb, le])
+        end_idx = np.concatenate([b_idx + 1, np.full(len(lb), _NULL), le])
+        begin_ts = np.concatenate([ts[b_idx], ts[lb], np.full(len(le), _NULL)])
+        end_ts = np.concatenate([ts[b_idx + 1], np.full(len(lb), _NULL), ts[le]])
+        n_tok = np.concatenate([np.where(np.isnan(n[b_idx]), n[b_idx + 1], n[b_idx]), n[lb], n[le]])
+        # spans in lane order, then time
+        order_ts = np.where(begin_ts >= 0, begin_ts, end_ts)
+        sort = np.lexsort((order_ts, tp[head], pp[head], dp[head], inst[head]))
+        head, end_idx, begin_ts, end_ts, n_tok = head[sort], end_idx[sort], begin_ts[sort], end_ts[sort], n_tok[sort]
+        m = len(head)
+        has_end = end_idx >= 0
+        end_rows = rows[end_idx[has_end]]
+        text = _detail_text(ctx, end_rows)
+        gpu_b = np.full(m, _NULL, np.int64)
+        gpu_e = np.full(m, _NULL, np.int64)
+        gpu_b[has_end] = detail_int(ctx, end_rows, "gpu_begin_ns", text=text)
+        gpu_e[has_end] = detail_int(ctx, end_rows, "gpu_end_ns", text=text)
+        # rpc: the two RPCs vLLM 0.33 issues are matched as substrings (cheaper than a regex per row); any other
+        # value is read with the regex, only where `"rpc"` appears without them
+        rpc_code = np.zeros(m, np.int8)  # 0 unknown, 1 execute_model, 2 sample_tokens, 3 other
+        named = np.full(m, None, dtype=object)
         if has_end.any():
-            er = end_trace_rows[has_end]
-            rpc[has_end] = detail_text(ctx, er, "rpc")
-            gpu_b[has_end] = detail_int(ctx, er, "gpu_begin_ns")
-            gpu_e[has_end] = detail_int(ctx, er, "gpu_end_ns")
-        spans["gpu_begin_ns"] = gpu_b
-        spans["gpu_end_ns"] = gpu_e
-        spans["rpc"] = rpc
-        spans["_order"] = np.where(spans["begin_ts"] >= 0, spans["begin_ts"], spans["end_ts"])
-        spans = spans.sort_values(["inst", "dp", "pp", "tp", "_order"], kind="stable").reset_index(drop=True)
-        position = spans.groupby(["inst", "dp", "pp", "tp", "step"], sort=False).cumcount().to_numpy()
-        inferred = np.where(position == 0, "execute_model", np.where(position == 1, "sample_tokens", "rpc"))
-        known = spans["rpc"].to_numpy()
-        spans["rpc"] = np.where(pd.isna(known), inferred, known).astype(object)
-        return spans.drop(columns=["_order"])
+            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
+            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
+            code = np.where(ex, 1, np.where(sa, 2, 0)).astype(np.int8)
+            other = np.flatnonzero((code == 0) & pc.match_substring(text, '"rpc"').to_numpy(zero_copy_only=False))
+            if len(other):
+                code[other] = 3
+                named_end = np.full(len(end_rows), None, dtype=object)
+                named_end[other] = detail_text(ctx, end_rows[other], "rpc")
+                named[has_end] = named_end
+            rpc_code[has_end] = code
+        lane_step = np.stack([inst[head], dp[head], pp[head], tp[head], step[head]])
+        new_group = np.r_[True, (lane_step[:, 1:] != lane_step[:, :-1]).any(axis=0)] if m else np.empty(0, bool)
+        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
+        position = np.arange(m) - group_start
+        names = np.array(["execute_model", "sample_tokens", "rpc"], dtype=object)
+        inferred = names[np.minimum(position, 2)]
+        rpc = np.where(rpc_code == 1, "execute_model", np.where(rpc_code == 2, "sample_tokens",
+                                                                 np.where(rpc_code == 3, named, inferred)))
+        return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head], "step": step[head],
+                             "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok, "gpu_begin_ns": gpu_b,
+                             "gpu_end_ns": gpu_e, "rpc": rpc.astype(object)})
 
     return ctx.cached("steps:span_frame", build)
 
@@ -449,6 +568,22 @@ def pipeline_sizes(ctx: AnalysisContext) -> dict[tuple[int, int], int]:
         if not np.isnan(pp):
             sizes[(int(inst), int(dp))] = int(pp)
     return sizes
+
+
+def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray) -> np.ndarray:
+    """p for each (inst, dp) pair of two arrays (1 where unknown): a searchsorted over the few schedulers."""
+    inst = np.asarray(inst, dtype=np.int64)
+    dp = np.asarray(dp, dtype=np.int64)
+    if not sizes or len(inst) == 0:
+        return np.ones(len(inst), np.int64)
+    width = max(int(dp.max(initial=0)), max(d for _, d in sizes)) + 2
+    keys = np.array([i * width + d + 1 for i, d in sizes], dtype=np.int64)
+    values = np.array(list(sizes.values()), dtype=np.int64)
+    order = np.argsort(keys)
+    keys, values = keys[order], values[order]
+    query = inst * width + dp + 1
+    idx = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
+    return np.where(keys[idx] == query, values[idx], 1)
 
 
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:

@@ -36,7 +36,7 @@ import pandas as pd
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes
+from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes, sizes_of
 
 ERROR_FRACTION = 0.5
 _CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance")
@@ -56,14 +56,13 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         if len(busy) == 0:
             return pd.DataFrame()
         lane = ["inst", "dp", "pp", "tp"]
-        p_of = np.array([sizes.get((i, d), 1) for i, d in zip(busy["inst"], busy["dp"])]) if len(busy) else None
-        busy = busy.assign(p=p_of)
+        busy = busy.assign(p=sizes_of(sizes, busy["inst"].to_numpy(), busy["dp"].to_numpy()))
         busy = busy[busy["p"] > 1]
         if len(busy) == 0:
             return pd.DataFrame()
         gaps = gap_frame(ctx)
         gaps = gaps.merge(busy[lane].drop_duplicates(), on=lane, how="inner")
-        p_gap = np.array([sizes.get((i, d), 1) for i, d in zip(gaps["inst"], gaps["dp"])], dtype=np.int64)
+        p_gap = sizes_of(sizes, gaps["inst"].to_numpy(), gaps["dp"].to_numpy())
         cause = gaps["cause"].to_numpy()
         dur = gaps["dur_ns"].to_numpy()
         starved_queue = (cause == "queue_not_full") & (gaps["runnable"].to_numpy() >= p_gap)
@@ -89,7 +88,7 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         full = full.loc[busy.index]
         per_burst = full.groupby(lane + ["burst"]).agg(m=("step", "nunique"), b=("b", "min"), e=("e", "max"))
         per_burst = per_burst.reset_index()
-        p_b = np.array([sizes.get((i, d), 1) for i, d in zip(per_burst["inst"], per_burst["dp"])], dtype=float)
+        p_b = sizes_of(sizes, per_burst["inst"].to_numpy(), per_burst["dp"].to_numpy()).astype(float)
         per_burst["ideal"] = (p_b - 1) / (per_burst["m"] + p_b - 1) * (per_burst["e"] - per_burst["b"])
         ideal = per_burst.groupby(lane).agg(burst_ideal_ns=("ideal", "sum"), bursts=("burst", "nunique"))
         walls = busy.groupby(lane).agg(first=("b", "min"), last=("e", "max"))
@@ -102,7 +101,7 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
                                    "tp_lanes"]}
         agg["bursts"] = "max"
         ranks = out.groupby(["inst", "dp", "pp"]).agg(agg).reset_index()
-        ranks["p"] = [sizes.get((i, d), 1) for i, d in zip(ranks["inst"], ranks["dp"])]
+        ranks["p"] = sizes_of(sizes, ranks["inst"].to_numpy(), ranks["dp"].to_numpy())
         return ranks
 
     return ctx.cached("pipeline_bubble:ranks", build)

@@ -48,7 +48,7 @@ from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import RequestState, request_state
 from pdtrace.analysis.rulekit import DOWNGRADE, Evidence, engine_configs, gaps, inst_code_of_sk, sk_instance
-from pdtrace.analysis.steps import detail_number
+from pdtrace.analysis.steps import _step_frame
 
 _MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
 
@@ -57,19 +57,19 @@ class SchedCounter:
     """The `sched` rows of every scheduler sorted by (sk, pos), with prefix sums for window counts."""
 
     def __init__(self, ctx: AnalysisContext, cols: Columns) -> None:
-        rows = cols.rows_of("sched")
-        rows = rows[cols.sk[rows] >= 0]
+        frame = _step_frame(ctx)  # the sched details, parsed once for every analysis
+        frame = frame[frame["row"] >= 0]
+        rows = frame["row"].to_numpy()
         self.span = int(cols.n) + 2
         key = cols.sk[rows].astype(np.int64) * self.span + cols.pos[rows]
         order = np.argsort(key, kind="stable")
         rows = rows[order]
         self.key = key[order]
         self.rows = rows
-        empty_run = detail_number(ctx, rows, "empty_run")
-        weight = np.where(np.isnan(empty_run), 1.0, empty_run)
-        free = detail_number(ctx, rows, "free_blocks")
-        running = detail_number(ctx, rows, "running")
-        tokens = cols.nvalue[rows].astype(np.float64)
+        weight = frame["empty_run"].to_numpy()[order]
+        free = frame["free_blocks"].to_numpy()[order]
+        running = frame["running"].to_numpy()[order]
+        tokens = frame["tokens"].to_numpy()[order]
         sk = cols.sk[rows]
         n_sk = len(cols.sk_names)
         max_tokens = np.full(n_sk, np.inf)
@@ -261,7 +261,13 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         room[cand] = sc.room_between(sk[cand], pos[cand], end_pos[cand], need[rk[cand]], threshold)
     ts_end = cols.ts[cols.order[-1]]
     reported = np.zeros(st.n, bool)
-    for i in np.flatnonzero(steps >= threshold).tolist():  # candidate findings only
+    # candidate findings, chosen vectorised: room enough (starved), or still open at the end after a preemption
+    # or after an add never followed by a schedule (preempted_not_resumed / never_scheduled)
+    open_unfinished = is_open & unfinished[rk]
+    maybe = (steps >= threshold) & ((room >= threshold) | (open_unfinished & (
+        (start_kind == code["req_preempt"])
+        | ((start_kind == code["req_add"]) & (st.first_sched_pos[rk] < 0) & (st.wait_kv_pos[rk] < 0)))))
+    for i in np.flatnonzero(maybe).tolist():  # candidate findings only
         r = int(rk[i])
         srow = int(start_rows[i])
         kind = int(start_kind[i])
