@@ -7,8 +7,9 @@
    lists, sched rows with a detail dict, engine step rows, worker exec rows on another channel. Each emit is timed
    alone with `time.perf_counter_ns()` before and after the call; the timer's own cost (the median of back-to-back
    `perf_counter_ns()` pairs, measured over the same number of iterations) is subtracted from every sample. Arguments
-   are prepared before the first timer read. Reported: median, mean, p99, p99.9, max, and the loop's plain
-   cost per emit of an untimed loop. Run twice: with the writer thread running (default flush settings; it takes
+   are prepared before the first timer read. Reported: median, mean, p99, p99.9, max, the minor page faults of
+   the timed loop, and the plain cost per emit of an untimed loop (wall time, and this thread's CPU time, which
+   leaves out time lost to other processes on a loaded machine). Run twice: with the writer thread running (default flush settings; it takes
    the GIL to convert rows, as it would in vLLM, which is what the tail and the mean show) and with the writer
    asleep until the end (the emit alone). Target: median <= 300 ns.
 2. Writer alone. The same mix as buffered rows, converted (`rows_to_table`, 65536 rows per part) and written
@@ -143,15 +144,16 @@ def bench_emit(directory: Path, count: int, writer_idle: bool = False) -> None:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     if writer_idle:
         rec.flush()
-    # The plain cost of the most common call without timers, minus the same loop calling nothing.
-    start = time.perf_counter_ns()
+    # The plain cost of the most common call without timers, minus the same loop calling nothing; in wall time and
+    # in this thread's CPU time (which leaves out time lost to other processes and to the writer thread's GIL use).
+    start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
     for i in range(count):
         sched("req_sched", step=i, req="r", n=1)
-    loop_ns = time.perf_counter_ns() - start
-    start = time.perf_counter_ns()
+    loop_ns, loop_cpu = time.perf_counter_ns() - start, time.thread_time_ns() - start_cpu
+    start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
     for i in range(count):
         pass
-    empty_ns = time.perf_counter_ns() - start
+    empty_ns, empty_cpu = time.perf_counter_ns() - start, time.thread_time_ns() - start_cpu
     rec.close()
     lat = sorted(max(s - overhead, 0) for s in samples)
     state = "writer asleep until the end" if writer_idle else "writer thread running (default flush settings)"
@@ -160,7 +162,8 @@ def bench_emit(directory: Path, count: int, writer_idle: bool = False) -> None:
           f"   p99.9 {percentile(lat, 0.999)} ns   max {lat[-1] / 1e6:.2f} ms")
     print(f"  minor page faults in the timed loop: {faults:,} ({faults * 1000 / count:.0f} per 1000 events: fresh "
           "memory for the buffered rows; each costs microseconds in a VM, which is most of the mean)")
-    print(f"  untimed loop of req_sched emits: {(loop_ns - empty_ns) / count:.0f} ns per emit (empty loop subtracted)")
+    print(f"  untimed loop of req_sched emits (empty loop subtracted): {(loop_ns - empty_ns) / count:.0f} ns wall, "
+          f"{(loop_cpu - empty_cpu) / count:.0f} ns of this thread's CPU per emit")
     print(f"  dropped {rec.dropped_events}, write errors {rec.write_errors}, "
           f"part files {sum(1 for _ in rec.directory.rglob('part-*.parquet'))}")
 
