@@ -9,11 +9,11 @@
    `perf_counter_ns()` pairs, measured over the same number of iterations) is subtracted from every sample. Arguments
    are prepared before the first timer read. Reported: median, mean, p99, p99.9, max, the minor page faults of
    the timed loop, and the plain cost per emit of an untimed loop (wall time, and this thread's CPU time, which
-   leaves out time lost to other processes on a loaded machine). Run twice: with the writer thread running (default flush settings; it takes
-   the GIL to convert rows, as it would in vLLM, which is what the tail and the mean show) and with the writer
-   asleep until the end (the emit alone). Target: median <= 300 ns.
+   leaves out time lost to other processes on a loaded machine). Run twice: with the writer thread running
+   (default flush settings; it takes the GIL to convert rows, as it would in vLLM, which is what the tail and the
+   mean show) and with the writer asleep until the end (the emit alone). Target: median <= 300 ns.
 2. Writer alone. The same mix as buffered rows, converted (`rows_to_table`, 65536 rows per part) and written
-   (`write_part`: zstd Parquet, temp name then rename), timed separately and together, on the main thread.
+   (`write_part`: zstd Parquet, temporary name, then linked to its name), timed separately and together, on the main thread.
    Target: >= 1M events/s for conversion + write.
 """
 
