@@ -14,10 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import pdtrace
 from pdtrace.format import DICTIONARY_COLUMNS, KINDS, META_DROPPED, SCHEMA, file_metadata
-from pdtrace.recording.recorder import Recorder, write_part
+from pdtrace.recording.recorder import Recorder, rows_to_table, write_part
 from pdtrace.trace.reader import find_part_files
 
 T0 = 1_700_000_000_000_000_000
@@ -444,11 +446,6 @@ def test_recorders_of_one_instance_in_one_process_share_the_writers_seq_and_part
 
 
 # ---- the writer's column conversion against pyarrow's own converter ------------------------------------------------
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from pdtrace.recording.recorder import rows_to_table  # noqa: E402
 
 _CHANNELS = [("scheduler", 0, None, None), ("worker", 1, 2, 3), ("engine", None, None, None)]
 
