@@ -28,35 +28,71 @@ NO = -1  # the "absent" value of every code, key, step and position array
 ABSENT = -2  # code_of() for a value the column does not hold
 
 
+def _values(arr: pa.Array, dtype: Any, fill: int) -> np.ndarray:
+    """A primitive Arrow array's values as numpy, nulls replaced by `fill`, read straight from its buffers: no
+    Arrow compute, so no memory held by Arrow's pool (which keeps what it frees) at 10M rows."""
+    n = len(arr)
+    arrow_dtype = np.dtype(arr.type.to_pandas_dtype())
+    values = np.frombuffer(arr.buffers()[1], dtype=arrow_dtype, count=arr.offset + n)[arr.offset:]
+    if arr.null_count:
+        bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
+        valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset:].view(bool)
+        return np.where(valid, values, fill).astype(dtype, copy=False)
+    return values.astype(dtype, copy=False)  # no nulls, same type: a read-only view of the Arrow buffer
+
+
 def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """(int32 codes with -1 for null, category names) of a string or dictionary column, one dictionary for all
-    chunks."""
+    """(integer codes with -1 for null, category names) of a string or dictionary column, one dictionary for all
+    chunks (int16 codes when there are fewer than 32,000 names)."""
     if not pa.types.is_dictionary(column.type):
         column = pc.dictionary_encode(column)
-    column = pa.table({"c": column}).unify_dictionaries().column("c")
     if column.num_chunks == 0:
-        return np.empty(0, np.int32), []
-    names = column.chunk(0).dictionary.to_pylist()
-    parts = [pc.fill_null(chunk.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-             for chunk in column.chunks]
-    codes = np.concatenate(parts) if parts else np.empty(0, np.int32)
-    return codes, [str(n) for n in names]
+        return np.empty(0, np.int16), []
+    first = column.chunk(0).dictionary
+    if any(not chunk.dictionary.equals(first) for chunk in column.chunks[1:]):
+        column = pa.table({"c": column}).unify_dictionaries().column("c")
+        first = column.chunk(0).dictionary
+    names = [str(n) for n in first.to_pylist()]
+    dtype = np.int16 if len(names) < 32_000 else np.int32
+    parts = [_values(chunk.indices, dtype, -1) for chunk in column.chunks]
+    codes = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return codes, names
+
+
+def _ramp(lengths: np.ndarray) -> np.ndarray:
+    """0..len-1 for each length, concatenated."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, np.int64)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total) - starts
 
 
 def int_column(table: pa.Table, name: str, dtype: Any = np.int64) -> np.ndarray:
     """A numeric column as numpy with nulls as -1."""
     col = table.column(name)
-    if col.null_count:
-        col = pc.fill_null(col, -1)
-    return col.to_numpy().astype(dtype, copy=False)
+    if col.num_chunks == 0:
+        return np.empty(0, dtype)
+    parts = [_values(chunk, dtype, -1) for chunk in col.chunks]
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(value, is_valid) of a nullable bool column."""
+    """(value, is_valid) of a nullable bool column, unpacked from its bitmaps."""
     col = table.column(name)
-    valid = pc.is_valid(col).to_numpy(zero_copy_only=False)
-    value = pc.fill_null(col, False).to_numpy(zero_copy_only=False)
-    return value.astype(bool, copy=False), valid.astype(bool, copy=False)
+    values, valids = [], []
+    for arr in col.chunks:
+        n, off = len(arr), arr.offset
+        bits = np.frombuffer(arr.buffers()[1], dtype=np.uint8)
+        values.append(np.unpackbits(bits, count=off + n, bitorder="little")[off:].view(bool))
+        if arr.null_count:
+            vb = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
+            valids.append(np.unpackbits(vb, count=off + n, bitorder="little")[off:].view(bool))
+        else:
+            valids.append(np.ones(n, bool))
+    if not values:
+        return np.zeros(0, bool), np.zeros(0, bool)
+    return np.concatenate(values), np.concatenate(valids)
 
 
 @dataclass
@@ -96,8 +132,12 @@ class Columns:
         """Rows of the given kinds that name a request (cached)."""
         key = ("req_rows",) + kinds
         if key not in self._rows:
-            rows = self.rows_of(*kinds)
-            self._rows[key] = rows[self.rk[rows] >= 0]
+            plain = ("rows",) + kinds
+            if plain in self._rows:
+                rows = self._rows[plain]
+                self._rows[key] = rows[self.rk[rows] >= 0]
+            else:
+                self._rows[key] = np.flatnonzero(self.is_kind(*kinds) & (self.rk >= 0))
         return self._rows[key]
 
     def mask_of_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -140,7 +180,7 @@ class Columns:
 
     @cached_property
     def dp(self) -> np.ndarray:
-        return int_column(self.table, "dp_rank", np.int32)
+        return int_column(self.table, "dp_rank", np.int16)
 
     @cached_property
     def _sched_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -151,7 +191,8 @@ class Columns:
         present = np.flatnonzero(np.bincount(combined)) if self.n else np.empty(0, np.int64)
         lut = np.full(int(combined.max()) + 1 if self.n else 1, NO, np.int64)
         lut[present] = np.arange(len(present))
-        return lut[combined].astype(np.int32), present // width, present % width - 1
+        sk_dtype = np.int16 if len(present) < 32_000 else np.int32
+        return lut[combined].astype(sk_dtype), present // width, present % width - 1
 
     @property
     def sk(self) -> np.ndarray:
@@ -171,15 +212,15 @@ class Columns:
     def _request_keys(self) -> tuple[np.ndarray, np.ndarray]:
         req, _ = self.codes("req")
         has = req >= 0
-        width = int(req.max()) + 1 if self.n else 1
-        combined = self.sk.astype(np.int64) * width + req
+        width = int(req.max()) + 1 if self.n else 1  # req codes stay int32 when there are many ids
+        combined = self.sk.astype(np.int64) * width + req.astype(np.int64)
         space = (int(self.sk.max()) + 1) * width if self.n else 0
-        rk = np.full(self.n, NO, np.int64)
+        rk = np.full(self.n, NO, np.int32)
         if 0 < space <= 64_000_000:
             # dense key space: one bincount and a lookup table instead of hashing every row
             counts = np.bincount(combined[has], minlength=space)
             present = np.flatnonzero(counts)
-            lut = np.full(space, NO, np.int64)
+            lut = np.full(space, NO, np.int32)
             lut[present] = np.arange(len(present))
             rk[has] = lut[combined[has]]
             n_keys = len(present)
@@ -224,7 +265,34 @@ class Columns:
 
     @cached_property
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.trace.block_rows()
+        """The `blocks` column flattened: (row of each block, block id), read from the list offsets with numpy."""
+        col = self.table.column("blocks")
+        rows_parts, id_parts = [], []
+        base = 0
+        for arr in col.chunks:
+            n, off = len(arr), arr.offset
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=off + n + 1)[off:]
+            lengths = np.diff(offsets)
+            if arr.null_count:  # a null list may still span values in theory; count none for it
+                vb = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
+                valid = np.unpackbits(vb, count=off + n, bitorder="little")[off:].view(bool)
+                lengths = np.where(valid, lengths, 0)
+            else:
+                valid = None
+            child = arr.values
+            vals = np.frombuffer(child.buffers()[1], dtype=np.int32, count=child.offset + len(child))[child.offset:]
+            start = offsets[:-1]
+            if valid is None:
+                ids = vals[offsets[0]:offsets[-1]]
+            else:
+                take = np.repeat(start - offsets[0], lengths) + _ramp(lengths)
+                ids = vals[offsets[0]:offsets[-1]][take]
+            rows_parts.append(np.repeat(np.arange(base, base + n, dtype=np.int64), lengths))
+            id_parts.append(np.array(ids, dtype=np.int32))
+            base += n
+        if not rows_parts:
+            return np.empty(0, np.int64), np.empty(0, np.int32)
+        return np.concatenate(rows_parts), np.concatenate(id_parts)
 
     def flat_blocks(self, rows_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(row, block) pairs of the rows selected by a boolean mask, in row order."""

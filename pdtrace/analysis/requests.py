@@ -113,11 +113,7 @@ def _build_state(cols: Columns) -> RequestState:
     preempt_rows = cols.req_rows("req_preempt")
     free_rows = cols.req_rows("blocks_free")
     sched_rk = rk[sched]
-    # the request's last scheduler event: over the kinds that move a request (not every row that names it)
-    any_rows = cols.req_rows("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "blocks_alloc",
-                             "blocks_free", "kv_send_done", "kv_recv_done", "kv_recv_fail", "kv_expire",
-                             "kv_heartbeat")
-    return RequestState(
+    state = RequestState(
         n=n,
         sk=cols.rk_names["sk"].to_numpy() if n else np.empty(0, np.int32),
         add_pos=_first(cols, ("req_add",), n),
@@ -136,8 +132,13 @@ def _build_state(cols: Columns) -> RequestState:
         last_free_pos=last_per_key(rk[free_rows], pos[free_rows], n),
         n_preempt=np.bincount(rk[preempt_rows], minlength=n) if n else np.empty(0, np.int64),
         last_preempt_pos=last_per_key(rk[preempt_rows], pos[preempt_rows], n),
-        last_pos=last_per_key(rk[any_rows], pos[any_rows], n),
+        last_pos=np.zeros(0, np.int64),
     )
+    # the request's last lifecycle event, from the moments above (no extra pass over the rows)
+    state.last_pos = np.max(np.stack([state.add_pos, state.last_sched_pos, state.wait_kv_pos, state.recv_done_pos,
+                                      state.recv_fail_pos, state.finish_pos, state.send_done_pos, state.expire_pos,
+                                      state.last_free_pos, state.last_preempt_pos]), axis=0) if n else state.last_pos
+    return state
 
 
 def request_state(ctx: Any) -> RequestState:
