@@ -161,7 +161,9 @@ def bench_emit(directory: Path, count: int, writer_idle: bool = False) -> None:
     print(f"  median {percentile(lat, 0.5)} ns   mean {statistics.fmean(lat):.0f} ns   p99 {percentile(lat, 0.99)} ns"
           f"   p99.9 {percentile(lat, 0.999)} ns   max {lat[-1] / 1e6:.2f} ms")
     print(f"  minor page faults in the timed loop: {faults:,} ({faults * 1000 / count:.0f} per 1000 events: fresh "
-          "memory for the buffered rows; each costs microseconds in a VM, which is most of the mean)")
+          "memory for the buffered rows)")
+    print("  (on a loaded machine the mean and the tail are mostly time this process spent without a CPU; compare "
+          "the CPU-time figure below)")
     print(f"  untimed loop of req_sched emits (empty loop subtracted): {(loop_ns - empty_ns) / count:.0f} ns wall, "
           f"{(loop_cpu - empty_cpu) / count:.0f} ns of this thread's CPU per emit")
     print(f"  dropped {rec.dropped_events}, write errors {rec.write_errors}, "
