@@ -4,6 +4,7 @@
     python sample_traces/regenerate.py starve          # one sample
     python sample_traces/regenerate.py --expected      # also rewrite expected.json from the current analyzer
     python sample_traces/regenerate.py --expected-only # only rewrite expected.json (no vLLM needed)
+    python sample_traces/regenerate.py --readme        # rewrite README.md's table from the expected.json files
 
 Each sample directory holds `trace/` (the trace, with `_manifest.json` holding the full dry-run config), `REGENERATE`
 (the exact command) and `expected.json` (what `pdtrace analyze --format json` must report, compared by
@@ -28,16 +29,18 @@ from pdtrace.dryrun import DryRunConfig, run_dry_run  # noqa: E402
 #: name -> (what it shows, DryRunConfig fields that differ from the defaults)
 SAMPLES: dict[str, tuple[str, dict]] = {
     "healthy_pd_pp1": ("healthy 1P1D, PP=1: no errors", dict(requests=24, rate=200.0, seed=1)),
-    "healthy_pd_pp4": ("healthy 1P1D, PP=4, a full pipeline (all requests at once): no errors",
-                       dict(requests=32, pp=4, rate=0.0, prompt_len="uniform:32:128", output_len="exp:24",
-                            seed=2)),
+    "healthy_pp4": ("healthy prefill instance at PP=4, a full pipeline (48 requests at once; a phantom decoder "
+                    "reads the KV): no findings",
+                    dict(requests=48, pp=4, instances="p", rate=0.0, prompt_len="uniform:32:96",
+                         output_len="uniform:24:40", seed=2)),
     "completion_before_finish": ("P reports finished_sending for a request mid-prefill (PP=2): vLLM's assert "
                                  "in _free_blocks",
                                  dict(requests=8, pp=2, rate=400.0, faults=["completion_before_finish"], seed=3)),
     "lost_send_completion": ("a send completion never arrives: P's blocks leak",
                              dict(requests=12, rate=200.0, faults=["lost_send_completion"], end_hold_s=500.0,
                                   seed=4)),
-    "abort_while_waiting_kv": ("a D request aborted while its KV read is in flight",
+    "abort_while_waiting_kv": ("a D request aborted while its KV read is in flight; vLLM 0.33 delays the free "
+                               "until the read ends, so nothing is wrong: no findings (a negative control)",
                                dict(requests=12, rate=200.0, faults=["abort_while_waiting_kv"], seed=5)),
     "duplicate_completion": ("P rank 0 reports one send twice: vLLM's assert req_id in self.requests",
                              dict(requests=12, rate=200.0, faults=["duplicate_completion"], seed=6)),
@@ -123,9 +126,66 @@ def _previous(sample: Path) -> dict:
 ANALYZE_ARGS: dict[str, list[str]] = {}
 
 
+README_TEMPLATE = """# Sample traces
+
+Small traces made by `pdtrace record --dry-run` (vLLM 0.33.0's real EngineCore and Scheduler, with the NIXL
+connector's scheduler side, on pdtrace's simulated workers and transfer engine; see `pdtrace/dryrun/`). They need
+nothing but pdtrace to read:
+
+```
+pdtrace analyze sample_traces/lost_send_completion
+pdtrace show sample_traces/completion_before_finish --request r00001-p
+```
+
+Each directory holds `trace/` (the trace; `trace/_manifest.json` has the full dry-run configuration), `REGENERATE`
+(the exact command that made it) and `expected.json` (what `pdtrace analyze --format json` reports: rule, subrule,
+severity, instance, number of findings and request ids; `tests/test_samples.py` checks it). Request ids are
+`rNNNNN-p` on the prefill instance and `rNNNNN-d` on the decode instance (the same client request).
+
+| sample | what it shows | findings (severity rule/subrule (instance, count)) | vLLM raised | size |
+| --- | --- | --- | --- | --- |
+@TABLE@
+
+Notes:
+
+- `completion_before_finish` and `duplicate_completion` end where vLLM's own assert stopped the engine
+  (`engine_error` is the trace's last scheduler event): exactly what kills a real EngineCoreProc.
+- The leak samples (`lost_send_completion`, `missing_rank_completion`, `slow_transfer`, `starve`) were made with
+  `--end-hold-s 500`: once the run is stuck, the engines jump 500 s ahead and take one more step, so the wait
+  outlasts the analyzer's default grace period (480 s, NIXL's D-side block TTL) without simulating the ~1000 empty
+  steps a second that vLLM runs meanwhile.
+- `starve`: vLLM 0.33 refuses a max_model_len its pool could never hold, so a request that can never fit needs
+  blocks lost at run time; here request 0's send completion is lost (its blocks stay pinned) and the target needs the
+  whole usable pool. The requests behind it wait too (FCFS head-of-line).
+- `abort_while_waiting_kv` is a negative control: vLLM 0.33 keeps the aborted request's blocks until its KV read
+  completes (scheduler.py:3015-3024), so nothing is wrong and nothing is reported.
+- A 1P1D run at PP=4 shows large decode-side bubbles (the V1 runner puts every ready decode into one micro-batch, so
+  the other stages wait); `healthy_pp4` is therefore a prefill instance, whose pipeline stays full.
+
+Regenerate all of them (needs vLLM 0.33.0; about 2 minutes on 2 cores): `python sample_traces/regenerate.py`; add
+`--expected` to rewrite expected.json from the current analyzer (then check the findings by hand); `--expected-only`
+rewrites expected.json without vLLM; `--readme` rewrites this file's table.
+"""
+
+
+def write_readme() -> None:
+    """sample_traces/README.md: the table of samples, from SAMPLES and each expected.json."""
+    rows = []
+    for name, (desc, _) in SAMPLES.items():
+        e = json.loads((HERE / name / "expected.json").read_text())
+        fs = "; ".join(f"{f['severity']} {f['rule']}/{f['subrule']} ({f['instance']}, {f['count']})"
+                       for f in e["findings"]) or "none"
+        size = sum(p.stat().st_size for p in (HERE / name / "trace").rglob("*") if p.is_file())
+        rows.append(f"| `{name}` | {desc} | {fs} | {e.get('engine_error') or ''} | {size / 1024:.0f} KB |")
+    (HERE / "README.md").write_text(README_TEMPLATE.replace("@TABLE@", "\n".join(rows)))
+
+
 def main(argv: list[str]) -> int:
     write_expected = "--expected" in argv
     only_expected = "--expected-only" in argv
+    if "--readme" in argv:
+        write_readme()
+        return 0
     names = [a for a in argv if not a.startswith("-")] or list(SAMPLES)
     for name in names:
         if name not in SAMPLES:

@@ -17,7 +17,10 @@ SAMPLES_DIR = REPO / "sample_traces"
 SIZE_LIMIT = 5 * 1024 * 1024
 
 #: Every sample the dry-run issue asks for: the two healthy ones and one per fault.
-REQUIRED = ("healthy_pd_pp1", "healthy_pd_pp4", "completion_before_finish", "lost_send_completion",
+#: abort_while_waiting_kv is a negative control: vLLM 0.33 keeps an aborted WAITING_FOR_REMOTE_KVS request's blocks
+#: until its read completes (scheduler.py:3015-3024), so a correct analyzer reports nothing there.
+NEGATIVE_CONTROLS = ("abort_while_waiting_kv",)
+REQUIRED = ("healthy_pd_pp1", "healthy_pp4", "completion_before_finish", "lost_send_completion",
             "abort_while_waiting_kv", "duplicate_completion", "missing_rank_completion", "slow_transfer",
             "starve", "few_requests_pp")
 
@@ -76,8 +79,8 @@ def test_healthy_samples_have_no_errors_and_fault_samples_do() -> None:
     for name in REQUIRED:
         expected = json.loads((SAMPLES_DIR / name / "expected.json").read_text())
         severities = {f["severity"] for f in expected["findings"]}
-        if name.startswith("healthy"):
-            assert "error" not in severities, name
+        if name.startswith("healthy") or name in NEGATIVE_CONTROLS:
+            assert "error" not in severities and "warning" not in severities, name
         else:
             assert expected["findings"], f"{name}: a fault sample with no finding"
 
