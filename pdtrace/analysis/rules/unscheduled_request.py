@@ -4,15 +4,18 @@ Positions are the global time order of `pdtrace.analysis.columns`; request keys 
 req). Steps are counted as `schedule()` calls of the request's scheduler (`sched` rows, a coalesced row counting
 its `empty_run`), with prefix sums over the scheduler's `sched` rows and searchsorted, never per event.
 
-A step *had room* for a waiting request when other requests ran (tokens > 0), the token budget was not exhausted
-(tokens < max_num_batched_tokens and running < max_num_seqs, where engine_config gives them) and the pool had the
-blocks its prompt needs (sched detail free_blocks >= ceil(prompt / block_size); 1 block without a block size). The
-room count of a window is a prefix sum of (budget and free_blocks >= 1); windows reaching the threshold on that
-upper bound are then checked exactly against the request's own block need (one numpy slice per candidate).
+A step *had room* for a waiting request when the token budget was not exhausted (tokens < max_num_batched_tokens
+and running < max_num_seqs, where engine_config gives them) and the pool had the blocks its prompt needs (sched
+detail free_blocks >= ceil(prompt / block_size); 1 block without a block size). Other requests running is not
+required: a FCFS queue stalled behind a head-of-line request that can never fit leaves the engine stepping with
+nothing scheduled, the worst starvation there is (the dry run's `starve` sample); the message says how many of the
+steps ran other requests. The room count of a window is a prefix sum of (budget and free_blocks >= 1); windows
+reaching the threshold on that upper bound are then checked exactly against the request's own block need (one
+numpy slice per candidate).
 
 Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
 - `starved`: a waiting period (from req_add, req_preempt or the close of a KV receive, to the next req_sched,
-  req_wait_kv or req_finish) with at least starve_steps steps that had room. Error when still waiting at the end of
+  req_wait_kv or req_finish) with at least starve_steps steps that had room for it. Error when still waiting at the end of
   the trace, warning when it was served late. The message names the head-of-line blocker: the oldest request that
   was waiting unscheduled when the period began.
 - `never_scheduled`: never scheduled, unfinished, not waiting for remote KV, and starve_steps steps went by after
@@ -84,9 +87,10 @@ class SchedCounter:
                     pass
         # free_blocks unknown: room is not judged on blocks (NaN compares false below, so fill with +inf)
         self.free = np.where(np.isnan(free), np.inf, free)
-        budget = (tokens > 0) & (tokens < max_tokens[sk]) & ~(running >= max_seqs[sk])
+        budget = ~(tokens >= max_tokens[sk]) & ~(running >= max_seqs[sk])
         self.budget = budget
         self.cum_weight = np.r_[0.0, np.cumsum(weight)]
+        self.cum_busy = np.r_[0, np.cumsum(tokens > 0)]
         # each scheduler's last step id (a coalesced run's last id included)
         self.last_step = np.full(n_sk, NO, np.int64)
         if len(rows):
@@ -105,6 +109,11 @@ class SchedCounter:
     def steps_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         lo, hi = self._range(sk, a, b)
         return self.cum_weight[hi] - self.cum_weight[lo]
+
+    def busy_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """sched rows that scheduled tokens (other requests ran), strictly between a and b."""
+        lo, hi = self._range(sk, a, b)
+        return self.cum_busy[hi] - self.cum_busy[lo]
 
     def room_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray, need: np.ndarray,
                      threshold: int) -> np.ndarray:
@@ -294,8 +303,11 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             blocker = _blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i])) if len(out.pending) < 200 else None
             sev = "error" if open_ else "warning"
             tail = "still waiting at the end of the trace" if open_ else f"then scheduled ({_fmt_ms(waited_ns)})"
-            msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps while other requests ran, "
-                   f"{n_room} of them with room for it (token budget left, >= {int(need[r])} free blocks); {tail}")
+            n_busy = int(sc.busy_between(sk[i:i + 1], pos[i:i + 1], end_pos[i:i + 1])[0])
+            extra["steps_others_ran"] = n_busy
+            msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps, {n_room} of them with room for "
+                   f"it (token budget left, >= {int(need[r])} free blocks), other requests running in {n_busy}; "
+                   f"{tail}")
             if blocker:
                 msg += f"; head of line: {blocker}, waiting since before it"
                 extra["head_of_line"] = blocker
