@@ -166,7 +166,7 @@ def bench_emit(directory: Path, count: int, writer_idle: bool = False) -> None:
           "the CPU-time figure below)")
     print(f"  untimed loop of req_sched emits (empty loop subtracted): {(loop_ns - empty_ns) / count:.0f} ns wall, "
           f"{(loop_cpu - empty_cpu) / count:.0f} ns of this thread's CPU per emit")
-    print(f"  dropped {rec.dropped_events}, write errors {rec.write_errors}, "
+    print(f"  dropped {rec.dropped_events}, write errors {rec.errors}, "
           f"part files {sum(1 for _ in rec.directory.rglob('part-*.parquet'))}")
 
 

@@ -180,7 +180,7 @@ def test_emit_many_with_a_broken_iterable_never_raises(tmp_path: Path) -> None:
     rec.emit("sched", step=1, n=1)
     rec.close()
     assert [r["kind"] for r in rows_of(tmp_path)] == ["sched"]
-    assert rec.write_errors == 1
+    assert rec.errors == 1
 
 
 def test_detail_dict_str_and_unencodable(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ def test_a_part_that_cannot_be_written_is_counted_as_a_gap(tmp_path: Path, capfd
     rec.flush()  # fails: disk full
     rec.emit("sched", step=5, n=5)
     rec.close()
-    assert rec.write_errors == 1 and "No space left" in (rec.last_error or "")
+    assert rec.errors == 1 and "No space left" in (rec.last_error or "")
     assert "could not write a part file, 5 events dropped" in capfd.readouterr().err
     rows = rows_of(tmp_path)
     assert [(r["kind"], r["step"], r["n"]) for r in rows] == [("recorder_gap", None, 5), ("sched", 5, 5)]
@@ -506,3 +506,17 @@ def test_rows_to_table_mostly_null_and_dense_columns_agree() -> None:
             assert [v is not None for v in table.column(name).to_pylist()] == expected_present, (every, name)
         assert table.column("step").to_pylist() == [i if p else None for i, p in enumerate(expected_present)]
         assert table.column("detail").to_pylist()[0] == '{"i":0}'
+
+
+def test_a_failing_clock_never_raises_into_the_caller(tmp_path: Path) -> None:
+    def broken_clock() -> int:
+        raise RuntimeError("virtual clock not started")
+
+    rec = make(tmp_path, clock=broken_clock)
+    rec.emit("sched", step=0)
+    rec.emit_many("req_sched", step=0, reqs=["a"])
+    rec.clock = counter_clock()
+    rec.emit("sched", step=1)
+    rec.close()
+    assert rec.errors == 2
+    assert [r["step"] for r in rows_of(tmp_path)] == [1]

@@ -146,13 +146,17 @@ class Channel:
         string. Do not mutate either afterwards.
         """
         # The hot path: one length check against a threshold, one tuple, one append. Everything else (starting the
-        # writer, waking it, dropping when full, closed/off) is in the slow path behind the threshold.
-        if len(self._rows) < self._rec._accept_below:
-            self._append((self._clock(), self._id, kind, step, req, blocks, n, reason, status, delay_free,
-                          deferred, detail))
-        else:
-            self._rec._slow_add(self, [(self._clock(), self._id, kind, step, req, blocks, n, reason, status,
-                                        delay_free, deferred, detail)])
+        # writer, waking it, dropping when full, closed/off) is in the slow path behind the threshold. The try costs
+        # nothing on Python >= 3.11 until something raises (an injected clock that fails).
+        try:
+            if len(self._rows) < self._rec._accept_below:
+                self._append((self._clock(), self._id, kind, step, req, blocks, n, reason, status, delay_free,
+                              deferred, detail))
+            else:
+                self._rec._slow_add(self, [(self._clock(), self._id, kind, step, req, blocks, n, reason, status,
+                                            delay_free, deferred, detail)])
+        except Exception:
+            self._rec._count_error()
 
     def emit_many(self, kind: str, step: int | None = None, reqs: Iterable[str] = (), ns: Iterable[int] | None = None,
                   reason: str | None = None, status: str | None = None) -> None:
@@ -166,13 +170,12 @@ class Channel:
             else:
                 rows = [(ts, cid, kind, step, req, None, n, reason, status, None, None, None)
                         for req, n in zip(reqs, ns)]
-        except Exception:  # a bad iterable from a hook: count it as one dropped call rather than raise
+            if len(self._rows) + len(rows) <= self._rec._accept_below:
+                self._extend(rows)
+            elif rows:
+                self._rec._slow_add(self, rows)
+        except Exception:  # a bad iterable or clock from a hook: counted, never raised
             self._rec._count_error()
-            return
-        if len(self._rows) + len(rows) <= self._rec._accept_below:
-            self._extend(rows)
-        elif rows:
-            self._rec._slow_add(self, rows)
 
     def __repr__(self) -> str:
         return (f"Channel({self.component!r}, dp_rank={self.dp_rank}, pp_rank={self.pp_rank}, "
@@ -256,7 +259,8 @@ class Recorder:
         self._state = _NEW
         self._accept_below = 0  # 0: the first event takes the slow path, which starts the writer
 
-        self.write_errors = 0
+        self._write_failed_before = False
+        self.errors = 0  # failed part writes and failed calls (a bad clock or iterable): counted, never raised
         self.last_error: str | None = None
         self._default = self.channel(component)
         # The default channel's bound methods as instance attributes: `rec.emit(...)` costs what `chan.emit` does.
@@ -435,7 +439,7 @@ class Recorder:
             self._gap_count = 0
 
     def _count_error(self) -> None:
-        self.write_errors += 1
+        self.errors += 1
 
     def _start(self) -> None:
         """First event of this process: start the writer thread and the exit hooks (state lock held)."""
@@ -510,9 +514,10 @@ class Recorder:
                 raise FileExistsError(f"no free part number in {self.folder}")
             ok = True
         except Exception as exc:  # disk full, a bad value that survived sanitising: never let the thread die
-            self.write_errors += 1
+            self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            if self.write_errors == 1:
+            if not self._write_failed_before:  # one line on stderr per recorder, not one per part
+                self._write_failed_before = True
                 try:
                     sys.stderr.write(f"pdtrace: recorder {self.instance!r} could not write a part file, "
                                      f"{count} events dropped ({self.last_error})\n")
