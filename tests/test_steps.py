@@ -162,3 +162,41 @@ def test_busy_plus_idle_is_the_lane_wall(pp, n, cap, tp):
         work = int((lane["end_ts"] - lane["begin_ts"]).sum())
         idle = int(bub[(bub["pp_rank"] == p) & (bub["tp_rank"] == t)]["dur_ns"].sum())
         assert work + idle == wall
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), which=st.sampled_from(["pp4", "few", "pd", "preempt", "deferred"]))
+def test_random_corruptions_never_crash(data, which):
+    """Drop rows, null out steps and details, repeat rows: every table, both rules and the stories still run."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pdtrace.analysis.rules import pipeline_bubble, unscheduled_request
+    from pdtrace.analysis.story import request_story, step_ranks, step_story
+    from pdtrace.trace.model import Trace
+    from scenarios import deferred_frees, healthy_pd, preempt_resume
+
+    make = {"pp4": healthy_pp4, "few": few_requests_pp4, "pd": healthy_pd, "preempt": preempt_resume,
+            "deferred": deferred_frees}[which]
+    table = make().table
+    n = table.num_rows
+    keep = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    table = table.filter(pa.array(keep))
+    if table.num_rows and data.draw(st.booleans()):
+        nulls = pa.array(data.draw(st.lists(st.booleans(), min_size=table.num_rows, max_size=table.num_rows)))
+        for name in ("step", "detail", "n"):
+            col = table.column(name)
+            table = table.set_column(table.column_names.index(name), name,
+                                     pc.if_else(nulls, pa.nulls(len(col), col.type), col))
+    if table.num_rows and data.draw(st.booleans()):
+        table = pa.concat_tables([table, table.slice(0, data.draw(st.integers(0, table.num_rows)))])
+    trace = Trace.from_table(table)
+    ctx = AnalysisContext(trace)
+    step_table(ctx)
+    exec_spans(ctx)
+    bubbles(ctx)
+    pipeline_bubble.run(ctx)
+    unscheduled_request.run(ctx)
+    request_story(trace, "r1")
+    step_story(trace, 3)
+    step_ranks(trace, 3)
