@@ -72,7 +72,8 @@ def _time_axis(sel: Selection, dpi: float) -> TimeAxis:
 
 
 def _figure(height_in: float, dpi: float) -> Figure:
-    fig = Figure(figsize=(WIDTH_IN, height_in), dpi=dpi)
+    # Whole inches, so that the image is exactly figsize * dpi pixels for any whole dpi.
+    fig = Figure(figsize=(WIDTH_IN, float(max(round(height_in), 3))), dpi=dpi)
     fig.subplots_adjust(left=_AXES_LEFT, right=_AXES_RIGHT, top=0.92, bottom=0.1)
     return fig
 
@@ -126,6 +127,16 @@ def _engine_labels(frame: pd.DataFrame, multi_dp: set[str]) -> pd.Series:
     return inst.where(~inst.isin(list(multi_dp)), inst + " dp" + dp)
 
 
+def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
+    """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role."""
+    table = ctx.trace.table.select(["instance", "role"])
+    pairs = table.group_by(["instance", "role"]).aggregate([]).to_pandas()  # one row per (instance, role)
+    rank = {"prefill": 0, "both": 1, "none": 2, "decode": 3}
+    best = {str(i): min(rank.get(str(r), 4) for r in pairs.loc[pairs["instance"] == i, "role"])
+            for i in pairs["instance"].unique()}  # per instance
+    return sorted(names, key=lambda n: (best.get(n, 5), n))
+
+
 def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
     """The step_submit / step_output rows (a filter in Arrow, so the other events never become pandas)."""
     import pyarrow as pa
@@ -146,9 +157,12 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     from pdtrace.analysis.steps import bubbles, exec_spans
 
     spans = exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"])
-    spans = spans[sel.keep_instance(spans["instance"]) & sel.overlaps(spans["begin_ts"], spans["end_ts"])]
-    if len(spans) == 0:
-        raise sel.empty("exec spans (exec_begin/exec_end)")
+    spans = spans[sel.keep_instance(spans["instance"])]  # all of them name the lanes; the window clips below
+    bub = bubbles(ctx).dropna(subset=["start_ns", "end_ns"])
+    bub = bub[sel.keep_instance(bub["instance"]) & sel.overlaps(bub["start_ns"], bub["end_ns"])]
+    in_window = sel.overlaps(spans["begin_ts"], spans["end_ts"])
+    if not in_window.any() and len(bub) == 0:
+        raise sel.empty("exec spans (exec_begin/exec_end) or bubbles")
     dp_per_inst = spans.groupby(spans["instance"].astype("str"))["dp_rank"].nunique()
     multi_dp = set(dp_per_inst[dp_per_inst > 1].index)
 
@@ -160,14 +174,14 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     spans = lanes_of(spans)
     # One lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
     lane_tp = spans.groupby(["engine", "pp_rank"])["tp_rank"].min().rename("lane_tp").reset_index()
-    engines = sorted(lane_tp["engine"].unique())
+    engines = instance_order(ctx, list(lane_tp["engine"].unique()))
     lanes: list[tuple[str, str, int]] = []  # (label, engine, pp_rank; -1 for the engine lane)
     for eng in engines:  # per scheduler (few)
         lanes.append((f"{eng} engine", eng, -1))
         lanes.extend((f"{eng} PP{pp}", eng, int(pp)) for pp in sorted(lane_tp.loc[lane_tp["engine"] == eng, "pp_rank"]))
     lane_table = pd.DataFrame([(eng, pp, i) for i, (_, eng, pp) in enumerate(lanes)],
                               columns=["engine", "pp_rank", "lane"]).merge(lane_tp, on=["engine", "pp_rank"], how="left")
-    spans = spans.merge(lane_table, on=["engine", "pp_rank"])
+    spans = spans[in_window].merge(lane_table, on=["engine", "pp_rank"])
     spans = spans[spans["tp_rank"] == spans["lane_tp"]]
     n_lanes = len(lanes)
 
@@ -187,10 +201,18 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     # exec spans, merged where several fall within one pixel
     begin = np.maximum(spans["begin_ts"].to_numpy(np.int64), sel.lo_ns).astype(np.float64)
     end = np.minimum(spans["end_ts"].to_numpy(np.int64), sel.hi_ns).astype(np.float64)
-    merged = merge_subpixel(spans["lane"].to_numpy(np.int64), begin, end, tx.px_ns)
+    # Spans at least a pixel wide are drawn one by one; narrower ones are merged where they lie within a pixel of
+    # each other (a run of them becomes one dark rectangle).
+    lanes_arr = spans["lane"].to_numpy(np.int64)
+    narrow = (end - begin) < tx.px_ns
+    wide_idx = np.flatnonzero(~narrow)
+    merged_narrow = merge_subpixel(lanes_arr[narrow], begin[narrow], end[narrow], tx.px_ns)
+    merged_narrow["first"] = np.flatnonzero(narrow)[merged_narrow["first"].to_numpy(np.int64)]
+    merged = pd.concat([pd.DataFrame({"lane": lanes_arr[wide_idx], "start": begin[wide_idx], "end": end[wide_idx],
+                                      "count": 1, "first": wide_idx}), merged_narrow], ignore_index=True)
     step = spans["step"].astype("Int64").fillna(0).to_numpy(np.int64)
     slot = step % np.maximum(depth, 1) if multi_slot else step % 2
-    first = merged["first"].to_numpy()
+    first = merged["first"].to_numpy(np.int64)
     single = merged["count"].to_numpy() == 1
     colours = np.where(single, np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)], DENSE_COLOR)
     yc = y_of[merged["lane"].to_numpy(np.int64)]
@@ -204,8 +226,6 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         legend.append(Patch(facecolor=DENSE_COLOR, label="exec, several steps per pixel"))
 
     # bubbles: one shaded rectangle per bubble the analysis reports on a drawn lane
-    bub = bubbles(ctx).dropna(subset=["start_ns", "end_ns"])
-    bub = bub[sel.keep_instance(bub["instance"]) & sel.overlaps(bub["start_ns"], bub["end_ns"])]
     if len(bub):
         bub = lanes_of(bub).merge(lane_table, on=["engine", "pp_rank"])
         bub = bub[bub["tp_rank"] == bub["lane_tp"]]
@@ -338,7 +358,9 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     # Leaks: the leaked_blocks rule's own run on this context (the code analyze runs; no other rule is needed).
     usage = block_usage(ctx)
     usage = usage[sel.keep_instance(usage["instance"])]
-    keys = usage[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
+    keys = usage[["instance", "dp_rank"]].drop_duplicates()
+    order = {name: i for i, name in enumerate(instance_order(ctx, list(keys["instance"].unique())))}
+    keys = keys.assign(o=keys["instance"].map(order)).sort_values(["o", "dp_rank"])
     tx = _time_axis(sel, dpi)
     panels = []
     for inst, dp in zip(keys["instance"], keys["dp_rank"]):  # one panel per scheduler (few)
@@ -370,14 +392,18 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
                             label=state.replace("_", " "), gid=f"blocks:{state}")
             base = top
         pool = part["pool_blocks"].dropna()
-        if len(pool):
-            ax.axhline(float(pool.iloc[-1]), color="black", linestyle="--", linewidth=1,
-                       label=f"pool ({int(pool.iloc[-1])} blocks)", gid="pool")
         peak = int(part["in_use"].max())
+        pool_size = int(pool.iloc[-1]) if len(pool) else None
+        # The pool line is on scale unless usage stays under a quarter of it (then the peaks would be flat).
+        on_scale = pool_size is not None and peak >= pool_size / 4
+        if pool_size is not None:
+            ax.axhline(float(pool_size), color="black", linestyle="--", linewidth=1, gid="pool",
+                       label=f"pool ({pool_size} blocks)" + ("" if on_scale else ", above the axis"))
         name = inst if pd.isna(dp) or len(keys) == keys["instance"].nunique() else f"{inst} dp{dp}"
-        ax.set_title(f"{name}: KV blocks in use (peak {peak})", fontsize=9)
+        used = f", {100 * peak / pool_size:.1f}% of the pool" if pool_size else ""
+        ax.set_title(f"{name}: KV blocks in use (peak {peak}{used})", fontsize=9)
         ax.set_ylabel("blocks")
-        ax.set_ylim(0, max(peak, float(pool.iloc[-1]) if len(pool) else 0) * 1.08 + 1)
+        ax.set_ylim(0, (max(peak, pool_size) if on_scale else peak) * 1.1 + 1)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         ax.grid(alpha=0.3)
     axes[-1].set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
