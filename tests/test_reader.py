@@ -325,3 +325,17 @@ def test_dropped_events_and_sources_come_from_the_metadata(tmp_path):
     assert trace.sources == ["dryrun", "vllm-0.33.0"]
     assert [f.rows for f in trace.files] == [10, 20]
     assert trace.filter(pc.equal(trace.table.column("kind"), "sched")).files == trace.files
+
+
+def test_dropped_events_take_each_writers_running_total() -> None:
+    """A file's pdtrace.dropped_events is its writer's running total: sum the last total of each writer folder."""
+    from pdtrace.trace.model import Trace, TraceFile
+
+    def part(path: str, dropped: int) -> TraceFile:
+        return TraceFile(path=path, rows=1, schema_version="1", pdtrace_version="t", source="s", dropped_events=dropped)
+
+    trace = Trace(table=EventBuilder().table(), files=[
+        part("T/P/1/part-000000.parquet", 3), part("T/P/1/part-000001.parquet", 5),
+        part("T/D/2/part-000000.parquet", 2),
+    ])
+    assert trace.dropped_events == 7

@@ -110,8 +110,13 @@ class Trace:
 
     @property
     def dropped_events(self) -> int:
-        """Events the recorders dropped (sum of the files' `pdtrace.dropped_events`)."""
-        return sum(f.dropped_events for f in self.files)
+        """Events the recorders dropped. A file's `pdtrace.dropped_events` is its writer's running total, so this
+        is the sum over writers (a writer's files share one folder) of the largest count among its files."""
+        per_writer: dict[str, int] = {}
+        for f in self.files:
+            writer = str(Path(f.path).parent)
+            per_writer[writer] = max(per_writer.get(writer, 0), f.dropped_events)
+        return sum(per_writer.values())
 
     @property
     def sources(self) -> list[str]:

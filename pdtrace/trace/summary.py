@@ -5,7 +5,7 @@
     trace            the trace's path (null for an in-memory trace)
     events           rows loaded
     files            part files loaded;  skipped_files: [{path, reason}] of the files left out
-    dropped_events   events the recorders dropped (sum of the files' pdtrace.dropped_events)
+    dropped_events   events the recorders dropped (per writer folder the largest running total of its files, summed)
     sources, schema_versions, pdtrace_versions   distinct values over the loaded files
     time             {start_ns, end_ns, duration_ns, start, end (ISO 8601 UTC)}; null values when no events
     instances        [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `requests` counts
