@@ -60,7 +60,7 @@ def test_one_micro_batch_with_enough_requests_is_an_error():
 
 def test_slow_stage_is_stage_imbalance_downstream_and_upstream():
     f = findings(slow_stage_pp4())
-    ranks = {e["pp_rank"]: (sev, sub) for e, sev, sub in zip(f["extra"], f["severity"], f["subrule"])}
+    ranks = {e["pp_rank"]: (sev, sub) for e, sev, sub in zip(f["extra"], f["severity"], f["subrule"], strict=True)}
     assert ranks[2] == ("warning", "stage_imbalance")
     assert ranks[3] == ("warning", "stage_imbalance")
     assert ranks[0][1] == "stage_imbalance"  # the queue is full of steps held by the slow stage

@@ -60,9 +60,9 @@ def test_request_story_follows_renamed_remote_ids():
     d.add("other", n=32)
     trace = b.trace()
     from_d = request_story(trace, "d-5")
-    assert set(zip(from_d["instance"], from_d["req"])) == {("P", "p-77"), ("D", "d-5")}
+    assert set(zip(from_d["instance"], from_d["req"], strict=True)) == {("P", "p-77"), ("D", "d-5")}
     from_p = request_story(trace, "p-77")
-    assert ("D", "d-5") in set(zip(from_p["instance"], from_p["req"]))
+    assert ("D", "d-5") in set(zip(from_p["instance"], from_p["req"], strict=True))
     assert "other" not in set(from_p["req"])
 
 

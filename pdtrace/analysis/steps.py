@@ -5,20 +5,23 @@ ranks sat idle.
     and `step_output` rows (a kind filter on dictionary codes, no per-event Python), pull the numbers the format
     keeps in `detail` (`running`, `waiting`, `waiting_kv`, `free_blocks`, `dur_ns`, `empty_run` on `sched`;
     `wait_ns` on `step_output`) with one vectorised regular-expression extraction per key over those rows only, keep
-    the first row of each kind per (instance, dp_rank, step), and outer-join the three on that key.
+    the first row of each kind per (instance, dp_rank, step) and outer-join the three on that key (one int64 key,
+    a sorted union and searchsorted).
 
 `exec_spans(ctx)`  one row per RPC a rank ran for a step (instance, dp_rank, pp_rank, tp_rank, step, rpc).
-    Algorithm: sort the `exec_begin` / `exec_end` rows by writer lane (instance, dp_rank, pp_rank, tp_rank, pid) and
-    `seq` (its exact order); a worker runs its RPCs strictly in order, so an `exec_begin` pairs with the row right after it when
-    that row is an `exec_end` of the same lane and step. Unpaired rows keep their one timestamp (NA for the other).
-    `rpc` comes from the `exec_end` detail where the recorder gave it, else from the RPC's position in the step
-    (first `execute_model`, second `sample_tokens`). `gpu_begin_ns` / `gpu_end_ns` likewise from the detail.
+    Algorithm: sort the `exec_begin` / `exec_end` rows by writer lane (instance, dp_rank, pp_rank, tp_rank, pid)
+    and `seq` (the writer's exact order); a worker runs its RPCs strictly in order, so an `exec_begin` pairs with
+    the row right after it when that row is an `exec_end` of the same lane and step. Unpaired rows keep their one
+    timestamp (NA for the other). `rpc` comes from the `exec_end` detail where the recorder gave it, else from the
+    RPC's position in the step (first `execute_model`, second `sample_tokens`); `gpu_begin_ns` / `gpu_end_ns` from
+    the detail too.
 
 `bubbles(ctx)`  one row per idle interval of at least `config.bubble_min_ns` on a (instance, dp_rank, pp_rank,
-    tp_rank) lane, between two busy spans (`gap_frame` holds every gap, however short, for the idle sums). Busy spans are the spans of steps that carried tokens (an empty step's
-    no-forward RPC is not work), on GPU time where the recorder gave it (CPU spans of non-last PP ranks do not show
-    GPU time), merged where they overlap (running maximum of the end per lane). The lead before a lane's first span
-    and the trail after its last are not intervals. Each interval gets one cause, decided in this order:
+    tp_rank) lane, between two busy spans (`gap_frame` holds every gap, however short, for the idle sums). Busy
+    spans are the spans of steps that carried tokens (an empty step's no-forward RPC is not work), on GPU time
+    where the recorder gave it (CPU spans of non-last PP ranks do not show GPU time), merged where they overlap
+    (running maximum of the end per lane). The lead before a lane's first span and the trail after its last are not
+    intervals. Each interval gets one cause, decided in this order:
       1. `idle_no_requests`  the scheduler had no unfinished request for at least half the interval;
       2. `kv_transfer`       it had requests, but every one waited for remote KV, for at least half the interval;
       3. `scheduler_cpu`     (stage 0, and later stages that never saw the step upstream) the step that ends the
@@ -542,7 +545,7 @@ def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCo
 
             def counter(pairs: list[tuple[np.ndarray, int]]) -> StepCount:
                 times = [t[(t != NEVER) & (t != _NULL)] for t, _ in pairs]
-                deltas = [np.full(len(t), d) for t, (_, d) in zip(times, pairs)]
+                deltas = [np.full(len(t), d) for t, (_, d) in zip(times, pairs, strict=True)]
                 return StepCount(np.concatenate(times), np.concatenate(deltas))
 
             live = counter([(start[m], 1), (finish[m], -1)])
@@ -564,7 +567,7 @@ def pipeline_sizes(ctx: AnalysisContext) -> dict[tuple[int, int], int]:
     seen = spans.groupby(["inst", "dp"])["pp"].max().to_dict() if len(spans) else {}
     cfg = engine_configs(ctx)
     sizes = {key: int(v) + 1 for key, v in seen.items()}
-    for inst, dp, pp in zip(cfg["inst"], cfg["dp"], cfg["pp"]):
+    for inst, dp, pp in zip(cfg["inst"], cfg["dp"], cfg["pp"], strict=True):
         if not np.isnan(pp):
             sizes[(int(inst), int(dp))] = int(pp)
     return sizes

@@ -82,8 +82,8 @@ def related_requests(trace: Trace, req: str, instance: str | None = None) -> lis
         keys = pd.Series([f"{i}\x00{r}" for i, r in pairs])
         here = (links["inst"] + "\x00" + links["req"]).isin(keys)
         there = (links["r_inst"] + "\x00" + links["r_req"]).isin(keys)
-        pairs |= set(zip(links.loc[here, "r_inst"], links.loc[here, "r_req"]))
-        pairs |= set(zip(links.loc[there, "inst"], links.loc[there, "req"]))
+        pairs |= set(zip(links.loc[here, "r_inst"], links.loc[here, "r_req"], strict=True))
+        pairs |= set(zip(links.loc[there, "inst"], links.loc[there, "req"], strict=True))
         if len(pairs) == before:
             break
     return sorted((str(i), str(r)) for i, r in pairs)
@@ -143,7 +143,7 @@ def step_ranks(trace: Trace, step: int, instance: str | None = None) -> pd.DataF
         cfg_pp = detail_number(ctx, cfg_rows, "pp")
         cfg_tp = detail_number(ctx, cfg_rows, "tp")
         grid = [(int(inst_codes[r]), int(cols.dp[r]), p, t)
-                for r, npp, ntp in zip(cfg_rows.tolist(), cfg_pp, cfg_tp) if npp == npp and ntp == ntp
+                for r, npp, ntp in zip(cfg_rows.tolist(), cfg_pp, cfg_tp, strict=True) if npp == npp and ntp == ntp
                 for p in range(int(npp)) for t in range(int(ntp))]
         if grid:
             lanes = pd.concat([lanes, pd.DataFrame(grid, columns=["inst", "dp", "pp", "tp"])]).drop_duplicates()

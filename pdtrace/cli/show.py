@@ -105,7 +105,7 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame) -> None:
         out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
     carried = story[story["kind"].isin(["req_finish", "kv_send_done", "kv_recv_done", "kv_recv_fail"])]
     if len(carried):
-        items = ", ".join(f"{k} {r}" for k, r in zip(carried["kind"], carried["req"]))
+        items = ", ".join(f"{k} {r}" for k, r in zip(carried["kind"], carried["req"], strict=True))
         out_console.print(f"completions in step {step}'s update: {items}", markup=False, soft_wrap=True)
     if len(ranks) == 0:
         out_console.print(f"no rank executed step {step} (no exec spans recorded)", markup=False)

@@ -97,8 +97,9 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         out = out.fillna(0)
         out = out.reset_index()
         out["tp_lanes"] = 1
-        agg = {c: "sum" for c in ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "interval", "burst_ideal_ns",
-                                   "tp_lanes"]}
+        summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "interval", "burst_ideal_ns",
+                  "tp_lanes"]
+        agg: dict[str, str] = {c: "sum" for c in summed}
         agg["bursts"] = "max"
         ranks = out.groupby(["inst", "dp", "pp"]).agg(agg).reset_index()
         ranks["p"] = sizes_of(sizes, ranks["inst"].to_numpy(), ranks["dp"].to_numpy())

@@ -15,8 +15,8 @@ numpy slice per candidate).
 
 Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
 - `starved`: a waiting period (from req_add, req_preempt or the close of a KV receive, to the next req_sched,
-  req_wait_kv or req_finish) with at least starve_steps steps that had room for it. Error when still waiting at the end of
-  the trace, warning when it was served late. The message names the head-of-line blocker: the oldest request that
+  req_wait_kv or req_finish) with at least starve_steps steps that had room for it. Error when still waiting at the
+  end of the trace, warning when it was served late. The message names the head-of-line blocker: the oldest request that
   was waiting unscheduled when the period began.
 - `never_scheduled`: never scheduled, unfinished, not waiting for remote KV, and starve_steps steps went by after
   req_add without room for it (with room it is `starved`): warning (an overloaded pool, not a scheduler bug).
@@ -300,7 +300,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             reported[r] = True
             continue
         if n_room >= threshold:
-            blocker = _blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i])) if len(out.pending) < 200 else None
+            blocker = (_blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i]))
+                       if len(out.pending) < 200 else None)
             sev = "error" if open_ else "warning"
             tail = "still waiting at the end of the trace" if open_ else f"then scheduled ({_fmt_ms(waited_ns)})"
             n_busy = int(sc.busy_between(sk[i:i + 1], pos[i:i + 1], end_pos[i:i + 1])[0])
