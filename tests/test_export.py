@@ -38,13 +38,33 @@ def names(doc: dict, kind: str) -> dict[tuple[int, int | None], str]:
     return {(e["pid"], e.get("tid")): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == kind}
 
 
-@pytest.mark.parametrize("make", [pd_scenario, healthy_pd, pp4_pipeline])
-def test_chrome_export_has_one_slice_per_step_span_and_phase(tmp_path: Path, make) -> None:
-    trace = make().trace() if make is pd_scenario else make()
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
+
+
+def export_traces() -> list[tuple[str, object]]:
+    """The sample traces (real dry runs) when the repository has them, and the hand-made scenarios."""
+    makers: list[tuple[str, object]] = [("pd_scenario", lambda: pd_scenario().trace()), ("healthy_pd", healthy_pd),
+                                        ("pp4_pipeline", pp4_pipeline)]
+    if SAMPLES.is_dir():
+        from pdtrace.trace.reader import open_trace
+
+        for d in sorted(SAMPLES.iterdir()):
+            if (d / "trace").is_dir() and any((d / "trace").rglob("*.parquet")):
+                makers.append((d.name, lambda d=d: open_trace(d / "trace", warn=False)))
+    return makers
+
+
+@pytest.mark.parametrize("name,make", export_traces(), ids=[n for n, _ in export_traces()])
+def test_chrome_export_has_one_slice_per_step_span_and_phase(tmp_path: Path, name: str, make) -> None:
+    trace = make()
     doc = chrome(trace, tmp_path)
     ev = by_ph(doc)
     ctx = AnalysisContext(trace)
-    transfers = request_table(ctx).dropna(subset=["remote_req", "recv_done_ts"])
+    # a transfer: a decode request that received its KV from a prefill request that finished (both in the trace)
+    table = request_table(ctx)
+    transfers = table.dropna(subset=["remote_req", "recv_done_ts"]).merge(
+        table.dropna(subset=["finish_ts"])[["instance", "req"]].rename(
+            columns={"instance": "remote_instance", "req": "remote_req"}))
     n_flows = len(transfers)
     assert len(ev.get("s", [])) == len(ev.get("f", [])) == n_flows
     expected_slices = (len(step_table(ctx)) + len(exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"]))
