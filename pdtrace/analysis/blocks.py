@@ -77,15 +77,18 @@ def _build(cols: Columns) -> Ownership:
     rk_all = cols.rk
     a_rows, a_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("blocks_alloc")))
     f_rows, f_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("blocks_free")))
-    rows = np.concatenate([a_rows, f_rows])
-    block = np.concatenate([a_blocks, f_blocks]).astype(np.int64)
+    # int32 rows and blocks: at 10M events these arrays are the largest of the analysis
+    rows = np.concatenate([a_rows, f_rows]).astype(np.int32)
+    block = np.concatenate([a_blocks, f_blocks]).astype(np.int32)
     is_alloc = np.concatenate([np.ones(len(a_rows), bool), np.zeros(len(f_rows), bool)])
+    del a_rows, f_rows, a_blocks, f_blocks
     rk = rk_all[rows]
     pos = cols.pos[rows]
     width = int(cols.block_rows[1].max()) + 1 if len(cols.block_rows[1]) else 1
     key = rk.astype(np.int64) * width + block
     order = _sort_by(key, pos)
     rows, block, is_alloc, rk, pos, key = (a[order] for a in (rows, block, is_alloc, rk, pos, key))
+    del order
 
     same_prev = np.zeros(len(key), bool)
     same_prev[1:] = key[1:] == key[:-1]

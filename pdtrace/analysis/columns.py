@@ -185,14 +185,18 @@ class Columns:
     @cached_property
     def _sched_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         inst, _ = self.codes("instance")
-        dp = self.dp.astype(np.int64) + 1
-        width = int(dp.max()) + 1 if self.n else 1
-        combined = inst.astype(np.int64) * width + dp
-        present = np.flatnonzero(np.bincount(combined)) if self.n else np.empty(0, np.int64)
-        lut = np.full(int(combined.max()) + 1 if self.n else 1, NO, np.int64)
-        lut[present] = np.arange(len(present))
+        if self.n == 0:
+            return np.empty(0, np.int16), np.empty(0, np.int64), np.empty(0, np.int64)
+        width = int(self.dp.max()) + 2
+        # (instance, dp) as one small int: int32 arithmetic, a bincount and a lookup table (no 10M-row hashing)
+        combined = inst.astype(np.int32) * np.int32(width)
+        combined += self.dp
+        combined += 1
+        present = np.flatnonzero(np.bincount(combined))
         sk_dtype = np.int16 if len(present) < 32_000 else np.int32
-        return lut[combined].astype(sk_dtype), present // width, present % width - 1
+        lut = np.full(int(present[-1]) + 1, NO, sk_dtype)
+        lut[present] = np.arange(len(present))
+        return lut[combined], present // width, present % width - 1
 
     @property
     def sk(self) -> np.ndarray:
@@ -209,30 +213,32 @@ class Columns:
         })
 
     @cached_property
-    def _request_keys(self) -> tuple[np.ndarray, np.ndarray]:
+    def _request_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rk per row, scheduler key per request key, req code per request key)."""
         req, _ = self.codes("req")
+        if self.n == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
         has = req >= 0
-        width = int(req.max()) + 1 if self.n else 1  # req codes stay int32 when there are many ids
-        combined = self.sk.astype(np.int64) * width + req.astype(np.int64)
-        space = (int(self.sk.max()) + 1) * width if self.n else 0
-        rk = np.full(self.n, NO, np.int32)
-        if 0 < space <= 64_000_000:
-            # dense key space: one bincount and a lookup table instead of hashing every row
-            counts = np.bincount(combined[has], minlength=space)
-            present = np.flatnonzero(counts)
-            lut = np.full(space, NO, np.int32)
-            lut[present] = np.arange(len(present))
-            rk[has] = lut[combined[has]]
-            n_keys = len(present)
+        width = int(req.max()) + 1
+        space = (int(self.sk.max()) + 1) * width
+        if space < 2**31 - 1:
+            # dense key space: int32 arithmetic, one bincount and a lookup table instead of hashing every row;
+            # rows without a req map to the extra slot `space`, which the table maps to NO
+            combined = self.sk.astype(np.int32) * np.int32(width)
+            combined += req
+            combined[~has] = space
+            present = np.flatnonzero(np.bincount(combined, minlength=space + 1)[:space])
+            lut = np.full(space + 1, NO, np.int32)
+            lut[present] = np.arange(len(present), dtype=np.int32)
+            rk = lut[combined]
+            del combined, lut
         else:
-            codes, uniques = pd.factorize(combined[has], sort=False)
+            combined = self.sk.astype(np.int64) * width + req
+            rk = np.full(self.n, NO, np.int32)
+            codes, present = pd.factorize(combined[has], sort=False)
             rk[has] = codes
-            n_keys = len(uniques)
-        # per key: the row where it first appears, to name it
-        first = np.full(n_keys, NO, np.int64)
-        rows = np.flatnonzero(has)
-        first[rk[rows][::-1]] = rows[::-1]
-        return rk, first
+            present = np.asarray(present, np.int64)
+        return rk, present // width, present % width
 
     @property
     def rk(self) -> np.ndarray:
@@ -243,25 +249,27 @@ class Columns:
         return len(self._request_keys[1])
 
     @cached_property
-    def rk_names(self) -> pd.DataFrame:
-        """One row per request key: instance, dp_rank, req, role (of the row that first names it), sk."""
-        first = self._request_keys[1]
-        req_codes, req_names = self.codes("req")
+    def sk_role(self) -> list[str]:
+        """The role of each scheduler key (from the first row of that scheduler)."""
         role_codes, role_names = self.codes("role")
-        sk = self.sk[first]
-        out = self.sk_names.iloc[sk].reset_index(drop=True)
-        names = np.asarray(req_names, dtype=object)
-        out["req"] = names[req_codes[first]] if len(first) else np.empty(0, object)
-        roles = np.asarray(role_names, dtype=object)
-        out["role"] = roles[role_codes[first]] if len(first) else np.empty(0, object)
-        out["sk"] = sk
-        return out
+        sk = self.sk
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]]) if self.n else np.empty(0, np.int64)
+        first = np.full(len(self.sk_names), NO, np.int64)
+        first[sk[starts][::-1]] = starts[::-1]
+        return [role_names[role_codes[r]] if r >= 0 and role_codes[r] >= 0 else "none" for r in first.tolist()]
 
     @cached_property
-    def nblocks(self) -> np.ndarray:
-        """Length of each row's block list (0 where null)."""
-        lengths = pc.fill_null(pc.list_value_length(self.table.column("blocks")), 0)
-        return lengths.to_numpy().astype(np.int64, copy=False) if self.n else np.empty(0, np.int64)
+    def rk_names(self) -> pd.DataFrame:
+        """One row per request key: instance, dp_rank, req, role (its scheduler's), sk."""
+        _, key_sk, key_req = self._request_keys
+        _, req_names = self.codes("req")
+        out = self.sk_names.iloc[key_sk].reset_index(drop=True)
+        names = np.asarray(req_names, dtype=object)
+        out["req"] = names[key_req] if len(key_req) else np.empty(0, object)
+        roles = np.asarray(self.sk_role, dtype=object)
+        out["role"] = roles[key_sk] if len(key_sk) else np.empty(0, object)
+        out["sk"] = key_sk.astype(np.int32)
+        return out
 
     @cached_property
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -287,7 +295,8 @@ class Columns:
             else:
                 take = np.repeat(start - offsets[0], lengths) + _ramp(lengths)
                 ids = vals[offsets[0]:offsets[-1]][take]
-            rows_parts.append(np.repeat(np.arange(base, base + n, dtype=np.int64), lengths))
+            filled = np.flatnonzero(lengths)  # only rows that hold blocks: no arange over every row
+            rows_parts.append(np.repeat(filled + base, lengths[filled]))
             id_parts.append(np.array(ids, dtype=np.int32))
             base += n
         if not rows_parts:
