@@ -6,6 +6,7 @@ The trace is generated with numpy/pyarrow, no Python loop per event: one engine 
 a step every 0.5 ms with ~32 requests in each batch, each request living 100 steps (8 KV blocks allocated at its
 first step, freed at its finish), a 5 ms stall every 200 steps (bubbles on every rank). Figures printed:
 - read: `open_trace` of the directory (what every verb pays first);
+- the one-off import of matplotlib (every `pdtrace plot` process pays it once);
 - per kind, cold: a fresh context, all the analysis the figure needs (analyze's rules included) plus drawing
   and saving the PNG; warm: drawing and saving again on the same context (the analyses cached), i.e. the cost
   of the plotting itself; and the ratio of each to the read time (the issue's target: plot <= 3x read).
@@ -148,6 +149,10 @@ def main() -> None:
     table = synthetic_table(args.events)
     trace_dir = write_table(table, args.dir / "trace", source="synthetic", rows_per_file=250_000)
     print(f"generated {table.num_rows:,} events in {time.perf_counter() - t:.2f} s -> {trace_dir}")
+
+    t = time.perf_counter()
+    import pdtrace.plot.figures  # noqa: F401  (matplotlib: paid once per process, reported apart)
+    print(f"import matplotlib + pdtrace.plot.figures: {time.perf_counter() - t:.3f} s")
 
     reads = []
     for _ in range(3):

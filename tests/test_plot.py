@@ -296,3 +296,23 @@ def test_cli_plot_bad_selections_exit_2_with_one_line(cli, trace_dir: Path, tmp_
     assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2  # the progress line and the error
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_requests_plot_caps_lanes_keeping_requests_with_findings() -> None:
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="E", start_ns=1_700_000_000_000_000_000)
+    b.add("engine_config", n=4096)
+    for i in range(450):  # a short life each; request 437 finishes without freeing its block (a leak)
+        req = f"q{i}"
+        b.add("req_add", req=req, n=8)
+        b.add("blocks_alloc", step=i, req=req, blocks=[i + 1])
+        b.add("req_sched", step=i, req=req, n=8)
+        if i != 437:
+            b.add("blocks_free", step=i, req=req, blocks=[i + 1], reason="finished", deferred=False)
+        b.add("req_finish", step=i, req=req, reason="stop", delay_free=False)
+    fig = build_figure(AnalysisContext(b.trace()), "requests", dpi=50)
+    title = fig.axes[0].get_title()
+    assert "400 of 450 requests" in title and "1 with findings" in title
+    marks = artists(fig, "findings")
+    assert sum(len(m.get_offsets()) for m in marks) >= 1

@@ -236,7 +236,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         b1 = np.minimum(part["end_ns"].to_numpy(np.int64), sel.hi_ns)
         yb = y_of[part["lane"].to_numpy(np.int64)]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
-        ax.add_collection(PolyCollection(_rects(tx.x(b0), tx.x(np.maximum(b1, b0 + tx.px_ns)), yb - 0.48, yb + 0.48),
+        ax.add_collection(PolyCollection(_rects(tx.x(b0), tx.x(np.maximum(b1, b0 + 2 * tx.px_ns)), yb - 0.48, yb + 0.48),
                                          facecolors=colour, alpha=0.45, edgecolors="none", gid=f"bubbles:{cause}"))
         legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
         # Label the widest bubbles with their cause where there is room (60 px).
@@ -296,8 +296,16 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     flagged = set(zip(f["instance"], f["req"])) if len(f) else set()
     first["flagged"] = [pair in flagged for pair in zip(first["instance"], first["req"])]
     total = len(first)
+    sampled = ""
     if total > MAX_REQUEST_LANES:
-        first = first.sort_values(["flagged", "start_ns"], ascending=[False, True]).head(MAX_REQUEST_LANES)
+        # Too many lanes to read: every request with a finding, then requests evenly spaced in arrival order.
+        flagged_rows = first[first["flagged"]].sort_values("start_ns").head(MAX_REQUEST_LANES)
+        rest = first[~first["flagged"]].sort_values("start_ns")
+        room = MAX_REQUEST_LANES - len(flagged_rows)
+        pick = np.unique(np.linspace(0, len(rest) - 1, room).round().astype(np.int64)) if room > 0 and len(rest) else []
+        first = pd.concat([flagged_rows, rest.iloc[pick]])
+        sampled = (f"{len(flagged_rows)} with findings, " if len(flagged_rows) else "") + \
+            f"{len(pick)} evenly spaced in arrival order"
     first = first.sort_values(["start_ns", "instance", "req"]).reset_index(drop=True)
     n_lanes = len(first)
     first["lane"] = np.arange(n_lanes)
@@ -343,7 +351,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     ax.set_ylim(-0.6, n_lanes - 0.4)
     ax.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
     ax.set_xlabel(tx.label)
-    shown = f"{n_lanes} of {total} requests, those with findings first" if total > n_lanes else f"{n_lanes} requests"
+    shown = f"{n_lanes} of {total} requests ({sampled})" if total > n_lanes else f"{n_lanes} requests"
     ax.set_title(f"request phases: {shown} ({sel.window.describe()})")
     ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(axis="x", alpha=0.3)
