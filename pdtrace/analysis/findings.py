@@ -28,4 +28,5 @@ def findings_frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     rows = [{c: rec.get(c) for c in FINDING_COLUMNS} for rec in records]
     if not rows:
         return empty_findings()
-    return pd.DataFrame(rows, columns=list(FINDING_COLUMNS))
+    # object columns: a column of ints with a None would become float64 (ts_ns 1.7e18 loses its last digits)
+    return pd.DataFrame({c: pd.Series([row[c] for row in rows], dtype=object) for c in FINDING_COLUMNS})
