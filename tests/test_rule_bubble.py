@@ -146,3 +146,20 @@ def test_modelled_runs_are_clean_for_every_rule():
         f = analyze(make())
         assert set(f["rule"]) <= {"pipeline_bubble"}, f[["rule", "message"]].to_string()
     assert set(analyze(one_microbatch_pp4())["severity"]) == {"error"}
+
+
+def test_json_keeps_integer_steps_and_timestamps(cli, tmp_path):
+    """A rank without idle time has no step; the others' ts_ns must stay exact ints in the JSON (not 1.7e+18)."""
+    import json
+
+    from pdtrace.trace.builder import write_table
+
+    write_table(slow_stage_pp4().table, tmp_path / "t")
+    res = cli("analyze", tmp_path / "t", "--format", "json", "--rules", "pipeline_bubble", "--fail-on", "never")
+    assert res.exit_code == 0, res.stderr
+    found = json.loads(res.stdout)["findings"]
+    assert len(found) == 4
+    with_step = [f for f in found if f["step"] is not None]
+    assert len(with_step) == 3
+    assert all(isinstance(f["step"], int) and isinstance(f["ts_ns"], int) for f in with_step)
+    assert all(f["ts_ns"] % 1000 == 0 for f in with_step)  # the model's clock: whole microseconds, exactly
