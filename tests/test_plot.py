@@ -316,3 +316,11 @@ def test_requests_plot_caps_lanes_keeping_requests_with_findings() -> None:
     assert "400 of 450 requests" in title and "1 with findings" in title
     marks = artists(fig, "findings")
     assert sum(len(m.get_offsets()) for m in marks) >= 1
+
+
+def test_default_output_names_the_trace_and_kind(tmp_path: Path) -> None:
+    from pdtrace.plot import default_output
+
+    (tmp_path / "run7" / "trace").mkdir(parents=True)
+    assert default_output(str(tmp_path / "run7" / "trace"), "blocks") == Path("run7-blocks.png")
+    assert default_output(str(tmp_path / "run7") + "/", "steps") == Path("run7-steps.png")

@@ -41,14 +41,14 @@ def export(
     and request, slices, block counters and P->D transfer flows."""
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.export import export as run_export
-    from pdtrace.plot import Window
+    from pdtrace.plot import Window, trace_stem
 
     if to is ExportFormat.perfetto:
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read
     loaded = load_trace(trace)
-    stem = Path(str(trace).rstrip("/")).name or "trace"
+    stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
     err_console.print(f"pdtrace: exporting {len(loaded):,} events to {to.value} ...", markup=False)

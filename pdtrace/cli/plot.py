@@ -37,8 +37,8 @@ def plot(
     since: Optional[float] = typer.Option(None, "--since", help="Window start, seconds from the trace start."),
     until: Optional[float] = typer.Option(None, "--until", help="Window end, seconds from the trace start."),
     request: Optional[list[str]] = typer.Option(None, "--request", "-r",
-                                                help="Only this request (repeat for several); other kinds show "
-                                                     "its lifetime on its instance."),
+                                                help="Only this request (repeat for several); the other kinds "
+                                                     "show its lifetime, and its P/D peer's."),
     dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
 ) -> None:
     """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps."""

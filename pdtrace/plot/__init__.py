@@ -29,10 +29,19 @@ class PlotResult:
     height_px: int
 
 
+def trace_stem(trace_path: str) -> str:
+    """A short name for a trace path: its folder name, or the parent's when the folder is just `trace`."""
+    path = Path(trace_path.rstrip("/") or ".").resolve()
+    if path.suffix == ".parquet":
+        path = path.parent
+    if path.name == "trace" and path.parent.name:
+        return path.parent.name
+    return path.name or "trace"
+
+
 def default_output(trace_name: str, kind: str) -> Path:
     """`<trace name>-<kind>.png` in the current directory."""
-    stem = Path(trace_name.rstrip("/")).name or "trace"
-    return Path(f"{stem}-{kind}.png")
+    return Path(f"{trace_stem(trace_name)}-{kind}.png")
 
 
 def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, dpi: float = 100.0) -> "Figure":
@@ -64,4 +73,4 @@ def render(ctx: AnalysisContext, kind: str, output: str | Path, window: Window |
 
 
 __all__ = ["KINDS", "FORMATS", "PlotResult", "Window", "Selection", "EmptySelection", "build_figure", "render",
-           "default_output"]
+           "default_output", "trace_stem"]
