@@ -14,7 +14,9 @@
    floor    imports pyarrow and numpy, reads every column of the trace, flattens the block lists and lexsorts
             (block, ts)
    analyze  `python -m pdtrace analyze TRACE --format json` (all rules) to /dev/null
-   and the ratios analyze/floor (targets: time <= 2.0x, peak RSS <= 2x).
+   block rules  the same with --rules limited to the five KV-block rules
+   and the ratios to the floor (targets: time <= 2.0x, peak RSS <= 2x), in wall time and in CPU time (user +
+   system of the child: steadier when other work shares the machine).
 3. With --profile, one in-process run timing the load, each shared table and each rule separately.
 """
 
@@ -49,6 +51,7 @@ COMPONENTS = ["scheduler", "engine", "worker"]
 REASONS = ["length", "stop", "sent", "finished"]
 STATUSES = ["RUNNING", "FINISHED_LENGTH_CAPPED", "WAITING_FOR_REMOTE_KVS"]
 INSTANCES = ["P", "D"]
+BLOCK_RULES = ["premature_free", "use_after_free", "double_free", "leaked_blocks", "completion_before_finish"]
 ROLES = ["prefill", "decode"]
 
 
@@ -290,8 +293,9 @@ print(t.num_rows, len(ids), int(order[0]))
 """
 
 
-def child(cmd: list[str]) -> tuple[float, int, int]:
-    """(wall s, peak RSS KiB, exit status) of one subprocess."""
+def child(cmd: list[str]) -> tuple[float, int, int, float]:
+    """(wall s, peak RSS KiB, exit status, CPU s = user + system) of one subprocess. CPU time is the steadier
+    figure on a shared machine."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -300,7 +304,7 @@ def child(cmd: list[str]) -> tuple[float, int, int]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode not in (0, 1):
         print(f"  child failed ({proc.returncode}): {err.strip()[-400:]}", file=sys.stderr)
-    return wall, usage.ru_maxrss, proc.returncode
+    return wall, usage.ru_maxrss, proc.returncode, usage.ru_utime + usage.ru_stime
 
 
 def profile(directory: Path) -> None:
@@ -370,19 +374,23 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--profile-only", "--dir", str(args.dir)], check=True)
     floor_cmd = [sys.executable, "-c", FLOOR, str(args.dir)]
     analyze_cmd = [sys.executable, "-m", "pdtrace", "analyze", str(args.dir), "--format", "json"]
-    floors, analyses = [], []
+    block_cmd = analyze_cmd + ["--rules", ",".join(BLOCK_RULES)]
+    runs: dict[str, list[tuple[float, int, int, float]]] = {"floor": [], "analyze": [], "block rules": []}
     for i in range(args.repeat):
-        floors.append(child(floor_cmd))
-        analyses.append(child(analyze_cmd))
-        print(f"  run {i + 1}: floor {floors[-1][0]:6.2f} s {floors[-1][1] / 1024:6.0f} MiB | analyze "
-              f"{analyses[-1][0]:6.2f} s {analyses[-1][1] / 1024:6.0f} MiB (exit {analyses[-1][2]})")
-    f_t = statistics.median(x[0] for x in floors)
-    a_t = statistics.median(x[0] for x in analyses)
-    f_m = max(x[1] for x in floors)
-    a_m = max(x[1] for x in analyses)
-    print(f"floor    median {f_t:6.2f} s   peak RSS {f_m / 1024:6.0f} MiB")
-    print(f"analyze  median {a_t:6.2f} s   peak RSS {a_m / 1024:6.0f} MiB")
-    print(f"ratio    time {a_t / f_t:4.2f}x (target <= 2.0x)   RSS {a_m / f_m:4.2f}x (target <= 2x)")
+        for name, cmd in (("floor", floor_cmd), ("analyze", analyze_cmd), ("block rules", block_cmd)):
+            runs[name].append(child(cmd))
+        print(f"  run {i + 1}: " + " | ".join(
+            f"{name} {r[-1][0]:6.2f} s wall {r[-1][3]:6.2f} s cpu {r[-1][1] / 1024:6.0f} MiB"
+            for name, r in runs.items()))
+    fig = {name: (statistics.median(x[0] for x in r), statistics.median(x[3] for x in r), max(x[1] for x in r))
+           for name, r in runs.items()}
+    for name, (wall, cpu, rss) in fig.items():
+        print(f"{name:<12} median {wall:6.2f} s wall {cpu:6.2f} s cpu   peak RSS {rss / 1024:6.0f} MiB")
+    f_wall, f_cpu, f_rss = fig["floor"]
+    for name in ("analyze", "block rules"):
+        wall, cpu, rss = fig[name]
+        print(f"{name:<12} / floor: time {wall / f_wall:4.2f}x wall, {cpu / f_cpu:4.2f}x cpu (target <= 2.0x)   "
+              f"RSS {rss / f_rss:4.2f}x (target <= 2x)")
 
 
 if __name__ == "__main__":
