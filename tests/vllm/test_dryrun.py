@@ -1,0 +1,175 @@
+"""The dry run against real vLLM 0.33.0: what the simulated cluster makes vLLM's own engine do, as recorded by the
+same hooks as a live run. Each test runs one small dry run (a child process, about 5 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pdtrace.dryrun import DryRunConfig, run_dry_run
+from pdtrace.errors import RecordingError, UsageError
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def events(trace: Path) -> pd.DataFrame:
+    df = pd.read_parquet(trace)
+    for col in ("instance", "kind", "component", "reason", "status", "role"):
+        df[col] = df[col].astype(str)
+    return df.sort_values(["instance", "seq"]).reset_index(drop=True)
+
+
+def analyze_json(trace: Path) -> list[dict]:
+    from pdtrace.analysis import analyze
+
+    findings = analyze(str(trace))
+    return findings[["rule", "subrule", "severity", "instance", "req"]].to_dict("records")
+
+
+def test_pd_lifecycle_through_the_hooks(tmp_path: Path) -> None:
+    """1P1D: every client request is prefilled on P (delay_free), read by D, decoded there; P frees after the read."""
+    res = run_dry_run(DryRunConfig(requests=6, rate=300.0, output_len="4", seed=11), tmp_path / "t")
+    assert res.error is None and res.instances == ["prefill-0", "decode-0"]
+    df = events(tmp_path / "t")
+    p, d = df[df.instance == "prefill-0"], df[df.instance == "decode-0"]
+    p_fin = p[p.kind == "req_finish"]
+    assert len(p_fin) == 6 and p_fin.delay_free.all() and set(p_fin.reason) == {"length"}
+    # D learned P's blocks through the proxy: req_add names the remote instance and request.
+    d_add = d[d.kind == "req_add"]
+    details = [json.loads(x) for x in d_add.detail]
+    assert {x["remote_instance"] for x in details} == {"prefill-0"}
+    assert sorted(x["remote_req"] for x in details) == sorted(p_fin.req)
+    # Each D request waited for KV, got it, and finished after exactly 4 output tokens (1 from the promotion).
+    assert set(d[d.kind == "req_wait_kv"].req) == set(d_add.req) == set(d[d.kind == "kv_recv_done"].req)
+    assert len(d[(d.kind == "req_finish")]) == 6
+    # P frees each request's blocks only after its send completed, and no earlier than D's read could end (the
+    # read starts after D parked the request; it takes at least the setup time plus a block's latency).
+    cfg = DryRunConfig()
+    min_read_ns = int((cfg.transfer_setup_us + cfg.transfer_latency_us_per_block) * 1000)
+    for req in p_fin.req:
+        rows = p[p.req == req]
+        send = rows[rows.kind == "kv_send_done"].seq.min()
+        assert rows[rows.kind == "req_finish"].seq.min() < send <= rows[rows.kind == "blocks_free"].seq.min()
+        d_req = req[:-2] + "-d"
+        wait_ts = d[(d.req == d_req) & (d.kind == "req_wait_kv")].ts_ns.min()
+        assert rows[rows.kind == "kv_send_rank"].ts_ns.min() >= wait_ts + min_read_ns
+    # One writer per instance: seq strictly increasing and ts never going back in seq order.
+    for _, g in df.groupby("instance"):
+        assert g.seq.is_unique and g.ts_ns.is_monotonic_increasing
+    assert [f for f in analyze_json(tmp_path / "t") if f["severity"] != "info"] == []
+
+
+def test_same_seed_same_trace(tmp_path: Path) -> None:
+    cfg = dict(requests=8, pp=2, rate=500.0, seed=5)
+    frames = []
+    for i in range(2):
+        run_dry_run(DryRunConfig(**cfg), tmp_path / f"t{i}")
+        frames.append(events(tmp_path / f"t{i}").drop(columns=["pid"]).astype(str))
+    assert frames[0].equals(frames[1])
+    run_dry_run(DryRunConfig(**{**cfg, "seed": 6}), tmp_path / "other")
+    assert not events(tmp_path / "other").drop(columns=["pid"]).astype(str).equals(frames[0])
+
+
+def test_pipeline_order_partial_prefill_and_persistent_batch(tmp_path: Path) -> None:
+    """PP=2, one engine: stages run in pipeline order; a prompt longer than the token budget samples nothing for its
+    first chunk; the V1 persistent batch drops requests that a step does not schedule."""
+    res = run_dry_run(DryRunConfig(instances="single", pp=2, requests=6, rate=0.0, prompt_len="600",
+                                   output_len="3", max_num_batched_tokens=512, seed=3), tmp_path / "t")
+    assert res.error is None
+    df = events(tmp_path / "t")
+    ex = df[df.kind.isin(["exec_begin", "exec_end"])].copy()
+    ex["rpc"] = ex.detail.map(lambda s: json.loads(s)["rpc"] if isinstance(s, str) else None)
+    ends = ex[(ex.kind == "exec_end") & (ex.rpc == "execute_model") & (ex.n > 0)]
+    begins = ex[(ex.kind == "exec_begin")].groupby(["step", "pp_rank"]).ts_ns.min()
+    for step, g in ends.groupby("step"):
+        stage0_end = g[g.pp_rank == 0].ts_ns.iloc[0]
+        assert begins[(step, 1)] >= stage0_end  # stage 1 waits for stage 0's activations
+    # 600-token prompts with a 512-token budget: k >= 2 prefill chunks each (only the last one samples a token),
+    # then 2 decode steps for 3 output tokens. Sampling on a partial chunk would finish requests early.
+    rs = df[df.kind == "req_sched"].sort_values("step")
+    assert rs.req.nunique() == 6
+    for _, g in rs.groupby("req"):
+        covered = g.n.cumsum()
+        chunks = int((covered.shift(fill_value=0) < 600).sum())  # rows that still had prompt to cover
+        assert chunks >= 2 and covered.iloc[chunks - 1] == 600
+        assert len(g) == chunks + 2 and (g.n.iloc[chunks:] == 1).all()
+    fin = df[df.kind == "req_finish"]
+    assert len(fin) == 6
+    # At PP=2 consecutive steps hold disjoint requests: every rank drops the previous step's requests as unscheduled.
+    removed = df[(df.kind == "batch_remove")]
+    assert (removed.reason == "unscheduled").sum() >= 6 * 2
+    # Every rank's batch: a request is added before it is removed, and removed no more often than added.
+    for (_, _), g in df[df.kind.isin(["batch_add", "batch_remove"])].groupby(["pp_rank", "tp_rank"]):
+        for _, r in g.groupby("req"):
+            kinds = list(r.kind)
+            assert kinds[0] == "batch_add" and kinds.count("batch_remove") <= kinds.count("batch_add")
+
+
+def test_vllm_assert_is_recorded_and_the_trace_kept(tmp_path: Path) -> None:
+    res = run_dry_run(DryRunConfig(requests=4, faults=["completion_before_finish"], seed=1), tmp_path / "t")
+    assert res.error is not None and "AssertionError" in res.error and "scheduler.py:3065" in res.error
+    df = events(tmp_path / "t")
+    p = df[(df.instance == "prefill-0") & (df.component != "worker")]
+    assert p.kind.iloc[-1] == "engine_error"
+    sent = p[(p.kind == "kv_send_done") & (p.req == "r00001-p")]  # the fault's target: workload request 1
+    assert list(sent.status) == ["RUNNING"]  # the completion reached vLLM while the request was still running
+    assert p[(p.kind == "req_finish") & (p.req == "r00001-p")].empty
+    rules = {(f["rule"], f["req"]) for f in analyze_json(tmp_path / "t") if f["severity"] == "error"}
+    assert ("completion_before_finish", "r00001-p") in rules
+
+
+def test_missing_rank_completion_leaks(tmp_path: Path) -> None:
+    res = run_dry_run(DryRunConfig(requests=6, tp=2, rate=300.0, faults=["missing_rank_completion"],
+                                   fault_request=2, end_hold_s=500.0, seed=2), tmp_path / "t")
+    assert res.error is None
+    df = events(tmp_path / "t")
+    p = df[df.instance == "prefill-0"]
+    target = "r00002-p"
+    assert sorted(p[(p.kind == "kv_send_rank") & (p.req == target)].tp_rank) == [0.0]  # rank 1 never reports
+    assert p[(p.kind == "kv_send_done") & (p.req == target)].empty
+    others = p[(p.kind == "kv_send_done")].req
+    assert len(others) == 5  # every other request completed normally
+    leaks = [f for f in analyze_json(tmp_path / "t") if f["rule"] == "leaked_blocks"]
+    assert [(f["instance"], f["req"]) for f in leaks] == [("prefill-0", target)]
+
+
+def test_regenerated_sample_matches_its_expected_findings(tmp_path: Path) -> None:
+    """The vLLM tier regenerates one shipped sample from its manifest and checks analyze still agrees."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("test_samples", REPO / "tests" / "test_samples.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    sample = REPO / "sample_traces" / "lost_send_completion"
+    manifest = json.loads((sample / "trace" / "_manifest.json").read_text())
+    expected = json.loads((sample / "expected.json").read_text())
+    run_dry_run(DryRunConfig(**manifest["dry_run"]), tmp_path / "t")
+    from pdtrace.analysis import analyze
+
+    findings = analyze(str(tmp_path / "t")).to_dict("records")
+    assert mod.summarize_findings(findings) == expected["findings"]
+    shipped = events(sample / "trace").drop(columns=["pid"]).astype(str)
+    assert events(tmp_path / "t").drop(columns=["pid"]).astype(str).equals(shipped)
+
+
+def test_config_refusals() -> None:
+    with pytest.raises(UsageError, match="pipeline parallelism"):
+        DryRunConfig(pp=2, async_scheduling=True).validate()
+    with pytest.raises(UsageError, match="decode instance"):
+        DryRunConfig(instances="p", faults=["slow_transfer"]).validate()
+    with pytest.raises(UsageError, match="unknown fault"):
+        DryRunConfig(faults=["nope"]).validate()
+    with pytest.raises(UsageError, match="length distribution"):
+        DryRunConfig(prompt_len="gauss:3").validate()
+
+
+def test_existing_trace_is_not_overwritten(tmp_path: Path) -> None:
+    run_dry_run(DryRunConfig(requests=1, instances="single", output_len="2"), tmp_path / "t")
+    with pytest.raises(RecordingError, match="already holds a trace"):
+        run_dry_run(DryRunConfig(requests=1), tmp_path / "t")
