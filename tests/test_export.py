@@ -175,7 +175,7 @@ def test_perfetto_export_parses_back_with_the_same_counts(tmp_path: Path) -> Non
     assert all(v == 0 for v in depth.values())
 
 
-# --- CLI ---------------------------------------------------------------------------------------------------------------
+# --- CLI -------------------------------------------------------------------------------------------------------------
 
 
 def test_cli_export_chrome(cli, tmp_path: Path) -> None:

@@ -35,7 +35,8 @@ def bubbly_pipeline() -> Trace:
     for r in reqs:
         e.add(r, n=16)
     for k in range(8):
-        e.step({r: 16 if k == 0 else 1 for r in reqs}, alloc={r: [1 + i] for i, r in enumerate(reqs)} if k == 0 else None)
+        alloc = {r: [1 + i] for i, r in enumerate(reqs)} if k == 0 else None
+        e.step({r: 16 if k == 0 else 1 for r in reqs}, alloc=alloc)
         e.output()
         b.advance(3 * MS)
     for r in reqs:

@@ -89,7 +89,8 @@ def test_request_phases_follow_the_lifecycle() -> None:
 
     def phases(req: str) -> list[tuple[str, int, int]]:
         rows = ph[ph["req"] == req].sort_values("start_ns")
-        return [(str(r), (s - T0), (e - T0)) for r, s, e in zip(rows["phase"], rows["start_ns"], rows["end_ns"])]
+        spans = zip(rows["phase"], rows["start_ns"], rows["end_ns"], strict=True)
+        return [(str(r), (s - T0), (e - T0)) for r, s, e in spans]
 
     assert phases("r1") == [("waiting", 1 * MS, int(2.1 * MS)), ("running", int(2.1 * MS), int(6.7 * MS)),
                             ("finished_holding", int(6.7 * MS), 20 * MS), ("freed", 20 * MS, end - T0)]
@@ -115,7 +116,7 @@ def test_request_phases_after_finish_ignore_queue_events_but_not_reuse() -> None
     b.add("req_add", ts=T0 + 60, req="x", n=4)                  # the id is reused: a new lifecycle
     b.add("req_preempt", ts=T0 + 70, step=4, req="x")
     ph = request_phases(AnalysisContext(b.trace()))
-    got = [(str(p), s - T0, e - T0) for p, s, e in zip(ph["phase"], ph["start_ns"], ph["end_ns"])]
+    got = [(str(p), s - T0, e - T0) for p, s, e in zip(ph["phase"], ph["start_ns"], ph["end_ns"], strict=True)]
     assert got == [("waiting", 0, 10), ("running", 10, 20), ("waiting", 20, 30), ("running", 30, 40),
                    ("finished_holding", 40, 50), ("freed", 50, 60), ("waiting", 60, 70)]
 
@@ -147,10 +148,10 @@ def test_block_usage_splits_by_owner_state() -> None:
     u = block_usage(ctx, findings=leak)
     p = u[u["instance"] == "prefill-0"]
     got = [((t - T0) / MS, r, f, lk, pool) for t, r, f, lk, pool in
-           zip(p["ts_ns"], p["running"], p["finished_awaiting_transfer"], p["leaked"], p["pool_blocks"])]
+           zip(p["ts_ns"], p["running"], p["finished_awaiting_transfer"], p["leaked"], p["pool_blocks"], strict=True)]
     assert got == [(2.2, 6, 0, 0, 64), (6.7, 1, 5, 0, 64), (6.8, 0, 5, 1, 64), (20.0, 0, 2, 1, 64)]
     d = u[u["instance"] == "decode-0"]
-    assert list(zip(d["in_use"], d["pool_blocks"])) == [(3, 32), (0, 32)]
+    assert list(zip(d["in_use"], d["pool_blocks"], strict=True)) == [(3, 32), (0, 32)]
     assert (u["in_use"] == u[list(BLOCK_STATES)].sum(axis=1)).all()
     # Without the leak finding, r3's block is only "finished" (leaks are the leaked_blocks rule's call).
     from pdtrace.analysis.findings import empty_findings
@@ -175,7 +176,7 @@ def test_block_usage_matches_an_independent_count(name: str) -> None:
         last = {}
         for ts, count in series:
             last[ts] = count
-        ours = dict(zip(mine["ts_ns"], mine["in_use"]))
+        ours = dict(zip(mine["ts_ns"], mine["in_use"], strict=True))
         times = np.array(sorted(ours))
         for ts, count in last.items():
             before = times[times <= ts]

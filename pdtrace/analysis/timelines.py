@@ -52,15 +52,17 @@ def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
     """One row per phase interval of a request: instance, dp_rank, role, req, phase, start_ns, end_ns.
 
     Algorithm: take the scheduler rows that carry a request and can change its state; sort them by request key
-    (instance, dp_rank, req) and position in the global event order (columns.py: time, then each writer's seq). Each row maps to the phase it starts: `req_add` -> waiting, `req_wait_kv` ->
-    waiting_kv, `kv_recv_done`/`kv_recv_fail` -> waiting (loaded or failed: back in the queue), `req_sched` ->
-    running, `req_preempt` -> waiting, `req_finish` -> finished_holding when `delay_free` (the blocks stay owned
-    for a transfer) else freed, `blocks_free` -> freed. A request is "finished" from its `req_finish` until the next
-    `req_add` of the same id (group-wise cumulative max within a lifecycle = cumulative count of `req_add`); once
-    finished, only `blocks_free` (-> freed), `req_sched` (-> running: a scheduled finished request, which rules
-    report) and a new `req_add` change the phase, and before the finish `blocks_free` (preemption, trimming) does
-    not. Rows that repeat the previous row's phase are dropped; a phase ends where the request's next phase starts,
-    and the last one at the end of the trace. Zero-length phases are dropped.
+    (instance, dp_rank, req) and position in the global event order (columns.py: time, then each writer's seq).
+    Each row maps to the phase it starts: `req_add` -> waiting, `req_wait_kv` -> waiting_kv,
+    `kv_recv_done`/`kv_recv_fail` -> waiting (loaded or failed: back in the queue), `req_sched` -> running,
+    `req_preempt` -> waiting, `req_finish` -> finished_holding when `delay_free` (the blocks stay owned for a
+    transfer) else freed, `blocks_free` -> freed. A lifecycle runs from a request's first row or a `req_add` to the
+    next one (a reused id starts a new one); it is "finished" from its `req_finish` on (a running maximum of
+    2 * lifecycle + is_finish over the sorted rows). Once finished, only `blocks_free` (-> freed), `req_sched`
+    (-> running: a scheduled finished request, which rules report) and a new `req_add` change the phase; before
+    the finish `blocks_free` (preemption, trimming) does not. Rows that repeat the previous row's phase are
+    dropped; a phase ends where the request's next phase starts, and the last one at the end of the trace.
+    Zero-length phases are dropped.
     """
     return ctx.cached("timelines.request_phases", lambda: _request_phases(ctx))
 

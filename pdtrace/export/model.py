@@ -119,7 +119,8 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
         ts, dur = _clip(spans["begin_ts"].to_numpy(np.int64), spans["end_ts"].to_numpy(np.int64), sel)
         rpc = spans["rpc"].astype("str").fillna("execute_model").to_numpy(dtype=object)
         name = "step " + spans["step"].astype("Int64").astype("str").to_numpy(dtype=object) + " " + rpc
-        parts.append(_slices(pid, tid, name, "exec", ts, dur, "tokens", spans["n"].astype("Float64").to_numpy(np.float64)))
+        tokens = spans["n"].astype("Float64").to_numpy(np.float64)
+        parts.append(_slices(pid, tid, name, "exec", ts, dur, "tokens", tokens))
         t = pd.DataFrame({"pid": pid, "tid": tid, "dp": dp, "pp": pp, "tp": tp}).drop_duplicates(["pid", "tid"])
         threads.append(pd.DataFrame({"pid": t["pid"], "tid": t["tid"],
                                      "name": "dp" + t["dp"].astype(str) + " PP" + t["pp"].astype(str)
@@ -157,7 +158,8 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
             dst_ts = pairs["recv_done_ts"].to_numpy(np.int64)
             flows = pd.DataFrame({
                 "id": np.arange(1, len(pairs) + 1, dtype=np.int64),
-                "src_pid": pairs["instance_p"].map(pid_of).to_numpy(np.int64), "src_tid": pairs["tid_p"].to_numpy(np.int64),
+                "src_pid": pairs["instance_p"].map(pid_of).to_numpy(np.int64),
+                "src_tid": pairs["tid_p"].to_numpy(np.int64),
                 "src_ts_ns": src_ts,
                 "dst_pid": pairs["instance"].map(pid_of).to_numpy(np.int64), "dst_tid": pairs["tid"].to_numpy(np.int64),
                 "dst_ts_ns": dst_ts})
@@ -173,7 +175,9 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
         ts = usage["ts_ns"].to_numpy(np.int64)
         key = usage["instance"].astype("str") + "/" + usage["dp_rank"].astype("Int64").astype("str")
         inside = sel.contains(ts)
-        before = (ts < sel.lo_ns) & ~pd.Series(ts < sel.lo_ns).groupby(key.to_numpy()).shift(-1, fill_value=False).to_numpy()
+        early = ts < sel.lo_ns
+        # the last sample before the window, per scheduler: the value at the window's start
+        before = early & ~pd.Series(early).groupby(key.to_numpy()).shift(-1, fill_value=False).to_numpy()
         u = usage[inside | before]
         multi_dp = u.groupby("instance")["dp_rank"].nunique()
         name = np.where(u["instance"].map(multi_dp).to_numpy() > 1,

@@ -46,13 +46,14 @@ def perfetto_bytes(model: ExportModel) -> bytes:
 
     # Track uuids: processes 1..P, threads and counters after them.
     process_uuid = {int(pid): int(pid) for pid in model.processes["pid"]}
-    for pid, name in zip(model.processes["pid"], model.processes["name"]):  # per instance
+    for pid, name in zip(model.processes["pid"], model.processes["name"], strict=True):  # per instance
         desc = descriptor(process_uuid[int(pid)])
         desc.process.pid = int(pid)
         desc.process.process_name = str(name)
     next_uuid = max(process_uuid.values(), default=0) + 1
     thread_uuid: dict[tuple[int, int], int] = {}
-    for pid, tid, name in zip(model.threads["pid"], model.threads["tid"], model.threads["name"]):  # per thread
+    threads = zip(model.threads["pid"], model.threads["tid"], model.threads["name"], strict=True)
+    for pid, tid, name in threads:  # per thread
         thread_uuid[(int(pid), int(tid))] = next_uuid
         desc = descriptor(next_uuid)
         desc.parent_uuid = process_uuid[int(pid)]
@@ -79,8 +80,8 @@ def perfetto_bytes(model: ExportModel) -> bytes:
         index = np.concatenate([np.arange(n), np.arange(n)])
         names = s["name"].to_numpy(dtype=object)
         cats = s["cat"].to_numpy(dtype=object)
-        flow_out = dict(zip(map(int, np.flatnonzero((names == "kv send"))), model.flows["id"].astype(int)))
-        flow_in = dict(zip(map(int, np.flatnonzero((names == "kv recv"))), model.flows["id"].astype(int)))
+        flow_out = dict(zip(map(int, np.flatnonzero((names == "kv send"))), model.flows["id"].astype(int), strict=True))
+        flow_in = dict(zip(map(int, np.flatnonzero((names == "kv recv"))), model.flows["id"].astype(int), strict=True))
         for i in order:  # one packet per event (see the module docstring)
             k = int(index[i])
             packet = builder.add_packet()
@@ -110,7 +111,7 @@ def perfetto_bytes(model: ExportModel) -> bytes:
                 desc.parent_uuid = process_uuid[int(pid)]
                 desc.name = f"{name} {series.replace('_', ' ')}"
                 desc.counter.unit_name = "blocks"
-                for ts_i, value in zip(part["ts_ns"].to_numpy(np.int64), part[series].to_numpy(np.int64)):
+                for ts_i, value in zip(part["ts_ns"].to_numpy(np.int64), part[series].to_numpy(np.int64), strict=True):
                     packet = builder.add_packet()
                     packet.trusted_packet_sequence_id = _SEQ
                     packet.timestamp = int(ts_i)

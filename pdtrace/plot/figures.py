@@ -180,7 +180,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         lanes.append((f"{eng} engine", eng, -1))
         lanes.extend((f"{eng} PP{pp}", eng, int(pp)) for pp in sorted(lane_tp.loc[lane_tp["engine"] == eng, "pp_rank"]))
     lane_table = pd.DataFrame([(eng, pp, i) for i, (_, eng, pp) in enumerate(lanes)],
-                              columns=["engine", "pp_rank", "lane"]).merge(lane_tp, on=["engine", "pp_rank"], how="left")
+                              columns=["engine", "pp_rank", "lane"])
+    lane_table = lane_table.merge(lane_tp, on=["engine", "pp_rank"], how="left")
     spans = spans[in_window].merge(lane_table, on=["engine", "pp_rank"])
     spans = spans[spans["tp_rank"] == spans["lane_tp"]]
     n_lanes = len(lanes)
@@ -236,7 +237,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         b1 = np.minimum(part["end_ns"].to_numpy(np.int64), sel.hi_ns)
         yb = y_of[part["lane"].to_numpy(np.int64)]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
-        ax.add_collection(PolyCollection(_rects(tx.x(b0), tx.x(np.maximum(b1, b0 + 2 * tx.px_ns)), yb - 0.48, yb + 0.48),
+        x1 = tx.x(np.maximum(b1, b0 + 2 * tx.px_ns))  # at least two pixels wide, so that every bubble shows
+        ax.add_collection(PolyCollection(_rects(tx.x(b0), x1, yb - 0.48, yb + 0.48),
                                          facecolors=colour, alpha=0.45, edgecolors="none", gid=f"bubbles:{cause}"))
         legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
         # Label the widest bubbles with their cause where there is room (60 px).
@@ -293,8 +295,12 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
     # Lanes: requests ordered by first phase start; when they are too many, those with findings first.
     first = ph.groupby(["instance", "req"], observed=True)["start_ns"].min().reset_index()
-    flagged = set(zip(f["instance"], f["req"])) if len(f) else set()
-    first["flagged"] = [pair in flagged for pair in zip(first["instance"], first["req"])]
+    if len(f):
+        flagged = f[["instance", "req"]].drop_duplicates().assign(flagged=True)
+        first = first.merge(flagged, on=["instance", "req"], how="left")
+        first["flagged"] = first["flagged"].fillna(False).astype(bool)
+    else:
+        first["flagged"] = False
     total = len(first)
     sampled = ""
     if total > MAX_REQUEST_LANES:
@@ -337,13 +343,14 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
             if (f["severity"] == sev).any():
                 legend.append(Line2D([], [], marker="X", linestyle="none", color=SEVERITY_COLORS[sev],
                                      label=f"finding: {sev} ({int((f['severity'] == sev).sum())})"))
-        for (_, row), yy in list(zip(f.iterrows(), fy))[:15]:  # a label per finding, few
-            name = row["rule"] + (f"/{row['subrule']}" if isinstance(row["subrule"], str) and row["subrule"] else "")
-            ax.annotate(name, (tx.x(int(row["ts_ns"])), yy), xytext=(4, 4), textcoords="offset points", fontsize=7)
+        labelled = zip(f["rule"].head(15), f["subrule"].head(15), f["ts_ns"].head(15), fy[:15], strict=True)
+        for rule, subrule, ts, yy in labelled:  # a label per finding, the first fifteen
+            name = str(rule) + (f"/{subrule}" if isinstance(subrule, str) and subrule else "")
+            ax.annotate(name, (float(tx.x(int(ts))), yy), xytext=(4, 4), textcoords="offset points", fontsize=7)
 
     if n_lanes <= 40:
         ax.set_yticks((n_lanes - 1 - first["lane"].to_numpy()).astype(float),
-                      [f"{r} ({i})" for i, r in zip(first["instance"], first["req"])], fontsize=7)
+                      [f"{r} ({i})" for i, r in zip(first["instance"], first["req"], strict=True)], fontsize=7)
         ax.set_ylabel("request (instance)")
     else:
         ax.set_yticks([])
@@ -371,7 +378,7 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     keys = keys.assign(o=keys["instance"].map(order)).sort_values(["o", "dp_rank"])
     tx = _time_axis(sel, dpi)
     panels = []
-    for inst, dp in zip(keys["instance"], keys["dp_rank"]):  # one panel per scheduler (few)
+    for inst, dp in zip(keys["instance"], keys["dp_rank"], strict=True):  # one panel per scheduler (few)
         u = usage[(usage["instance"] == inst) & ((usage["dp_rank"] == dp) if pd.notna(dp) else usage["dp_rank"].isna())]
         ts = u["ts_ns"].to_numpy(np.int64)
         before = np.flatnonzero(ts < sel.lo_ns)
@@ -389,7 +396,7 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
     fig = _figure(min(1.0 + 2.6 * len(panels), 14.0), dpi)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (inst, dp, part) in zip(axes, panels):
+    for ax, (inst, dp, part) in zip(axes, panels, strict=True):
         t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
         x = np.append(tx.x(t), tx.x(sel.hi_ns))  # hold the last value to the window's end
         base = np.zeros(len(x))
@@ -436,7 +443,7 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     tx = _time_axis(sel, dpi)
     keys = st[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
     aggregated = False
-    for i, (inst, dp) in enumerate(zip(keys["instance"], keys["dp_rank"])):  # one line per scheduler (few)
+    for i, (inst, dp) in enumerate(zip(keys["instance"], keys["dp_rank"], strict=True)):  # one line per scheduler (few)
         part = st[(st["instance"] == inst) & ((st["dp_rank"] == dp) if pd.notna(dp) else st["dp_rank"].isna())]
         part = part.sort_values("sched_ts")
         name = str(inst) if pd.isna(dp) or keys["instance"].nunique() == len(keys) else f"{inst} dp{dp}"

@@ -115,13 +115,13 @@ def _request_pairs(ctx: AnalysisContext, requests: frozenset[str],
     mine = rt[rt["req"].isin(list(requests))]
     if instances is not None:
         mine = mine[mine["instance"].isin(list(instances))]
-        return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str")))
+        return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str"), strict=True))
     up = mine.dropna(subset=["remote_instance", "remote_req"])
     down = rt.dropna(subset=["remote_instance", "remote_req"]).merge(
         mine[["instance", "req"]].rename(columns={"instance": "remote_instance", "req": "remote_req"}))
-    return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str"))) \
-        | frozenset(zip(up["remote_instance"].astype("str"), up["remote_req"].astype("str"))) \
-        | frozenset(zip(down["instance"].astype("str"), down["req"].astype("str")))
+    return frozenset(zip(mine["instance"].astype("str"), mine["req"].astype("str"), strict=True)) \
+        | frozenset(zip(up["remote_instance"].astype("str"), up["remote_req"].astype("str"), strict=True)) \
+        | frozenset(zip(down["instance"].astype("str"), down["req"].astype("str"), strict=True))
 
 
 def findings_of(ctx: AnalysisContext) -> pd.DataFrame:
