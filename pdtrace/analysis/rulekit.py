@@ -171,7 +171,10 @@ class Evidence:
         if not need:
             return
         table = self.cols.table.select([c for c in _REF_COLUMNS if c in self.cols.table.column_names])
-        for row, rec in zip(need, table.take(pa.array(need, pa.int64())).to_pylist()):
+        # one-row slices: take() over a many-chunk 10M-row table would concatenate the chunks first
+        records = [table.slice(row, 1).to_pylist()[0] for row in need] if len(need) < 2000 else \
+            table.take(pa.array(need, pa.int64())).to_pylist()
+        for row, rec in zip(need, records):
             clean = {k: v for k, v in rec.items() if v is not None}
             if "blocks" in clean and len(clean["blocks"]) > 16:
                 clean["n_blocks"] = len(clean["blocks"])
