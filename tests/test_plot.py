@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.collections import PolyCollection
 from matplotlib.image import imread
 
 from pdtrace.analysis.context import AnalysisContext
