@@ -482,6 +482,7 @@ def test_random_corruptions_never_crash(seed, ops):
         elif op == "dup":
             idx = np.insert(idx, i, idx[i])
         elif op == "swap":
+            i = at % len(ts)
             j = (i * 7 + 3) % len(ts)
             ts[[i, j]] = ts[[j, i]]
         elif op == "shuffle":
