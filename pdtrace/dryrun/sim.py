@@ -208,11 +208,19 @@ class SimEngine:
         orig_update = sched.update_from_output
 
         if cfg.real_scheduler_time:
+            orig_schedule = sched.schedule
+            started = [0]
+
+            def schedule(*args: Any, **kwargs: Any) -> Any:
+                started[0] = time.thread_time_ns()
+                return orig_schedule(*args, **kwargs)
+
             def after_schedule(so: Any) -> Any:
-                t0 = time.thread_time_ns()
                 rv = orig_after(so)
-                tl.advance_by(time.thread_time_ns() - t0 + self._sched_cpu_start_pending())
+                tl.advance_by(time.thread_time_ns() - started[0])  # schedule()'s CPU time so far
                 return rv
+
+            sched.schedule = schedule
         else:
             def after_schedule(so: Any) -> Any:
                 rv = orig_after(so)
@@ -231,9 +239,6 @@ class SimEngine:
 
         sched._update_after_schedule = after_schedule
         sched.update_from_output = update_from_output
-
-    def _sched_cpu_start_pending(self) -> int:
-        return 0
 
     # -- the workers ----------------------------------------------------------------------------------------
     def submit_step(self, so: Any) -> Any:
