@@ -208,3 +208,12 @@ def test_cli_export_empty_selection_exits_2(cli, tmp_path: Path, args: list[str]
     assert r.exit_code == 2
     assert message in r.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+def test_cli_export_perfetto_when_installed(cli, tmp_path: Path) -> None:
+    pytest.importorskip("perfetto.trace_builder.proto_builder")
+    trace_dir = pd_scenario().write(tmp_path / "demo")
+    r = cli("export", trace_dir, "--to", "perfetto", "-o", tmp_path / "x.pftrace")
+    assert r.exit_code == 0, r.stderr
+    assert (tmp_path / "x.pftrace").stat().st_size > 0
+    assert "25 slices" in r.stdout

@@ -324,3 +324,20 @@ def test_default_output_names_the_trace_and_kind(tmp_path: Path) -> None:
     (tmp_path / "run7" / "trace").mkdir(parents=True)
     assert default_output(str(tmp_path / "run7" / "trace"), "blocks") == Path("run7-blocks.png")
     assert default_output(str(tmp_path / "run7") + "/", "steps") == Path("run7-steps.png")
+
+
+def test_request_window_covers_the_request_and_its_peer() -> None:
+    from pdtrace.plot.window import resolve
+
+    ctx = AnalysisContext(pd_scenario().trace())
+    t0 = int(ctx.trace.table.column("ts_ns").to_numpy().min())
+    sel = resolve(ctx, Window(requests=("d1",)))
+    assert sel.request_pairs == {("decode-0", "d1"), ("prefill-0", "r1")}
+    assert sel.instances == {"decode-0", "prefill-0"}
+    assert (sel.lo_ns - t0, sel.hi_ns - t0) == (1 * MS, 25 * MS)  # r1's arrival to d1's free
+    # with --instance, only the named request on that instance
+    sel = resolve(ctx, Window(requests=("d1",), instances=("decode-0",)))
+    assert sel.request_pairs == {("decode-0", "d1")}
+    assert (sel.lo_ns - t0, sel.hi_ns - t0) == (8 * MS, 25 * MS)
+    with pytest.raises(EmptySelection):
+        resolve(ctx, Window(requests=("d1",), instances=("prefill-0",)))
