@@ -158,3 +158,20 @@ def test_help_lists_the_options(cli):
     for option in ("--format", "--rules", "--instance", "--since", "--until", "--fail-on", "--grace-s",
                    "--config"):
         assert option in result.stdout
+
+
+def test_python_api_sorts_errors_first_and_records_what_ran():
+    from pdtrace.analysis.registry import Rule
+
+    trace = faults.c11(600, gap=True)                      # one warning (downgraded leak)
+    extra = Rule(id="always", summary="test rule", run=lambda ctx: __import__(
+        "pdtrace.analysis.findings", fromlist=["x"]).findings_frame([
+            {"rule": "always", "subrule": "x", "severity": "error", "instance": "P", "ts_ns": 2**62,
+             "message": "late error", "evidence": [], "blocks": [], "context": "always", "extra": {}}]))
+    df = analyze(trace, rules=["leaked_blocks", extra])
+    assert list(df["severity"]) == ["error", "warning"]     # errors first although later in time
+    assert df.attrs["rules"] == ["leaked_blocks", "always"] and df.attrs["events"] == len(trace)
+    with pytest.raises(UsageError):
+        analyze(trace, rules=["nope"])
+    with pytest.raises(UsageError):
+        analyze(42)
