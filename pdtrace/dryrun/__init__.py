@@ -78,6 +78,9 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         cfg_path, res_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         cfg_path.write_text(json.dumps(config.to_dict()))
         env = dict(os.environ, PYTHONHASHSEED="0")
+        # The child imports this very pdtrace, installed or not.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         # vLLM logs on stdout; the child's stdout goes to our stderr (stdout is for results).
         proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", str(cfg_path), str(out), str(res_path)],
                               env=env, stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
