@@ -25,8 +25,15 @@ from pdtrace.errors import RecordingError
 
 SUPPORTED_VLLM = "0.33.0"
 
-__all__ = ["DryRunConfig", "DryRunResult", "run_dry_run", "FAULTS", "INSTANCE_LAYOUTS",
-           "parse_length_distribution", "SUPPORTED_VLLM"]
+__all__ = [
+    "FAULTS",
+    "INSTANCE_LAYOUTS",
+    "SUPPORTED_VLLM",
+    "DryRunConfig",
+    "DryRunResult",
+    "parse_length_distribution",
+    "run_dry_run",
+]
 
 
 @dataclass
@@ -156,12 +163,11 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     # The simulated workers behave like the V1 model runner (persistent batch); say so to vLLM's config too.
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     _check_vllm()
-    from pdtrace.recording import session
-    from pdtrace.recording.vllm import install_hooks
-
     from pdtrace.dryrun.faults import reshape_workload
     from pdtrace.dryrun.sim import SimCluster
     from pdtrace.dryrun.workload import make_workload
+    from pdtrace.recording import session
+    from pdtrace.recording.vllm import install_hooks
 
     wall0 = time.perf_counter()
     workload = make_workload(config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 #: Virtual time 0 of every dry run: 2026-01-01T00:00:00Z. Fixed, so that the same seed gives the same trace.
 EPOCH_NS = 1_767_225_600_000_000_000
@@ -38,11 +38,9 @@ class Timeline:
         target = int(ts_ns)
         while heap and heap[0][0] <= target:
             ts, _, cb = heapq.heappop(heap)
-            if ts > self.now:
-                self.now = ts
+            self.now = max(self.now, ts)
             cb()
-        if target > self.now:
-            self.now = target
+        self.now = max(self.now, target)
 
     def advance_by(self, dt_ns: float) -> None:
         """Advance by a duration (ns)."""

@@ -103,7 +103,7 @@ class DryRunConfig:
     real_scheduler_time: bool = False  # add the scheduler's measured CPU time instead (not deterministic)
     instance_prefix: str = ""  # instance ids: "<prefix>prefill-0", "<prefix>decode-0", "<prefix>engine-0"
 
-    def validate(self) -> "DryRunConfig":
+    def validate(self) -> DryRunConfig:
         """Check the configuration; raise UsageError (exit 2) with one line naming the option."""
         def need(cond: bool, msg: str) -> None:
             if not cond:

@@ -84,14 +84,14 @@ class StepRecord:
 class SimFuture(Future):
     """A future resolved on demand: `result()` advances the engine's virtual time to the replies, then aggregates."""
 
-    def __init__(self, executor: "SimExecutor", record: StepRecord, rpc: str) -> None:
+    def __init__(self, executor: SimExecutor, record: StepRecord, rpc: str) -> None:
         super().__init__()
         self._executor = executor
         self._record = record
         self._rpc = rpc
         self._resolved = False
 
-    def result(self, timeout: float | None = None) -> Any:  # noqa: ARG002 - same signature as Future
+    def result(self, timeout: float | None = None) -> Any:
         if not self._resolved:
             self._resolved = True
             try:
@@ -104,7 +104,7 @@ class SimFuture(Future):
 class SimExecutor(Executor):
     """vLLM `Executor` whose workers are simulated. `sim_engine` is set on a per-engine subclass (see sim.py)."""
 
-    sim_engine: "SimEngine"
+    sim_engine: SimEngine
     uses_ray = False
     supports_pp = True
 

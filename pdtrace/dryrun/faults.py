@@ -65,7 +65,7 @@ def _resize_prompt(wl: WorkloadRequest, n: int) -> None:
 class FaultInjector:
     """The faults of one run, consulted by the simulated workers and the transfer engine."""
 
-    def __init__(self, cluster: "SimCluster") -> None:
+    def __init__(self, cluster: SimCluster) -> None:
         self.cluster = cluster
         cfg = cluster.config
         self.faults = set(cfg.faults)
@@ -88,10 +88,10 @@ class FaultInjector:
             return limit
         return 0
 
-    def before_step(self, engine: "SimEngine") -> None:
+    def before_step(self, engine: SimEngine) -> None:
         return None
 
-    def read_ns(self, engine: "SimEngine", req_id: str, normal_ns: int) -> int:
+    def read_ns(self, engine: SimEngine, req_id: str, normal_ns: int) -> int:
         if "slow_transfer" in self.faults and req_id == self.d_target["slow_transfer"]:
             if engine.ranks and not any("slow read" in x for x in self.injected):
                 self.injected.append(f"slow read of {req_id}: {self.cluster.config.slow_transfer_ms:.0f} ms")
@@ -100,12 +100,12 @@ class FaultInjector:
             return max(20 * normal_ns, 20 * NS_PER_MS)
         return normal_ns
 
-    def on_read_started(self, engine: "SimEngine", req_id: str, ts: int, dur: int) -> None:
+    def on_read_started(self, engine: SimEngine, req_id: str, ts: int, dur: int) -> None:
         if "abort_while_waiting_kv" in self.faults and req_id == self.d_target["abort_while_waiting_kv"]:
             engine.push_input(ts + dur // 2, "abort", req_id)
             self.injected.append(f"abort {req_id} at +{dur // 2 / 1e6:.1f} ms into its read")
 
-    def filter_sends(self, engine: "SimEngine", rank: Any, rec: Any, sends: set[str]) -> set[str]:
+    def filter_sends(self, engine: SimEngine, rank: Any, rec: Any, sends: set[str]) -> set[str]:
         """The sends a P rank reports at the end of a step, after the faults."""
         if engine is not self.cluster.prefill or not self.faults:
             return sends

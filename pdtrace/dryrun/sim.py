@@ -91,14 +91,14 @@ class EngineInput:
     kind: str  # "add" | "abort"
     payload: Any = None
 
-    def __lt__(self, other: "EngineInput") -> bool:
+    def __lt__(self, other: EngineInput) -> bool:
         return (self.ts, self.order) < (other.ts, other.order)
 
 
 class SimEngine:
     """One vLLM instance: a real EngineCore over a SimExecutor, its virtual timeline and its simulated workers."""
 
-    def __init__(self, cluster: "SimCluster", index: int, instance: str, role: str, kv_role: str | None) -> None:
+    def __init__(self, cluster: SimCluster, index: int, instance: str, role: str, kv_role: str | None) -> None:
         self.cluster = cluster
         self.index = index
         self.instance = instance
@@ -128,8 +128,7 @@ class SimEngine:
     def build(self) -> None:
         """Build the VllmConfig (PP, TP and async poked in afterwards, as this CPU platform needs) and the core."""
         import torch
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                                 VllmConfig)
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.engine.core import EngineCore
 
         from pdtrace.dryrun.executor import RankState, SimExecutor
@@ -244,8 +243,14 @@ class SimEngine:
     # -- the workers ----------------------------------------------------------------------------------------
     def submit_step(self, so: Any) -> Any:
         """Lay one step out on the pipeline (called from SimExecutor.execute_model) and return its record."""
-        from pdtrace.dryrun.executor import (NO_FORWARD_US, RPC_ISSUE_US, RPC_REPLY_US, SAMPLE_US_LAST,
-                                             SAMPLE_US_OTHER, StepRecord)
+        from pdtrace.dryrun.executor import (
+            NO_FORWARD_US,
+            RPC_ISSUE_US,
+            RPC_REPLY_US,
+            SAMPLE_US_LAST,
+            SAMPLE_US_OTHER,
+            StepRecord,
+        )
 
         cfg = self.cluster.config
         tl = self.timeline
@@ -494,8 +499,7 @@ class SimCluster:
         return self._order
 
     def note_progress(self, ts: int) -> None:
-        if ts > self.last_progress:
-            self.last_progress = ts
+        self.last_progress = max(self.last_progress, ts)
 
     # -- requests ----------------------------------------------------------------------------------------------
     def _make_request(self, req_id: str, wl: WorkloadRequest, max_tokens: int, params: dict | None,
@@ -562,7 +566,7 @@ class SimCluster:
                         self.transfers.phantom_read(engine, rid, params, now)
                     self._client_done(base, now)
                 else:
-                    base = rid[:-2] if rid.endswith("-d") else rid
+                    base = rid.removesuffix("-d")
                     self._client_done(base, now)
 
     def _client(self, base: str) -> ClientRequest | None:

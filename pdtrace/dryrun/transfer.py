@@ -27,7 +27,7 @@ NS_PER_US = 1000
 class SimTransferEngine:
     """Reads between simulated ranks, and the per-rank completions they produce."""
 
-    def __init__(self, cluster: "SimCluster") -> None:
+    def __init__(self, cluster: SimCluster) -> None:
         self.cluster = cluster
         self.reads_started = 0
         self.blocks_read = 0
@@ -39,7 +39,7 @@ class SimTransferEngine:
             us += n_blocks * cfg.kv_bytes_per_block * 8 / (cfg.transfer_bandwidth_gbps * 1e3)
         return int(us * NS_PER_US)
 
-    def on_worker_metadata(self, engine: "SimEngine", rank: Any, rec: Any, meta: Any, ts: int) -> None:
+    def on_worker_metadata(self, engine: SimEngine, rank: Any, rec: Any, meta: Any, ts: int) -> None:
         """A rank executes a step's connector metadata: P ranks learn what to send, D ranks start reads."""
         to_send = getattr(meta, "reqs_to_send", None)
         if to_send:
@@ -69,7 +69,7 @@ class SimTransferEngine:
             if p_rank is not None:
                 p_rank.done_sends.append((done, remote.request_id))
 
-    def phantom_read(self, producer: "SimEngine", req_id: str, params: dict, now: int) -> None:
+    def phantom_read(self, producer: SimEngine, req_id: str, params: dict, now: int) -> None:
         """P-only runs: an unrecorded decoder reads the finished request's blocks after the proxy's delay."""
         blocks = params.get("remote_block_ids") or ()
         n_blocks = len(blocks[0]) if blocks and len(blocks) else 0
