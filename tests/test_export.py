@@ -217,3 +217,21 @@ def test_cli_export_perfetto_when_installed(cli, tmp_path: Path) -> None:
     assert r.exit_code == 0, r.stderr
     assert (tmp_path / "x.pftrace").stat().st_size > 0
     assert "25 slices" in r.stdout
+
+
+def test_every_rank_and_scheduler_gets_its_own_thread(tmp_path: Path) -> None:
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="E", start_ns=T0)
+    ranks = [(dp, pp, tp) for dp in (0, 1, 10) for pp in (0, 1) for tp in (0, 1)]
+    for dp in (0, 1, 10):
+        b.add("sched", ts=T0 + dp, step=0, n=1, dp_rank=dp, detail={"dur_ns": 10})
+    for i, (dp, pp, tp) in enumerate(ranks):
+        kw = {"dp_rank": dp, "pp_rank": pp, "tp_rank": tp, "pid": 2000 + i, "step": 0, "n": 1}
+        b.add("exec_begin", ts=T0 + MS, **kw)
+        b.add("exec_end", ts=T0 + 2 * MS, **kw)
+    doc = chrome(b.trace(), tmp_path)
+    threads = names(doc, "thread_name")
+    assert len(threads) == len(set(threads.values())) == len(ranks) + 3
+    assert {f"dp{dp} PP{pp} TP{tp}" for dp, pp, tp in ranks} | {"scheduler dp0", "scheduler dp1", "scheduler dp10"} \
+        == set(threads.values())

@@ -21,10 +21,11 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.timelines import BLOCK_STATES, block_usage, request_phases
 from pdtrace.plot.window import Selection
 
-#: Thread id ranges inside a process.
+#: Thread id ranges inside a process, disjoint for DP ranks < 1000, PP and TP ranks < 1000: schedulers 1 + dp,
+#: worker ranks RANK_TID_BASE + (dp * 1000 + pp) * 1000 + tp, requests REQUEST_TID_BASE + their index.
 SCHEDULER_TID = 1
-RANK_TID_BASE = 100
-REQUEST_TID_BASE = 100_000
+RANK_TID_BASE = 1_000
+REQUEST_TID_BASE = 2_000_000_000
 MARK_NS = 1_000  # width of the kv send / kv recv marks (1 µs)
 
 
@@ -101,7 +102,7 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     if len(steps):
         pid = steps["instance"].astype("str").map(pid_of).to_numpy()
         dp = steps["dp_rank"].astype("Int64").fillna(0).to_numpy(np.int64)
-        tid = SCHEDULER_TID + dp * 10
+        tid = SCHEDULER_TID + dp
         ts = steps["sched_ts"].to_numpy(np.int64)
         dur = steps["dur_ns"].astype("Float64").fillna(0).to_numpy(np.int64)
         parts.append(_slices(pid, tid, "step " + steps["step"].astype("Int64").astype("str"), "scheduler", ts, dur,
@@ -115,7 +116,7 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
         pp = spans["pp_rank"].astype("Int64").fillna(0).to_numpy(np.int64)
         tp = spans["tp_rank"].astype("Int64").fillna(0).to_numpy(np.int64)
         pid = spans["instance"].astype("str").map(pid_of).to_numpy()
-        tid = RANK_TID_BASE + dp * 10_000 + pp * 100 + tp
+        tid = RANK_TID_BASE + (dp * 1_000 + pp) * 1_000 + tp
         ts, dur = _clip(spans["begin_ts"].to_numpy(np.int64), spans["end_ts"].to_numpy(np.int64), sel)
         rpc = spans["rpc"].astype("str").fillna("execute_model").to_numpy(dtype=object)
         name = "step " + spans["step"].astype("Int64").astype("str").to_numpy(dtype=object) + " " + rpc
