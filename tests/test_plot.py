@@ -341,3 +341,21 @@ def test_request_window_covers_the_request_and_its_peer() -> None:
     assert (sel.lo_ns - t0, sel.hi_ns - t0) == (8 * MS, 25 * MS)
     with pytest.raises(EmptySelection):
         resolve(ctx, Window(requests=("d1",), instances=("prefill-0",)))
+
+
+def test_pipeline_lanes_per_dp_rank_and_stage() -> None:
+    from pdtrace.trace.builder import EventBuilder
+
+    t0 = 1_700_000_000_000_000_000
+    b = EventBuilder(instance="E", start_ns=t0)
+    for dp in (0, 1):
+        for pp in (0, 1):
+            for tp in (0, 1):  # the plot draws each stage from its lowest TP rank
+                kw = {"dp_rank": dp, "pp_rank": pp, "tp_rank": tp, "pid": 100 + dp * 10 + pp * 2 + tp, "n": 4}
+                for step in range(3):
+                    b.add("exec_begin", ts=t0 + step * 5 * MS + pp * MS, step=step, **kw)
+                    b.add("exec_end", ts=t0 + step * 5 * MS + (pp + 1) * MS, step=step, **kw)
+    fig = build_figure(AnalysisContext(b.trace()), "pipeline")
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["E dp0 engine", "E dp0 PP0", "E dp0 PP1", "E dp1 engine", "E dp1 PP0", "E dp1 PP1"]
+    assert n_paths(fig, "exec_spans") == 2 * 2 * 3  # TP rank 1 is not drawn
