@@ -415,26 +415,30 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                             {"pp_rank": int(d.pp), "tp_rank": int(d.tp), "steps_since": int(n_after)})
 
     # --- zombie --------------------------------------------------------------------------------------------
-    is_sched = ev_kind == code["req_sched"]
-    if is_sched.any():
-        idx = np.flatnonzero(is_sched)
-        same_next = np.r_[ev_rk[1:] == ev_rk[:-1], False]
-        has_next = same_next[idx]
+    if len(ev_rows):
+        # step ids count schedule() calls (a coalesced empty run advances them by its length), so the calls
+        # strictly between two events of a request are a difference of steps; an open gap (the request's last
+        # event is a req_sched and it never finished) runs to the scheduler's last step. The sched-row prefix
+        # sums count only where an event has no step (an abort between steps). Candidates are chosen on whole
+        # arrays first, so the per-gap work touches long gaps only.
+        ev_step = cols.step[ev_rows]
+        is_sched = ev_kind == code["req_sched"]
+        last_of_rk = np.r_[ev_rk[1:] != ev_rk[:-1], True]
+        diff = np.full(len(ev_step), NO, np.int64)
+        diff[:-1] = ev_step[1:] - ev_step[:-1] - 1
+        unknown = ev_step < 0
+        next_unknown = np.r_[unknown[1:], False]
+        threshold_z = int(cfg.zombie_steps)
+        closed = np.flatnonzero(is_sched & ~last_of_rk & ((diff >= threshold_z) | next_unknown | unknown))
+        opened = np.flatnonzero(is_sched & last_of_rk & unfinished[ev_rk])
+        idx = np.concatenate([closed, opened])
+        has_next = np.r_[np.ones(len(closed), bool), np.zeros(len(opened), bool)]
         nxt = np.minimum(idx + 1, len(ev_pos) - 1)
         nxt_pos = np.where(has_next, ev_pos[nxt], NO)
         z_rk = ev_rk[idx]
-        # an open gap counts only while the request is unfinished
-        keep = has_next | unfinished[z_rk]
-        idx, nxt, nxt_pos, z_rk, has_next = idx[keep], nxt[keep], nxt_pos[keep], z_rk[keep], has_next[keep]
-        # step ids count schedule() calls (a coalesced empty run advances them by its length), so the calls
-        # strictly between two events of the request are a difference of steps; an open gap runs to the
-        # scheduler's last step; the prefix-sum count only where the next event has no step (an abort between
-        # steps)
-        step_here = cols.step[ev_rows[idx]]
-        step_next = cols.step[ev_rows[nxt]]
         z_sk = st.sk[z_rk]
-        gap = np.where(has_next, step_next - step_here - 1, sc.last_step[z_sk] - step_here).astype(np.float64)
-        slow = np.flatnonzero((has_next & (step_next < 0)) | (step_here < 0))
+        gap = np.where(has_next, diff[idx], sc.last_step[z_sk] - ev_step[idx]).astype(np.float64)
+        slow = np.flatnonzero((has_next & next_unknown[idx]) | unknown[idx])
         if len(slow):
             gap[slow] = sc.steps_between(z_sk[slow], ev_pos[idx[slow]], nxt_pos[slow])
         big = gap >= int(cfg.zombie_steps)
