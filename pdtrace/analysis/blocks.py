@@ -7,17 +7,17 @@ key. Within one (request, block):
   extends the open interval);
 - the first free after the opening closes it; a free whose previous entry is not an allocation is *unmatched*: the
   request gave up a block it did not own (double_free uses these).
-Per pool (instance, dp_rank) and block, the interval starts and ends sorted by position give the number of other
-owners at each free (a running sum of +1 at starts and -1 at ends). The first `blocks_pool_free` of the block after
-a free (`pool_free_*`), the next interval start of another request (`next_alloc_*`) and the next `req_wait_kv`
-allocation (`next_wait_kv_*`) are found with one searchsorted each (columns.next_at_or_after).
+Lookups per freed interval, on demand for the intervals a rule asks about (the searched rows are sorted once, by
+(pool, block, position), on first use): the number of other owners in the pool right after the free (a running
+sum of +1 at interval starts and -1 at frees per pool and block), the first `blocks_pool_free` of the block after
+the free, the block's next holder and its next `req_wait_kv` allocation (one searchsorted each).
 
 `ownership(ctx)` holds these as numpy arrays (rules use it); `block_ownership(ctx)` is the DataFrame.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,9 @@ OWNERSHIP_COLUMNS = (
 
 @dataclass
 class Ownership:
-    """Holding intervals as parallel arrays (index = interval), plus the unmatched frees."""
+    """Holding intervals as parallel arrays (index = interval), plus the unmatched frees. Lookups that only a few
+    intervals need (the pool free, the next holder, the next req_wait_kv allocation of a freed block, the other
+    owners at a free) are methods taking interval indexes: the rows they search are sorted once, on first use."""
 
     rk: np.ndarray
     sk: np.ndarray
@@ -42,21 +44,91 @@ class Ownership:
     alloc_pos: np.ndarray
     free_row: np.ndarray        # NO if never freed
     free_pos: np.ndarray
-    others_at_free: np.ndarray  # other owners of the block in the pool right after the free (0 if never freed)
-    pool_free_row: np.ndarray   # first blocks_pool_free of the block after the free
-    pool_free_pos: np.ndarray
-    next_alloc_rk: np.ndarray   # next interval of the block in this pool after the free, by another holder
-    next_alloc_row: np.ndarray
-    next_alloc_pos: np.ndarray
-    next_wait_kv_row: np.ndarray  # next req_wait_kv allocation of the block after the free
-    next_wait_kv_pos: np.ndarray
     # frees of blocks the request did not hold
     unmatched_row: np.ndarray
     unmatched_block: np.ndarray
     unmatched_rk: np.ndarray
+    cols: Columns | None = None
+    width: int = 1
+    _sorted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
+    _others: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.rk)
+
+    @property
+    def pool_key(self) -> np.ndarray:
+        return _pool_block_key(self.sk, self.block, self.width)
+
+    def _table(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(sorted composite keys, their rows (or interval ids), span) of the rows a lookup searches."""
+        if name not in self._sorted:
+            cols = self.cols
+            assert cols is not None
+            if name == "alloc":
+                key, pos, ids = self.pool_key, self.alloc_pos, np.arange(len(self), dtype=np.int64)
+            else:
+                kinds = ("blocks_pool_free",) if name == "pool" else ("req_wait_kv",)
+                rows = cols.rows_of(*kinds) if name == "pool" else cols.req_rows(*kinds)
+                b_rows, b_blocks = cols.flat_blocks(cols.mask_of_rows(rows))
+                key = _pool_block_key(cols.sk[b_rows], b_blocks, self.width)
+                pos, ids = cols.pos[b_rows], b_rows
+            span = int(cols.n) + 2
+            composite = key.astype(np.int64) * span + pos
+            order = np.argsort(composite)
+            self._sorted[name] = (composite[order], ids[order], np.array([span]))
+        return self._sorted[name]
+
+    def _next_after(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """For intervals idx (freed ones): the id of the first entry of table `name` with the same pool block
+        strictly after the free, else NO."""
+        out = np.full(len(idx), NO, np.int64)
+        if len(idx) == 0:
+            return out
+        composite, ids, span = self._table(name)
+        if len(composite) == 0:
+            return out
+        span_v = int(span[0])
+        query = self.pool_key[idx].astype(np.int64) * span_v + self.free_pos[idx] + 1
+        at = np.searchsorted(composite, query)
+        ok = at < len(composite)
+        ok[ok] = (composite[at[ok]] // span_v) == (query[ok] // span_v)
+        out[ok] = ids[at[ok]]
+        return out
+
+    def pool_free_after(self, idx: np.ndarray) -> np.ndarray:
+        """Row of the first blocks_pool_free of the block after each interval's free (NO if none)."""
+        return self._next_after("pool", idx)
+
+    def next_alloc_after(self, idx: np.ndarray) -> np.ndarray:
+        """Interval id of the block's next holder after each interval's free (NO if none)."""
+        return self._next_after("alloc", idx)
+
+    def next_wait_kv_after(self, idx: np.ndarray) -> np.ndarray:
+        """Row of the block's next req_wait_kv allocation after each interval's free (NO if none)."""
+        return self._next_after("wait_kv", idx)
+
+    def others_at_free(self, idx: np.ndarray) -> np.ndarray:
+        """Other holders of the block in its pool right after each interval's free: a running count of +1 at
+        starts and -1 at frees per (pool, block), computed once for all intervals on first use."""
+        if len(idx) == 0:
+            return np.zeros(0, np.int64)
+        if self._others is None:
+            closed = self.free_row >= 0
+            pkey = self.pool_key
+            n_int = len(self)
+            ev_key = np.concatenate([pkey, pkey[closed]])
+            ev_pos = np.concatenate([self.alloc_pos, self.free_pos[closed]])
+            ev_delta = np.concatenate([np.ones(n_int, np.int64), -np.ones(int(closed.sum()), np.int64)])
+            ev_id = np.concatenate([np.arange(n_int), np.flatnonzero(closed)])
+            order = _sort_by(ev_key, ev_pos)
+            ev_key, ev_delta, ev_id = ev_key[order], ev_delta[order], ev_id[order]
+            count_after = _running_count(ev_key, ev_delta)
+            others = np.zeros(n_int, np.int64)
+            is_end = ev_delta < 0
+            others[ev_id[is_end]] = count_after[is_end]
+            self._others = others
+        return self._others[idx]
 
 
 def _sort_by(key: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -114,61 +186,10 @@ def _build(cols: Columns) -> Ownership:
     free_row = np.where(closed, rows[closer] if len(rows) else 0, NO)
     free_pos = np.where(closed, pos[closer] if len(pos) else 0, NO)
 
-    # other owners in the pool at each free: +1 at starts, -1 at frees, running sum per (pool, block)
-    pkey = _pool_block_key(i_sk, i_block, width)
-    n_int = len(starts)
-    ev_key = np.concatenate([pkey, pkey[closed]])
-    ev_pos = np.concatenate([alloc_pos, free_pos[closed]])
-    ev_delta = np.concatenate([np.ones(n_int, np.int64), -np.ones(int(closed.sum()), np.int64)])
-    ev_id = np.concatenate([np.arange(n_int), np.flatnonzero(closed)])
-    ev_order = _sort_by(ev_key, ev_pos)
-    ev_key, ev_delta, ev_id = ev_key[ev_order], ev_delta[ev_order], ev_id[ev_order]
-    running = np.cumsum(ev_delta)
-    group_start = np.ones(len(ev_key), bool)
-    group_start[1:] = ev_key[1:] != ev_key[:-1]
-    base = np.maximum.accumulate(np.where(group_start, np.arange(len(ev_key)), 0)) if len(ev_key) else ev_key
-    before_group = np.where(base > 0, running[np.maximum(base - 1, 0)], 0) if len(ev_key) else running
-    count_after = running - before_group
-    others = np.zeros(n_int, np.int64)
-    is_end = ev_delta < 0
-    others[ev_id[is_end]] = count_after[is_end]
-
-    # pool frees, next holder, next req_wait_kv allocation of the block
-    p_rows, p_blocks = cols.flat_blocks(cols.mask_of_rows(cols.rows_of("blocks_pool_free")))
-    p_key = _pool_block_key(cols.sk[p_rows], p_blocks, width)
-    fkey = pkey[closed]
-    fpos = free_pos[closed]
-    pool_row = np.full(n_int, NO, np.int64)
-    pool_pos = np.full(n_int, NO, np.int64)
-    hit = next_at_or_after(fkey, fpos, p_key, cols.pos[p_rows], strict=True)
-    idx = np.flatnonzero(closed)
-    pool_row[idx[hit >= 0]] = p_rows[hit[hit >= 0]]
-    pool_pos[idx[hit >= 0]] = cols.pos[pool_row[idx[hit >= 0]]]
-
-    next_rk = np.full(n_int, NO, np.int64)
-    next_row = np.full(n_int, NO, np.int64)
-    next_pos = np.full(n_int, NO, np.int64)
-    hit = next_at_or_after(fkey, fpos, pkey, alloc_pos, strict=True)
-    ok = hit >= 0
-    next_rk[idx[ok]] = i_rk[hit[ok]]
-    next_row[idx[ok]] = alloc_row[hit[ok]]
-    next_pos[idx[ok]] = alloc_pos[hit[ok]]
-
-    w_rows, w_blocks = cols.flat_blocks(cols.mask_of_rows(cols.req_rows("req_wait_kv")))
-    w_key = _pool_block_key(cols.sk[w_rows], w_blocks, width)
-    wait_row = np.full(n_int, NO, np.int64)
-    wait_pos = np.full(n_int, NO, np.int64)
-    hit = next_at_or_after(fkey, fpos, w_key, cols.pos[w_rows], strict=True)
-    ok = hit >= 0
-    wait_row[idx[ok]] = w_rows[hit[ok]]
-    wait_pos[idx[ok]] = cols.pos[w_rows[hit[ok]]]
-
     return Ownership(
         rk=i_rk, sk=i_sk, block=i_block, alloc_row=alloc_row, alloc_pos=alloc_pos, free_row=free_row,
-        free_pos=free_pos, others_at_free=others, pool_free_row=pool_row, pool_free_pos=pool_pos,
-        next_alloc_rk=next_rk, next_alloc_row=next_row, next_alloc_pos=next_pos, next_wait_kv_row=wait_row,
-        next_wait_kv_pos=wait_pos, unmatched_row=rows[unmatched], unmatched_block=block[unmatched],
-        unmatched_rk=rk[unmatched],
+        free_pos=free_pos, unmatched_row=rows[unmatched], unmatched_block=block[unmatched],
+        unmatched_rk=rk[unmatched], cols=cols, width=width,
     )
 
 
@@ -196,7 +217,9 @@ def _build_frame(ctx: Any) -> pd.DataFrame:
     rc = reason_codes[frow] if len(frow) else np.empty(0, np.int32)
     fstep = cols.step[frow] if len(frow) else np.empty(0, np.int64)
     astep = cols.step[own.alloc_row] if len(own.alloc_row) else np.empty(0, np.int64)
-    has_pool = own.pool_free_row >= 0
+    pool_row = np.full(len(own), NO, np.int64)
+    pool_row[freed] = own.pool_free_after(np.flatnonzero(freed))
+    has_pool = pool_row >= 0
     return pd.DataFrame({
         "instance": names["instance"].to_numpy()[own.rk] if len(own) else np.empty(0, object),
         "dp_rank": names["dp_rank"].array[own.rk] if len(own) else pd.array([], "Int16"),
@@ -211,7 +234,7 @@ def _build_frame(ctx: Any) -> pd.DataFrame:
         "free_reason": pd.array(lookup[np.where(freed & (rc >= 0), rc, len(reason_names))], dtype="string"),
         "deferred": nullable(deferred_value[frow] if len(frow) else frow.astype(bool),
                              freed & (deferred_valid[frow] if len(frow) else freed), "boolean"),
-        "pool_free_ts": nullable(cols.ts[np.where(has_pool, own.pool_free_row, 0)] if len(own) else frow,
+        "pool_free_ts": nullable(cols.ts[np.where(has_pool, pool_row, 0)] if len(own) else frow,
                                  has_pool, "Int64"),
     }, columns=list(OWNERSHIP_COLUMNS))
 

@@ -120,8 +120,9 @@ def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
     own = ownership(ctx)
     value, valid = cols.bool_col("deferred")
     free_row = np.where(own.free_row >= 0, own.free_row, 0)
-    cand = np.flatnonzero((own.free_row >= 0) & valid[free_row] & value[free_row] & (own.pool_free_row < 0)
-                          & (own.others_at_free == 0) & (own.next_alloc_pos < 0))
+    cand = np.flatnonzero((own.free_row >= 0) & valid[free_row] & value[free_row])
+    cand = cand[own.pool_free_after(cand) < 0]
+    cand = cand[(own.others_at_free(cand) == 0) & (own.next_alloc_after(cand) < 0)]
     if len(cand) == 0:
         return
     si = step_index(ctx)

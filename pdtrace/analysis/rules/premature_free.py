@@ -245,27 +245,34 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
     cols = columns(ctx)
     own = ownership(ctx)
     si = step_index(ctx)
-    cand = np.flatnonzero((own.free_row >= 0) & (own.next_wait_kv_pos >= 0))
-    if len(cand) == 0:
+    # only frees under a step still in flight can race: the freeing request's last step before the free has no
+    # step_output yet; only for those is the block's next req_wait_kv allocation looked up
+    freed = np.flatnonzero(own.free_row >= 0)
+    if len(freed) == 0:
         return []
-    sched_row = last_sched_before(ctx, own.rk[cand], own.free_pos[cand])
+    sched_row = last_sched_before(ctx, own.rk[freed], own.free_pos[freed])
     has = sched_row >= 0
     step = np.where(has, cols.step[np.maximum(sched_row, 0)], NO)
-    out_pos = si.output_pos_of(own.sk[cand], step)
-    wait_pos = own.next_wait_kv_pos[cand]
-    racing = has & (((out_pos > wait_pos)) | ((out_pos < 0) & si.has_outputs[own.sk[cand]]))
+    out_pos = si.output_pos_of(own.sk[freed], step)
+    flying = has & ((out_pos > own.free_pos[freed]) | ((out_pos < 0) & si.has_outputs[own.sk[freed]]))
+    cand = freed[flying]
+    wait_row = own.next_wait_kv_after(cand)
+    wait_pos = np.where(wait_row >= 0, cols.pos[np.maximum(wait_row, 0)], NO)
+    out_c = out_pos[flying]
+    racing = (wait_row >= 0) & ((out_c > wait_pos) | (out_c < 0))
     hit = cand[racing]
     if len(hit) == 0:
         return []
-    sched_hit = sched_row[racing]
+    sched_hit = sched_row[flying][racing]
+    wait_hit = wait_row[racing]
     records = []
     # one finding per (free row, wait_kv row)
-    key = own.free_row[hit].astype(np.int64) * (cols.n + 1) + own.next_wait_kv_row[hit]
+    key = own.free_row[hit].astype(np.int64) * (cols.n + 1) + wait_hit
     for group in groups(key):
         members = hit[group]
         first = int(members[0])
         free_row = int(own.free_row[first])
-        wait_row = int(own.next_wait_kv_row[first])
+        wait_row = int(wait_hit[group[0]])
         srow = int(sched_hit[group[0]])
         blocks = sorted(int(b) for b in own.block[members])
         sk = int(own.sk[first])

@@ -122,23 +122,28 @@ def run(ctx: Any) -> pd.DataFrame:
             })
 
     # blocks handed to another request while the old owner's transfer is still open
-    cand = np.flatnonzero((own.free_row >= 0) & (own.next_alloc_pos >= 0))
+    freed = np.flatnonzero(own.free_row >= 0)
+    rk = own.rk[freed]
+    fpos = own.free_pos[freed]
+    send = st.send_open_at(rk, fpos)
+    recv = st.recv_open_at(rk, fpos)
+    opened = send | recv
+    cand = freed[opened]  # freed while a transfer was open: only these look up the block's next holder
     if len(cand):
-        rk = own.rk[cand]
-        fpos = own.free_pos[cand]
-        send = st.send_open_at(rk, fpos)
-        recv = st.recv_open_at(rk, fpos)
+        send, recv, rk = send[opened], recv[opened], rk[opened]
         close = np.where(send, st.send_close_pos[rk], np.where(recv, st.recv_close_pos[rk], NO))
-        npos = own.next_alloc_pos[cand]
-        bad = (send | recv) & ((close < 0) | (npos < close))
+        nxt = own.next_alloc_after(cand)
+        npos = np.where(nxt >= 0, own.alloc_pos[np.maximum(nxt, 0)], NO)
+        bad = (nxt >= 0) & ((close < 0) | (npos < close))
         hit = cand[bad]
         direction = np.where(send[bad], "send", "recv")
         close_hit = close[bad]
-        for group in groups(own.free_row[hit].astype(np.int64) * (cols.n + 1) + own.next_alloc_row[hit]):
+        new_rows = own.alloc_row[nxt[bad]]
+        for group in groups(own.free_row[hit].astype(np.int64) * (cols.n + 1) + new_rows):
             members = hit[group]
             first = int(members[0])
             free_row = int(own.free_row[first])
-            new_row = int(own.next_alloc_row[first])
+            new_row = int(new_rows[group[0]])
             d = str(direction[group[0]])
             c = int(close_hit[group[0]])
             ev.refs([free_row, new_row, int(own.alloc_row[first])] + ([int(cols.order[c])] if c >= 0 else []))
