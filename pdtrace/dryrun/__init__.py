@@ -124,17 +124,25 @@ def _check_vllm_importable() -> None:
                              "README.md)")
 
 
-def _use_virtual_durations(clock: Any) -> None:
+def _use_virtual_durations(clock: Any) -> Any:
     """The hooks time schedule() (`dur_ns`) and the futures' waits (`wait_ns`) with their module's `_now`; in a
-    dry run those durations must come from the virtual clock too, or the same seed would not give the same trace."""
+    dry run those durations must come from the virtual clock too, or the same seed would not give the same trace.
+    Returns a function that puts the original back."""
     import importlib
 
     try:
         table = importlib.import_module("pdtrace.recording.vllm.v0_33")
     except ImportError:
-        return
-    if hasattr(table, "_now"):
-        table._now = clock
+        return lambda: None
+    if not hasattr(table, "_now"):
+        return lambda: None
+    original = table._now
+    table._now = clock
+
+    def restore() -> None:
+        table._now = original
+
+    return restore
 
 
 def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
@@ -177,11 +185,12 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     session.configure(str(out), source="dryrun", clock=cluster.clock)
     if not install_hooks():
         raise RecordingError("pdtrace's vLLM hooks could not be installed for this vLLM version")
-    _use_virtual_durations(cluster.clock)
+    restore_durations = _use_virtual_durations(cluster.clock)
     try:
         cluster.build()
         stats = cluster.run()
     finally:
+        restore_durations()
         session.close_all()
     manifest = out / "_manifest.json"
     if not manifest.exists():
