@@ -413,6 +413,8 @@ class SimEngine:
             elif item.kind == "abort":
                 if item.payload in self.core.scheduler.requests:
                     self.core.abort_requests([item.payload])
+                    # The client sees its request end (a closed-loop client may send the next one).
+                    self.cluster._client_done(item.payload.removesuffix("-d").removesuffix("-p"), now)
 
 
 _RPC_EXEC = '{"rpc":"execute_model"}'
