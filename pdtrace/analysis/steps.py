@@ -589,109 +589,189 @@ def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray
     return np.where(keys[idx] == query, values[idx], 1)
 
 
+def lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, fill: int | float) -> np.ndarray:
+    """values[i] where keys_sorted[i] == query, else fill (keys_sorted ascending, distinct)."""
+    if len(keys_sorted) == 0 or len(query) == 0:
+        return np.full(len(query), fill, dtype=np.result_type(values.dtype, type(fill)))
+    idx = np.minimum(np.searchsorted(keys_sorted, query), len(keys_sorted) - 1)
+    return np.where(keys_sorted[idx] == query, values[idx], fill)
+
+
+class _Keys:
+    """Small int64 codes for schedulers (inst, dp), stages (inst, dp, pp), lanes (inst, dp, pp, tp) and keys of a
+    step on them, with spans taken from the data so that lexicographic order is kept and nothing overflows."""
+
+    def __init__(self, inst: np.ndarray, dp: np.ndarray, pp: np.ndarray, tp: np.ndarray, step: np.ndarray) -> None:
+        self.dp_span = int(dp.max(initial=0)) + 2
+        self.pp_span = int(pp.max(initial=0)) + 2
+        self.tp_span = int(tp.max(initial=0)) + 2
+        self.step_span = int(step.max(initial=0)) + 2
+
+    def sched(self, inst: np.ndarray, dp: np.ndarray) -> np.ndarray:
+        return inst.astype(np.int64) * self.dp_span + dp + 1
+
+    def stage(self, inst: np.ndarray, dp: np.ndarray, pp: np.ndarray) -> np.ndarray:
+        return self.sched(inst, dp) * self.pp_span + pp + 1
+
+    def lane(self, inst: np.ndarray, dp: np.ndarray, pp: np.ndarray, tp: np.ndarray) -> np.ndarray:
+        return self.stage(inst, dp, pp) * self.tp_span + tp + 1
+
+    def at_step(self, code: np.ndarray, step: np.ndarray) -> np.ndarray:
+        return code * self.step_span + step + 1
+
+
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
-    """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e): spans of token-carrying steps with both ends, on
-    GPU time where the recorder gave it, sorted by lane and begin."""
+    """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e, lane): spans of token-carrying steps with both
+    ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy, one lexsort)."""
 
     def build() -> pd.DataFrame:
         spans = _span_frame(ctx)
-        gpu = ((spans["gpu_begin_ns"] >= 0) & (spans["gpu_end_ns"] >= 0)).to_numpy()
-        busy = spans[["inst", "dp", "pp", "tp", "step", "n"]].copy()
-        busy["b"] = np.where(gpu, spans["gpu_begin_ns"], spans["begin_ts"])
-        busy["e"] = np.where(gpu, spans["gpu_end_ns"], spans["end_ts"])
-        busy = busy[(spans["begin_ts"].to_numpy() >= 0) & (spans["end_ts"].to_numpy() >= 0)]
-        if busy["n"].isna().any():
+        inst = spans["inst"].to_numpy()
+        dp = spans["dp"].to_numpy()
+        pp = spans["pp"].to_numpy()
+        tp = spans["tp"].to_numpy()
+        step = spans["step"].to_numpy()
+        begin = spans["begin_ts"].to_numpy()
+        end = spans["end_ts"].to_numpy()
+        gb = spans["gpu_begin_ns"].to_numpy()
+        ge = spans["gpu_end_ns"].to_numpy()
+        n = spans["n"].to_numpy(dtype=np.float64)
+        gpu = (gb >= 0) & (ge >= 0)
+        b = np.where(gpu, gb, begin)
+        e = np.where(gpu, ge, end)
+        if np.isnan(n).any():
             steps = _step_frame(ctx)
-            tok = busy.merge(steps[["inst", "dp", "step", "tokens"]], on=["inst", "dp", "step"], how="left")
-            busy["n"] = busy["n"].fillna(pd.Series(tok["tokens"].to_numpy(), index=busy.index))
-        busy = busy[~(busy["n"] <= 0)]
-        return busy.sort_values(["inst", "dp", "pp", "tp", "b"], kind="stable").reset_index(drop=True)
+            k = _Keys(np.r_[inst, steps["inst"].to_numpy()], np.r_[dp, steps["dp"].to_numpy()], pp, tp,
+                      np.r_[step, steps["step"].to_numpy()])
+            skeys = k.at_step(k.sched(steps["inst"].to_numpy(), steps["dp"].to_numpy()), steps["step"].to_numpy())
+            tokens = lookup(skeys, steps["tokens"].to_numpy(dtype=np.float64),
+                            k.at_step(k.sched(inst, dp), step), np.nan)
+            n = np.where(np.isnan(n), tokens, n)
+        keep = np.flatnonzero((begin >= 0) & (end >= 0) & ~(n <= 0))
+        keys = _Keys(inst, dp, pp, tp, step)
+        lane = keys.lane(inst[keep], dp[keep], pp[keep], tp[keep])
+        order = keep[np.lexsort((b[keep], lane))]
+        return pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
+                             "step": step[order], "n": n[order], "b": b[order], "e": e[order],
+                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order])})
 
     return ctx.cached("steps:busy_spans", build)
 
 
+def _lane_cummax(lane: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Running maximum of e within each lane (rows sorted by lane): one maximum.accumulate over values offset
+    per lane, or pandas' grouped cummax where the offsets would overflow int64."""
+    if len(e) == 0:
+        return e
+    new_lane = np.r_[True, lane[1:] != lane[:-1]]
+    lane_idx = np.cumsum(new_lane) - 1
+    base = int(e.min())
+    rel = e - base
+    span = int(rel.max()) + 1
+    if int(lane_idx[-1]) * span < 2 ** 62:
+        offset = lane_idx * span
+        return np.maximum.accumulate(rel + offset) - offset + base
+    return pd.Series(e).groupby(lane_idx).cummax().to_numpy()
+
+
+def _latest_before(times: np.ndarray, values: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each query: (the latest time strictly before it, that row's value); _NULL where none. times sorted."""
+    if len(times) == 0:
+        return np.full(len(query), _NULL, np.int64), np.full(len(query), _NULL, np.int64)
+    k = np.searchsorted(times, query, "left") - 1
+    ok = k >= 0
+    kc = np.maximum(k, 0)
+    return np.where(ok, times[kc], _NULL), np.where(ok, values[kc], _NULL)
+
+
+CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE = (
+    BUBBLE_CAUSES.index("idle_no_requests"), BUBBLE_CAUSES.index("kv_transfer"),
+    BUBBLE_CAUSES.index("stage_imbalance"), BUBBLE_CAUSES.index("scheduler_cpu"),
+    BUBBLE_CAUSES.index("queue_not_full"))
+
+
 def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """Every idle gap (> 0 ns) between busy spans of a lane, classified, with integer codes (inst, dp, pp, tp):
-    the pipeline_bubble rule sums idle time from it; `bubbles` keeps the gaps of at least bubble_min_ns."""
+    the pipeline_bubble rule sums idle time from it; `bubbles` keeps the gaps of at least bubble_min_ns. `cause` is
+    a categorical over BUBBLE_CAUSES; `span_row` the busy_spans row that ends the gap. Numpy throughout: keys are
+    int64 codes looked up with searchsorted, one pass per scheduler for the request counts."""
 
     def build() -> pd.DataFrame:
         busy = busy_spans(ctx)
-        lane_cols = ["inst", "dp", "pp", "tp"]
-        empty = pd.DataFrame({c: pd.Series(dtype=np.int64) for c in
-                              lane_cols + ["start_ns", "end_ns", "dur_ns", "step_before", "step_after"]})
-        empty["cause"] = pd.Series(dtype=object)
-        empty["runnable"] = pd.Series(dtype=np.int64)
-        empty["in_flight"] = pd.Series(dtype=np.int64)
-        empty["span_row"] = pd.Series(dtype=np.int64)
+        cols_out = ["inst", "dp", "pp", "tp", "start_ns", "end_ns", "dur_ns", "step_before", "step_after",
+                    "runnable", "in_flight", "span_row"]
         if len(busy) < 2:
+            empty = pd.DataFrame({c: pd.Series(dtype=np.int64) for c in cols_out})
+            empty["cause"] = pd.Categorical([], categories=list(BUBBLE_CAUSES))
             return empty
-        lane_id = busy.groupby(lane_cols, sort=False).ngroup().to_numpy()
-        prev_end = busy.groupby(lane_id)["e"].cummax().to_numpy()
-        same_lane = np.r_[False, lane_id[1:] == lane_id[:-1]]
-        gap_start = np.r_[0, prev_end[:-1]]
+        lane = busy["lane"].to_numpy()
         begin = busy["b"].to_numpy()
-        idx = np.flatnonzero(same_lane & (begin > gap_start))
-        if len(idx) == 0:
-            return empty
+        end = busy["e"].to_numpy()
         step = busy["step"].to_numpy()
-        bub = busy.iloc[idx][lane_cols].reset_index(drop=True)
-        bub["start_ns"] = gap_start[idx]
-        bub["end_ns"] = begin[idx]
-        bub["dur_ns"] = bub["end_ns"] - bub["start_ns"]
-        bub["step_before"] = step[idx - 1]
-        bub["step_after"] = step[idx]
-        bub["span_row"] = idx  # the busy_spans row that ends the gap
+        prev_end = _lane_cummax(lane, end)
+        same_lane = np.r_[False, lane[1:] == lane[:-1]]
+        gap_start = np.r_[0, prev_end[:-1]]
+        idx = np.flatnonzero(same_lane & (begin > gap_start))
+        inst = busy["inst"].to_numpy()[idx]
+        dp = busy["dp"].to_numpy()[idx]
+        pp = busy["pp"].to_numpy()[idx]
+        tp = busy["tp"].to_numpy()[idx]
+        s = gap_start[idx]
+        e = begin[idx]
+        dur = e - s
+        step_after = step[idx]
+        n = len(idx)
 
-        # the upstream stage's first begin of the step that ends the gap
-        up = busy.groupby(["inst", "dp", "pp", "step"], sort=False)["b"].min().rename("up_begin").reset_index()
-        up["pp"] = up["pp"] + 1
-        bub = bub.merge(up.rename(columns={"step": "step_after"}), on=["inst", "dp", "pp", "step_after"],
-                        how="left")
         steps = _step_frame(ctx)
-        sub = steps[["inst", "dp", "step"]].rename(columns={"step": "step_after"})
-        sub["t_sub"] = pd.array(_int64(steps["submit_ts"].fillna(steps["sched_ts"])), dtype="Int64")
-        bub = bub.merge(sub, on=["inst", "dp", "step_after"], how="left")
+        st_inst = steps["inst"].to_numpy()
+        st_dp = steps["dp"].to_numpy()
+        keys = _Keys(np.r_[busy["inst"].to_numpy(), st_inst], np.r_[busy["dp"].to_numpy(), st_dp],
+                     busy["pp"].to_numpy(), busy["tp"].to_numpy(), np.r_[step, steps["step"].to_numpy()])
+        # the upstream stage's first begin of the step that ends the gap
+        stage_step = keys.at_step(keys.stage(busy["inst"].to_numpy(), busy["dp"].to_numpy(), busy["pp"].to_numpy()),
+                                  step)
+        order = np.lexsort((begin, stage_step))
+        first = np.r_[True, stage_step[order][1:] != stage_step[order][:-1]]
+        up_keys, up_begin_all = stage_step[order][first], begin[order][first]
+        has_up = (pp > 0) & (lookup(up_keys, up_begin_all, keys.at_step(keys.stage(inst, dp, pp - 1), step_after),
+                                    _NULL) != _NULL)
+        # submit time of that step (its sched time without engine rows)
+        st_key = keys.at_step(keys.sched(st_inst, st_dp), steps["step"].to_numpy())  # sorted: the frame is
+        submit_all = _int64(steps["submit_ts"])
+        output_all = _int64(steps["output_ts"])
+        sub_or_sched = np.where(submit_all != _NULL, submit_all, _int64(steps["sched_ts"]))
+        sched_code = keys.sched(inst, dp)
+        t_sub = lookup(st_key, sub_or_sched, keys.at_step(sched_code, step_after), _NULL)
 
         funcs = _count_functions(ctx)
         sizes = pipeline_sizes(ctx)
-        n = len(bub)
-        s = bub["start_ns"].to_numpy()
-        e = bub["end_ns"].to_numpy()
-        t_sub = bub["t_sub"].astype("Int64").fillna(_NULL).to_numpy(dtype=np.int64)
         no_live = np.zeros(n, np.int64)
         no_run = np.zeros(n, np.int64)
         runnable = np.zeros(n, np.int64)
         in_flight = np.zeros(n, np.int64)
-        p_size = np.ones(n, np.int64)
+        p_size = sizes_of(sizes, inst, dp)
         prev_submit = np.full(n, _NULL, np.int64)
         prev_output = np.full(n, _NULL, np.int64)
         prev_wait = np.full(n, _NULL, np.int64)
-        submit_all = _int64(steps["submit_ts"])
-        output_all = _int64(steps["output_ts"])
-        wait_all = _int64(steps["wait_ns"].round())
-        step_keys = steps.groupby(["inst", "dp"], sort=False).indices
+        wait_all = np.where(np.isnan(steps["wait_ns"].to_numpy(dtype=np.float64)), _NULL,
+                            np.nan_to_num(steps["wait_ns"].to_numpy(dtype=np.float64))).astype(np.int64)
+        st_sched_code = keys.sched(st_inst, st_dp)
         nothing = StepCount(np.empty(0, np.int64), np.empty(0, np.int64))
-        for (inst, dp), grp in bub.groupby(["inst", "dp"], sort=False).indices.items():
-            live, run, fly = funcs.get((inst, dp), (nothing, nothing, nothing))
+        for code in np.unique(sched_code).tolist():  # per scheduler
+            grp = np.flatnonzero(sched_code == code)
+            gi, gd = int(inst[grp[0]]), int(dp[grp[0]])
+            live, run, fly = funcs.get((gi, gd), (nothing, nothing, nothing))
             no_live[grp] = live.zero_between(s[grp], e[grp])
             no_run[grp] = run.zero_between(s[grp], e[grp])
             runnable[grp] = run.at(s[grp])
             in_flight[grp] = fly.at(s[grp])
-            p_size[grp] = sizes.get((inst, dp), 1)
-            sm = step_keys.get((inst, dp), np.empty(0, np.int64))
+            mine = np.flatnonzero(st_sched_code == code)
             q = t_sub[grp]
-            subs = np.sort(submit_all[sm][submit_all[sm] != _NULL])
-            if len(subs):
-                k = np.searchsorted(subs, q, "left") - 1
-                prev_submit[grp] = np.where(k >= 0, subs[np.maximum(k, 0)], _NULL)
-            has_out = sm[output_all[sm] != _NULL]
-            order = has_out[np.argsort(output_all[has_out], kind="stable")]
-            if len(order):
-                ot = output_all[order]
-                k = np.searchsorted(ot, q, "left") - 1
-                prev_output[grp] = np.where(k >= 0, ot[np.maximum(k, 0)], _NULL)
-                prev_wait[grp] = np.where(k >= 0, wait_all[order][np.maximum(k, 0)], _NULL)
-        dur = bub["dur_ns"].to_numpy()
+            subs = np.sort(submit_all[mine][submit_all[mine] != _NULL])
+            prev_submit[grp] = _latest_before(subs, subs, q)[0]
+            outs = mine[output_all[mine] != _NULL]
+            outs = outs[np.argsort(output_all[outs], kind="stable")]
+            prev_output[grp], prev_wait[grp] = _latest_before(output_all[outs], wait_all[outs], q)
         # the engine's own time in the gap before the submit: from the later of the gap start and the previous
         # submit, minus the time it sat blocked on a step's future (step_output wait_ns; everything up to that
         # output where wait_ns is unknown)
@@ -700,34 +780,31 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         blocked_from = np.where(prev_wait == _NULL, a, np.maximum(a, prev_output - np.maximum(prev_wait, 0)))
         blocked = np.where(out_in, prev_output - blocked_from, 0)
         host = t_sub - a - blocked
-        engine_cause = np.select(
-            [(t_sub != _NULL) & (t_sub > s) & (2 * host >= dur), in_flight < p_size],
-            ["scheduler_cpu", "queue_not_full"], default="stage_imbalance").astype(object)
+        engine_cause = np.where((t_sub != _NULL) & (t_sub > s) & (2 * host >= dur), CAUSE_CPU,
+                                np.where(in_flight < p_size, CAUSE_QUEUE, CAUSE_IMBALANCE)).astype(np.int8)
         # a later stage inherits the cause of its upstream stage's gap before the same step when that gap explains
         # at least half of its own (the delay travels down the pipeline); otherwise the upstream stage was busy
         # with the step while this one waited: stage imbalance. Stages are resolved in order, 0 first.
-        pp_col = bub["pp"].to_numpy()
-        has_up = ~np.isnan(bub["up_begin"].to_numpy(dtype=np.float64))
         cause = engine_cause.copy()
-        keys = ["inst", "dp", "step_after"]
-        for rank in np.unique(pp_col[pp_col > 0]).tolist():
-            here = np.flatnonzero(pp_col == rank)
-            above = np.flatnonzero(pp_col == rank - 1)
-            up = pd.DataFrame({"inst": bub["inst"].to_numpy()[above], "dp": bub["dp"].to_numpy()[above],
-                               "step_after": bub["step_after"].to_numpy()[above], "up_dur": dur[above],
-                               "up_cause": cause[above]})
-            up = up.sort_values("up_dur", kind="stable").drop_duplicates(keys, keep="last")
-            mine = bub.iloc[here][keys].merge(up, on=keys, how="left")
-            up_dur = mine["up_dur"].to_numpy(dtype=np.float64)
-            inherit = ~np.isnan(up_dur) & (2 * up_dur >= dur[here])
-            cause[here] = np.where(inherit, mine["up_cause"].to_numpy(),
-                                   np.where(has_up[here], "stage_imbalance", engine_cause[here]))
-        cause = np.where(2 * no_live >= dur, "idle_no_requests",
-                         np.where(2 * no_run >= dur, "kv_transfer", cause)).astype(object)
-        bub["cause"] = cause
-        bub["runnable"] = runnable
-        bub["in_flight"] = in_flight
-        return bub.drop(columns=["up_begin", "t_sub"])
+        gap_key = keys.at_step(keys.stage(inst, dp, pp), step_after)
+        for rank in np.unique(pp[pp > 0]).tolist():  # per PP rank
+            here = np.flatnonzero(pp == rank)
+            above = np.flatnonzero(pp == rank - 1)
+            up_key = gap_key[above]
+            o = np.lexsort((dur[above], up_key))
+            last = np.r_[up_key[o][1:] != up_key[o][:-1], True] if len(o) else np.empty(0, bool)
+            k_sorted, dur_sorted, cause_sorted = up_key[o][last], dur[above][o][last], cause[above][o][last]
+            want = keys.at_step(keys.stage(inst[here], dp[here], pp[here] - 1), step_after[here])
+            up_dur = lookup(k_sorted, dur_sorted, want, _NULL)
+            up_cause = lookup(k_sorted, cause_sorted.astype(np.int64), want, _NULL)
+            inherit = (up_dur != _NULL) & (2 * up_dur >= dur[here])
+            cause[here] = np.where(inherit, up_cause, np.where(has_up[here], CAUSE_IMBALANCE, engine_cause[here]))
+        cause = np.where(2 * no_live >= dur, CAUSE_NO_REQUESTS, np.where(2 * no_run >= dur, CAUSE_KV, cause))
+        return pd.DataFrame({
+            "inst": inst, "dp": dp, "pp": pp, "tp": tp, "start_ns": s, "end_ns": e, "dur_ns": dur,
+            "step_before": step[idx - 1], "step_after": step_after,
+            "cause": pd.Categorical.from_codes(cause.astype(np.int8), categories=list(BUBBLE_CAUSES)),
+            "runnable": runnable, "in_flight": in_flight, "span_row": idx})
 
     return ctx.cached("steps:gap_frame", build)
 

@@ -47,63 +47,78 @@ def _ms(ns: float) -> str:
 
 
 def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
-    """One row per (inst, dp, pp) of a pipelined scheduler: p, wall_ns, idle ns per cause, avoidable_ns,
-    workload_ns, burst_ideal_ns, intervals, bursts, tp_lanes (the numbers the findings report)."""
+    """One row per (inst, dp, pp) of a pipelined scheduler: p, wall_ns, idle ns per cause, avoidable, workload,
+    unfilled, burst_ideal_ns, interval (count), bursts, tp_lanes (the numbers the findings report). Sums per lane are
+    np.bincount over lane indexes (busy_spans is sorted by lane), minima and maxima per lane or burst reduceat."""
 
     def build() -> pd.DataFrame:
         busy = busy_spans(ctx)
+        if len(busy) == 0:
+            return pd.DataFrame()
         sizes = pipeline_sizes(ctx)
-        if len(busy) == 0:
-            return pd.DataFrame()
-        lane = ["inst", "dp", "pp", "tp"]
-        busy = busy.assign(p=sizes_of(sizes, busy["inst"].to_numpy(), busy["dp"].to_numpy()))
-        busy = busy[busy["p"] > 1]
-        if len(busy) == 0:
-            return pd.DataFrame()
-        gaps = gap_frame(ctx)
-        gaps = gaps.merge(busy[lane].drop_duplicates(), on=lane, how="inner")
-        p_gap = sizes_of(sizes, gaps["inst"].to_numpy(), gaps["dp"].to_numpy())
-        cause = gaps["cause"].to_numpy()
-        dur = gaps["dur_ns"].to_numpy()
-        starved_queue = (cause == "queue_not_full") & (gaps["runnable"].to_numpy() >= p_gap)
-        avoidable = np.where(np.isin(cause, ["scheduler_cpu", "stage_imbalance"]) | starved_queue, dur, 0)
-        unfilled = np.where(starved_queue, dur, 0)
-        workload = np.where((cause == "queue_not_full") & (gaps["runnable"].to_numpy() < p_gap), dur, 0)
-        min_ns = max(int(ctx.config.bubble_min_ns), 1)
-        g = gaps.assign(avoidable=avoidable, workload=workload, unfilled=unfilled,
-                        interval=(dur >= min_ns).astype(np.int64))
-        by_cause = g.pivot_table(index=lane, columns="cause", values="dur_ns", aggfunc="sum", fill_value=0)
-        by_cause = by_cause.reindex(columns=list(BUBBLE_CAUSES), fill_value=0)
-        sums = g.groupby(lane)[["avoidable", "workload", "unfilled", "interval"]].sum()
+        lane = busy["lane"].to_numpy()
+        new_lane = np.r_[True, lane[1:] != lane[:-1]]
+        lane_idx = np.cumsum(new_lane) - 1
+        starts = np.flatnonzero(new_lane)
+        n_lanes = len(starts)
+        b = busy["b"].to_numpy()
+        e = busy["e"].to_numpy()
+        inst = busy["inst"].to_numpy()[starts]
+        dp = busy["dp"].to_numpy()[starts]
+        pp = busy["pp"].to_numpy()[starts]
+        p_lane = sizes_of(sizes, inst, dp)
+        wall = np.maximum.reduceat(e, starts) - np.minimum.reduceat(b, starts)
 
-        # bursts: runs of busy spans between idle_no_requests gaps (busy_spans row order is lane, begin)
-        starts_burst = np.zeros(len(busy_spans(ctx)), bool)
-        nr = gaps[gaps["cause"] == "idle_no_requests"]["span_row"].to_numpy()
-        starts_burst[nr] = True
-        full = busy_spans(ctx)
-        lane_id = full.groupby(lane, sort=False).ngroup().to_numpy()
-        new_lane = np.r_[True, lane_id[1:] != lane_id[:-1]]
-        burst = np.cumsum(new_lane | starts_burst)
-        full = full.assign(burst=burst)
-        full = full.loc[busy.index]
-        per_burst = full.groupby(lane + ["burst"]).agg(m=("step", "nunique"), b=("b", "min"), e=("e", "max"))
-        per_burst = per_burst.reset_index()
-        p_b = sizes_of(sizes, per_burst["inst"].to_numpy(), per_burst["dp"].to_numpy()).astype(float)
-        per_burst["ideal"] = (p_b - 1) / (per_burst["m"] + p_b - 1) * (per_burst["e"] - per_burst["b"])
-        ideal = per_burst.groupby(lane).agg(burst_ideal_ns=("ideal", "sum"), bursts=("burst", "nunique"))
-        walls = busy.groupby(lane).agg(first=("b", "min"), last=("e", "max"))
-        walls["wall_ns"] = walls["last"] - walls["first"]
-        out = walls[["wall_ns"]].join(by_cause, how="left").join(sums, how="left").join(ideal, how="left")
-        out = out.fillna(0)
-        out = out.reset_index()
-        out["tp_lanes"] = 1
+        gaps = gap_frame(ctx)
+        g_lane = lane_idx[gaps["span_row"].to_numpy()]
+        cause = gaps["cause"].cat.codes.to_numpy().astype(np.int64)
+        dur = gaps["dur_ns"].to_numpy().astype(np.float64)
+        p_gap = p_lane[g_lane]
+        n_causes = len(BUBBLE_CAUSES)
+        by_cause = np.bincount(g_lane * n_causes + cause, weights=dur,
+                               minlength=n_lanes * n_causes).reshape(n_lanes, n_causes)
+        code = {c: BUBBLE_CAUSES.index(c) for c in BUBBLE_CAUSES}
+        queue = cause == code["queue_not_full"]
+        starved_queue = queue & (gaps["runnable"].to_numpy() >= p_gap)
+        avoidable_mask = (cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"]) | starved_queue
+        min_ns = max(int(ctx.config.bubble_min_ns), 1)
+
+        def per_lane(weights: np.ndarray) -> np.ndarray:
+            return np.bincount(g_lane, weights=weights, minlength=n_lanes)
+
+        avoidable = per_lane(np.where(avoidable_mask, dur, 0.0))
+        workload = per_lane(np.where(queue & ~starved_queue, dur, 0.0))
+        unfilled = per_lane(np.where(starved_queue, dur, 0.0))
+        interval = per_lane((dur >= min_ns).astype(np.float64))
+
+        # bursts: runs of busy spans between idle_no_requests gaps; m = distinct steps in the burst
+        starts_burst = np.zeros(len(busy), bool)
+        starts_burst[gaps["span_row"].to_numpy()[cause == code["idle_no_requests"]]] = True
+        burst = np.cumsum(new_lane | starts_burst) - 1
+        burst_starts = np.flatnonzero(new_lane | starts_burst)
+        step = busy["step"].to_numpy()
+        pair = np.unique(burst.astype(np.int64) * (int(step.max(initial=0)) + 2) + step + 1)
+        m = np.bincount(pair // (int(step.max(initial=0)) + 2), minlength=len(burst_starts))
+        burst_wall = np.maximum.reduceat(e, burst_starts) - np.minimum.reduceat(b, burst_starts)
+        burst_lane = lane_idx[burst_starts]
+        p_b = p_lane[burst_lane].astype(np.float64)
+        ideal = np.bincount(burst_lane, weights=(p_b - 1) / (m + p_b - 1) * burst_wall, minlength=n_lanes)
+        bursts = np.bincount(burst_lane, minlength=n_lanes)
+
+        lanes = pd.DataFrame({"inst": inst, "dp": dp, "pp": pp, "p": p_lane, "wall_ns": wall,
+                              "avoidable": avoidable, "workload": workload, "unfilled": unfilled,
+                              "interval": interval, "burst_ideal_ns": ideal, "bursts": bursts, "tp_lanes": 1})
+        for i, name in enumerate(BUBBLE_CAUSES):
+            lanes[name] = by_cause[:, i]
+        lanes = lanes[lanes["p"] > 1]
+        if len(lanes) == 0:
+            return pd.DataFrame()
         summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "interval", "burst_ideal_ns",
                   "tp_lanes"]
         agg: dict[str, str] = {c: "sum" for c in summed}
         agg["bursts"] = "max"
-        ranks = out.groupby(["inst", "dp", "pp"]).agg(agg).reset_index()
-        ranks["p"] = sizes_of(sizes, ranks["inst"].to_numpy(), ranks["dp"].to_numpy())
-        return ranks
+        agg["p"] = "first"
+        return lanes.groupby(["inst", "dp", "pp"]).agg(agg).reset_index()  # a few rows: lanes, not events
 
     return ctx.cached("pipeline_bubble:ranks", build)
 
