@@ -134,7 +134,7 @@ nothing but pdtrace to read:
 
 ```
 pdtrace analyze sample_traces/lost_send_completion
-pdtrace show sample_traces/completion_before_finish --request r00001-p
+pdtrace show sample_traces/completion_before_finish --req r00001-p
 ```
 
 Each directory holds `trace/` (the trace; `trace/_manifest.json` has the full dry-run configuration), `REGENERATE`
