@@ -116,7 +116,7 @@ class DryRunConfig:
              "--block-size must be a power of two")
         need(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
         need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
-        need(self.requests >= 0, "--requests must be >= 0")
+        need(self.requests >= 1, "--requests must be at least 1")
         need(self.end_hold_s >= 0, "--end-hold-s must be >= 0")
         parse_length_distribution(self.prompt_len)
         parse_length_distribution(self.output_len)
@@ -138,7 +138,6 @@ class DryRunConfig:
             need(self.pp * self.tp >= 2, "fault missing_rank_completion needs --tp or --pp of at least 2")
         if "few_requests_pp" in self.faults:
             need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
-        need(self.requests >= 1 or not self.faults, "faults need at least one request")
         if "starve" in self.faults:
             need(self.instances != "single", "fault starve needs a prefill instance that holds blocks for its "
                  "decoder (--instances pd or p)")
