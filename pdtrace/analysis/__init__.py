@@ -16,7 +16,6 @@ the bubble summary per rank from `pipeline_bubble` findings.
 from __future__ import annotations
 
 import os
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,7 +27,7 @@ import pyarrow.compute as pc
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
-from pdtrace.analysis.registry import ENTRY_POINT_GROUP, Rule, RuleLoadError, load_rules
+from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
 from pdtrace.trace.model import Trace
 
@@ -38,22 +37,8 @@ __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "
 def available_rules() -> tuple[dict[str, Rule], list[str]]:
     """(registered rules by id, warnings). A plugin that fails to load is left out with a warning rather than
     hiding every other rule."""
-    try:
-        return load_rules(), []
-    except RuleLoadError:
-        rules: dict[str, Rule] = {}
-        notes: list[str] = []
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                rule = ep.load()
-            except Exception as exc:  # noqa: BLE001 - a broken plugin is reported, not fatal
-                notes.append(f"rule plugin {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}")
-                continue
-            if isinstance(rule, Rule):
-                rules.setdefault(rule.id, rule)
-            else:
-                notes.append(f"rule plugin {ep.name!r} ({ep.value}) is not a pdtrace.analysis.registry.Rule")
-        return rules, notes
+    notes: list[str] = []
+    return load_rules(errors=notes), notes
 
 
 def select_rules(rules: Iterable[str | Rule] | None, registered: dict[str, Rule]) -> list[Rule]:
@@ -119,17 +104,24 @@ def _check(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
 
 def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
             config: AnalysisConfig | None = None) -> pd.DataFrame:
-    """Run the rules on a trace (or a trace path) and return the findings, errors first, then by time.
+    """Run the rules on a trace (or a trace path, or an AnalysisContext whose derived tables are then shared) and
+    return the findings, errors first, then by time.
 
     The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
     that ran), `events` (rows analysed), `trace` (its path) and `warnings` (rule plugins that failed to load).
     """
-    config = config or AnalysisConfig()
-    trace = _load(trace_or_path)
     registered, notes = available_rules()
     chosen = select_rules(rules, registered)
-    trace = window(trace, config)
-    ctx = AnalysisContext(trace=trace, config=config)
+    if isinstance(trace_or_path, AnalysisContext) and config is None and window(
+            trace_or_path.trace, trace_or_path.config) is trace_or_path.trace:
+        ctx = trace_or_path  # reuse the caller's derived tables (plots and exports analyse the same context)
+    else:
+        if isinstance(trace_or_path, AnalysisContext):
+            config = config or trace_or_path.config
+            trace_or_path = trace_or_path.trace
+        config = config or AnalysisConfig()
+        ctx = AnalysisContext(trace=window(_load(trace_or_path), config), config=config)
+    trace = ctx.trace
     frames = [f for f in (_check(rule.run(ctx), rule) for rule in chosen) if len(f)]
     if frames:
         findings = pd.concat(frames, ignore_index=True)

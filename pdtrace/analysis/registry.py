@@ -29,15 +29,24 @@ class RuleLoadError(Exception):
     """A registered rule could not be imported or is not a Rule."""
 
 
-def load_rules() -> dict[str, Rule]:
-    """All registered rules by id, in entry-point order (built-ins first as pyproject lists them)."""
+def load_rules(errors: list[str] | None = None) -> dict[str, Rule]:
+    """All registered rules by id, in entry-point order (built-ins first as pyproject lists them).
+
+    A plugin that fails to load raises RuleLoadError, unless `errors` is given: then its message is appended there
+    and the other rules still load (a broken third-party plugin must not hide the built-ins).
+    """
     rules: dict[str, Rule] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             rule = ep.load()
-        except Exception as exc:  # a broken third-party plugin must not hide the built-ins
-            raise RuleLoadError(f"rule plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
-        if not isinstance(rule, Rule):
-            raise RuleLoadError(f"rule plugin {ep.name!r} ({ep.value}) is not a pdtrace.analysis.registry.Rule")
-        rules.setdefault(rule.id, rule)
+        except Exception as exc:  # noqa: BLE001 - any import error of a plugin is reported the same way
+            problem = f"rule plugin {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
+        else:
+            if isinstance(rule, Rule):
+                rules.setdefault(rule.id, rule)
+                continue
+            problem = f"rule plugin {ep.name!r} ({ep.value}) is not a pdtrace.analysis.registry.Rule"
+        if errors is None:
+            raise RuleLoadError(problem)
+        errors.append(problem)
     return rules

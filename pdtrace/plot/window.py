@@ -129,4 +129,4 @@ def findings_of(ctx: AnalysisContext) -> pd.DataFrame:
     these (one code path with analyze), computed once per context."""
     from pdtrace.analysis import analyze
 
-    return ctx.cached("plot.findings", lambda: analyze(ctx.trace, config=ctx.config))
+    return ctx.cached("plot.findings", lambda: analyze(ctx))
