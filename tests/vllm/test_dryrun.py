@@ -177,3 +177,41 @@ def test_existing_trace_is_not_overwritten(tmp_path: Path) -> None:
     run_dry_run(DryRunConfig(requests=1, instances="single", output_len="2"), tmp_path / "t")
     with pytest.raises(RecordingError, match="already holds a trace"):
         run_dry_run(DryRunConfig(requests=1), tmp_path / "t")
+
+
+def test_abort_while_waiting_kv_frees_only_after_the_read(tmp_path: Path) -> None:
+    """vLLM 0.33 keeps an aborted WAITING_FOR_REMOTE_KVS request's blocks until finished_recving (:3015-3024)."""
+    res = run_dry_run(DryRunConfig(requests=4, rate=200.0, faults=["abort_while_waiting_kv"], fault_request=1,
+                                   seed=4), tmp_path / "t")
+    assert res.error is None and any("abort r00001-d" in x for x in res.injected)
+    df = events(tmp_path / "t")
+    d = df[(df.instance == "decode-0") & (df.req == "r00001-d")]
+    fin = d[d.kind == "req_finish"]
+    assert list(fin.reason) == ["abort"] and list(fin.status) == ["FINISHED_ABORTED"] and fin.delay_free.all()
+    assert fin.step.isna().all()  # aborts arrive between steps
+    recv = d[d.kind == "kv_recv_done"]
+    free = d[d.kind == "blocks_free"]
+    assert list(recv.status) == ["FINISHED_ABORTED"] and list(free.reason) == ["received"]
+    assert fin.seq.iloc[0] < recv.seq.iloc[0] <= free.seq.iloc[0]
+    assert d[d.kind == "req_sched"].empty  # never ran on D
+    # P still gets its send completion: the read did happen.
+    p = df[(df.instance == "prefill-0") & (df.req == "r00001-p")]
+    assert not p[p.kind == "kv_send_done"].empty
+
+
+def test_starve_blocks_the_head_of_the_line(tmp_path: Path) -> None:
+    res = run_dry_run(DryRunConfig(requests=9, rate=300.0, num_blocks=48, max_num_batched_tokens=1024,
+                                   prompt_len="uniform:32:96", output_len="4", faults=["starve"], seed=9),
+                      tmp_path / "t")
+    assert res.error is None
+    df = events(tmp_path / "t")
+    p = df[df.instance == "prefill-0"]
+    added = set(p[p.kind == "req_add"].req)
+    scheduled = set(p[p.kind == "req_sched"].req)
+    target = "r00003-p"  # requests // 3
+    prompt = int(p[(p.kind == "req_add") & (p.req == target)].n.iloc[0])
+    assert prompt == (48 - 1) * 16 - 1  # the whole usable pool
+    assert target in added and target not in scheduled
+    assert {f"r{i:05d}-p" for i in range(3)} <= scheduled  # ahead of it: served
+    assert not ({f"r{i:05d}-p" for i in range(4, 9)} & scheduled)  # behind it: stuck (FCFS)
+    assert p[(p.kind == "kv_send_done") & (p.req == "r00000-p")].empty  # the pinned blocks
