@@ -77,24 +77,12 @@ def kind_rows(ctx: AnalysisContext, kinds: Iterable[str]) -> np.ndarray:
     return columns(ctx).rows_of(*kinds)
 
 
-def full_column(ctx: AnalysisContext, name: str) -> np.ndarray:
-    """A whole numeric column as numpy (nulls as -1), converted once per analysis and shared."""
-
-    def build() -> np.ndarray:
-        col = ctx.trace.table.column(name)
-        if col.null_count:
-            col = pc.fill_null(col, _NULL)
-        return col.to_numpy()
-
-    return ctx.cached(f"steps:full:{name}", build)
-
-
 def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = False) -> pd.DataFrame:
     """The scalar fields of the events of the given kinds, as a DataFrame with integer codes.
 
     Columns: row (index into the trace), ts_ns, seq, pid, inst (code into `instances(ctx)`), dp, pp, tp, step
     (null ranks / steps as -1), n (float, NaN where null), kind (str categorical); with `with_req`, `req` (string).
-    Built from whole-column numpy arrays indexed by the rows (no Arrow take per column).
+    Built from the shared column arrays and one filter of the other columns (no Arrow take per column).
     """
     cols = columns(ctx)
     rows = kind_rows(ctx, kinds)
@@ -104,15 +92,16 @@ def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = Fal
     n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
         zero_copy_only=False))
     n[~n_valid[rows]] = np.nan
+    fields = rows_columns(ctx, rows, ["seq", "pid", "pp_rank", "tp_rank"])
     frame = pd.DataFrame({
         "row": rows,
         "ts_ns": cols.ts[rows],
-        "seq": full_column(ctx, "seq")[rows],
-        "pid": full_column(ctx, "pid")[rows],
+        "seq": fields["seq"],
+        "pid": fields["pid"],
         "inst": inst_codes[rows],
         "dp": cols.dp[rows].astype(np.int64),
-        "pp": full_column(ctx, "pp_rank")[rows].astype(np.int64),
-        "tp": full_column(ctx, "tp_rank")[rows].astype(np.int64),
+        "pp": fields["pp_rank"].astype(np.int64),
+        "tp": fields["tp_rank"].astype(np.int64),
         "step": cols.step[rows],
         "n": n,
         "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_values) if len(kind_values)
@@ -334,9 +323,31 @@ def step_table(ctx: AnalysisContext) -> pd.DataFrame:
 
 # -------------------------------------------------------------------------------------------------------- exec spans
 
+def rows_columns(ctx: AnalysisContext, rows: np.ndarray, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """Numeric columns at the given rows (ascending, distinct), nulls as -1: one boolean filter of the selected
+    columns (no 10M-row numpy copies, no take across chunks)."""
+    names = list(names)
+    mask = np.zeros(ctx.trace.table.num_rows, dtype=bool)
+    mask[rows] = True
+    sub = ctx.trace.table.select(names).filter(pa.array(mask))
+    out = {}
+    for name in names:
+        col = sub.column(name)
+        if col.null_count:
+            col = pc.fill_null(col, _NULL)
+        out[name] = col.to_numpy()
+    return out
+
+
+def _ints_from_text(text: pa.Array, key: str) -> np.ndarray:
+    found = pc.struct_field(pc.extract_regex(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9]+)\s*[,}}]'), [0])
+    return pc.fill_null(pc.cast(found, pa.int64()), _NULL).to_numpy(zero_copy_only=False)
+
+
 def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*.
-    Numpy throughout: one lexsort of the exec rows by (lane, pid, seq), pairing by position."""
+    Numpy throughout: the exec rows' details read in row order (substring tests, a regex only where `gpu_`
+    appears), then one lexsort by (writer lane, seq) and pairing by position."""
 
     def build() -> pd.DataFrame:
         cols = columns(ctx)
@@ -344,28 +355,42 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         inst_codes, _ = dict_codes(ctx, "instance")
         kind_codes, kind_names = dict_codes(ctx, "kind")
         begin_code = kind_names.index("exec_begin") if "exec_begin" in kind_names else -9
+        fields = rows_columns(ctx, rows, ["pp_rank", "tp_rank", "pid", "seq"])
+        is_begin = kind_codes[rows] == begin_code
+        # exec_end details, in row order: rpc (execute_model / sample_tokens) and GPU times
+        ends = np.flatnonzero(~is_begin)
+        rpc_code = np.zeros(len(rows), np.int8)  # 0 unknown, 1 execute_model, 2 sample_tokens
+        gpu_b = np.full(len(rows), _NULL, np.int64)
+        gpu_e = np.full(len(rows), _NULL, np.int64)
+        if len(ends):
+            text = _detail_text(ctx, rows[ends])
+            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
+            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
+            rpc_code[ends] = np.where(ex, 1, np.where(sa, 2, 0))
+            has_gpu = np.flatnonzero(pc.match_substring(text, '"gpu_').to_numpy(zero_copy_only=False))
+            if len(has_gpu):
+                sub = text.take(pa.array(has_gpu))
+                gpu_b[ends[has_gpu]] = _ints_from_text(sub, "gpu_begin_ns")
+                gpu_e[ends[has_gpu]] = _ints_from_text(sub, "gpu_end_ns")
         inst = inst_codes[rows].astype(np.int64)
         dp = cols.dp[rows].astype(np.int64)
-        pp = full_column(ctx, "pp_rank")[rows].astype(np.int64)
-        tp = full_column(ctx, "tp_rank")[rows].astype(np.int64)
-        pid = full_column(ctx, "pid")[rows].astype(np.int64)
-        seq = full_column(ctx, "seq")[rows]
+        pp = fields["pp_rank"].astype(np.int64)
+        tp = fields["tp_rank"].astype(np.int64)
+        pid = fields["pid"].astype(np.int64)
         # one int64 per writer lane (instance, dp, pp, tp, pid) so that the sort has two keys, not six
         lane_code = (((inst * (dp.max(initial=0) + 2) + dp + 1) * (pp.max(initial=0) + 2) + pp + 1)
                      * (tp.max(initial=0) + 2) + tp + 1) * (pid.max(initial=0) + 1) + pid
-        order = np.lexsort((seq, lane_code))
-        rows, inst, dp, pp, tp, pid = rows[order], inst[order], dp[order], pp[order], tp[order], pid[order]
+        order = np.lexsort((fields["seq"], lane_code))
+        rows, inst, dp, pp, tp, lane_code = rows[order], inst[order], dp[order], pp[order], tp[order], lane_code[order]
+        is_begin, rpc_code, gpu_b, gpu_e = is_begin[order], rpc_code[order], gpu_b[order], gpu_e[order]
         step = cols.step[rows]
         ts = cols.ts[rows]
         n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
             zero_copy_only=False))
         n = np.where(n_valid[rows], cols.nvalue[rows], np.nan)
-        is_begin = kind_codes[rows] == begin_code
         same_next = np.zeros(len(rows), dtype=bool)
         if len(rows) > 1:
-            same_next[:-1] = ((inst[1:] == inst[:-1]) & (dp[1:] == dp[:-1]) & (pp[1:] == pp[:-1])
-                              & (tp[1:] == tp[:-1]) & (pid[1:] == pid[:-1]) & (step[1:] == step[:-1])
-                              & ~is_begin[1:])
+            same_next[:-1] = (lane_code[1:] == lane_code[:-1]) & (step[1:] == step[:-1]) & ~is_begin[1:]
         paired_begin = is_begin & same_next
         paired_end = np.r_[False, paired_begin[:-1]] if len(rows) else paired_begin
         b_idx = np.flatnonzero(paired_begin)
@@ -376,44 +401,29 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         begin_ts = np.concatenate([ts[b_idx], ts[lb], np.full(len(le), _NULL)])
         end_ts = np.concatenate([ts[b_idx + 1], np.full(len(lb), _NULL), ts[le]])
         n_tok = np.concatenate([np.where(np.isnan(n[b_idx]), n[b_idx + 1], n[b_idx]), n[lb], n[le]])
-        # spans in lane order, then time
+        # spans in lane order (instance, dp, pp, tp), then time
         order_ts = np.where(begin_ts >= 0, begin_ts, end_ts)
-        sort = np.lexsort((order_ts, tp[head], pp[head], dp[head], inst[head]))
+        sort = np.lexsort((order_ts, lane_code[head] // (pid.max(initial=0) + 1)))
         head, end_idx, begin_ts, end_ts, n_tok = head[sort], end_idx[sort], begin_ts[sort], end_ts[sort], n_tok[sort]
         m = len(head)
         has_end = end_idx >= 0
-        end_rows = rows[end_idx[has_end]]
-        text = _detail_text(ctx, end_rows)
-        gpu_b = np.full(m, _NULL, np.int64)
-        gpu_e = np.full(m, _NULL, np.int64)
-        gpu_b[has_end] = detail_int(ctx, end_rows, "gpu_begin_ns", text=text)
-        gpu_e[has_end] = detail_int(ctx, end_rows, "gpu_end_ns", text=text)
-        # rpc: the two RPCs vLLM 0.33 issues are matched as substrings (cheaper than a regex per row); any other
-        # value is read with the regex, only where `"rpc"` appears without them
-        rpc_code = np.zeros(m, np.int8)  # 0 unknown, 1 execute_model, 2 sample_tokens, 3 other
-        named = np.full(m, None, dtype=object)
-        if has_end.any():
-            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
-            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
-            code = np.where(ex, 1, np.where(sa, 2, 0)).astype(np.int8)
-            other = np.flatnonzero((code == 0) & pc.match_substring(text, '"rpc"').to_numpy(zero_copy_only=False))
-            if len(other):
-                code[other] = 3
-                named_end = np.full(len(end_rows), None, dtype=object)
-                named_end[other] = detail_text(ctx, end_rows[other], "rpc")
-                named[has_end] = named_end
-            rpc_code[has_end] = code
-        lane_step = np.stack([inst[head], dp[head], pp[head], tp[head], step[head]])
-        new_group = np.r_[True, (lane_step[:, 1:] != lane_step[:, :-1]).any(axis=0)] if m else np.empty(0, bool)
+        span_rpc = np.zeros(m, np.int8)
+        span_gb = np.full(m, _NULL, np.int64)
+        span_ge = np.full(m, _NULL, np.int64)
+        span_rpc[has_end] = rpc_code[end_idx[has_end]]
+        span_gb[has_end] = gpu_b[end_idx[has_end]]
+        span_ge[has_end] = gpu_e[end_idx[has_end]]
+        # an RPC without a recorded name: its position within the step on that lane
+        key = lane_code[head] // (pid.max(initial=0) + 1)
+        hs = step[head]
+        new_group = np.r_[True, (key[1:] != key[:-1]) | (hs[1:] != hs[:-1])] if m else np.empty(0, bool)
         group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
-        position = np.arange(m) - group_start
+        position = np.minimum(np.arange(m) - group_start, 2)
         names = np.array(["execute_model", "sample_tokens", "rpc"], dtype=object)
-        inferred = names[np.minimum(position, 2)]
-        rpc = np.where(rpc_code == 1, "execute_model", np.where(rpc_code == 2, "sample_tokens",
-                                                                 np.where(rpc_code == 3, named, inferred)))
-        return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head], "step": step[head],
-                             "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok, "gpu_begin_ns": gpu_b,
-                             "gpu_end_ns": gpu_e, "rpc": rpc.astype(object)})
+        rpc = np.where(span_rpc > 0, names[np.maximum(span_rpc - 1, 0)], names[position])
+        return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head], "step": hs,
+                             "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok, "gpu_begin_ns": span_gb,
+                             "gpu_end_ns": span_ge, "rpc": rpc.astype(object)})
 
     return ctx.cached("steps:span_frame", build)
 
@@ -589,6 +599,12 @@ def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray
     return np.where(keys[idx] == query, values[idx], 1)
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (a sort: numpy 2's hash-based np.unique is slower on large int arrays)."""
+    v = np.sort(values)
+    return v[np.r_[True, v[1:] != v[:-1]]] if len(v) else v
+
+
 def lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, fill: int | float) -> np.ndarray:
     """values[i] where keys_sorted[i] == query, else fill (keys_sorted ascending, distinct)."""
     if len(keys_sorted) == 0 or len(query) == 0:
@@ -757,7 +773,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
                             np.nan_to_num(steps["wait_ns"].to_numpy(dtype=np.float64))).astype(np.int64)
         st_sched_code = keys.sched(st_inst, st_dp)
         nothing = StepCount(np.empty(0, np.int64), np.empty(0, np.int64))
-        for code in np.unique(sched_code).tolist():  # per scheduler
+        for code in distinct(sched_code).tolist():  # per scheduler
             grp = np.flatnonzero(sched_code == code)
             gi, gd = int(inst[grp[0]]), int(dp[grp[0]])
             live, run, fly = funcs.get((gi, gd), (nothing, nothing, nothing))
@@ -787,7 +803,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         # with the step while this one waited: stage imbalance. Stages are resolved in order, 0 first.
         cause = engine_cause.copy()
         gap_key = keys.at_step(keys.stage(inst, dp, pp), step_after)
-        for rank in np.unique(pp[pp > 0]).tolist():  # per PP rank
+        for rank in distinct(pp[pp > 0]).tolist():  # per PP rank
             here = np.flatnonzero(pp == rank)
             above = np.flatnonzero(pp == rank - 1)
             up_key = gap_key[above]

@@ -97,7 +97,8 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         burst = np.cumsum(new_lane | starts_burst) - 1
         burst_starts = np.flatnonzero(new_lane | starts_burst)
         step = busy["step"].to_numpy()
-        pair = np.unique(burst.astype(np.int64) * (int(step.max(initial=0)) + 2) + step + 1)
+        pair = np.sort(burst.astype(np.int64) * (int(step.max(initial=0)) + 2) + step + 1)
+        pair = pair[np.r_[True, pair[1:] != pair[:-1]]]  # distinct (burst, step): a sort, not numpy's hash unique
         m = np.bincount(pair // (int(step.max(initial=0)) + 2), minlength=len(burst_starts))
         burst_wall = np.maximum.reduceat(e, burst_starts) - np.minimum.reduceat(b, burst_starts)
         burst_lane = lane_idx[burst_starts]
