@@ -278,8 +278,8 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
             v[~n_valid[rows]] = np.nan
             return v
 
-        sched_detail = detail_numbers(ctx, s_rows, ("running", "waiting", "waiting_kv", "free_blocks", "dur_ns",
-                                                    "empty_run"), optional=("empty_run", "waiting_kv"))
+        # only what the rules read; step_table() adds waiting, waiting_kv and dur_ns for plots and notebooks
+        sched_detail = detail_numbers(ctx, s_rows, ("running", "free_blocks", "empty_run"), optional=("empty_run",))
         frame = pd.DataFrame({
             "inst": (all_keys // step_span // dp_span).astype(np.int64),
             "dp": (all_keys // step_span % dp_span - 1).astype(np.int64),
@@ -311,7 +311,14 @@ def step_table(ctx: AnalysisContext) -> pd.DataFrame:
     def build() -> pd.DataFrame:
         frame = _step_frame(ctx)
         names = instances(ctx)
+        has = np.flatnonzero(frame["row"].to_numpy() >= 0)
+        extra = detail_numbers(ctx, frame["row"].to_numpy()[has], ("waiting", "waiting_kv", "dur_ns"),
+                               optional=("waiting_kv",))
         out = frame.rename(columns={"dp": "dp_rank"})
+        for key, values in extra.items():
+            column = np.full(len(frame), np.nan)
+            column[has] = values
+            out[key] = column
         out.insert(0, "instance", pd.Categorical.from_codes(frame["inst"].to_numpy(), categories=names)
                    if names else pd.Categorical([]))
         out = out.drop(columns=["inst", "row"])
@@ -357,16 +364,13 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         begin_code = kind_names.index("exec_begin") if "exec_begin" in kind_names else -9
         fields = rows_columns(ctx, rows, ["pp_rank", "tp_rank", "pid", "seq"])
         is_begin = kind_codes[rows] == begin_code
-        # exec_end details, in row order: rpc (execute_model / sample_tokens) and GPU times
+        # exec_end GPU times, in row order: a substring test, the regex only where `gpu_` appears (the RPC names
+        # are read by exec_spans(), which only plots and `show` need)
         ends = np.flatnonzero(~is_begin)
-        rpc_code = np.zeros(len(rows), np.int8)  # 0 unknown, 1 execute_model, 2 sample_tokens
         gpu_b = np.full(len(rows), _NULL, np.int64)
         gpu_e = np.full(len(rows), _NULL, np.int64)
         if len(ends):
             text = _detail_text(ctx, rows[ends])
-            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
-            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
-            rpc_code[ends] = np.where(ex, 1, np.where(sa, 2, 0))
             has_gpu = np.flatnonzero(pc.match_substring(text, '"gpu_').to_numpy(zero_copy_only=False))
             if len(has_gpu):
                 sub = text.take(pa.array(has_gpu))
@@ -382,7 +386,7 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
                      * (tp.max(initial=0) + 2) + tp + 1) * (pid.max(initial=0) + 1) + pid
         order = np.lexsort((fields["seq"], lane_code))
         rows, inst, dp, pp, tp, lane_code = rows[order], inst[order], dp[order], pp[order], tp[order], lane_code[order]
-        is_begin, rpc_code, gpu_b, gpu_e = is_begin[order], rpc_code[order], gpu_b[order], gpu_e[order]
+        is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
         step = cols.step[rows]
         ts = cols.ts[rows]
         n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
@@ -407,25 +411,41 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         head, end_idx, begin_ts, end_ts, n_tok = head[sort], end_idx[sort], begin_ts[sort], end_ts[sort], n_tok[sort]
         m = len(head)
         has_end = end_idx >= 0
-        span_rpc = np.zeros(m, np.int8)
         span_gb = np.full(m, _NULL, np.int64)
         span_ge = np.full(m, _NULL, np.int64)
-        span_rpc[has_end] = rpc_code[end_idx[has_end]]
         span_gb[has_end] = gpu_b[end_idx[has_end]]
         span_ge[has_end] = gpu_e[end_idx[has_end]]
-        # an RPC without a recorded name: its position within the step on that lane
-        key = lane_code[head] // (pid.max(initial=0) + 1)
-        hs = step[head]
-        new_group = np.r_[True, (key[1:] != key[:-1]) | (hs[1:] != hs[:-1])] if m else np.empty(0, bool)
-        group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
-        position = np.minimum(np.arange(m) - group_start, 2)
-        names = np.array(["execute_model", "sample_tokens", "rpc"], dtype=object)
-        rpc = np.where(span_rpc > 0, names[np.maximum(span_rpc - 1, 0)], names[position])
-        return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head], "step": hs,
-                             "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok, "gpu_begin_ns": span_gb,
-                             "gpu_end_ns": span_ge, "rpc": rpc.astype(object)})
+        end_row = np.full(m, _NULL, np.int64)
+        end_row[has_end] = rows[end_idx[has_end]]
+        return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head],
+                             "step": step[head], "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok,
+                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row})
 
     return ctx.cached("steps:span_frame", build)
+
+
+def span_rpcs(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.Categorical:
+    """The RPC of each span of `_span_frame`: `execute_model` / `sample_tokens` from the exec_end detail (two
+    substring tests over those rows), else the span's position within its step on the lane (first
+    execute_model, second sample_tokens, later ones `rpc`)."""
+    names = ["execute_model", "sample_tokens", "rpc"]
+    m = len(frame)
+    code = np.full(m, -1, np.int8)
+    end_row = frame["end_row"].to_numpy()
+    has_end = np.flatnonzero(end_row >= 0)
+    if len(has_end):
+        rows = end_row[has_end]
+        order = np.argsort(rows, kind="stable")
+        text = _detail_text(ctx, rows[order])  # ascending rows: one filter, no reordering take
+        ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
+        sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
+        named = np.where(ex, 0, np.where(sa, 1, -1)).astype(np.int8)
+        code[has_end[order]] = named
+    lane = frame[["inst", "dp", "pp", "tp", "step"]].to_numpy()
+    new_group = np.r_[True, (lane[1:] != lane[:-1]).any(axis=1)] if m else np.empty(0, bool)
+    group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
+    position = np.minimum(np.arange(m) - group_start, 2).astype(np.int8)
+    return pd.Categorical.from_codes(np.where(code >= 0, code, position), categories=names)
 
 
 def exec_spans(ctx: AnalysisContext) -> pd.DataFrame:
@@ -434,6 +454,7 @@ def exec_spans(ctx: AnalysisContext) -> pd.DataFrame:
 
     def build() -> pd.DataFrame:
         frame = _span_frame(ctx)
+        frame = frame.assign(rpc=span_rpcs(ctx, frame))
         return _public(ctx, frame, {"dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank"},
                        int_na=["begin_ts", "end_ts", "gpu_begin_ns", "gpu_end_ns"], columns=SPAN_COLUMNS)
 
