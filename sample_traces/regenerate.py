@@ -44,6 +44,9 @@ SAMPLES: dict[str, tuple[str, dict]] = {
                                dict(requests=12, rate=200.0, faults=["abort_while_waiting_kv"], seed=5)),
     "duplicate_completion": ("P rank 0 reports one send twice: vLLM's assert req_id in self.requests",
                              dict(requests=12, rate=200.0, faults=["duplicate_completion"], seed=6)),
+    "duplicate_completion_tp2": ("TP=2: P rank 0 reports one send twice before rank 1 reports; the aggregator "
+                                 "counts two ranks and P frees the blocks while rank 1 still sends",
+                                 dict(requests=8, tp=2, rate=200.0, faults=["duplicate_completion"], seed=6)),
     "missing_rank_completion": ("TP=2: P's last rank never reports one send; the aggregator waits forever",
                                 dict(requests=12, tp=2, rate=200.0, faults=["missing_rank_completion"],
                                      end_hold_s=500.0, seed=7)),

@@ -18,7 +18,8 @@ FAULTS: dict[str, str] = {
     "(vLLM asserts request.is_finished() in _free_blocks)",
     "lost_send_completion": "P workers never report finished_sending for one request: its delayed free leaks",
     "abort_while_waiting_kv": "a D request is aborted while WAITING_FOR_REMOTE_KVS, its read still in flight",
-    "duplicate_completion": "P rank 0 reports finished_sending for one request a second time, one step later",
+    "duplicate_completion": "P rank 0 reports finished_sending for one request a second time, one step later "
+    "(with several ranks: before the others report, so the aggregator completes early)",
     "missing_rank_completion": "the last TP rank of P never reports finished_sending for one request",
     "slow_transfer": "one request's KV read takes far longer than the run: D waits for KV until the end",
     "starve": "a head-of-line request whose prompt needs more blocks than the pool holds never fits",

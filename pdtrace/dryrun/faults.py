@@ -6,7 +6,7 @@ client; vLLM's own code then does what it does (including raising its asserts).
 | completion_before_finish | the target P request gets a prompt longer than the token budget; every P rank reports `finished_sending` for it at the end of its first (partial) prefill chunk | `_free_blocks` asserts `request.is_finished()` (scheduler.py:3065) |
 | lost_send_completion | P ranks never report the target's send | its delayed free never happens: the blocks leak |
 | abort_while_waiting_kv | the target D read takes 20x longer (>= 20 ms); D is asked to abort it halfway | the abort is delayed until `finished_recving` (scheduler.py:3015-3024) |
-| duplicate_completion | P rank 0 reports the target's send once more at its next step | with one rank: `assert req_id in self.requests` (:3581); with more, the aggregator completes early |
+| duplicate_completion | P rank 0 reports the target's send once more at its next step (with several ranks, the others' reads of it take >= 50 ms) | with one rank: `assert req_id in self.requests` (:3581); with more, KVOutputAggregator counts rank 0 twice and frees the blocks while the other ranks still read them |
 | missing_rank_completion | the last P rank never reports the target's send | the aggregator waits forever: the blocks leak |
 | slow_transfer | the target read takes `slow_transfer_ms` | D keeps it WAITING_FOR_REMOTE_KVS (and P holds its blocks) |
 | starve | the target's prompt needs every usable block of P's pool (vLLM 0.33 refuses a max_model_len that could never fit, so the pool must shrink at run time): request 0's send completion is lost, pinning its blocks | the target never fits and waits at the head of the line; FCFS blocks the requests behind it |
@@ -91,13 +91,17 @@ class FaultInjector:
     def before_step(self, engine: SimEngine) -> None:
         return None
 
-    def read_ns(self, engine: SimEngine, req_id: str, normal_ns: int) -> int:
+    def read_ns(self, engine: SimEngine, req_id: str, normal_ns: int, rank: Any = None) -> int:
         if "slow_transfer" in self.faults and req_id == self.d_target["slow_transfer"]:
             if engine.ranks and not any("slow read" in x for x in self.injected):
                 self.injected.append(f"slow read of {req_id}: {self.cluster.config.slow_transfer_ms:.0f} ms")
             return int(self.cluster.config.slow_transfer_ms * NS_PER_MS)
         if "abort_while_waiting_kv" in self.faults and req_id == self.d_target["abort_while_waiting_kv"]:
             return max(20 * normal_ns, 20 * NS_PER_MS)
+        if ("duplicate_completion" in self.faults and req_id == self.d_target["duplicate_completion"]
+                and rank is not None and (rank.pp_rank, rank.tp_rank) != (0, 0)):
+            # The other ranks' reads are slower, so rank 0's second report counts toward their quorum first.
+            return max(50 * normal_ns, 50 * NS_PER_MS)
         return normal_ns
 
     def on_read_started(self, engine: SimEngine, req_id: str, ts: int, dur: int) -> None:

@@ -51,7 +51,7 @@ class SimTransferEngine:
         for req_id, rm in to_recv.items():
             local = rm.local_block_ids
             n_blocks = len(local[0]) if local and len(local) else 0
-            dur = faults.read_ns(engine, req_id, self.read_ns(n_blocks))
+            dur = faults.read_ns(engine, req_id, self.read_ns(n_blocks), rank)
             done = ts + dur
             if rank.pp_rank == 0 and rank.tp_rank == 0:
                 self.reads_started += 1
