@@ -21,8 +21,8 @@ SIZE_LIMIT = 5 * 1024 * 1024
 #: until its read completes (scheduler.py:3015-3024), so a correct analyzer reports nothing there.
 NEGATIVE_CONTROLS = ("abort_while_waiting_kv",)
 REQUIRED = ("healthy_pd_pp1", "healthy_pp4", "completion_before_finish", "lost_send_completion",
-            "abort_while_waiting_kv", "duplicate_completion", "duplicate_completion_tp2", "missing_rank_completion", "slow_transfer",
-            "starve", "few_requests_pp")
+            "abort_while_waiting_kv", "duplicate_completion", "duplicate_completion_tp2", "missing_rank_completion",
+            "slow_transfer", "starve", "few_requests_pp")
 
 
 def summarize_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
