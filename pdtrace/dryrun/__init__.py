@@ -95,8 +95,9 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         if proc.returncode != 0 or not res_path.exists():
             tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
             raise RecordingError(f"the dry run's process failed (exit {proc.returncode}): {tail[0]}")
-        if proc.stderr:
-            sys.stderr.write(proc.stderr)
+        noise = _child_noise(proc.stderr or "")
+        if noise:
+            sys.stderr.write(noise)
         data = json.loads(res_path.read_text())
     if data.get("usage_error"):
         from pdtrace.errors import UsageError
@@ -106,6 +107,17 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         raise RecordingError(data["recording_error"])
     data["output_dir"] = Path(data["output_dir"])
     return DryRunResult(**data)
+
+
+#: What vLLM always says on this CPU-only install (no vllm._C, no NIXL, no Triton): not worth a user's attention.
+_KNOWN_NOISE = ("Failed to import from vllm._C", "NIXL is not available", "NIXL agent config is not available",
+                "Triton not available", "Initializing KVConnectorBase_V1")
+
+
+def _child_noise(text: str) -> str:
+    """The child's stderr without vLLM's known start-up chatter on a CPU-only box."""
+    lines = [ln for ln in text.splitlines(keepends=True) if not any(k in ln for k in _KNOWN_NOISE)]
+    return "".join(lines)
 
 
 def _has_fileno(stream: Any) -> bool:
