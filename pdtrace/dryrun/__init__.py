@@ -53,6 +53,16 @@ class DryRunResult:
     injected: list[str] = field(default_factory=list)
 
 
+#: Environment of the process that runs the engines (set in the child, never in the caller's process).
+_ENV_DEFAULTS = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    # The simulated workers behave like the V1 model runner (persistent batch); say so to vLLM's config too.
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+}
+
+
 def _check_vllm() -> None:
     try:
         import vllm
@@ -84,7 +94,7 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
     with tempfile.TemporaryDirectory(prefix="pdtrace-dryrun-") as tmp:
         cfg_path, res_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         cfg_path.write_text(json.dumps(config.to_dict()))
-        env = dict(os.environ, PYTHONHASHSEED="0")
+        env = {**_ENV_DEFAULTS, **os.environ, "PYTHONHASHSEED": "0"}
         # The child imports this very pdtrace, installed or not.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -177,11 +187,8 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
         in_process = sys.flags.hash_randomization == 0
     if not in_process:
         return _run_in_child(config, out)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    # The simulated workers behave like the V1 model runner (persistent batch); say so to vLLM's config too.
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     _check_vllm()
     from pdtrace.dryrun.faults import reshape_workload
     from pdtrace.dryrun.sim import SimCluster
