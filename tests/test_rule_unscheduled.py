@@ -350,3 +350,35 @@ def test_zombie_ended_by_an_abort_between_steps():
     e.finish("a", reason="abort")  # step null: counted with the sched-row prefix sums
     z = by_sub(findings(b.trace()), "zombie")
     assert list(z["severity"]) == ["warning"] and z.iloc[0]["extra"]["steps"] == 60
+
+
+@pytest.mark.parametrize("remote", ["send_done", "expire", None])
+def test_stuck_waiting_kv_with_the_prefill_side_in_the_trace(remote):
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    p.add("x1", n=40, remote_decode=True)
+    p.step({"x1": 40}, alloc={"x1": [1, 2, 3]})
+    p.output()
+    p.finish("x1", reason="length", delay_free=True)
+    d.add("y1", n=40, remote_prefill=True, remote_instance="P", remote_req="x1", remote_blocks=3)
+    d.add("runner", n=16)
+    d.step({"runner": 16}, alloc={"runner": [1]}, wait_kv={"y1": [4, 5, 6]})
+    d.output()
+    p.step({})
+    p.output()
+    if remote == "send_done":
+        p.send_done("x1")
+    elif remote == "expire":
+        p.ev("kv_expire", req="x1", step=1)
+    run_steps(d, 60, {"runner": 1})
+    s = by_sub(findings(b.trace()), "stuck_waiting_kv")
+    assert list(s["req"]) == ["y1"]
+    row = s.iloc[0]
+    if remote is None:
+        assert row["severity"] == "info"
+        return
+    assert row["severity"] == "error"
+    assert "P already" in row["message"]
+    kinds = [ev["kind"] for ev in row["evidence"]]
+    assert ("kv_send_done" if remote == "send_done" else "kv_expire") in kinds

@@ -23,10 +23,12 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
 - `preempted_not_resumed`: preempted, unfinished, no req_sched after the preemption while starve_steps steps went
   by: error when starve_steps of them had room, warning otherwise.
 - `stuck_waiting_kv`: req_wait_kv with no kv_recv_done / kv_recv_fail after it, request unfinished. Error when it
-  has waited longer than grace_s (past every connector timeout); warning when requests that began waiting later
-  have already received their KV (overtaken: the transfer is lost, not slow) and starve_steps steps went by;
-  info when the engine kept stepping (starve_steps steps) but nothing else says it is lost: the trace may just end
-  mid-transfer. A receive that closed but only after grace_s is a warning.
+  has waited longer than grace_s (past every connector timeout), or when its prefill side (req_add's
+  remote_instance / remote_req, in the same trace) expired the transfer (kv_expire) or saw the send finish
+  (kv_send_done) starve_steps steps before the end: the completion was lost, not late; warning when requests that
+  began waiting later have already received their KV (overtaken: the transfer is lost, not slow) and starve_steps
+  steps went by; info when the engine kept stepping (starve_steps steps) but nothing else says it is lost: the
+  trace may just end mid-transfer. A receive that closed but only after grace_s is a warning.
 - `dropped_from_batch` (vLLM's V1 runner only; the rows exist only there): batch_remove reason `unscheduled` on a
   worker lane, no batch_add on that lane after it, request unfinished. Error when the scheduler scheduled it again
   and the lane executed that step (the worker ran a step whose request it had dropped); warning when it was never
@@ -51,7 +53,7 @@ from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import RequestState, request_state
 from pdtrace.analysis.rulekit import DOWNGRADE, Evidence, engine_configs, gaps, inst_code_of_sk, sk_instance
-from pdtrace.analysis.steps import _step_frame
+from pdtrace.analysis.steps import _step_frame, rows_columns
 
 _MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
 
@@ -214,6 +216,32 @@ def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int)
     return str(cols.rk_names["req"].iloc[int(cand[np.argmin(st.add_pos[cand])])])
 
 
+def _remote_side(ctx: AnalysisContext, cols: Columns, st: RequestState, rk: int) -> dict[str, Any]:
+    """For a decode-side request: its prefill side (req_add detail remote_instance / remote_req) and the rows
+    where that side expired the transfer (kv_expire) or saw the send finish (kv_send_done); {} if unknown. One
+    finding at a time (few): a mask over the request names, no per-event work."""
+    from pdtrace.analysis.steps import detail_text
+
+    add = int(st.add_pos[rk])
+    if add < 0:
+        return {}
+    row = int(cols.order[add])
+    instance = detail_text(ctx, np.array([row]), "remote_instance")[0]
+    if instance is None:
+        return {}
+    remote_req = detail_text(ctx, np.array([row]), "remote_req")[0] or str(cols.rk_names["req"].iloc[rk])
+    names = cols.rk_names
+    match = np.flatnonzero(((names["instance"] == instance) & (names["req"] == remote_req)).to_numpy())
+    out: dict[str, Any] = {"instance": instance, "req": remote_req}
+    if len(match):
+        p = int(match[0])
+        if st.expire_pos[p] >= 0:
+            out["expire_row"] = int(cols.order[st.expire_pos[p]])
+        if st.send_done_pos[p] >= 0:
+            out["send_row"] = int(cols.order[st.send_done_pos[p]])
+    return out
+
+
 def _prompt_need(ctx: AnalysisContext, cols: Columns, st: RequestState, sc: SchedCounter) -> np.ndarray:
     """Blocks each request's prompt needs (>= 1): ceil(req_add n / block_size) where both are known."""
     need = np.ones(st.n, np.int64)
@@ -354,9 +382,27 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                 msg = f"request {name} waited {_fmt_ms(age[i])} for remote KV, longer than grace {cfg.grace_s:g} s"
                 out.add("stuck_waiting_kv", "warning", r, int(wrow[i]), int(close[i]), msg, evidence, extra)
                 continue
+            remote = _remote_side(ctx, cols, st, r)
+            for key in ("expire_row", "send_row"):  # only signals the engine had starve_steps steps to act on
+                if key in remote:
+                    after = sc.steps_between(np.array([st.sk[r]]), np.array([cols.pos[remote[key]]]),
+                                             np.array([NO]))[0]
+                    if after < threshold:
+                        del remote[key]
+            expired_row = remote.get("expire_row")
+            if expired_row is not None:
+                evidence.append((expired_row, "the sender's expiry: it gave up on this transfer"))
+                extra["remote_expired"] = True
+            if remote.get("send_row") is not None:
+                evidence.append((remote["send_row"], "the sender reported the send finished"))
+                extra["remote_sent"] = True
             if age[i] > grace_ns:
                 sev = "error"
                 why = f"longer than the grace period ({cfg.grace_s:g} s, past every connector timeout)"
+            elif expired_row is not None or remote.get("send_row") is not None:
+                sev = "error"
+                why = (f"although {remote['instance']} already "
+                       + ("expired its side" if expired_row is not None else "reported the send finished"))
             elif overtaken[i] and wsteps[i] >= threshold:
                 sev = "warning"
                 why = f"while {int(overtaken[i])} requests that began waiting later already received theirs"
@@ -372,12 +418,9 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     if len(brows):
         reason, rnames = cols.codes("reason")
         kinds = cols.codes("kind")[0]
-        pp = cols.table.column("pp_rank").to_numpy(zero_copy_only=False)
-        tp = cols.table.column("tp_rank").to_numpy(zero_copy_only=False)
-        pid = cols.table.column("pid").to_numpy()
-        lane = pd.DataFrame({"row": brows, "rk": cols.rk[brows], "pid": pid[brows],
-                             "pp": np.nan_to_num(np.asarray(pp[brows], dtype=np.float64), nan=-1),
-                             "tp": np.nan_to_num(np.asarray(tp[brows], dtype=np.float64), nan=-1),
+        fields = rows_columns(ctx, brows, ["pp_rank", "tp_rank", "pid"])
+        lane = pd.DataFrame({"row": brows, "rk": cols.rk[brows], "pid": fields["pid"],
+                             "pp": fields["pp_rank"], "tp": fields["tp_rank"],
                              "pos": cols.pos[brows], "is_add": kinds[brows] == code_of(cols, "batch_add"),
                              "unsched": reason[brows] == (rnames.index("unscheduled") if "unscheduled" in rnames
                                                           else -9)})
@@ -385,7 +428,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         dropped = last[~last["is_add"] & last["unsched"] & unfinished[last["rk"].to_numpy()]]
         if len(dropped):
             exec_rows = cols.rows_of("exec_end", "exec_begin")
-            lane_last_step = pd.Series(cols.step[exec_rows]).groupby(pid[exec_rows]).max()
+            exec_pid = rows_columns(ctx, exec_rows, ["pid"])["pid"]
+            lane_last_step = pd.Series(cols.step[exec_rows]).groupby(exec_pid).max()
             for d in dropped.itertuples(index=False):  # candidate findings only
                 r = int(d.rk)
                 drow = int(d.row)
