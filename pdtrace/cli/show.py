@@ -144,7 +144,13 @@ def show(
     fmt: ShowFormat = typer.Option(ShowFormat.text, "--format", help="text or json."),
     full: bool = typer.Option(False, "--full", help="One line per req_sched row instead of runs."),
 ) -> None:
-    """The chronological story of one request (--req) or one step (--step)."""
+    """The chronological story of one request (--req) or one step (--step).
+
+    --req follows the request across instances (P and D joined through req_add's remote_instance / remote_req).
+    --step prints the step's schedule, submit, every rank's exec spans, its step_output and the completions it
+    carried, then which ranks' exec_end came before the step_output and which after (or never): whether
+    update_from_output waited for every PP rank.
+    """
     from pdtrace.analysis.story import related_requests, request_story, step_ranks, step_story
 
     if (req is None) == (step is None):
