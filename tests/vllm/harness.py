@@ -223,7 +223,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
                 "get_kv_cache_spec": [{"layer": spec}],
                 "determine_available_memory": [available_memory],
                 "get_supported_kv_cache_layouts": [["NHD", "HND"]],
-                "get_kv_connector_handshake_metadata": [None],
+                "get_kv_connector_handshake_metadata": [],  # no NIXL side channel is opened
             }
             if name == "compile_or_warm_up_model":
                 from vllm.v1.worker.worker_base import CompilationTimes

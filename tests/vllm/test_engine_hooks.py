@@ -1,0 +1,142 @@
+"""vLLM tier: vLLM 0.33.0's REAL EngineCore (batch queue of 2, as with PP=2) on a fake executor.
+
+EngineCore.__init__ loads the general plugins itself, exactly as in a live run: the tests only set
+PDTRACE_TRACE_DIR and let vLLM call pdtrace's entry point (which then wraps the executor at the first step).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture
+def live_plugin(tmp_path, monkeypatch):
+    """The recording switch on and vLLM's "plugins loaded" flag cleared: EngineCore.__init__ loads pdtrace."""
+    import vllm.plugins
+
+    from pdtrace.recording import session
+    from pdtrace.recording.vllm import uninstall_hooks
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    trace = tmp_path / "trace"
+    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(trace))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    yield trace
+    session.reset()
+    uninstall_hooks()
+    RUNTIME.reset()
+
+
+_ENGINES: list = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines():
+    yield
+    while _ENGINES:
+        _ENGINES.pop().scheduler.shutdown()  # EngineCore.shutdown needs an accelerator
+
+
+def _engine(model_dir, kv_role, engine_id, **kwargs):
+    vc = H.make_vllm_config(model_dir, kv_role=kv_role, engine_id=engine_id, pp=2, **kwargs)
+    vc.scheduler_config.async_scheduling = False  # V1 runner + PP: vLLM refuses async (config/vllm.py:1665)
+    engine = H.make_engine(vc, pp=2)
+    _ENGINES.append(engine)
+    assert engine.step_fn.__name__ == "step_with_batch_queue" and engine.batch_queue_size == 2
+    return engine
+
+
+def _run(engine, max_steps=200):
+    for _ in range(max_steps):
+        if not engine.scheduler.has_requests() and not engine.batch_queue:
+            return
+        engine.step_fn()
+    raise AssertionError("engine did not drain")
+
+
+def test_step_ids_consistent_between_scheduler_submit_and_output(live_plugin, model_dir):
+    from pdtrace.recording.vllm import hooks_installed
+
+    engine = _engine(model_dir, None, None)
+    assert hooks_installed()                          # loaded by EngineCore.__init__ through the entry point
+    for i in range(4):
+        H.engine_add(engine, H.make_request(f"r{i}", 40, max_tokens=6))
+    _run(engine)
+
+    events = H.close_and_read(live_plugin)
+    sched = [e["step"] for e in H.of_kind(events, "sched")]
+    submit = [e["step"] for e in H.of_kind(events, "step_submit")]
+    output = [e["step"] for e in H.of_kind(events, "step_output")]
+    assert sched == list(range(len(sched))) and len(sched) > 4
+    assert submit == sched                            # vLLM 0.33 submits every step, empty ones included
+    assert output == submit                           # outputs come back in FIFO order
+    order = {(e["kind"], e["step"]): i for i, e in enumerate(events)
+             if e["kind"] in ("sched", "step_submit", "step_output")}
+    assert all(order[("sched", s)] < order[("step_submit", s)] < order[("step_output", s)] for s in sched)
+    in_flight = [e["n"] for e in H.of_kind(events, "step_submit")]
+    assert max(in_flight) == 2 and set(in_flight) <= {1, 2}
+    assert all("wait_ns" in e["detail"] for e in H.of_kind(events, "step_output"))
+    assert {e["step"] for e in H.of_kind(events, "req_sched")} <= set(sched)
+    assert len(H.of_kind(events, "req_finish")) == 4
+    assert {e["component"] for e in H.of_kind(events, "step_submit", "step_output")} == {"engine"}
+
+
+def test_deferred_free_on_kv_consumer_lands_at_its_fence(live_plugin, model_dir):
+    engine = _engine(model_dir, "kv_consumer", "decode-0")
+    assert engine.scheduler.defer_block_free
+    H.engine_add(engine, H.make_request("a", 40, max_tokens=20))
+    H.engine_add(engine, H.make_request("b", 40, max_tokens=20))
+    for _ in range(4):
+        engine.step_fn()
+    (_, newest, _), = engine.batch_queue
+    victim = next(iter(newest.num_scheduled_tokens))
+    engine.aborts_queue.put([victim])                 # a client abort, handled inside the next step
+    engine.step_fn()
+    _run(engine)
+
+    events = H.close_and_read(live_plugin)
+    free_at = next(i for i, e in enumerate(events) if e["kind"] == "blocks_free" and e["req"] == victim)
+    free = events[free_at]
+    assert (free["deferred"], free["reason"], free["step"]) == (True, "aborted", None)
+    submitted = {e["step"] for e in events[:free_at] if e["kind"] == "step_submit"}
+    answered = {e["step"] for e in events[:free_at] if e["kind"] == "step_output"}
+    in_flight = submitted - answered
+    assert len(in_flight) == 2                        # two batches in flight when vLLM freed the blocks
+    pool_at = next(i for i, e in enumerate(events) if e["kind"] == "blocks_pool_free"
+                   and set(e["blocks"]) & set(free["blocks"]))
+    pool = events[pool_at]
+    assert sorted(pool["blocks"]) == sorted(free["blocks"]) and pool["req"] is None
+    assert pool["detail"]["fence"] == free["detail"]["fence"]
+    assert pool["step"] == max(in_flight)             # returned in the update of the newest step in flight
+    output_at = next(i for i, e in enumerate(events) if e["kind"] == "step_output" and e["step"] == max(in_flight))
+    assert free_at < output_at < pool_at
+    between = [e["detail"]["free_blocks"] for e in events[free_at:pool_at] if e["kind"] == "sched"]
+    after = [e["detail"]["free_blocks"] for e in events[pool_at:] if e["kind"] == "sched"]
+    assert between and after and max(between) + len(free["blocks"]) <= after[0]
+
+
+def test_finished_sending_for_a_running_request_is_recorded_before_vllm_asserts(live_plugin, model_dir):
+    import pdtrace
+
+    engine = _engine(model_dir, "kv_producer", "prefill-0", max_num_batched_tokens=256)
+    type(engine.model_executor).inject = {0: {"finished_sending": {"r2"}}}  # in chunk 1's output
+    H.engine_add(engine, H.make_request("r2", 300, remote_decode=True))
+    with pytest.raises(AssertionError):
+        _run(engine)
+
+    events = H.close_and_read(live_plugin)
+    send = H.of_kind(events, "kv_send_done", req="r2")
+    assert len(send) == 1 and send[0]["status"] == "RUNNING" and send[0]["step"] == 0
+    error = H.of_kind(events, "engine_error")
+    assert len(error) == 1 and error[0]["step"] == 0 and error[0]["detail"]["error"].startswith("AssertionError")
+    assert events.index(send[0]) < events.index(error[0])
+    assert not H.of_kind(events, "req_finish", req="r2")
+
+    findings = pdtrace.analyze(live_plugin)
+    hit = findings[(findings["rule"] == "completion_before_finish") & (findings["req"] == "r2")]
+    assert len(hit) == 1 and hit.iloc[0]["subrule"] == "send"
