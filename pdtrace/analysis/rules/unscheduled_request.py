@@ -130,10 +130,13 @@ class SchedCounter:
         return room
 
 
-def _sorted_events(cols: Columns, kinds: tuple[str, ...]) -> tuple[np.ndarray, ...]:
-    """(rows, composite key rk*span+pos, rk, pos, kind code) of the requests' events of these kinds, sorted by
-    key."""
-    rows = np.flatnonzero(cols.is_kind(*kinds) & (cols.rk >= 0))
+def _sorted_events(cols: Columns, kinds: tuple[str, ...], requests: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """(rows, composite key rk*span+pos, rk, pos, kind code) of the events of these kinds, sorted by key; only of
+    the requests where the boolean `requests[rk]` holds, when given (the few that need an exact search)."""
+    mask = cols.is_kind(*kinds) & (cols.rk >= 0)
+    if requests is not None:
+        mask &= requests[np.maximum(cols.rk, 0)]
+    rows = np.flatnonzero(mask)
     span = int(cols.n) + 2
     rk = cols.rk[rows]
     pos = cols.pos[rows]
@@ -274,19 +277,42 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     code = {k: (kind_names.index(k) if k in kind_names else -9) for k in
             ("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "kv_recv_done", "kv_recv_fail")}
 
-    ev_rows, ev_key, ev_rk, ev_pos, ev_kind = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish",
-                                                                     "req_preempt"))
-
     # --- waiting periods: starved / never_scheduled / preempted_not_resumed ------------------------------------
-    start_rows = np.flatnonzero(cols.is_kind("req_add", "req_preempt") & (cols.rk >= 0) & (cols.sk >= 0))
-    recv_close = st.recv_close_pos[st.recv_close_pos >= 0]
-    start_rows = np.concatenate([start_rows, _row(cols, recv_close).astype(np.int64)])
-    rk = cols.rk[start_rows]
-    pos = cols.pos[start_rows]
-    nxt = _next_in(ev_key, rk, pos, span)
-    # a period ends at the next req_sched / req_wait_kv / req_finish; a preemption cannot end a waiting period
-    end_pos = np.where(nxt >= 0, ev_pos[np.maximum(nxt, 0)] if len(ev_pos) else NO, NO)
-    is_open = nxt < 0
+    # A period starts at req_add, at the close of a KV receive, or at a preemption, and ends at the request's next
+    # req_sched / req_wait_kv / req_finish. For adds and receives that end is read off the per-request first
+    # positions; requests that were preempted (or scheduled before their receive) get an exact search in a sorted
+    # table of their own events only, so no pass sorts every req_sched of the trace.
+    big = np.iinfo(np.int64).max
+
+    def first_after(after: np.ndarray, *positions: np.ndarray) -> np.ndarray:
+        cands = np.stack([np.where(p > after, p, big) for p in positions])
+        best = cands.min(axis=0)
+        return np.where(best == big, NO, best)
+
+    adders = np.flatnonzero(st.add_pos >= 0)
+    add_end = first_after(st.add_pos[adders], st.first_sched_pos[adders], st.wait_kv_pos[adders],
+                          st.finish_pos[adders])
+    receivers = np.flatnonzero(st.recv_close_pos >= 0)
+    recv_pos = st.recv_close_pos[receivers]
+    recv_end = first_after(recv_pos, st.first_sched_pos[receivers], st.finish_pos[receivers])
+    exact = np.zeros(st.n, bool)
+    exact[st.n_preempt > 0] = True
+    exact[receivers[(st.first_sched_pos[receivers] >= 0) & (st.first_sched_pos[receivers] < recv_pos)]] = True
+    if exact.any():
+        _, small_key, _, small_pos, _ = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish"), exact)
+    else:
+        small_key = small_pos = np.empty(0, np.int64)
+    preempt_rows = cols.rows_of("req_preempt")
+    preempt_rows = preempt_rows[cols.rk[preempt_rows] >= 0]
+    rk = np.concatenate([adders, receivers, cols.rk[preempt_rows].astype(np.int64)])
+    pos = np.concatenate([st.add_pos[adders], recv_pos, cols.pos[preempt_rows]])
+    end_pos = np.concatenate([add_end, recv_end, np.full(len(preempt_rows), NO)])
+    start_rows = _row(cols, pos).astype(np.int64)
+    search = np.flatnonzero(exact[rk])
+    if len(search):
+        nxt = _next_in(small_key, rk[search], pos[search], span)
+        end_pos[search] = np.where(nxt >= 0, small_pos[np.maximum(nxt, 0)] if len(small_pos) else NO, NO)
+    is_open = end_pos < 0
     sk = cols.sk[start_rows]
     steps = sc.steps_between(sk, pos, end_pos)
     # requests that wait for remote KV right from the add are not waiting to be scheduled until the KV arrives
@@ -430,13 +456,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             exec_rows = cols.rows_of("exec_end", "exec_begin")
             exec_pid = rows_columns(ctx, exec_rows, ["pid"])["pid"]
             lane_last_step = pd.Series(cols.step[exec_rows]).groupby(exec_pid).max()
+            mine = np.zeros(st.n, bool)
+            mine[dropped["rk"].to_numpy()] = True
+            sched_rows_, sched_keys, _, _, _ = _sorted_events(cols, ("req_sched",), mine)
             for d in dropped.itertuples(index=False):  # candidate findings only
                 r = int(d.rk)
                 drow = int(d.row)
                 dpos = int(d.pos)
-                nxt_i = _next_in(ev_key[ev_kind == code["req_sched"]], np.array([r]), np.array([dpos]), span)[0]
-                sched_keys = ev_key[ev_kind == code["req_sched"]]
-                sched_rows_ = ev_rows[ev_kind == code["req_sched"]]
+                nxt_i = _next_in(sched_keys, np.array([r]), np.array([dpos]), span)[0]
                 name = cols.rk_names["req"].iloc[r]
                 if nxt_i >= 0:
                     srow = int(sched_rows_[nxt_i])
@@ -459,39 +486,94 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                             {"pp_rank": int(d.pp), "tp_rank": int(d.tp), "steps_since": int(n_after)})
 
     # --- zombie --------------------------------------------------------------------------------------------
-    if len(ev_rows):
-        # step ids count schedule() calls (a coalesced empty run advances them by its length), so the calls
-        # strictly between two events of a request are a difference of steps; an open gap (the request's last
-        # event is a req_sched and it never finished) runs to the scheduler's last step. The sched-row prefix
-        # sums count only where an event has no step (an abort between steps). Candidates are chosen on whole
-        # arrays first, so the per-gap work touches long gaps only.
-        ev_step = cols.step[ev_rows]
-        is_sched = ev_kind == code["req_sched"]
-        last_of_rk = np.r_[ev_rk[1:] != ev_rk[:-1], True]
-        diff = np.full(len(ev_step), NO, np.int64)
-        diff[:-1] = ev_step[1:] - ev_step[:-1] - 1
-        unknown = ev_step < 0
-        next_unknown = np.r_[unknown[1:], False]
-        threshold_z = int(cfg.zombie_steps)
-        closed = np.flatnonzero(is_sched & ~last_of_rk & ((diff >= threshold_z) | next_unknown | unknown))
-        opened = np.flatnonzero(is_sched & last_of_rk & unfinished[ev_rk])
-        idx = np.concatenate([closed, opened])
-        has_next = np.r_[np.ones(len(closed), bool), np.zeros(len(opened), bool)]
-        nxt = np.minimum(idx + 1, len(ev_pos) - 1)
-        nxt_pos = np.where(has_next, ev_pos[nxt], NO)
-        z_rk = ev_rk[idx]
-        z_sk = st.sk[z_rk]
-        gap = np.where(has_next, diff[idx], sc.last_step[z_sk] - ev_step[idx]).astype(np.float64)
-        slow = np.flatnonzero((has_next & next_unknown[idx]) | unknown[idx])
-        if len(slow):
-            gap[slow] = sc.steps_between(z_sk[slow], ev_pos[idx[slow]], nxt_pos[slow])
-        big = gap >= int(cfg.zombie_steps)
+    # Internal gaps: consecutive req_sched rows of a request, in load order (one writer's rows are in seq order,
+    # files in path order), differenced after a stable sort on the request key alone. Step ids count schedule()
+    # calls (a coalesced empty run advances them by its length), so the calls strictly between two schedules are a
+    # difference of steps. Tail gaps (after the last req_sched: to a finish, or open to the end of the trace) come
+    # from the per-request positions. Requests whose steps do not increase in load order (several writers), with a
+    # preemption inside a long gap, or with events lacking a step are re-checked with an exact sorted search over
+    # their own events only.
+    threshold_z = int(cfg.zombie_steps)
+    sched_rows = cols.rows_of("req_sched")
+    s_rk = cols.rk[sched_rows]
+    if (s_rk < 0).any():
+        sched_rows, s_rk = sched_rows[s_rk >= 0], s_rk[s_rk >= 0]
+    z_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # (row, rk, gap, next_pos)
+    if len(sched_rows):
+        # a stable sort on the small integer request key keeps each request's rows in load order (fast: numpy
+        # sorts int32 keys with a radix sort); few large temporaries, each freed early (fresh memory is what
+        # costs at 10M events)
+        by_request = np.argsort(s_rk, kind="stable")
+        sched_rows = sched_rows[by_request]
+        s_rk = s_rk[by_request]
+        del by_request
+        s_step = cols.step[sched_rows]
+        same = s_rk[1:] == s_rk[:-1]
+        d = s_step[1:] - s_step[:-1]
+        d -= 1
+        disorder = np.zeros(st.n, bool)
+        disorder[s_rk[1:][same & (d < 0)]] = True
+        disorder[s_rk[s_step < 0]] = True
+        long_in = np.flatnonzero(same & (d >= threshold_z)) + 1  # the later req_sched of each long gap
+        del same, d
+        long_in = long_in[~disorder[s_rk[long_in]]]
+        # a preemption inside the gap means the request was waiting, not running
+        lp = st.last_preempt_pos[s_rk[long_in]]
+        ok = ~((st.n_preempt[s_rk[long_in]] > 0) & (lp > cols.pos[sched_rows[long_in - 1]]))
+        disorder[s_rk[long_in[~ok]]] = True
+        long_in = long_in[ok]
+        gap_long = (s_step[long_in] - s_step[long_in - 1] - 1).astype(np.float64)
+        z_parts.append((sched_rows[long_in - 1], s_rk[long_in].astype(np.int64), gap_long,
+                        cols.pos[sched_rows[long_in]]))
+        del sched_rows, s_rk, s_step
+        # tails: after the request's last req_sched
+        has = np.flatnonzero((st.last_sched_pos >= 0) & ~disorder)
+        last_row = _row(cols, st.last_sched_pos[has]).astype(np.int64)
+        after_preempt = st.last_preempt_pos[has] > st.last_sched_pos[has]
+        fin = st.finish_pos[has]
+        finished_after = fin > st.last_sched_pos[has]
+        tail_open = (fin < 0) & ~after_preempt
+        tail_fin = finished_after & ~after_preempt
+        fin_row = _row(cols, np.maximum(fin, 0)).astype(np.int64)
+        step_last = cols.step[last_row]
+        gap_t = np.full(len(has), -1.0)
+        gap_t[tail_open] = sc.last_step[st.sk[has[tail_open]]] - step_last[tail_open]
+        fin_step = cols.step[fin_row]
+        known = tail_fin & (fin_step >= 0) & (step_last >= 0)
+        gap_t[known] = fin_step[known] - step_last[known] - 1
+        unknown = np.flatnonzero((tail_fin & ~known) | (tail_open & (step_last < 0)))
+        if len(unknown):
+            gap_t[unknown] = sc.steps_between(st.sk[has[unknown]], st.last_sched_pos[has[unknown]],
+                                              np.where(tail_fin[unknown], fin[unknown], NO))
+        keep = gap_t >= threshold_z
+        z_parts.append((last_row[keep], has[keep].astype(np.int64), gap_t[keep],
+                        np.where(tail_fin[keep], fin[keep], NO)))
+        # exact search for the requests set aside
+        if disorder.any():
+            rows_x, _, rk_x, pos_x, kind_x = _sorted_events(cols, ("req_sched", "req_wait_kv", "req_finish",
+                                                                   "req_preempt"), disorder)
+            is_s = kind_x == code["req_sched"]
+            last_of = np.r_[rk_x[1:] != rk_x[:-1], True] if len(rk_x) else np.empty(0, bool)
+            idx = np.flatnonzero(is_s & (~last_of | unfinished[rk_x]))
+            has_next = ~last_of[idx]
+            nxt = np.minimum(idx + 1, max(len(pos_x) - 1, 0))
+            nxt_pos = np.where(has_next, pos_x[nxt], NO)
+            gap_x = sc.steps_between(st.sk[rk_x[idx]], pos_x[idx], nxt_pos)
+            keep = gap_x >= threshold_z
+            z_parts.append((rows_x[idx[keep]], rk_x[idx[keep]].astype(np.int64), gap_x[keep], nxt_pos[keep]))
+    if z_parts:
+        z_row = np.concatenate([z[0] for z in z_parts])
+        z_rk = np.concatenate([z[1] for z in z_parts])
+        gap = np.concatenate([z[2] for z in z_parts])
+        nxt_pos = np.concatenate([z[3] for z in z_parts])
+        has_next = nxt_pos >= 0
+        big = gap >= threshold_z
         if big.any():
-            frame = pd.DataFrame({"i": idx[big], "rk": z_rk[big], "gap": gap[big], "open": ~has_next[big],
+            frame = pd.DataFrame({"row": z_row[big], "rk": z_rk[big], "gap": gap[big], "open": ~has_next[big],
                                   "nxt": nxt_pos[big]})
             frame = frame.sort_values(["rk", "gap"]).groupby("rk").tail(1)
             for z in frame.itertuples(index=False):  # one per request
-                srow = int(ev_rows[z.i])
+                srow = int(z.row)
                 r = int(z.rk)
                 name = cols.rk_names["req"].iloc[r]
                 if z.open:
