@@ -75,7 +75,6 @@ class FaultInjector:
         # starve: the request whose lost send completion pins blocks for good (shrinking P's pool).
         self.pin_target = "r00000-p" if "starve" in self.faults else None
         self._cbf_step: Any = None
-        self._cbf_done = False
         self._dup_armed = False
         self._dup_done = False
         self.injected: list[str] = []
@@ -87,9 +86,6 @@ class FaultInjector:
             self.injected.append(f"closed-loop client: at most {limit} request(s) in flight")
             return limit
         return 0
-
-    def before_step(self, engine: SimEngine) -> None:
-        return None
 
     def read_ns(self, engine: SimEngine, req_id: str, normal_ns: int, rank: Any = None) -> int:
         if "slow_transfer" in self.faults and req_id == self.d_target["slow_transfer"]:
@@ -114,7 +110,7 @@ class FaultInjector:
         if engine is not self.cluster.prefill or not self.faults:
             return sends
         f = self.faults
-        if "completion_before_finish" in f and not self._cbf_done:
+        if "completion_before_finish" in f:
             target = self.p_target["completion_before_finish"]
             if self._cbf_step is None and rec.forward and rec.sampled.get(target) == []:
                 self._cbf_step = rec  # the target's partial prefill chunk: every rank reports it now
@@ -147,7 +143,3 @@ class FaultInjector:
                 sends = sends | {target}
                 self.injected.append(f"rank 0 reports finished_sending {target} again in step {rec.step}")
         return sends
-
-    def finish(self) -> None:
-        if "completion_before_finish" in self.faults and self._cbf_step is not None:
-            self._cbf_done = True

@@ -122,7 +122,6 @@ class SimEngine:
         self.engine_id = instance
         self.steps_submitted = 0
         self.tokens_executed = 0
-        self.inject_sends: dict[str, int] = {}  # completion_before_finish: req -> armed
 
     # -- construction -------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -422,16 +421,8 @@ _RPC_SAMPLE = '{"rpc":"sample_tokens"}'
 
 
 def _emit_rows(chan: Any, kind: str, step: int | None, reqs: list[str], reason: str) -> None:
-    """One row per request, same kind/step/reason."""
-    emit_many = getattr(chan, "emit_many", None)
-    if emit_many is not None:
-        try:
-            emit_many(kind, step=step, reqs=reqs, reason=reason)
-            return
-        except TypeError:
-            pass
-    for r in reqs:
-        chan.emit(kind, step=step, req=r, reason=reason)
+    """One row per request, same kind/step/reason (one recorder call)."""
+    chan.emit_many(kind, step=step, reqs=reqs, reason=reason)
 
 
 @dataclass
@@ -636,7 +627,6 @@ class SimCluster:
             if not e.has_work():
                 e.timeline.advance_to(best_key)
             e.deliver_inputs()
-            self.faults.before_step(e)
             if not e.has_work():
                 continue
             before_tokens = e.tokens_executed
