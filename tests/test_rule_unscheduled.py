@@ -382,3 +382,19 @@ def test_stuck_waiting_kv_with_the_prefill_side_in_the_trace(remote):
     assert "P already" in row["message"]
     kinds = [ev["kind"] for ev in row["evidence"]]
     assert ("kv_send_done" if remote == "send_done" else "kv_expire") in kinds
+
+
+def test_zombie_when_a_request_rows_are_not_in_time_order_in_the_files():
+    """Rows of one request out of time order in load order (e.g. two writers): the exact sorted search decides."""
+    b, e = engine()
+    e.add("a", n=16)
+    e.add("b", n=16)
+    now = b.now
+    e.ev("req_sched", step=61, req="a", n=1, ts=now + 10 * 1_000_000_000)  # written first, happens last
+    b.at(now)
+    e.step({"a": 16, "b": 16}, alloc={"a": [1], "b": [2]})
+    e.output()
+    run_steps(e, 61, {"b": 1})
+    z = by_sub(findings(b.trace()), "zombie")
+    assert list(z["req"]) == ["a"]
+    assert z.iloc[0]["extra"]["steps"] == 60 and z.iloc[0]["severity"] == "warning"

@@ -558,7 +558,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             has_next = ~last_of[idx]
             nxt = np.minimum(idx + 1, max(len(pos_x) - 1, 0))
             nxt_pos = np.where(has_next, pos_x[nxt], NO)
-            gap_x = sc.steps_between(st.sk[rk_x[idx]], pos_x[idx], nxt_pos)
+            step_here = cols.step[rows_x[idx]]
+            step_next = np.where(has_next, cols.step[rows_x[nxt]], NO)
+            by_steps = (step_here >= 0) & np.where(has_next, step_next >= 0, True)
+            gap_x = np.where(has_next, step_next - step_here - 1,
+                             sc.last_step[st.sk[rk_x[idx]]] - step_here).astype(np.float64)
+            slow = np.flatnonzero(~by_steps)
+            if len(slow):
+                gap_x[slow] = sc.steps_between(st.sk[rk_x[idx[slow]]], pos_x[idx[slow]], nxt_pos[slow])
             keep = gap_x >= threshold_z
             z_parts.append((rows_x[idx[keep]], rk_x[idx[keep]].astype(np.int64), gap_x[keep], nxt_pos[keep]))
     if z_parts:
