@@ -17,6 +17,7 @@ from pdtrace.cli import analyze  # noqa: E402,F401
 from pdtrace.cli import plot  # noqa: E402,F401
 from pdtrace.cli import export  # noqa: E402,F401
 from pdtrace.cli import show  # noqa: E402,F401
+from pdtrace.cli import record  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,174 @@
+"""`pdtrace record -o TRACE [--force] -- CMD ARGS...`: run a command (a vLLM server, a benchmark) with recording on.
+
+Recording is switched on for the command and every process it starts by `PDTRACE_TRACE_DIR` (read by pdtrace's
+`vllm.general_plugins` entry point in each vLLM process). If the user restricts vLLM's plugins with `VLLM_PLUGINS`,
+`pdtrace` is added to the list so the entry point still runs. The command gets SIGINT and SIGTERM forwarded; its
+exit status becomes pdtrace's. `TRACE/_manifest.json` records the command, pdtrace's and vLLM's versions (vLLM's
+from package metadata: pdtrace does not import vLLM here), start, end and exit status.
+
+`--dry-run` records vLLM's real EngineCore on a simulated cluster instead (pdtrace.dryrun), no command needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version as dist_version
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pdtrace import __version__
+from pdtrace.cli.app import app, err_console
+from pdtrace.errors import RecordingError, UsageError
+from pdtrace.format import MANIFEST_NAME
+from pdtrace.recording.session import TRACE_DIR_ENV
+
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _vllm_version() -> str | None:
+    try:
+        return dist_version("vllm")
+    except PackageNotFoundError:
+        return None
+
+
+def _iso(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat()
+
+
+def prepare_output(output: Path, force: bool) -> Path:
+    """Create the trace directory; refuse one that holds anything unless `force`."""
+    if output.exists() and not output.is_dir():
+        raise RecordingError(f"{output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not force:
+        raise RecordingError(f"{output} is not empty (use --force to record into it anyway)")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecordingError(f"cannot create {output}: {exc.strerror or exc}") from None
+    return output.resolve()
+
+
+def write_manifest(output: Path, manifest: dict[str, Any]) -> None:
+    """Write `_manifest.json` atomically (a reader never sees half of it)."""
+    tmp = output / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, output / MANIFEST_NAME)
+
+
+def recording_env(output: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The command's environment: the recording switch on, and pdtrace allowed if VLLM_PLUGINS filters plugins."""
+    env = dict(os.environ if base is None else base)
+    env[TRACE_DIR_ENV] = str(output)
+    plugins = env.get("VLLM_PLUGINS")
+    if plugins:  # unset or empty means "all plugins" to vLLM; a list must name pdtrace
+        names = [p.strip() for p in plugins.split(",") if p.strip()]
+        if "pdtrace" not in names:
+            env["VLLM_PLUGINS"] = ",".join([*names, "pdtrace"])
+    return env
+
+
+def run_recorded(command: list[str], output: Path) -> int:
+    """Run `command` with recording into `output`; forward SIGINT/SIGTERM; write the manifest; return its status."""
+    start_ns = time.time_ns()
+    manifest: dict[str, Any] = {
+        "command": command,
+        "pdtrace_version": __version__,
+        "vllm_version": _vllm_version(),
+        "created": _iso(start_ns),
+        "start_ns": start_ns,
+        "end": None,
+        "end_ns": None,
+        "exit_status": None,
+        "trace_dir": str(output),
+    }
+    write_manifest(output, manifest)
+    try:
+        proc = subprocess.Popen(command, env=recording_env(output))
+    except OSError as exc:
+        (output / MANIFEST_NAME).unlink(missing_ok=True)
+        raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+
+    previous: dict[int, Any] = {}
+
+    def forward(signum: int, _frame: Any) -> None:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in _FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        while True:
+            try:
+                returncode = proc.wait()
+                break
+            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was in place
+                forward(signal.SIGINT, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    status = returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as shells do
+    end_ns = time.time_ns()
+    manifest.update(end=_iso(end_ns), end_ns=end_ns, exit_status=status,
+                    signal=-returncode if returncode < 0 else None)
+    write_manifest(output, manifest)
+    return status
+
+
+def _announce(output: Path) -> None:
+    err_console.print(f"pdtrace: trace written to {output}", markup=False, highlight=False)
+    err_console.print(f"pdtrace: analyze it with: pdtrace analyze {output}", markup=False, highlight=False)
+
+
+def _record_dry_run(output: Path) -> int:
+    """The `--dry-run` branch: vLLM's real EngineCore on a simulated executor (pdtrace.dryrun).
+
+    Dry-run options (pp, tp, requests, faults, ...) are added here as options of `record` and passed into the
+    DryRunConfig; the defaults of DryRunConfig apply until then.
+    """
+    from pdtrace.dryrun import DryRunConfig, run_dry_run
+
+    result = run_dry_run(DryRunConfig(), output)
+    if result.error:
+        err_console.print(f"pdtrace: vLLM raised during the dry run: {result.error}", markup=False)
+    return 0
+
+
+@app.command(
+    "record",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    no_args_is_help=True,
+)
+def record(
+    output: Path = typer.Option(..., "-o", "--output", help="Trace directory to create (must be empty)."),
+    force: bool = typer.Option(False, "--force", help="Record into a non-empty output directory."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Record vLLM's real EngineCore on a simulated cluster; no command."),
+    command: list[str] = typer.Argument(None, metavar="-- CMD [ARGS]...",
+                                        help="The command to run with recording on (after `--`)."),
+) -> None:
+    """Run CMD with pdtrace recording every vLLM process it starts, into the trace directory OUTPUT."""
+    command = list(command or [])
+    if dry_run:
+        if command:
+            raise UsageError("--dry-run takes no command")
+        out = prepare_output(output, force)
+        status = _record_dry_run(out)
+    else:
+        if not command:
+            raise UsageError("no command to record: pdtrace record -o TRACE -- CMD [ARGS]...")
+        out = prepare_output(output, force)
+        status = run_recorded(command, out)
+    _announce(out)
+    raise typer.Exit(status)

@@ -1,0 +1,204 @@
+"""Core tier (no vLLM needed): the plugin entry point, the recording session and the checked hook patcher."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+from pdtrace.recording import plugin, session
+from pdtrace.recording.vllm import _patching, hooks_installed, install_hooks, supported_versions, uninstall_hooks
+from pdtrace.recording.vllm._common import instance_of, split_dp_suffix
+from pdtrace.recording.vllm._runtime import RUNTIME
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    yield
+    session.reset()
+    uninstall_hooks()
+    RUNTIME.reset()
+
+
+def _run_python(code: str, env_extra: dict[str, str] | None = None) -> str:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PDTRACE_TRACE_DIR"}
+    env.update(env_extra or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_switch_off_does_nothing():
+    out = _run_python("""
+        import sys
+        from pdtrace.recording import plugin, session
+        plugin.install()
+        print(session.is_configured(), 'pdtrace.recording.vllm' in sys.modules, 'pyarrow' in sys.modules)
+    """)
+    assert out == "False False False"
+
+
+def test_recording_path_imports_only_stdlib_and_pyarrow():
+    out = _run_python("""
+        import sys
+        from pdtrace.recording import plugin, session
+        import pdtrace.recording.vllm, pdtrace.recording.vllm.v0_33, pdtrace.recording.vllm._patching
+        hooks = sorted(m for m in ('pandas', 'numpy', 'typer', 'rich', 'matplotlib', 'vllm', 'torch', 'pyarrow')
+                       if m in sys.modules)
+        import pdtrace.recording.recorder
+        recorder = sorted(m for m in ('pandas', 'typer', 'rich', 'matplotlib', 'vllm', 'torch') if m in sys.modules)
+        print(hooks, recorder)
+    """)
+    assert out == "[] []"
+
+
+def test_unknown_vllm_version_warns_once_and_records_nothing(tmp_path, monkeypatch, caplog):
+    import pdtrace.recording.vllm as hooks
+
+    trace = tmp_path / "trace"
+    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(trace))
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.10.1")
+    with caplog.at_level(logging.WARNING, logger="pdtrace"):
+        plugin.install()
+        plugin.install()
+        assert install_hooks() is False
+    warnings = [r.getMessage() for r in caplog.records if r.name == "pdtrace"]
+    assert len(warnings) == 1
+    assert "0.10.1" in warnings[0] and all(v in warnings[0] for v in supported_versions())
+    assert not hooks_installed() and not RUNTIME.active
+    assert not trace.exists() or not any(trace.rglob("*"))
+
+
+def test_without_vllm_install_hooks_returns_false(caplog):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here")
+    with caplog.at_level(logging.WARNING, logger="pdtrace"):
+        assert install_hooks() is False
+    assert any("not installed" in r.getMessage() for r in caplog.records)
+
+
+def test_internal_error_is_counted_logged_once_and_switches_recording_off(tmp_path, caplog):
+    import pdtrace
+
+    session.configure(tmp_path / "trace", source="test")
+    rec = session.recorder("prefill-0", "prefill", 0)
+    rec.channel("scheduler").emit("req_add", req="r1", n=3)
+    RUNTIME.active = True
+    with caplog.at_level(logging.WARNING, logger="pdtrace"):
+        for _ in range(3):
+            try:
+                raise KeyError("no such thing")
+            except KeyError as exc:
+                RUNTIME.fail("unit", exc)
+    assert RUNTIME.errors == 3 and not RUNTIME.active
+    assert len([r for r in caplog.records if r.name == "pdtrace"]) == 1
+    rec.channel("scheduler").emit("req_add", req="r2", n=3)  # after recorder_off: not recorded
+    session.close_all()
+    rows = pdtrace.open_trace(tmp_path / "trace").table.to_pylist()
+    assert [(r["kind"], r["req"]) for r in rows] == [("req_add", "r1"), ("recorder_off", None)]
+    assert "KeyError" in rows[1]["detail"]
+
+
+def test_session_keeps_one_recorder_per_instance_and_dp_rank(tmp_path):
+    session.configure(tmp_path, source="test")
+    a = session.recorder("p", "prefill", 0)
+    assert session.recorder("p", "prefill", 0) is a
+    assert session.recorder("p", "prefill", 1) is not a
+    assert len(session.recorders()) == 2
+    session.configure(tmp_path / "other", source="test")  # a new session closes the old recorders
+    assert session.recorders() == [] and a.closed
+
+
+def test_instance_ids_follow_the_format_rules():
+    assert split_dp_suffix("prefill-0_dp3") == ("prefill-0", 3)
+    assert split_dp_suffix("engine_dpx") == ("engine_dpx", None)
+    kv = SimpleNamespace(engine_id="dec_dp1", kv_role="kv_consumer")
+    cfg = SimpleNamespace(kv_transfer_config=kv, parallel_config=SimpleNamespace(data_parallel_rank=0),
+                          instance_id="ignored")
+    assert instance_of(cfg) == ("dec", "decode", 1)
+    cfg = SimpleNamespace(kv_transfer_config=None, parallel_config=SimpleNamespace(data_parallel_rank=2),
+                          instance_id="abc")
+    assert instance_of(cfg) == ("abc", "none", 2)
+
+
+# ------------------------------------------------------------------------------------ checked patching
+
+
+_MODULE = """
+class Engine:
+    def step(self, batch, budget=1):
+        return ("step", batch, budget)
+"""
+
+
+def _counting(orig):
+    def wrapper(self, *args, **kwargs):
+        wrapper.calls += 1
+        return orig(self, *args, **kwargs)
+
+    wrapper.calls = 0
+    return wrapper
+
+
+def _module(tmp_path, monkeypatch, name):
+    (tmp_path / f"{name}.py").write_text(_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_patcher_wraps_checked_methods_and_reverts(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "pdt_fake_eager")
+    import pdt_fake_eager
+
+    original = pdt_fake_eager.Engine.step
+    patcher = _patching.Patcher([_patching.Hook("pdt_fake_eager", "Engine", "step", _counting, ("batch",))],
+                                on_lazy_mismatch=pytest.fail)
+    patcher.apply()
+    assert pdt_fake_eager.Engine().step(7) == ("step", 7, 1)
+    assert pdt_fake_eager.Engine.step.calls == 1
+    assert getattr(pdt_fake_eager.Engine.step, _patching.ORIGINAL_ATTR) is original
+    patcher.revert()
+    assert pdt_fake_eager.Engine.step is original
+
+
+def test_patcher_never_guesses_a_name_or_parameter(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "pdt_fake_strict")
+    import pdt_fake_strict
+
+    original = pdt_fake_strict.Engine.step
+    for hooks in ([_patching.Hook("pdt_fake_strict", "Engine", "step", _counting, ("batch",)),
+                   _patching.Hook("pdt_fake_strict", "Engine", "stpe", _counting)],
+                  [_patching.Hook("pdt_fake_strict", "Engine", "step", _counting, ("scheduler_output",))],
+                  [_patching.Hook("pdt_fake_strict", "Engnie", "step", _counting)]):
+        with pytest.raises(_patching.TableMismatch):
+            _patching.Patcher(hooks, on_lazy_mismatch=pytest.fail).apply()
+        assert pdt_fake_strict.Engine.step is original  # nothing of the table was applied
+
+
+def test_lazy_hooks_apply_when_the_module_is_imported(tmp_path, monkeypatch):
+    _module(tmp_path, monkeypatch, "pdt_fake_lazy")
+    patcher = _patching.Patcher([_patching.Hook("pdt_fake_lazy", "Engine", "step", _counting, ("batch",),
+                                                lazy=True)], on_lazy_mismatch=pytest.fail)
+    patcher.apply()
+    try:
+        assert "pdt_fake_lazy" not in sys.modules      # pdtrace did not import it
+        import pdt_fake_lazy
+
+        assert pdt_fake_lazy.Engine().step(1, budget=2) == ("step", 1, 2)
+        assert pdt_fake_lazy.Engine.step.calls == 1
+    finally:
+        patcher.revert()
+    assert not hasattr(pdt_fake_lazy.Engine.step, _patching.ORIGINAL_ATTR)

@@ -1,0 +1,106 @@
+"""`pdtrace record -o TRACE -- CMD`: core tier (no vLLM): the command runs with the switch on, the manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+
+
+def _probe(tmp_path: Path, code: str) -> list[str]:
+    """A command that runs `code` with `OUT` = a file to write what it saw."""
+    return ["--", PY, "-c", f"OUT = {str(tmp_path / 'seen.json')!r}\n{code}"]
+
+
+def test_runs_the_command_with_recording_on(cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    trace = tmp_path / "trace"
+    result = cli("record", "-o", trace, *_probe(tmp_path, (
+        "import json, os, sys\n"
+        "json.dump({'dir': os.environ.get('PDTRACE_TRACE_DIR'), 'plugins': os.environ.get('VLLM_PLUGINS')},"
+        " open(OUT, 'w'))\n"
+        "sys.exit(3)")))
+    assert result.exit_code == 3
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {"dir": str(trace.resolve()), "plugins": None}
+    manifest = json.loads((trace / "_manifest.json").read_text())
+    assert manifest["command"][0] == PY and manifest["command"][1] == "-c"
+    assert manifest["exit_status"] == 3
+    assert manifest["pdtrace_version"]
+    assert "vllm_version" in manifest
+    assert manifest["start_ns"] <= manifest["end_ns"] and manifest["created"] and manifest["end"]
+    assert str(trace.resolve()) in result.stderr
+    assert f"pdtrace analyze {trace.resolve()}" in result.stderr
+    assert result.stdout == ""
+
+
+def test_vllm_plugins_list_gets_pdtrace(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    result = cli("record", "-o", tmp_path / "trace", *_probe(tmp_path, (
+        "import json, os\njson.dump(os.environ.get('VLLM_PLUGINS'), open(OUT, 'w'))")))
+    assert result.exit_code == 0
+    assert json.loads((tmp_path / "seen.json").read_text()) == "lora_filesystem_resolver,pdtrace"
+
+
+def test_refuses_a_non_empty_output_unless_forced(cli, tmp_path):
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    (trace / "old.parquet").write_text("x")
+    result = cli("record", "-o", trace, "--", PY, "-c", "pass")
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "not empty" in result.stderr and "--force" in result.stderr
+    assert not (trace / "_manifest.json").exists()
+    forced = cli("record", "-o", trace, "--force", "--", PY, "-c", "pass")
+    assert forced.exit_code == 0 and (trace / "_manifest.json").exists()
+
+
+def test_missing_or_unrunnable_command_is_exit_2(cli, tmp_path):
+    result = cli("record", "-o", tmp_path / "t1")
+    assert result.exit_code == 2 and "no command" in result.stderr
+    result = cli("record", "-o", tmp_path / "t2", "--", str(tmp_path / "no-such-program"))
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and "cannot run" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_forwards_sigterm_to_the_command(cli, tmp_path):
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, sys, time, pathlib\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: (pathlib.Path(OUT).write_text('term'), sys.exit(7)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ok')\n"
+        "time.sleep(60)\n")
+
+    def send_sigterm_when_ready() -> None:
+        for _ in range(600):
+            if ready.exists():
+                os.kill(os.getpid(), signal.SIGTERM)  # to pdtrace record itself: it must pass it on
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=send_sigterm_when_ready, daemon=True).start()
+    result = cli("record", "-o", tmp_path / "trace", *_probe(tmp_path, code))
+    assert result.exit_code == 7
+    assert (tmp_path / "seen.json").read_text() == "term"
+    assert json.loads((tmp_path / "trace" / "_manifest.json").read_text())["exit_status"] == 7
+
+
+def test_command_killed_by_a_signal_exits_128_plus_n(cli, tmp_path):
+    result = cli("record", "-o", tmp_path / "trace", "--", PY, "-c",
+                 "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert result.exit_code == 128 + signal.SIGKILL
+    manifest = json.loads((tmp_path / "trace" / "_manifest.json").read_text())
+    assert manifest["exit_status"] == 137 and manifest["signal"] == signal.SIGKILL
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help_names_the_separator(cli, flag):
+    result = cli("record", flag)
+    assert result.exit_code == 0 and "CMD" in result.stdout and "--force" in result.stdout
