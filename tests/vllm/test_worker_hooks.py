@@ -1,0 +1,154 @@
+"""vLLM tier: worker-side hooks (Worker.execute_model / sample_tokens, V1 GPUModelRunner._update_states).
+
+No real vLLM worker runs on this CPU box (`vllm._C` is absent, no GPU, no distributed groups), so these tests
+check (1) that the hook table really wraps vLLM 0.33.0's Worker and GPUModelRunner when a process imports them,
+and (2) the wrappers installed there, driven with real SchedulerOutputs (from vLLM's real scheduler) and
+hand-built ModelRunnerOutput / KVConnectorOutput objects around stand-in originals. What is NOT exercised here:
+the real worker bodies, reading PP/TP ranks from initialised process groups, pickling through vLLM's message
+queue to a worker process, AsyncModelRunnerOutput from a real GPU runner, and the V1 runner's real
+persistent-batch bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.vllm
+
+
+def _factory(owner: str, name: str):
+    from pdtrace.recording.vllm import v0_33
+
+    return next(h.factory for h in v0_33.TABLE if (h.owner, h.name) == (owner, name))
+
+
+def test_worker_modules_are_wrapped_when_a_process_imports_them(tmp_path):
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        os.environ["PDTRACE_TRACE_DIR"] = {str(tmp_path / "trace")!r}
+        from pdtrace.recording import plugin
+        plugin.install()
+        before = "vllm.v1.worker.gpu_model_runner" in sys.modules
+        from vllm.v1.worker.gpu_worker import Worker
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        attr = "__pdtrace_original__"
+        print(json.dumps([before, hasattr(Worker.execute_model, attr), hasattr(Worker.sample_tokens, attr),
+                          hasattr(GPUModelRunner._update_states, attr)]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, *wrapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert before is False                            # pdtrace did not import the GPU model runner itself
+    assert wrapped == [True, True, True]
+
+
+def test_exec_spans_and_per_rank_completions(recording, model_dir, monkeypatch):
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from pdtrace.recording.vllm import v0_33
+
+    assert v0_33._worker_ranks() == (None, None)      # no process groups here: ranks stay null
+    monkeypatch.setattr(v0_33, "_worker_ranks", lambda: (1, 0))  # as a PP rank 1, TP rank 0 would read them
+    vc = H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0_dp2")
+    s = H.make_scheduler(vc)
+    s.add_request(H.make_request("r0", 20))
+    s.schedule()                                       # step 0
+    s.add_request(H.make_request("r1", 30))
+    so = s.schedule()                                  # step 1: r1's prompt (r0 waits for its token)
+    step = so._pdtrace_step
+    assert step == 1 and so.total_num_scheduled_tokens == 30
+
+    done = KVConnectorOutput(finished_sending={"r7"}, finished_recving={"r8"})
+    calls = []
+
+    def execute_model(self, scheduler_output):
+        calls.append("execute_model")
+        return None                                    # a non-last PP rank returns nothing here
+
+    def sample_tokens(self, grammar_output):
+        calls.append("sample_tokens")
+        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=done)
+
+    class AsyncOutput:                                 # must not be waited on by pdtrace
+        def get_output(self):
+            raise AssertionError("pdtrace blocked on the async output")
+
+        def get_kv_connector_output(self):
+            return KVConnectorOutput(finished_sending={"r9"})
+
+    worker = SimpleNamespace(vllm_config=vc)
+    assert _factory("Worker", "execute_model")(execute_model)(worker, so) is None
+    assert _factory("Worker", "sample_tokens")(sample_tokens)(worker, None).kv_connector_output is done
+    async_out = AsyncOutput()
+    assert _factory("Worker", "sample_tokens")(lambda self, g: async_out)(worker, None) is async_out
+    assert calls == ["execute_model", "sample_tokens"]
+
+    events = H.close_and_read(recording)
+    rows = [e for e in events if e["component"] in ("worker", "connector")]
+    assert {(e["instance"], e["dp_rank"], e["pp_rank"], e["tp_rank"]) for e in rows} == {("prefill-0", 2, 1, 0)}
+    assert [(e["component"], e["kind"], e["step"], e["req"], e["n"], e["detail"].get("rpc")) for e in rows] == [
+        ("worker", "exec_begin", step, None, 30, None),
+        ("worker", "exec_end", step, None, 30, "execute_model"),
+        ("worker", "exec_begin", step, None, 30, None),
+        ("worker", "exec_end", step, None, 30, "sample_tokens"),
+        ("connector", "kv_send_rank", step, "r7", None, None),
+        ("connector", "kv_recv_rank", step, "r8", None, None),
+        ("worker", "exec_begin", step, None, 30, None),
+        ("worker", "exec_end", step, None, 30, "sample_tokens"),
+        ("connector", "kv_send_rank", step, "r9", None, None),
+    ]
+
+
+def test_persistent_batch_add_and_remove_with_reasons(recording, model_dir):
+    vc = H.make_vllm_config(model_dir, kv_role=None)
+    s = H.make_scheduler(vc)
+    for r in ("a", "b", "c"):
+        s.add_request(H.make_request(r, 16))
+    so0 = s.schedule()
+    assert set(so0.num_scheduled_tokens) == {"a", "b", "c"}
+
+    def v1_update_states(self, scheduler_output):
+        # What vLLM 0.33's V1 GPUModelRunner._update_states does to the persistent batch's rows.
+        rows = self.input_batch.req_id_to_index
+        for req_id in scheduler_output.finished_req_ids:
+            rows.pop(req_id, None)
+        for req_id in list(rows):
+            if req_id not in scheduler_output.num_scheduled_tokens:
+                rows.pop(req_id)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            rows.setdefault(req_id, len(rows))
+
+    update = _factory("GPUModelRunner", "_update_states")(v1_update_states)
+    runner = SimpleNamespace(vllm_config=vc, input_batch=SimpleNamespace(req_id_to_index={}))
+    update(runner, so0)
+    # Next step: a finished, b preempted, c not scheduled; d new. Then c comes back (resumed row).
+    so1 = dataclasses.replace(so0, num_scheduled_tokens={"d": 16}, finished_req_ids={"a"},
+                              preempted_req_ids={"b"}, scheduled_new_reqs=[
+                                  dataclasses.replace(so0.scheduled_new_reqs[0], req_id="d")])
+    so1._pdtrace_step = 1
+    update(runner, so1)
+    so2 = dataclasses.replace(so0, num_scheduled_tokens={"c": 1, "d": 1}, finished_req_ids=set(),
+                              preempted_req_ids=set(), scheduled_new_reqs=[])
+    so2._pdtrace_step = 2
+    update(runner, so2)
+    assert set(runner.input_batch.req_id_to_index) == {"c", "d"}
+
+    events = [e for e in H.close_and_read(recording) if e["kind"] in ("batch_add", "batch_remove")]
+    got = sorted((e["step"], e["kind"], e["req"], e["reason"]) for e in events)
+    assert got == [
+        (0, "batch_add", "a", "new"), (0, "batch_add", "b", "new"), (0, "batch_add", "c", "new"),
+        (1, "batch_add", "d", "new"),
+        (1, "batch_remove", "a", "finished"), (1, "batch_remove", "b", "preempted"),
+        (1, "batch_remove", "c", "unscheduled"),
+        (2, "batch_add", "c", "resumed"),
+    ]
+    assert {e["component"] for e in events} == {"worker"}
