@@ -166,7 +166,7 @@ def test_pdtrace_error_switches_recording_off_and_vllm_carries_on(recording, mod
     faker = H.OutputFaker()
     s.add_request(H.make_request("r1", 40, remote_decode=True))
     H.step(s, faker)
-    monkeypatch.setattr(v0_33, "_table_ids", broken)   # the next free hook fails
+    monkeypatch.setattr(v0_33, "_table_blocks", broken)   # the next free hook fails
     H.step(s, faker, finished_sending={"r1"})
     s.add_request(H.make_request("r2", 40, remote_decode=True))
     H.step(s, faker)
@@ -199,4 +199,26 @@ def test_uninstall_restores_vllm(recording, model_dir):
     original = Scheduler.schedule.__pdtrace_original__
     uninstall_hooks()
     assert Scheduler.schedule is original
-    assert not hasattr(KVCacheManager.allocate_slots, ORIGINAL_ATTR)
+    assert not hasattr(KVCacheManager.free, ORIGINAL_ATTR)
+
+
+def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recording, model_dir):
+    from vllm.v1.request import RequestStatus
+
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0"))
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("d1", 40, remote_prefill=True))
+    H.step(s, faker)                                   # step 0: WAITING_FOR_REMOTE_KVS, blocks allocated
+    s.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)  # client abort between steps
+    assert H.num_free_blocks(s) == 96                  # vLLM keeps them: the NIXL read may still be writing
+    H.step(s, faker, finished_recving={"d1"})          # step 1: the read completes, now they are freed
+    assert H.num_free_blocks(s) == 99
+
+    d1 = [e for e in H.close_and_read(recording) if e["req"] == "d1"]
+    assert [(e["kind"], e["step"]) for e in d1] == [
+        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("req_finish", None), ("kv_recv_done", 1),
+        ("blocks_free", 1), ("blocks_pool_free", 1)]
+    finish, recv, free = d1[3], d1[4], d1[5]
+    assert (finish["reason"], finish["status"], finish["delay_free"]) == ("abort", "FINISHED_ABORTED", True)
+    assert recv["status"] == "FINISHED_ABORTED"
+    assert (free["reason"], free["blocks"]) == ("received", [1, 2, 3])

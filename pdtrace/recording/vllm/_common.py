@@ -53,8 +53,8 @@ class SchedulerState:
     """What pdtrace keeps per vLLM scheduler: its recorder channels, step counter and call context."""
 
     __slots__ = (
-        "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason", "free_req",
-        "xfer_sending", "finishing", "waiting_kv", "draining", "wait_ns", "engine_attached",
+        "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason",
+        "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits",
     )
 
     def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
@@ -67,13 +67,16 @@ class SchedulerState:
         self.tables: list[dict[str, list[Any]]] = []
         self.tbl0: dict[str, list[Any]] | None = None
         self.free_reason: str | None = None
-        self.free_req: str | None = None
         self.xfer_sending: frozenset[str] | set[str] = frozenset()
-        self.finishing: tuple[str, str | None, str | None, bool] | None = None
+        #: Requests aborted while WAITING_FOR_REMOTE_KVS -> whether vLLM delays their free (finish_requests).
+        self.abort_delay: dict[str, bool] = {}
         self.waiting_kv: set[str] = set()
-        self.draining = False
         self.wait_ns: int | None = None
         self.engine_attached = False
+        #: Block-table length per request as last recorded (a tuple of per-group lengths with several groups).
+        self.known: dict[str, Any] = {}
+        #: Local prefix hit of a request being admitted: (hit blocks, hit tokens).
+        self.hits: dict[str, tuple[int, int]] = {}
 
 
 class WorkerState:

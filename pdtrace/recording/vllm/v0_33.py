@@ -5,12 +5,20 @@ vllm-0.33-corrections.md) give the reasoning; in short:
 
 * Scheduler (EngineCore process): `add_request` -> req_add; `schedule` assigns the step id (attached to the
   SchedulerOutput as `_pdtrace_step`), then sched + req_sched (one batched call); `update_from_output` ->
-  step_output, kv_recv_fail; `_preempt_request` -> req_preempt; `_free_request` + `_connector_finished` ->
-  req_finish (delay_free is what the connector answered, or the abort-while-receiving delay); `KVCacheManager.
-  allocate_slots` -> blocks_alloc (the table's growth: the return value holds only new blocks) and req_wait_kv;
-  `KVCacheManager.free` / `pop_blocks_for_free` -> blocks_free (reason from the caller's context, deferred with
-  the fence); `BlockPool.free_blocks` and `Scheduler._drain_deferred_frees` -> blocks_pool_free;
-  `_update_from_kv_xfer_finished` -> kv_send_done / kv_recv_done with the status, at entry, before vLLM's asserts.
+  step_output, kv_recv_fail; `_preempt_request` -> req_preempt; `_connector_finished` (every finish passes there,
+  from `_free_request`, before any free) -> req_finish, with delay_free = the connector's answer, or vLLM's delay
+  for a request aborted while receiving (noted by the `finish_requests` wrapper); `_update_from_kv_xfer_finished`
+  -> kv_send_done / kv_recv_done with the status, at entry, before vLLM's asserts.
+* Blocks: blocks_alloc = the growth of the request's block table (allocate_slots returns only new blocks, not
+  prefix hits nor external-token blocks), read from the table itself rather than by wrapping allocate_slots, which
+  runs for every scheduled request in every step: at the end of `schedule` for the requests it scheduled, when a
+  request enters WAITING_FOR_REMOTE_KVS (`_set_kv_fetch_stage(..., "in_progress")`, with req_wait_kv), and before
+  any free of the request (a request preempted in the step that grew its table shows the growth first); the local
+  prefix hit comes from `_get_local_prefix_cache_hit`. `KVCacheManager.free` -> blocks_free, then
+  blocks_pool_free for the blocks whose ref count reached 0; `pop_blocks_for_free` -> blocks_free deferred with
+  its fence, and `_drain_deferred_frees` -> blocks_pool_free when the fence step is processed;
+  `_free_cow_retained_blocks` -> blocks_pool_free of copy-on-write retentions. Not covered: sliding-window
+  trimming inside allocate_slots (blocks_free reason `skipped`) and connectors that free pool blocks directly.
 * Engine loop: `EngineCore.step` / `step_with_batch_queue` (class wraps: `step_fn` is bound after the plugin ran)
   -> engine_error; at the first step the executor *instance* is wrapped -> step_submit, and the futures' wait.
 * Workers (lazy modules): `Worker.execute_model` / `sample_tokens` -> exec_begin / exec_end per PP and TP rank,
@@ -45,7 +53,6 @@ _now = time.perf_counter_ns
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager"
-_POOL = "vllm.v1.core.block_pool"
 _CORE = "vllm.v1.engine.core"
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -96,21 +103,73 @@ def _new_sched_state(sched: Any) -> SchedulerState:
     return st
 
 
-def _table_ids(st: SchedulerState, req_id: str) -> list[int]:
-    """The request's current block ids over all KV cache groups, null blocks left out."""
-    ids: list[int] = []
+def _table_blocks(st: SchedulerState, req_id: str) -> list[Any]:
+    """The request's current blocks over all KV cache groups, null blocks left out."""
+    tbl0 = st.tbl0
+    if tbl0 is not None:
+        blocks = tbl0.get(req_id)
+        return [b for b in blocks if not b.is_null] if blocks else []
+    out: list[Any] = []
     for table in st.tables:
         blocks = table.get(req_id)
         if blocks:
-            ids.extend(b.block_id for b in blocks if not b.is_null)
+            out.extend(b for b in blocks if not b.is_null)
+    return out
+
+
+def _growth(st: SchedulerState, req_id: str) -> list[int] | None:
+    """Block ids the request's table gained since last recorded (None if none), and remember its new length."""
+    known = st.known
+    tbl0 = st.tbl0
+    if tbl0 is not None:
+        blocks = tbl0.get(req_id)
+        n = len(blocks) if blocks else 0
+        k = known.get(req_id, 0)
+        if n == k:
+            return None
+        known[req_id] = n
+        if n < k:
+            return None
+        return [b.block_id for b in blocks[k:] if not b.is_null]
+    lengths = tuple(len(t.get(req_id) or ()) for t in st.tables)
+    previous = known.get(req_id) or (0,) * len(lengths)
+    if lengths == previous:
+        return None
+    known[req_id] = lengths
+    ids: list[int] = []
+    for table, n0, n in zip(st.tables, previous, lengths):
+        if n > n0:
+            ids.extend(b.block_id for b in table[req_id][n0:] if not b.is_null)
     return ids
 
 
-def _free_reason(st: SchedulerState, req_id: str) -> str:
+def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None) -> None:
+    """blocks_alloc for the table's growth (detail `hit` for an admission with a local prefix hit); with
+    `wait_kv_request`, also req_wait_kv (blocks past the hit, n = external tokens)."""
+    ids = _growth(st, req_id) or []
+    hit_info = st.hits.pop(req_id, None)
+    hit = min(hit_info[0], len(ids)) if hit_info else 0
+    if wait_kv_request is None:
+        if ids:
+            st.ch.emit("blocks_alloc", step=st.cur_step, req=req_id, blocks=ids,
+                       detail={"hit": hit} if hit else None)
+        return
+    if ids:
+        st.ch.emit("blocks_alloc", step=st.cur_step, req=req_id, blocks=ids,
+                   detail={"hit": hit, "external": len(ids) - hit})
+    local_tokens = hit_info[1] if hit_info else 0
+    st.waiting_kv.add(req_id)
+    st.ch.emit("req_wait_kv", step=st.cur_step, req=req_id, blocks=ids[hit:],
+               n=max(0, wait_kv_request.num_computed_tokens - local_tokens))
+
+
+def _free_reason(st: SchedulerState, request: Any) -> str:
     reason = st.free_reason
+    if reason is None:  # a finish (Scheduler._free_request -> _free_blocks)
+        return "aborted" if request.status.name == "FINISHED_ABORTED" else "finished"
     if reason == "xfer":
-        return "sent" if req_id in st.xfer_sending else "received"
-    return reason or "finished"
+        return "sent" if request.request_id in st.xfer_sending else "received"
+    return reason
 
 
 # ----------------------------------------------------------------------------------------------- scheduler
@@ -170,6 +229,15 @@ def _w_schedule(orig: Any) -> Any:
                 dur = _now() - t0
                 setattr(so, STEP_ATTR, step)
                 nst = so.num_scheduled_tokens
+                tbl0, known = st.tbl0, st.known
+                if tbl0 is not None:  # the common case, inlined: one dict lookup and a length per request
+                    for req_id in nst:
+                        blocks = tbl0.get(req_id)
+                        if blocks is not None and len(blocks) != known.get(req_id, 0):
+                            _record_growth(st, req_id)
+                else:
+                    for req_id in nst:
+                        _record_growth(st, req_id)
                 st.ch.emit("sched", step=step, n=so.total_num_scheduled_tokens, detail={
                     "running": len(self.running),
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting),
@@ -234,43 +302,49 @@ def _w_preempt_request(orig: Any) -> Any:
     return _preempt_request
 
 
-def _w_free_request(orig: Any) -> Any:
-    def _free_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _RT.active:
-            return orig(self, request, *args, **kwargs)
-        try:
-            st = _sched_state(self)
-            status = request.status.name
-            reason = request.get_finished_reason()
-            delay_arg = bool(args[0] if args else kwargs.get("delay_free_blocks", False))
-            req_id = request.request_id
-            st.waiting_kv.discard(req_id)
-            previous = (st.finishing, st.free_reason)
-            st.finishing = (req_id, None if reason is None else str(reason), status, delay_arg)
-            st.free_reason = "aborted" if status == "FINISHED_ABORTED" else "finished"
-        except Exception as exc:
-            _RT.fail("_free_request", exc)
-            return orig(self, request, *args, **kwargs)
-        try:
-            return orig(self, request, *args, **kwargs)
-        finally:
-            st.finishing, st.free_reason = previous
+def _w_finish_requests(orig: Any) -> Any:
+    # The abort/error path (rare). vLLM delays the free of a request aborted while WAITING_FOR_REMOTE_KVS unless
+    # its load never started or already finished (scheduler.py:3015-3024): note that before vLLM forgets it.
+    def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+        if _RT.active:
+            try:
+                st = _sched_state(self)
+                if isinstance(request_ids, str):
+                    ids: Any = (request_ids,)
+                elif request_ids is None:
+                    ids = list(self.requests)
+                else:
+                    request_ids = ids = list(request_ids)  # may be a one-shot iterable: read it once
+                for req_id in ids:
+                    req = self.requests.get(req_id)
+                    if req is not None and req.status.name == "WAITING_FOR_REMOTE_KVS":
+                        st.abort_delay[req_id] = (req_id not in self.deferred_loads
+                                                  and req_id not in self.finished_recving_kv_req_ids)
+            except Exception as exc:
+                _RT.fail("finish_requests", exc)
+        return orig(self, request_ids, finished_status)
 
-    return _free_request
+    return finish_requests
 
 
 def _w_connector_finished(orig: Any) -> Any:
-    # _free_request calls this before it frees anything: req_finish lands before the request's blocks_free.
+    # Every finish passes here (Scheduler._free_request, before it frees anything), HMA connectors or not, and
+    # without a connector too: req_finish lands before the request's blocks_free.
     def _connector_finished(self: Any, request: Any) -> Any:
         out = orig(self, request)
         if _RT.active:
             try:
-                st = self.__dict__.get(STATE_ATTR)
-                finishing = st.finishing if st is not None else None
-                if finishing is not None and finishing[0] == request.request_id:
-                    req_id, reason, status, delay_arg = finishing
-                    st.ch.emit("req_finish", step=st.cur_step, req=req_id, reason=reason, status=status,
-                               delay_free=bool(out[0]) or delay_arg)
+                st = _sched_state(self)
+                req_id = request.request_id
+                st.waiting_kv.discard(req_id)
+                st.hits.pop(req_id, None)
+                delay = bool(out[0])
+                if st.abort_delay:
+                    delay = st.abort_delay.pop(req_id, False) or delay
+                reason = request.get_finished_reason()
+                st.ch.emit("req_finish", step=st.cur_step, req=req_id,
+                           reason=None if reason is None else str(reason), status=request.status.name,
+                           delay_free=delay)
             except Exception as exc:
                 _RT.fail("_connector_finished", exc)
         return out
@@ -338,14 +412,10 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
         try:
             st = _sched_state(self)
             before = list(pending)
-            st.draining = True
         except Exception as exc:
             _RT.fail("_drain_deferred_frees", exc)
             return orig(self)
-        try:
-            out = orig(self)
-        finally:
-            st.draining = False
+        out = orig(self)
         if _RT.active:
             try:
                 drained = before[: len(before) - len(self.deferred_frees)]  # popleft only, nothing appended
@@ -366,99 +436,89 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
 # ------------------------------------------------------------------------------------- KV cache manager, pool
 
 
-def _w_allocate_slots(orig: Any) -> Any:
-    # Hot path: called for every scheduled request in every step. Most calls add no block.
-    def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
-        if st is None or not _RT.active:
-            return orig(self, request, *args, **kwargs)
-        try:
-            req_id = request.request_id
-            tbl0 = st.tbl0
-            if tbl0 is not None:
-                blocks = tbl0.get(req_id)
-                before: Any = len(blocks) if blocks is not None else 0
-            else:
-                before = [len(t.get(req_id) or ()) for t in st.tables]
-        except Exception as exc:
-            _RT.fail("allocate_slots", exc)
-            return orig(self, request, *args, **kwargs)
+def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
+    # Called once per admission attempt from the waiting queue (not per running request).
+    def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, request, *args, **kwargs)
-        if out is None or not _RT.active:
-            return out
-        try:
-            if tbl0 is not None:
-                blocks = tbl0.get(req_id)
-                if blocks is None or len(blocks) == before:
-                    return out
-                new_ids = [b.block_id for b in blocks[before:] if not b.is_null]
-            else:
-                new_ids = []
-                for table, n0 in zip(st.tables, before):
-                    blocks = table.get(req_id)
-                    if blocks is not None and len(blocks) > n0:
-                        new_ids.extend(b.block_id for b in blocks[n0:] if not b.is_null)
-            if not new_ids and not kwargs.get("delay_cache_blocks"):
-                return out
-            step = st.cur_step
-            if kwargs:  # admission from the waiting queue: prefix hits and external tokens are possible
-                hit_blocks = kwargs.get("new_computed_blocks")
-                hit = 0
-                if hit_blocks is not None:
-                    hit = sum(1 for group in hit_blocks.blocks for b in group if not b.is_null)
-                n_new = sum(len(ids) for ids in out.get_block_ids())
-                external = max(0, len(new_ids) - hit - n_new)
-                detail = {"hit": hit, "external": external} if hit or external else None
-                st.ch.emit("blocks_alloc", step=step, req=req_id, blocks=new_ids, detail=detail)
-                if kwargs.get("delay_cache_blocks"):
-                    # The scheduler sets WAITING_FOR_REMOTE_KVS right after this call (scheduler.py:1523).
-                    st.waiting_kv.add(req_id)
-                    st.ch.emit("req_wait_kv", step=step, req=req_id, blocks=new_ids[hit:],
-                               n=int(kwargs.get("num_external_computed_tokens", 0)))
-            else:
-                st.ch.emit("blocks_alloc", step=step, req=req_id, blocks=new_ids)
-        except Exception as exc:
-            _RT.fail("allocate_slots", exc)
+        if _RT.active:
+            try:
+                st = _sched_state(self)
+                hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
+                if hit:
+                    st.hits[request.request_id] = (hit, int(out[1]))
+                else:
+                    st.hits.pop(request.request_id, None)
+            except Exception as exc:
+                _RT.fail("_get_local_prefix_cache_hit", exc)
         return out
 
-    return allocate_slots
+    return _get_local_prefix_cache_hit
+
+
+def _w_set_kv_fetch_stage(orig: Any) -> Any:
+    from vllm.v1.metrics.stats import KV_FETCH_IN_PROGRESS
+
+    # "in_progress" is set right after the request became WAITING_FOR_REMOTE_KVS with its blocks allocated and
+    # num_computed_tokens = local hit + external tokens (scheduler.py:1513-1543), whatever log_stats says.
+    def _set_kv_fetch_stage(self: Any, request: Any, stage: Any) -> Any:
+        out = orig(self, request, stage)
+        if stage == KV_FETCH_IN_PROGRESS and _RT.active:
+            try:
+                _record_growth(_sched_state(self), request.request_id, wait_kv_request=request)
+            except Exception as exc:
+                _RT.fail("_set_kv_fetch_stage", exc)
+        return out
+
+    return _set_kv_fetch_stage
 
 
 def _w_kvm_free(orig: Any) -> Any:
+    # Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
+    # 0 in this call (shared prefix blocks stay referenced by their other owners).
     def free(self: Any, request: Any) -> Any:
         st = self.__dict__.get(STATE_ATTR)
         if st is None or not _RT.active:
             return orig(self, request)
         try:
             req_id = request.request_id
-            ids = _table_ids(st, req_id)
-            if ids:  # emitted first: the pool frees inside the call must follow the owner's free
-                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=ids, deferred=False,
-                           reason=_free_reason(st, req_id))
-            previous, st.free_req = st.free_req, req_id
+            _record_growth(st, req_id)  # a table grown in this very step (then preempted) shows its growth first
+            st.known.pop(req_id, None)
+            blocks = _table_blocks(st, req_id)
+            if blocks:
+                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
+                           deferred=False, reason=_free_reason(st, request))
         except Exception as exc:
             _RT.fail("KVCacheManager.free", exc)
             return orig(self, request)
-        try:
-            return orig(self, request)
-        finally:
-            st.free_req = previous
+        out = orig(self, request)
+        if blocks and _RT.active:
+            try:
+                ids = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]  # vLLM frees tail first
+                if ids:
+                    st.ch.emit("blocks_pool_free", step=st.cur_step, req=req_id, blocks=ids)
+            except Exception as exc:
+                _RT.fail("KVCacheManager.free", exc)
+        return out
 
     return free
 
 
 def _w_pop_blocks_for_free(orig: Any) -> Any:
-    # Only the deferred path of Scheduler._free_request_blocks calls this (scheduler.py:3084-3093).
+    # Only the deferred path of Scheduler._free_request_blocks calls this (scheduler.py:3084-3093); the blocks go
+    # back to the pool in _drain_deferred_frees once the fence step is processed.
     def pop_blocks_for_free(self: Any, request: Any) -> Any:
         st = self.__dict__.get(STATE_ATTR)
         if st is None or not _RT.active:
             return orig(self, request)
         try:
             req_id = request.request_id
-            ids = _table_ids(st, req_id)
-            if ids:
-                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=ids, deferred=True,
-                           reason=_free_reason(st, req_id), detail={"fence": st.sched.sched_step_seq})
+            _record_growth(st, req_id)
+            st.known.pop(req_id, None)
+            blocks = _table_blocks(st, req_id)
+            if blocks:
+                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
+                           deferred=True, reason=_free_reason(st, request),
+                           detail={"fence": st.sched.sched_step_seq})
         except Exception as exc:
             _RT.fail("KVCacheManager.pop_blocks_for_free", exc)
         return orig(self, request)
@@ -466,29 +526,25 @@ def _w_pop_blocks_for_free(orig: Any) -> Any:
     return pop_blocks_for_free
 
 
-def _w_pool_free_blocks(orig: Any) -> Any:
-    def free_blocks(self: Any, ordered_blocks: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
-        if st is None or not _RT.active:
-            return orig(self, ordered_blocks)
-        try:
-            blocks = list(ordered_blocks)  # may be a one-shot iterator (reversed(...)): read it once, pass the list
-        except Exception as exc:
-            _RT.fail("BlockPool.free_blocks", exc)
-            raise
-        out = orig(self, blocks)
-        if st.draining or not _RT.active:
-            return out
-        try:
-            ids = [b.block_id for b in blocks
-                   if b.ref_cnt == 0 and not b.is_null and (b.pool is None or b.pool is self)]
-            if ids:
-                st.ch.emit("blocks_pool_free", step=st.cur_step, req=st.free_req, blocks=ids)
-        except Exception as exc:
-            _RT.fail("BlockPool.free_blocks", exc)
+def _w_free_cow_retained_blocks(orig: Any) -> Any:
+    # Copy-on-write retentions released (rare): straight to the pool, or parked in deferred_frees (then reported
+    # by the drain like any deferred free).
+    def _free_cow_retained_blocks(self: Any, blocks: Any, fence_seq: Any) -> Any:
+        if not _RT.active:
+            return orig(self, blocks, fence_seq)
+        parked = len(self.deferred_frees)
+        out = orig(self, blocks, fence_seq)
+        if _RT.active and len(self.deferred_frees) == parked:
+            try:
+                ids = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+                if ids:
+                    st = _sched_state(self)
+                    st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"cow": True})
+            except Exception as exc:
+                _RT.fail("_free_cow_retained_blocks", exc)
         return out
 
-    return free_blocks
+    return _free_cow_retained_blocks
 
 
 # ------------------------------------------------------------------------------------------------ engine loop
@@ -719,18 +775,17 @@ TABLE: tuple[Hook, ...] = (
     Hook(_SCHED, "Scheduler", "update_from_output", _w_update_from_output,
          ("scheduler_output", "model_runner_output")),
     Hook(_SCHED, "Scheduler", "_preempt_request", _w_preempt_request, ("request", "timestamp")),
-    Hook(_SCHED, "Scheduler", "_free_request", _w_free_request, ("request", "delay_free_blocks")),
+    Hook(_SCHED, "Scheduler", "finish_requests", _w_finish_requests, ("request_ids", "finished_status")),
     Hook(_SCHED, "Scheduler", "_connector_finished", _w_connector_finished, ("request",)),
     Hook(_SCHED, "Scheduler", "_update_from_kv_xfer_finished", _w_update_from_kv_xfer_finished,
          ("kv_connector_output",)),
     Hook(_SCHED, "Scheduler", "_update_waiting_for_remote_kv", _w_update_waiting_for_remote_kv, ("request",)),
     Hook(_SCHED, "Scheduler", "_drain_deferred_frees", _w_drain_deferred_frees, ()),
-    Hook(_KVM, "KVCacheManager", "allocate_slots", _w_allocate_slots,
-         ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens",
-          "num_external_computed_tokens", "delay_cache_blocks")),
+    Hook(_SCHED, "Scheduler", "_get_local_prefix_cache_hit", _w_get_local_prefix_cache_hit, ("request",)),
+    Hook(_SCHED, "Scheduler", "_set_kv_fetch_stage", _w_set_kv_fetch_stage, ("request", "stage")),
     Hook(_KVM, "KVCacheManager", "free", _w_kvm_free, ("request",)),
     Hook(_KVM, "KVCacheManager", "pop_blocks_for_free", _w_pop_blocks_for_free, ("request",)),
-    Hook(_POOL, "BlockPool", "free_blocks", _w_pool_free_blocks, ("ordered_blocks",)),
+    Hook(_SCHED, "Scheduler", "_free_cow_retained_blocks", _w_free_cow_retained_blocks, ("blocks", "fence_seq")),
     Hook(_CORE, "EngineCore", "step", _w_engine_step("step"), ()),
     Hook(_CORE, "EngineCore", "step_with_batch_queue", _w_engine_step("step_with_batch_queue"), ()),
     Hook(_WORKER, "Worker", "execute_model", _w_worker_execute_model, ("scheduler_output",), lazy=True),
