@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.trace.model import Trace
+from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
 
 NO = -1  # the "absent" value of every code, key, step and position array
 ABSENT = -2  # code_of() for a value the column does not hold
@@ -57,6 +58,38 @@ def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     parts = [_values(chunk.indices, dtype, -1) for chunk in column.chunks]
     codes = np.concatenate(parts) if len(parts) > 1 else parts[0]
     return codes, names
+
+
+def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list[str]]:
+    """What `dictionary_codes` gives for the strings of a dictionary<int32, string> column whose dictionary may be
+    in any order and hold unused values: codes renumbered by first appearance in row order, unused names dropped.
+    Reads the indices only (no string is hashed): one scatter for each code's first row, a sort of the distinct
+    codes."""
+    if column.num_chunks == 0 or n == 0:
+        return np.empty(0, np.int16), []
+    first_dict = column.chunk(0).dictionary
+    if any(not chunk.dictionary.equals(first_dict) for chunk in column.chunks[1:]):
+        column = pa.table({"c": column}).unify_dictionaries().column("c")
+    dictionary = column.chunk(0).dictionary
+    parts = [_values(chunk.indices, np.int32, -1) for chunk in column.chunks]
+    raw = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    size = len(dictionary)
+    dtype = np.int16 if size < 32_000 else np.int32
+    running = np.maximum.accumulate(raw)
+    if int(running[-1]) == size - 1 and int(running[0]) <= 0 and not (running[1:] - running[:-1] > 1).any():
+        # already numbered by first appearance and every name used (what a Parquet writer's dictionary gives)
+        return raw.astype(dtype, copy=False), [str(v) for v in dictionary.to_pylist()]
+    del running
+    rows = np.flatnonzero(raw >= 0)
+    first = np.full(size, n, np.int64)
+    first[raw[rows[::-1]]] = rows[::-1]  # the last write wins: each code's first row
+    used = np.flatnonzero(first < n)
+    ranked = used[np.argsort(first[used], kind="stable")]
+    dtype = np.int16 if len(ranked) < 32_000 else np.int32
+    lut = np.full(size + 1, NO, dtype)  # lut[-1] (null) stays NO
+    lut[ranked] = np.arange(len(ranked), dtype=dtype)
+    names = [str(v) for v in dictionary.take(pa.array(ranked, pa.int64())).to_pylist()]
+    return lut[raw], names
 
 
 def _ramp(lengths: np.ndarray) -> np.ndarray:
@@ -113,7 +146,13 @@ class Columns:
 
     def codes(self, name: str) -> tuple[np.ndarray, list[str]]:
         if name not in self._codes:
-            self._codes[name] = dictionary_codes(self.table.column(name))
+            # the reader keeps `req` as read from Parquet (dictionary indices) next to the table's strings
+            kept = getattr(self.trace, REQ_DICTIONARY_ATTR, None) if name == "req" else None
+            if kept is not None and kept[0] is self.table:
+                self._codes[name] = _first_seen_codes(kept[1], self.n)
+                delattr(self.trace, REQ_DICTIONARY_ATTR)  # its indices are not needed again: free them
+            else:
+                self._codes[name] = dictionary_codes(self.table.column(name))
         return self._codes[name]
 
     def code_of(self, name: str, value: str) -> int:

@@ -178,9 +178,29 @@ def _empty_table(columns: list[str]) -> pa.Table:
     return pa.schema([SCHEMA.field(c) for c in columns]).empty_table()
 
 
+# `req` is read as a dictionary (Parquet stores it dictionary-encoded): the table still gets plain strings (the
+# format's type, cast in normalize_table), and the dictionary indices are kept for the analyses, which would
+# otherwise hash every string again to get request codes.
+_DICTIONARY_READ = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns={"req"}))
+
+#: Attribute of a loaded `Trace` holding `(table, req column as dictionary<int32, string>)`; valid only while
+#: `trace.table` is that same table object.
+REQ_DICTIONARY_ATTR = "_req_dictionary"
+
+
 def _read_files(paths: list[str], columns: list[str], expression: ds.Expression | None) -> pa.Table:
-    dataset = ds.dataset(paths, format="parquet")
+    dataset = ds.dataset(paths, format=_DICTIONARY_READ if "req" in columns else "parquet")
     return dataset.to_table(columns=columns, filter=expression)
+
+
+def _req_dictionary(table: pa.Table) -> pa.ChunkedArray | None:
+    """The `req` column of a freshly read table when it came as dictionary<int32, string>, else None."""
+    if "req" not in table.column_names:
+        return None
+    column = table.column("req")
+    if column.type != pa.dictionary(pa.int32(), pa.string()):
+        return None
+    return column
 
 
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
@@ -253,9 +273,13 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
 
     expression = _filter_expression(wanted_instances, since_ns, until_ns)
     tables = []
+    req_parts: list[pa.ChunkedArray | None] = []
     for _schema, paths in runs:
         try:
-            tables.append(normalize_table(_read_files(paths, selected, expression), selected, paths[0]))
+            raw = _read_files(paths, selected, expression)
+            tables.append(normalize_table(raw, selected, paths[0]))
+            req_parts.append(_req_dictionary(raw))
+            del raw
         except TraceError:
             # A value that does not fit the format's type (say a pid beyond int32): name the file that holds it.
             for name in paths:
@@ -266,6 +290,7 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
             for name in paths:
                 try:
                     tables.append(normalize_table(_read_files([name], selected, expression), selected, name))
+                    req_parts.append(None)
                 except (OSError, pa.ArrowException) as exc:
                     skipped.append(SkippedFile(name, describe_unreadable(name, exc)))
                     files = [f for f in files if f.path != name]
@@ -285,7 +310,13 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
     if warn:
         for note in notes:
             warnings.warn(note, TraceWarning, stacklevel=2)
-    return Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
+    trace = Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
+    if req_parts and all(part is not None for part in req_parts):
+        req = pa.chunked_array([c for part in req_parts for c in part.chunks],  # type: ignore[union-attr]
+                               pa.dictionary(pa.int32(), pa.string()))
+        if len(req) == table.num_rows:
+            setattr(trace, REQ_DICTIONARY_ATTR, (table, req))
+    return trace
 
 
 def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> None:
