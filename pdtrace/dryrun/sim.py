@@ -608,12 +608,9 @@ class SimCluster:
                 if best_key is None or key < best_key:
                     best, best_key = e, key
             if best is None:
-                if pending_clients and self.client_limit:
-                    # The client waits for a slot that will never free (nothing left runs): stop.
-                    break
-                if not pending_clients:
-                    break
-                continue
+                # Nothing runs and nothing is due: done (or a closed-loop client waits for a slot that will never
+                # free, because its in-flight requests are stuck).
+                break
             if best_key > hard_stop:
                 log.warning("dry run stopped at the virtual time limit (%.0f s)", cfg.max_virtual_s)
                 break
