@@ -166,7 +166,7 @@ def test_pdtrace_error_switches_recording_off_and_vllm_carries_on(recording, mod
     faker = H.OutputFaker()
     s.add_request(H.make_request("r1", 40, remote_decode=True))
     H.step(s, faker)
-    monkeypatch.setattr(v0_33, "_table_blocks", broken)   # the next free hook fails
+    monkeypatch.setattr(v0_33, "_free_reason", broken)   # the next free hook fails
     H.step(s, faker, finished_sending={"r1"})
     s.add_request(H.make_request("r2", 40, remote_decode=True))
     H.step(s, faker)

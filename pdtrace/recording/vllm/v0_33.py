@@ -58,10 +58,36 @@ _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 
 _RPC_EXECUTE = '{"rpc":"execute_model"}'
+# Pre-encoded details of the common req_add cases (a JSON string is passed through as it is).
+_ADD_LOCAL = '{"remote_prefill":false,"remote_decode":false}'
+_ADD_REMOTE_DECODE = '{"remote_prefill":false,"remote_decode":true}'
 _RPC_SAMPLE = '{"rpc":"sample_tokens"}'
 
 
 # --------------------------------------------------------------------------------------------------- state
+
+
+_STATUS_NAMES: dict[Any, str] = {}
+_FINISH_REASONS: dict[Any, str | None] = {}
+
+
+def _status_name(status: Any) -> str:
+    """RequestStatus -> its name (enum `.name` is a Python-level property: cached per member)."""
+    name = _STATUS_NAMES.get(status)
+    if name is None:
+        name = _STATUS_NAMES[status] = status.name
+    return name
+
+
+def _finish_reason(request: Any) -> str | None:
+    """vLLM's FinishReason string of a finished request (`stop`, `length`, ...), cached per status."""
+    status = request.status
+    try:
+        return _FINISH_REASONS[status]
+    except KeyError:
+        reason = request.get_finished_reason()
+        _FINISH_REASONS[status] = text = None if reason is None else str(reason)
+        return text
 
 
 def _sched_state(sched: Any) -> SchedulerState:
@@ -166,7 +192,7 @@ def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None)
 def _free_reason(st: SchedulerState, request: Any) -> str:
     reason = st.free_reason
     if reason is None:  # a finish (Scheduler._free_request -> _free_blocks)
-        return "aborted" if request.status.name == "FINISHED_ABORTED" else "finished"
+        return "aborted" if _status_name(request.status) == "FINISHED_ABORTED" else "finished"
     if reason == "xfer":
         return "sent" if request.request_id in st.xfer_sending else "received"
     return reason
@@ -184,10 +210,10 @@ def _w_add_request(orig: Any) -> Any:
             req_id = request.request_id
             new = req_id not in self.requests  # an existing id is a streaming-input chunk, not a new request
             if new:
-                params = request.kv_transfer_params or {}
-                detail: dict[str, Any] = {"remote_prefill": bool(params.get("do_remote_prefill")),
-                                          "remote_decode": bool(params.get("do_remote_decode"))}
-                if detail["remote_prefill"]:
+                params = request.kv_transfer_params
+                detail: Any = _ADD_LOCAL
+                if params and params.get("do_remote_prefill"):
+                    detail = {"remote_prefill": True, "remote_decode": bool(params.get("do_remote_decode"))}
                     detail["remote_instance"] = remote_instance(params.get("remote_engine_id"))
                     detail["remote_req"] = params.get("remote_request_id")
                     remote_blocks = params.get("remote_block_ids")
@@ -195,6 +221,8 @@ def _w_add_request(orig: Any) -> Any:
                         if remote_blocks and isinstance(remote_blocks[0], (list, tuple)):
                             remote_blocks = [b for group in remote_blocks for b in group]
                         detail["remote_blocks"] = [int(b) for b in remote_blocks]
+                elif params and params.get("do_remote_decode"):
+                    detail = _ADD_REMOTE_DECODE
                 n_prompt = request.num_prompt_tokens
         except Exception as exc:
             _RT.fail("add_request", exc)
@@ -202,7 +230,7 @@ def _w_add_request(orig: Any) -> Any:
         out = orig(self, request)
         if new and _RT.active:
             try:
-                st.ch.emit("req_add", step=st.cur_step, req=req_id, n=n_prompt, detail=detail)
+                st.ch.emit("req_add", st.cur_step, req_id, None, n_prompt, None, None, None, None, detail)
             except Exception as exc:
                 _RT.fail("add_request", exc)
         return out
@@ -229,15 +257,16 @@ def _w_schedule(orig: Any) -> Any:
                 dur = _now() - t0
                 setattr(so, STEP_ATTR, step)
                 nst = so.num_scheduled_tokens
-                tbl0, known = st.tbl0, st.known
-                if tbl0 is not None:  # the common case, inlined: one dict lookup and a length per request
-                    for req_id in nst:
-                        blocks = tbl0.get(req_id)
-                        if blocks is not None and len(blocks) != known.get(req_id, 0):
+                # Which tables grew: new requests, and cached ones whose new_block_ids is not None (vLLM's own
+                # "blocks added in this step", allow_none=True); `any` scans that list in C. The growth itself
+                # is read from the table (prefix hits and external-token blocks included).
+                for new_req in so.scheduled_new_reqs:
+                    _record_growth(st, new_req.req_id)
+                cached = so.scheduled_cached_reqs
+                if any(cached.new_block_ids):
+                    for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
+                        if grown is not None:
                             _record_growth(st, req_id)
-                else:
-                    for req_id in nst:
-                        _record_growth(st, req_id)
                 st.ch.emit("sched", step=step, n=so.total_num_scheduled_tokens, detail={
                     "running": len(self.running),
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting),
@@ -317,7 +346,7 @@ def _w_finish_requests(orig: Any) -> Any:
                     request_ids = ids = list(request_ids)  # may be a one-shot iterable: read it once
                 for req_id in ids:
                     req = self.requests.get(req_id)
-                    if req is not None and req.status.name == "WAITING_FOR_REMOTE_KVS":
+                    if req is not None and _status_name(req.status) == "WAITING_FOR_REMOTE_KVS":
                         st.abort_delay[req_id] = (req_id not in self.deferred_loads
                                                   and req_id not in self.finished_recving_kv_req_ids)
             except Exception as exc:
@@ -341,10 +370,8 @@ def _w_connector_finished(orig: Any) -> Any:
                 delay = bool(out[0])
                 if st.abort_delay:
                     delay = st.abort_delay.pop(req_id, False) or delay
-                reason = request.get_finished_reason()
-                st.ch.emit("req_finish", step=st.cur_step, req=req_id,
-                           reason=None if reason is None else str(reason), status=request.status.name,
-                           delay_free=delay)
+                st.ch.emit("req_finish", st.cur_step, req_id, None, None, _finish_reason(request),
+                           _status_name(request.status), delay)
             except Exception as exc:
                 _RT.fail("_connector_finished", exc)
         return out
@@ -366,12 +393,12 @@ def _w_update_from_kv_xfer_finished(orig: Any) -> Any:
             # otherwise take the evidence with them.
             for req_id in recving:
                 req = requests.get(req_id)
-                st.ch.emit("kv_recv_done", step=step, req=req_id,
-                           status="unknown" if req is None else req.status.name)
+                st.ch.emit("kv_recv_done", step, req_id, None, None, None,
+                           "unknown" if req is None else _status_name(req.status))
             for req_id in sending:
                 req = requests.get(req_id)
-                st.ch.emit("kv_send_done", step=step, req=req_id,
-                           status="unknown" if req is None else req.status.name)
+                st.ch.emit("kv_send_done", step, req_id, None, None, None,
+                           "unknown" if req is None else _status_name(req.status))
             previous = (st.free_reason, st.xfer_sending)
             st.free_reason, st.xfer_sending = "xfer", frozenset(sending)
         except Exception as exc:
@@ -443,10 +470,10 @@ def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
         if _RT.active:
             try:
                 st = _sched_state(self)
-                hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
-                if hit:
+                if out[1]:
+                    hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
                     st.hits[request.request_id] = (hit, int(out[1]))
-                else:
+                elif st.hits:
                     st.hits.pop(request.request_id, None)
             except Exception as exc:
                 _RT.fail("_get_local_prefix_cache_hit", exc)
@@ -481,12 +508,24 @@ def _w_kvm_free(orig: Any) -> Any:
             return orig(self, request)
         try:
             req_id = request.request_id
-            _record_growth(st, req_id)  # a table grown in this very step (then preempted) shows its growth first
-            st.known.pop(req_id, None)
-            blocks = _table_blocks(st, req_id)
+            known = st.known.pop(req_id, 0)
+            tbl0 = st.tbl0
+            if tbl0 is not None:
+                table = tbl0.get(req_id)
+                if table and len(table) > known:  # grown in this very step (then preempted): growth first
+                    ids = [b.block_id for b in table[known:] if not b.is_null]
+                    if ids:
+                        st.ch.emit("blocks_alloc", st.cur_step, req_id, ids)
+                blocks = [b for b in table if not b.is_null] if table else None
+            else:
+                if known:
+                    st.known[req_id] = known
+                _record_growth(st, req_id)
+                st.known.pop(req_id, None)
+                blocks = _table_blocks(st, req_id)
             if blocks:
-                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
-                           deferred=False, reason=_free_reason(st, request))
+                st.ch.emit("blocks_free", st.cur_step, req_id, [b.block_id for b in blocks], None,
+                           _free_reason(st, request), None, None, False)
         except Exception as exc:
             _RT.fail("KVCacheManager.free", exc)
             return orig(self, request)
@@ -495,7 +534,7 @@ def _w_kvm_free(orig: Any) -> Any:
             try:
                 ids = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]  # vLLM frees tail first
                 if ids:
-                    st.ch.emit("blocks_pool_free", step=st.cur_step, req=req_id, blocks=ids)
+                    st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
             except Exception as exc:
                 _RT.fail("KVCacheManager.free", exc)
         return out
