@@ -76,7 +76,9 @@ def cli_command(kw: dict) -> str:
         if isinstance(value, bool):
             parts.append(opt if value else "--no-" + name.replace("_", "-"))
         else:
-            parts.append(f"{opt} {value:g}" if isinstance(value, float) else f"{opt} {value}")
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            parts.append(f"{opt} {value}")
     return " ".join(parts)
 
 
@@ -87,15 +89,21 @@ def regenerate(name: str, write_expected: bool) -> None:
     shutil.rmtree(trace, ignore_errors=True)
     sample.mkdir(parents=True, exist_ok=True)
     result = run_dry_run(DryRunConfig(**kw), trace)
-    (sample / "REGENERATE").write_text(
-        "# the exact command that made trace/ (run from the repository root; needs vLLM 0.33.0):\n"
-        f"{cli_command(kw)} -o sample_traces/{name}/trace\n"
-        "# equivalently (the config is also in trace/_manifest.json):\n"
-        f"python sample_traces/regenerate.py {name}\n")
+    write_regenerate_file(name)
     print(f"{name}: {result.steps} steps, {result.events} events, error={result.error}, "
           f"injected={result.injected}", file=sys.stderr)
     if write_expected:
         write_expected_json(name, result)
+
+
+def write_regenerate_file(name: str) -> None:
+    """The sample's REGENERATE: the exact command line (and the script's equivalent)."""
+    _, kw = SAMPLES[name]
+    (HERE / name / "REGENERATE").write_text(
+        "# the exact command that made trace/ (run from the repository root; needs vLLM 0.33.0):\n"
+        f"{cli_command(kw)} -o sample_traces/{name}/trace\n"
+        "# equivalently (the config is also in trace/_manifest.json):\n"
+        f"python sample_traces/regenerate.py {name}\n")
 
 
 def write_expected_json(name: str, result: Any = None) -> None:
