@@ -1,0 +1,48 @@
+"""vLLM tier: `pdtrace record -o TRACE -- python script.py` end to end, the recorded process being a real
+vLLM EngineCore (fake executor) that loads pdtrace through vLLM's plugin loader in a child process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import harness as H
+
+pytestmark = pytest.mark.vllm
+
+
+def test_record_a_process_running_vllm(tmp_path):
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(H.__file__).parent)!r})
+        import harness as H
+        vc = H.make_vllm_config(H.tiny_model_dir({str(tmp_path)!r}), kv_role=None, pp=2)
+        vc.scheduler_config.async_scheduling = False
+        engine = H.make_engine(vc, pp=2)
+        for i in range(3):
+            H.engine_add(engine, H.make_request(f"r{{i}}", 24, max_tokens=4))
+        while engine.scheduler.has_requests() or engine.batch_queue:
+            engine.step_fn()
+    """))
+    trace = tmp_path / "trace"
+    proc = subprocess.run([sys.executable, "-m", "pdtrace", "record", "-o", str(trace), "--", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"pdtrace analyze {trace}" in proc.stderr
+    manifest = json.loads((trace / "_manifest.json").read_text())
+    assert manifest["vllm_version"].startswith("0.33.0") and manifest["exit_status"] == 0
+
+    import pdtrace
+
+    assert pdtrace.open_trace(trace).sources == ["vllm-0.33.0"]  # Parquet metadata written by the recorder
+    events = H.read_events(trace)
+    assert {e["pid"] for e in events} != {proc.pid}  # recorded in the command's process, not in pdtrace's
+    assert len(H.of_kind(events, "req_add")) == 3 and len(H.of_kind(events, "req_finish")) == 3
+    steps = [e["step"] for e in H.of_kind(events, "sched")]
+    assert steps == list(range(len(steps))) and [e["step"] for e in H.of_kind(events, "step_output")] == steps
