@@ -154,3 +154,43 @@ class DryRunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (for the manifest and the result)."""
         return asdict(self)
+
+
+#: One-line help per option of `pdtrace record --dry-run` (option name = field name with dashes; `--fault` is
+#: repeatable and fills `faults`; booleans are `--x/--no-x`).
+FIELD_HELP: dict[str, str] = {
+    "pp": "Pipeline-parallel stages per instance.",
+    "tp": "Tensor-parallel ranks per stage.",
+    "instances": "pd: a prefill and a decode instance (1P1D); p: prefill only (a phantom decoder reads the KV); "
+                 "single: one aggregated engine without a connector.",
+    "num_blocks": "KV blocks in each instance's pool (vLLM's num_gpu_blocks_override).",
+    "block_size": "Tokens per KV block.",
+    "max_num_seqs": "vLLM's max_num_seqs.",
+    "max_num_batched_tokens": "vLLM's token budget per step (chunked prefill above it).",
+    "async_scheduling": "vLLM's async scheduling (refused with --pp > 1, as vLLM 0.33's V1 runner does).",
+    "enable_prefix_caching": "vLLM's prefix caching.",
+    "requests": "Client requests in the workload.",
+    "rate": "Arrival rate, requests per virtual second (Poisson); 0: all at once.",
+    "prompt_len": "Prompt lengths: N, uniform:A:B or exp:MEAN.",
+    "output_len": "Output lengths: N, uniform:A:B or exp:MEAN (half the requests end with EOS, half by length).",
+    "seed": "Seed of the workload and the sampled tokens: same seed, same trace.",
+    "transfer_latency_us_per_block": "Simulated KV read time per block, microseconds.",
+    "transfer_setup_us": "Simulated fixed cost per KV read, microseconds.",
+    "transfer_bandwidth_gbps": "Simulated link bandwidth, Gbit/s (0: latency model only).",
+    "kv_bytes_per_block": "Bytes per KV block, for the bandwidth model.",
+    "compute_us_per_token": "Simulated compute per token per PP stage, microseconds.",
+    "compute_us_fixed": "Simulated fixed compute per step per PP stage, microseconds.",
+    "sched_cost_us": "Simulated CPU time of one schedule(), microseconds.",
+    "sched_cost_us_per_req": "Simulated schedule() time per scheduled request, microseconds.",
+    "update_cost_us_per_req": "Simulated update_from_output() time per request, microseconds.",
+    "idle_sleep_us": "Sleep after a step that executed nothing (vLLM: 1000).",
+    "proxy_delay_us": "Proxy delay from P's output to D's request, microseconds.",
+    "drain_timeout_ms": "Stop once nothing progressed for this long (virtual ms) after the last arrival.",
+    "max_virtual_s": "Hard stop, virtual seconds.",
+    "end_hold_s": "When the run ends stuck, jump this far ahead and step once (leaks outlast the grace period).",
+    "faults": "Inject a fault (repeatable): " + ", ".join(FAULTS) + ".",
+    "fault_request": "Index of the workload request a fault targets (default: chosen by the fault).",
+    "slow_transfer_ms": "The slow_transfer fault's read time, ms.",
+    "real_scheduler_time": "Charge the scheduler's measured CPU time instead of the fixed costs (not deterministic).",
+    "instance_prefix": "Prefix of the instance ids (prefill-0, decode-0, engine-0).",
+}
