@@ -215,3 +215,18 @@ def test_starve_blocks_the_head_of_the_line(tmp_path: Path) -> None:
     assert {f"r{i:05d}-p" for i in range(3)} <= scheduled  # ahead of it: served
     assert not ({f"r{i:05d}-p" for i in range(4, 9)} & scheduled)  # behind it: stuck (FCFS)
     assert p[(p.kind == "kv_send_done") & (p.req == "r00000-p")].empty  # the pinned blocks
+
+
+def test_prefill_only_with_a_phantom_decoder(tmp_path: Path) -> None:
+    """--instances p: one recorded instance; every delayed free completes when the unrecorded decoder has read."""
+    res = run_dry_run(DryRunConfig(instances="p", requests=5, rate=0.0, seed=12), tmp_path / "t")
+    assert res.error is None and res.instances == ["prefill-0"]
+    df = events(tmp_path / "t")
+    assert set(df.instance) == {"prefill-0"} and set(df.role) == {"prefill"}
+    fin = df[df.kind == "req_finish"]
+    assert len(fin) == 5 and fin.delay_free.all()
+    sent = df[df.kind == "kv_send_done"]
+    assert sorted(sent.req) == sorted(fin.req) and set(sent.status) == {"FINISHED_LENGTH_CAPPED"}
+    for req in fin.req:  # the blocks go back only after the send completed
+        rows = df[df.req == req]
+        assert rows[rows.kind == "kv_send_done"].seq.iloc[0] < rows[rows.kind == "blocks_free"].seq.iloc[0]
