@@ -42,7 +42,7 @@ def test_record_a_process_running_vllm(tmp_path):
 
     assert pdtrace.open_trace(trace).sources == ["vllm-0.33.0"]  # Parquet metadata written by the recorder
     events = H.read_events(trace)
-    assert {e["pid"] for e in events} != {proc.pid}  # recorded in the command's process, not in pdtrace's
+    assert len({e["pid"] for e in events}) == 1  # one process: the command's EngineCore
     assert len(H.of_kind(events, "req_add")) == 3 and len(H.of_kind(events, "req_finish")) == 3
     steps = [e["step"] for e in H.of_kind(events, "sched")]
     assert steps == list(range(len(steps))) and [e["step"] for e in H.of_kind(events, "step_output")] == steps
