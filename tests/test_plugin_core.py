@@ -202,3 +202,33 @@ def test_lazy_hooks_apply_when_the_module_is_imported(tmp_path, monkeypatch):
     finally:
         patcher.revert()
     assert not hasattr(pdt_fake_lazy.Engine.step, _patching.ORIGINAL_ATTR)
+
+
+def test_forked_child_records_under_its_own_pid(tmp_path):
+    import os
+
+    import pdtrace
+
+    session.configure(tmp_path / "trace", source="test")
+    parent = session.recorder("engine", "both", 0)
+    parent.channel("scheduler").emit("req_add", req="before-fork", n=1)
+    pid = os.fork()
+    if pid == 0:  # child: the session is inherited, its recorder is opened anew under the child's pid
+        code = 1
+        try:
+            child = session.recorder("engine", "both", 0)
+            if child is not parent:
+                child.channel("scheduler").emit("req_add", req="in-child", n=2)
+                session.close_all()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent.channel("scheduler").emit("req_add", req="after-fork", n=3)
+    session.close_all()
+    rows = pdtrace.open_trace(tmp_path / "trace").table.to_pylist()
+    by_req = {r["req"]: r["pid"] for r in rows}
+    assert sorted(by_req) == ["after-fork", "before-fork", "in-child"]  # nothing written twice
+    assert len(rows) == 3
+    assert by_req["before-fork"] == by_req["after-fork"] == os.getpid() and by_req["in-child"] == pid

@@ -222,3 +222,34 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
     assert (finish["reason"], finish["status"], finish["delay_free"]) == ("abort", "FINISHED_ABORTED", True)
     assert recv["status"] == "FINISHED_ABORTED"
     assert (free["reason"], free["blocks"]) == ("received", [1, 2, 3])
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_receive(recording, model_dir, policy):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    vc = H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0")
+    vc.kv_transfer_config.kv_load_failure_policy = policy
+    s = H.make_scheduler(vc)
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("d1", 40, remote_prefill=True))
+    H.step(s, faker)                                   # step 0: waiting for remote KV in blocks [1, 2, 3]
+    so = s.schedule()                                  # step 1: the read fails (NIXL reports it as done + failed)
+    out = faker.output(so)
+    out.kv_connector_output = KVConnectorOutput(finished_recving={"d1"}, failed_recving={"d1"},
+                                                invalid_block_ids={2})
+    s.update_from_output(so, out)
+    H.step(s, faker)                                   # step 2
+
+    events = H.close_and_read(recording)
+    fails = H.of_kind(events, "kv_recv_fail")
+    assert [(e["step"], e["req"], e["blocks"]) for e in fails] == [(1, "d1", None), (1, None, [2])]
+    free = H.of_kind(events, "blocks_free", req="d1")
+    if policy == "recompute":                          # vLLM drops the blocks and recomputes locally
+        assert (free[0]["step"], free[0]["reason"], free[0]["blocks"]) == (2, "load_failed", [1, 2, 3])
+        assert H.of_kind(events, "blocks_alloc", req="d1")[-1]["step"] == 2
+        assert not H.of_kind(events, "req_finish", req="d1")
+    else:                                              # the request fails with an error
+        finish = H.of_kind(events, "req_finish", req="d1")
+        assert [(e["step"], e["reason"], e["status"]) for e in finish] == [(1, "error", "FINISHED_ERROR")]
+        assert [e["blocks"] for e in free] == [[1, 2, 3]] and H.num_free_blocks(s) == 99
