@@ -267,7 +267,7 @@ def _w_schedule(orig: Any) -> Any:
                     for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
                         if grown is not None:
                             _record_growth(st, req_id)
-                st.ch.emit("sched", step=step, n=so.total_num_scheduled_tokens, detail={
+                st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
                     "running": len(self.running),
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting),
                     "waiting_kv": len(st.waiting_kv),
@@ -275,7 +275,7 @@ def _w_schedule(orig: Any) -> Any:
                     "dur_ns": dur,
                 })
                 if nst:
-                    st.ch.emit_many("req_sched", step=step, reqs=list(nst), ns=list(nst.values()))
+                    st.ch.emit_many("req_sched", step, list(nst), list(nst.values()))
             except Exception as exc:
                 _RT.fail("schedule", exc)
         st.cur_step = None
@@ -293,7 +293,8 @@ def _w_update_from_output(orig: Any) -> Any:
             step = getattr(scheduler_output, STEP_ATTR, None)
             st.cur_step = step
             wait_ns, st.wait_ns = st.wait_ns, None
-            st.eng.emit("step_output", step=step, detail=None if wait_ns is None else {"wait_ns": wait_ns})
+            st.eng.emit("step_output", step, None, None, None, None, None, None, None,
+                        None if wait_ns is None else {"wait_ns": wait_ns})
             kvo = model_runner_output.kv_connector_output
             if kvo is not None:
                 failed = kvo.failed_recving
