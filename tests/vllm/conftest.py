@@ -1,4 +1,9 @@
-"""Fixtures of the vLLM tier: hooks installed through the plugin entry point into a fresh trace directory."""
+"""Fixtures of the vLLM tier: hooks installed through the plugin entry point into a fresh trace directory.
+
+No skip here (a skip raised while importing a conftest is a collection error): each test module skips itself
+when vLLM is absent (`pytest.importorskip("vllm.version")`; `tests/vllm` itself would pass for a namespace
+package named `vllm`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-# (tests/vllm itself is a namespace package named "vllm" on sys.path: import a real vLLM module)
-pytest.importorskip("vllm.version", reason="the vLLM tier needs vLLM 0.33.0 (.ci/install-vllm.sh VENV builds its venv)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
