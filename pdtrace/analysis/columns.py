@@ -42,6 +42,30 @@ def _values(arr: pa.Array, dtype: Any, fill: int) -> np.ndarray:
     return values.astype(dtype, copy=False)  # no nulls, same type: a read-only view of the Arrow buffer
 
 
+def _concat_values(arrays: list[pa.Array], dtype: Any, fill: int) -> np.ndarray:
+    """`np.concatenate([_values(a, dtype, fill) for a in arrays])` written straight into one output array: each
+    chunk's values copied (and converted) once, nulls overwritten where a chunk has any; no per-chunk temporaries
+    beyond its validity bits."""
+    if len(arrays) == 1:
+        return _values(arrays[0], dtype, fill)
+    out = np.empty(sum(len(a) for a in arrays), dtype)
+    start = 0
+    for arr in arrays:
+        n = len(arr)
+        if n == 0:
+            continue
+        arrow_dtype = np.dtype(arr.type.to_pandas_dtype())
+        piece = out[start:start + n]
+        piece[...] = np.frombuffer(arr.buffers()[1], dtype=arrow_dtype, count=arr.offset + n)[arr.offset:]
+        if arr.null_count:
+            bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
+            valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset:].view(bool)
+            np.logical_not(valid, out=valid)
+            piece[valid] = fill
+        start += n
+    return out
+
+
 def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     """(integer codes with -1 for null, category names) of a string or dictionary column, one dictionary for all
     chunks (int16 codes when there are fewer than 32,000 names)."""
@@ -55,8 +79,7 @@ def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
         first = column.chunk(0).dictionary
     names = [str(n) for n in first.to_pylist()]
     dtype = np.int16 if len(names) < 32_000 else np.int32
-    parts = [_values(chunk.indices, dtype, -1) for chunk in column.chunks]
-    codes = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    codes = _concat_values([chunk.indices for chunk in column.chunks], dtype, -1)
     return codes, names
 
 
@@ -71,8 +94,7 @@ def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list
     if any(not chunk.dictionary.equals(first_dict) for chunk in column.chunks[1:]):
         column = pa.table({"c": column}).unify_dictionaries().column("c")
     dictionary = column.chunk(0).dictionary
-    parts = [_values(chunk.indices, np.int32, -1) for chunk in column.chunks]
-    raw = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    raw = _concat_values([chunk.indices for chunk in column.chunks], np.int32, -1)
     size = len(dictionary)
     dtype = np.int16 if size < 32_000 else np.int32
     running = np.maximum.accumulate(raw)
@@ -106,8 +128,7 @@ def int_column(table: pa.Table, name: str, dtype: Any = np.int64) -> np.ndarray:
     col = table.column(name)
     if col.num_chunks == 0:
         return np.empty(0, dtype)
-    parts = [_values(chunk, dtype, -1) for chunk in col.chunks]
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+    return _concat_values(col.chunks, dtype, -1)
 
 
 def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
