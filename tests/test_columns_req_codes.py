@@ -57,3 +57,17 @@ def test_a_replaced_table_is_not_read_through_the_kept_dictionary() -> None:
     want_codes, want_names = dictionary_codes(trace.table.column("req"))
     assert names == want_names
     np.testing.assert_array_equal(codes, want_codes)
+
+
+def test_first_seen_codes_unifies_chunks_with_different_dictionaries() -> None:
+    chunks = [pa.DictionaryArray.from_arrays(pa.array([1, 0, None], pa.int32()), pa.array(["req-x", "req-y"])),
+              pa.DictionaryArray.from_arrays(pa.array([0, 2, None, 1], pa.int32()),
+                                             pa.array(["req-z", "req-x", "req-w"])),
+              pa.DictionaryArray.from_arrays(pa.array([1], pa.int32()), pa.array(["req-x", "req-y"]))]
+    column = pa.chunked_array(chunks)
+    codes, names = _first_seen_codes(column, 8)
+    assert names == ["req-y", "req-x", "req-z", "req-w"]
+    np.testing.assert_array_equal(codes, [0, 1, -1, 2, 3, -1, 1, 0])
+    want_codes, want_names = dictionary_codes(column.cast(pa.string()))
+    assert names == want_names
+    np.testing.assert_array_equal(codes, want_codes)

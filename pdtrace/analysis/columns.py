@@ -83,6 +83,52 @@ def dictionary_codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     return codes, names
 
 
+def _unified_indices(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    """(one dictionary, int32 indices into it with -1 for null) of a chunked dictionary column. The chunks' distinct
+    dictionaries (one per Parquet row group, shared by its batches) are encoded together once, and each chunk's
+    indices go through its dictionary's small lookup table straight into the output (Arrow's unify_dictionaries
+    would rewrite every chunk's index buffer first)."""
+    distinct: list[pa.Array] = []
+    which: list[int] = []
+    for chunk in column.chunks:
+        d = chunk.dictionary
+        last = distinct[-1] if distinct else None
+        if last is not None and (last is d or last.equals(d)):
+            which.append(len(distinct) - 1)
+            continue
+        for i, seen in enumerate(distinct):
+            if seen.equals(d):
+                which.append(i)
+                break
+        else:
+            distinct.append(d)
+            which.append(len(distinct) - 1)
+    if len(distinct) == 1:
+        return distinct[0], _concat_values([chunk.indices for chunk in column.chunks], np.int32, -1)
+    encoded = pc.dictionary_encode(pa.concat_arrays(distinct))
+    ids = _values(encoded.indices, np.int32, -1)
+    bounds = np.cumsum([0] + [len(d) for d in distinct])
+    luts = [np.append(ids[bounds[i]:bounds[i + 1]], np.int32(NO)) for i in range(len(distinct))]
+    out = np.empty(len(column), np.int32)
+    start = 0
+    for chunk, i in zip(column.chunks, which):
+        m = len(chunk)
+        if m == 0:
+            continue
+        idx = chunk.indices
+        arrow_dtype = np.dtype(idx.type.to_pandas_dtype())
+        values = np.frombuffer(idx.buffers()[1], dtype=arrow_dtype, count=idx.offset + m)[idx.offset:]
+        piece = out[start:start + m]
+        np.take(luts[i], values, out=piece, mode="clip")  # a null slot's index may be anything: fixed below
+        if idx.null_count:
+            bits = np.frombuffer(idx.buffers()[0], dtype=np.uint8)
+            valid = np.unpackbits(bits, count=idx.offset + m, bitorder="little")[idx.offset:].view(bool)
+            np.logical_not(valid, out=valid)
+            piece[valid] = NO
+        start += m
+    return encoded.dictionary, out
+
+
 def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list[str]]:
     """What `dictionary_codes` gives for the strings of a dictionary<int32, string> column whose dictionary may be
     in any order and hold unused values: codes renumbered by first appearance in row order, unused names dropped.
@@ -90,11 +136,7 @@ def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list
     codes."""
     if column.num_chunks == 0 or n == 0:
         return np.empty(0, np.int16), []
-    first_dict = column.chunk(0).dictionary
-    if any(not chunk.dictionary.equals(first_dict) for chunk in column.chunks[1:]):
-        column = pa.table({"c": column}).unify_dictionaries().column("c")
-    dictionary = column.chunk(0).dictionary
-    raw = _concat_values([chunk.indices for chunk in column.chunks], np.int32, -1)
+    dictionary, raw = _unified_indices(column)
     size = len(dictionary)
     dtype = np.int16 if size < 32_000 else np.int32
     running = np.maximum.accumulate(raw)
