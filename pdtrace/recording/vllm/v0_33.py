@@ -189,6 +189,44 @@ def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None)
                n=max(0, wait_kv_request.num_computed_tokens - local_tokens))
 
 
+def _record_step_growth(st: SchedulerState, so: Any) -> None:
+    """blocks_alloc for one step, single KV cache group: from the block ids vLLM put in the SchedulerOutput (a new
+    or resumed request's whole table, a running one's appended blocks), minus what was already recorded."""
+    known = st.known
+    hits = st.hits
+    ch = st.ch
+    step = st.cur_step
+    for new_req in so.scheduled_new_reqs:
+        req_id = new_req.req_id
+        table = new_req.block_ids[0]
+        k = known.get(req_id, 0)
+        known[req_id] = len(table)
+        ids = table[k:] if k else table
+        if 0 in ids:  # null blocks (sliding-window tables) are not KV blocks
+            ids = [b for b in ids if b]
+        hit_info = hits.pop(req_id, None) if hits else None
+        if ids:
+            hit = min(hit_info[0], len(ids)) if hit_info and not k else 0
+            ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None, {"hit": hit} if hit else None)
+    cached = so.scheduled_cached_reqs
+    if any(cached.new_block_ids):
+        resumed = cached.resumed_req_ids
+        for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
+            if grown is None:
+                continue
+            ids = grown[0]
+            k = known.get(req_id, 0)
+            if req_id in resumed:  # the whole table again
+                known[req_id] = len(ids)
+                ids = ids[k:]
+            else:
+                known[req_id] = k + len(ids)
+            if 0 in ids:
+                ids = [b for b in ids if b]
+            if ids:
+                ch.emit("blocks_alloc", step, req_id, ids)
+
+
 def _free_reason(st: SchedulerState, request: Any) -> str:
     reason = st.free_reason
     if reason is None:  # a finish (Scheduler._free_request -> _free_blocks)
@@ -260,13 +298,16 @@ def _w_schedule(orig: Any) -> Any:
                 # Which tables grew: new requests, and cached ones whose new_block_ids is not None (vLLM's own
                 # "blocks added in this step", allow_none=True); `any` scans that list in C. The growth itself
                 # is read from the table (prefix hits and external-token blocks included).
-                for new_req in so.scheduled_new_reqs:
-                    _record_growth(st, new_req.req_id)
-                cached = so.scheduled_cached_reqs
-                if any(cached.new_block_ids):
-                    for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
-                        if grown is not None:
-                            _record_growth(st, req_id)
+                if st.tbl0 is not None:
+                    _record_step_growth(st, so)
+                else:
+                    for new_req in so.scheduled_new_reqs:
+                        _record_growth(st, new_req.req_id)
+                    cached = so.scheduled_cached_reqs
+                    if any(cached.new_block_ids):
+                        for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
+                            if grown is not None:
+                                _record_growth(st, req_id)
                 st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
                     "running": len(self.running),
                     "waiting": len(self.waiting) + len(self.kv_holding_waiting),
