@@ -10,8 +10,9 @@ vllm-0.33-corrections.md) give the reasoning; in short:
   for a request aborted while receiving (noted by the `finish_requests` wrapper); `_update_from_kv_xfer_finished`
   -> kv_send_done / kv_recv_done with the status, at entry, before vLLM's asserts.
 * Blocks: blocks_alloc = the growth of the request's block table (allocate_slots returns only new blocks, not
-  prefix hits nor external-token blocks), read from the table itself rather than by wrapping allocate_slots, which
-  runs for every scheduled request in every step: at the end of `schedule` for the requests it scheduled, when a
+  prefix hits nor external-token blocks), not by wrapping allocate_slots, which runs for every scheduled request in
+  every step: at the end of `schedule` from the block ids the SchedulerOutput carries (a new or resumed request's
+  whole table, a running one's appended blocks; with several KV cache groups, from the tables), when a
   request enters WAITING_FOR_REMOTE_KVS (`_set_kv_fetch_stage(..., "in_progress")`, with req_wait_kv), and before
   any free of the request (a request preempted in the step that grew its table shows the growth first); the local
   prefix hit comes from `_get_local_prefix_cache_hit`. `KVCacheManager.free` -> blocks_free, then
