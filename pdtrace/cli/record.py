@@ -91,29 +91,35 @@ def run_recorded(command: list[str], output: Path) -> int:
         "trace_dir": str(output),
     }
     write_manifest(output, manifest)
-    try:
-        proc = subprocess.Popen(command, env=recording_env(output))
-    except OSError as exc:
-        (output / MANIFEST_NAME).unlink(missing_ok=True)
-        raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
-
-    previous: dict[int, Any] = {}
+    child: list[subprocess.Popen] = []
+    pending: list[int] = []
 
     def forward(signum: int, _frame: Any) -> None:
+        if not child:  # before the command exists: deliver it as soon as it does
+            pending.append(signum)
+            return
         try:
-            proc.send_signal(signum)
+            child[0].send_signal(signum)
         except ProcessLookupError:
             pass
 
-    if threading.current_thread() is threading.main_thread():
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():  # handlers first: no window without forwarding
         for sig in _FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, forward)
     try:
+        try:
+            child.append(subprocess.Popen(command, env=recording_env(output)))
+        except OSError as exc:
+            (output / MANIFEST_NAME).unlink(missing_ok=True)
+            raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+        for signum in pending:
+            forward(signum, None)
         while True:
             try:
-                returncode = proc.wait()
+                returncode = child[0].wait()
                 break
-            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was in place
+            except KeyboardInterrupt:  # a SIGINT delivered while no handler of ours was installed
                 forward(signal.SIGINT, None)
     finally:
         for sig, handler in previous.items():
