@@ -25,8 +25,9 @@ start_s=$(date +%s)
 pip=("$venv_dir/bin/python" -m pip --disable-pip-version-check)
 
 if ! "${pip[@]}" install "$torch_spec"; then
-    echo "install-vllm: the CPU torch wheel ($torch_spec) is not available to pip here (expected through" \
-         "pip's find-links, e.g. /opt/wheels); refusing to install a CUDA torch. The vLLM tier cannot run." >&2
+    echo "install-vllm: could not install the CPU torch wheel $torch_spec (pip finds it through its configured" \
+         "find-links, e.g. /opt/wheels; its dependencies come from the index); refusing to fall back to a CUDA" \
+         "torch. The vLLM tier cannot run." >&2
     exit 3
 fi
 if ! "$venv_dir/bin/python" -c 'import sys, torch; sys.exit(0 if torch.__version__.endswith("+cpu") else 1)'; then
