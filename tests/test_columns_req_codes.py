@@ -1,4 +1,5 @@
-"""Request codes from the reader's Parquet dictionary match the codes from hashing the `req` strings."""
+"""Request codes from the reader's Parquet dictionary match the codes from hashing the `req` strings; rows taken
+chunk by chunk match a chunked take."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pdtrace.analysis.columns import Columns, _first_seen_codes, dictionary_codes
+from pdtrace.analysis.columns import Columns, _first_seen_codes, dictionary_codes, take_rows
 from pdtrace.trace.reader import REQ_DICTIONARY_ATTR, open_trace
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
@@ -71,3 +72,11 @@ def test_first_seen_codes_unifies_chunks_with_different_dictionaries() -> None:
     want_codes, want_names = dictionary_codes(column.cast(pa.string()))
     assert names == want_names
     np.testing.assert_array_equal(codes, want_codes)
+
+
+@pytest.mark.parametrize("rows", [[0], [5, 0, 3, 3, 1], [], [2, 3, 4, 5], [4, 2]])
+def test_take_rows_matches_chunked_take(rows: list[int]) -> None:
+    column = pa.chunked_array([pa.array(["a", None, "c"]), pa.array([], pa.string()), pa.array(["d", "e"]),
+                               pa.array(["f"])])
+    picked = np.array(rows, np.int64)
+    assert take_rows(column, picked).to_pylist() == column.take(pa.array(picked)).to_pylist()

@@ -49,7 +49,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import columns
+from pdtrace.analysis.columns import columns, take_rows
 from pdtrace.analysis.context import AnalysisContext
 
 BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests")
@@ -126,7 +126,7 @@ def _detail_text(ctx: AnalysisContext, rows: np.ndarray) -> pa.Array:
     rows = np.asarray(rows, dtype=np.int64)
     column = ctx.trace.table.column("detail")
     if len(rows) < 65_536:
-        return pc.fill_null(column.take(pa.array(rows)), "")
+        return pc.fill_null(take_rows(column, rows), "")
     mask = np.zeros(len(column), dtype=bool)
     mask[rows] = True
     text = pc.fill_null(column.filter(pa.array(mask)).combine_chunks(), "")
