@@ -308,7 +308,7 @@ def child(cmd: list[str]) -> tuple[float, int, int, float]:
 
 
 def profile(directory: Path) -> None:
-    from pdtrace.analysis import available_rules
+    from pdtrace.analysis import _allocation_settings, available_rules
     from pdtrace.analysis.blocks import ownership, release_gaps
     from pdtrace.analysis.columns import columns
     from pdtrace.analysis.context import AnalysisContext
@@ -320,6 +320,8 @@ def profile(directory: Path) -> None:
     trace = open_trace(directory, warn=False)
     print(f"  open_trace                 {time.perf_counter() - t0:7.2f} s  ({len(trace):,} events)")
     ctx = AnalysisContext(trace)
+    settings = _allocation_settings()  # as analyze() runs the rules: small pages, glibc keeps freed blocks
+    settings.__enter__()
     for name, build in (("columns: kind codes", lambda: columns(ctx).codes("kind")),
                         ("columns: order/pos", lambda: columns(ctx).pos),
                         ("columns: request keys", lambda: columns(ctx).rk),
@@ -336,6 +338,7 @@ def profile(directory: Path) -> None:
         found = rule.run(ctx)
         counts = found["severity"].value_counts().to_dict() if len(found) else {}
         print(f"  rule {rule.id:<21} {time.perf_counter() - t0:7.2f} s  findings {len(found)} {counts}")
+    settings.__exit__(None, None, None)
     print(f"  peak RSS (this process)    {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:7.0f} MiB")
 
 
