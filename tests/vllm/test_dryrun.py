@@ -10,8 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pdtrace.dryrun import DryRunConfig, run_dry_run
-from pdtrace.errors import RecordingError, UsageError
+pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
+
+from pdtrace.dryrun import DryRunConfig, run_dry_run  # noqa: E402
+from pdtrace.errors import RecordingError, UsageError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
