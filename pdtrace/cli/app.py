@@ -5,6 +5,9 @@ Results go to stdout; progress and diagnostics go to stderr through `err_console
 
 from __future__ import annotations
 
+import os
+import sys
+
 import typer
 from rich.console import Console
 
@@ -20,7 +23,15 @@ app = typer.Typer(
 )
 
 #: Results (tables, reports) go to stdout.
-out_console = Console(highlight=False, soft_wrap=True)
+def _results_width() -> int | None:
+    """Piped or redirected reports keep their full table width (rich would squeeze them to 80 columns)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return int(columns)
+    return None if sys.stdout.isatty() else 160
+
+
+out_console = Console(highlight=False, soft_wrap=True, width=_results_width())
 #: Progress, warnings and errors go to stderr.
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)  # one error = one line, however long
 

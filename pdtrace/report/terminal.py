@@ -128,7 +128,7 @@ def _bubble_table(bubbles: list[dict[str, Any]]) -> Table:
     table = Table(title="BUBBLE SUMMARY (per PP rank)", title_justify="left")
     for name in ("instance", "dp", "pp rank", "idle", "lost", "avoidable", "main cause", "severity"):
         table.add_column(name, justify="left" if name in ("instance", "main cause", "severity") else "right",
-                         no_wrap=True, min_width=len(name))
+                         no_wrap=True, min_width=max(len(name), 5))
 
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100.0 * float(value):.1f}%"
