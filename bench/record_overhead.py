@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm_tier"))
 
 import harness as H  # noqa: E402
 

@@ -5,7 +5,6 @@ multiprocessing children flush at exit. Each scenario runs in a child Python pro
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, Columns, columns, next_at_or_after
+from pdtrace.analysis.columns import NO, Columns, columns
 
 OWNERSHIP_COLUMNS = (
     "instance", "dp_rank", "req", "block", "alloc_ts", "alloc_seq", "alloc_step", "free_ts", "free_seq",

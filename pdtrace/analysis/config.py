@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tomllib
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from pdtrace.errors import UsageError
@@ -58,11 +61,8 @@ class AnalysisConfig:
 PYPROJECT_EXTRA_KEYS = ("bubble_min_ms", "rules", "fail_on")
 
 
-def find_pyproject(start: str | None = None) -> "Path | None":
+def find_pyproject(start: str | None = None) -> Path | None:
     """The nearest pyproject.toml with a `[tool.pdtrace]` table, from `start` (default: the cwd) upward."""
-    import os
-    from pathlib import Path
-
     here = Path(start or os.getcwd()).resolve()
     for folder in (here, *here.parents):
         candidate = folder / "pyproject.toml"
@@ -71,9 +71,7 @@ def find_pyproject(start: str | None = None) -> "Path | None":
     return None
 
 
-def _has_tool_pdtrace(path: "Path") -> bool:
-    import tomllib
-
+def _has_tool_pdtrace(path: Path) -> bool:
     try:
         with open(path, "rb") as handle:
             return "pdtrace" in tomllib.load(handle).get("tool", {})
@@ -81,11 +79,8 @@ def _has_tool_pdtrace(path: "Path") -> bool:
         return False
 
 
-def load_pyproject_table(path: "str | Path", required: bool = True) -> dict[str, Any]:
+def load_pyproject_table(path: str | Path, required: bool = True) -> dict[str, Any]:
     """The `[tool.pdtrace]` table of a pyproject.toml ({} if absent and not required). Bad TOML -> UsageError."""
-    import tomllib
-    from pathlib import Path
-
     path = Path(path)
     try:
         with open(path, "rb") as handle:

@@ -10,14 +10,8 @@ import typer
 from pdtrace.cli.app import app, err_console
 from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
 
-# Each import registers one verb on `app`.
-# (verb modules are imported below)
-from pdtrace.cli import info  # noqa: E402,F401
-from pdtrace.cli import analyze  # noqa: E402,F401
-from pdtrace.cli import plot  # noqa: E402,F401
-from pdtrace.cli import export  # noqa: E402,F401
-from pdtrace.cli import show  # noqa: E402,F401
-from pdtrace.cli import record  # noqa: E402,F401
+# Each import registers one verb on `app`, in the order `pdtrace --help` lists them.
+from pdtrace.cli import record, info, analyze, show, plot, export  # noqa: E402,F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,9 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         err_console.print("pdtrace: aborted", markup=False)
         sys.exit(130)
     except typer.TyperException as exc:  # usage errors: unknown option, missing argument (exit 2)
-        show = getattr(exc, "show", None)
-        if show is not None:
-            show()
+        show_usage = getattr(exc, "show", None)
+        if show_usage is not None:
+            show_usage()
         else:
             err_console.print(f"pdtrace: error: {exc.format_message()}", markup=False)
         sys.exit(exc.exit_code)

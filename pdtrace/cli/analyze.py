@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.cli.app import app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -92,7 +92,6 @@ def analyze(
     from pdtrace.analysis import analyze as run_analysis
     from pdtrace.analysis import available_rules, select_rules, summarize_findings
     from pdtrace.analysis.config import config_from_table, find_pyproject, load_pyproject_table
-    from pdtrace.trace.reader import open_trace
 
     pyproject = config if config is not None else find_pyproject()
     table = load_pyproject_table(pyproject, required=config is not None) if pyproject is not None else {}
@@ -115,9 +114,7 @@ def analyze(
     for note in notes:
         err_console.print(f"pdtrace: warning: {note}", markup=False)
 
-    loaded = open_trace(trace, warn=False)
-    for note in loaded.warnings:
-        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+    loaded = load_trace(trace)
     start_ns = int(pc.min(loaded.table.column("ts_ns")).as_py()) if len(loaded) else 0
     instances = _split(instance) or None
     if instances:

@@ -8,10 +8,16 @@ from __future__ import annotations
 import os
 import sys
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
 import typer
 from rich.console import Console
 
 from pdtrace import __version__
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.trace.model import Trace
 
 app = typer.Typer(
     name="pdtrace",
@@ -48,3 +54,14 @@ def _root(
                                  help="Print pdtrace's version and exit."),
 ) -> None:
     """memcheck for the KV cache of vLLM: `record` a run, `analyze` it, `show` one request or step, `plot` it."""
+
+
+def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":
+    """Open a trace for a CLI verb: warnings (skipped files, unknown kinds, bad manifest) go to stderr, one line
+    each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
+    from pdtrace.trace.reader import open_trace
+
+    trace = open_trace(path, columns=columns, warn=False, **kwargs)
+    for note in trace.warnings:
+        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+    return trace

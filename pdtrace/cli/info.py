@@ -16,29 +16,17 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import typer
 from rich.table import Table
 
-from pdtrace.cli.app import app, err_console, out_console
-from pdtrace.trace.model import Trace
+from pdtrace.cli.app import app, load_trace, out_console
 
 
 class InfoFormat(str, Enum):
     table = "table"
     json = "json"
-
-
-def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> Trace:
-    """Open a trace for a CLI verb: warnings (skipped files, unknown kinds, bad manifest) go to stderr, one line
-    each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
-    from pdtrace.trace.reader import open_trace
-
-    trace = open_trace(path, columns=columns, warn=False, **kwargs)
-    for note in trace.warnings:
-        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
-    return trace
 
 
 def _ns_duration(ns: int | None) -> str:

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import app, err_console, out_console
-from pdtrace.cli.info import load_trace
+from pdtrace.cli.app import load_trace
 
 
 class PlotKind(str, Enum):

@@ -17,7 +17,7 @@ import pandas as pd
 import typer
 
 from pdtrace.cli.app import app, out_console
-from pdtrace.cli.info import load_trace
+from pdtrace.cli.app import load_trace
 from pdtrace.errors import UsageError
 
 

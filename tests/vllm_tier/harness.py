@@ -1,6 +1,6 @@
 """Drive vLLM 0.33.0's real Scheduler (NixlConnector scheduler side) and real EngineCore on this CPU-only box.
 
-Shared by tests/vllm and bench/record_overhead.py (the dry run keeps its own copy under pdtrace/dryrun/: package
+Shared by tests/vllm_tier and bench/record_overhead.py (the dry run keeps its own copy under pdtrace/dryrun/: package
 code must not import tests). Adapted from upstream vLLM's tests/v1/kv_connector/unit/utils.py, with a local model
 directory (a hand-written Llama config.json, no weights, no tokenizer) so nothing touches the network.
 

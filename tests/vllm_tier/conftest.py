@@ -1,8 +1,8 @@
 """Fixtures of the vLLM tier: hooks installed through the plugin entry point into a fresh trace directory.
 
 No skip here (a skip raised while importing a conftest is a collection error): each test module skips itself
-when vLLM is absent (`pytest.importorskip("vllm.version")`; `tests/vllm` itself would pass for a namespace
-package named `vllm`).
+when vLLM is absent (`pytest.importorskip("vllm.version")`). The folder is not named `vllm`: tests/ is on
+sys.path, so such a folder would pass for a namespace package named `vllm`.
 """
 
 from __future__ import annotations
