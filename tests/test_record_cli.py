@@ -104,3 +104,43 @@ def test_command_killed_by_a_signal_exits_128_plus_n(cli, tmp_path):
 def test_help_names_the_separator(cli, flag):
     result = cli("record", flag)
     assert result.exit_code == 0 and "CMD" in result.stdout and "--force" in result.stdout
+
+
+def test_every_dry_run_setting_is_an_option_of_record(cli):
+    """`record --help` offers one option per DryRunConfig field, so options and configuration cannot drift."""
+    import dataclasses
+
+    from pdtrace.dryrun.config import DryRunConfig
+
+    result = cli("record", "--help")
+    assert result.exit_code == 0
+    for field in dataclasses.fields(DryRunConfig):
+        flag = {"faults": "--fault", "enable_prefix_caching": "--prefix-caching"}.get(
+            field.name, "--" + field.name.replace("_", "-"))
+        assert flag in result.stdout, flag
+
+
+def test_dry_run_options_need_dry_run(cli, tmp_path):
+    result = cli("record", "-o", tmp_path / "t", "--pp", "2", "--", "true")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == ["pdtrace: error: --pp is a dry-run option: add --dry-run"]
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pp", "2", "--async-scheduling"], "Async scheduling is not supported"),
+    (["--fault", "no_such_fault"], "unknown fault no_such_fault"),
+    (["--fault", "slow_transfer", "--instances", "single"], "needs a prefill/decode pair"),
+    (["--prompt-len", "uniform:9:3"], "bad length distribution"),
+])
+def test_a_bad_dry_run_configuration_is_refused_before_anything_is_created(cli, tmp_path, args, message):
+    result = cli("record", "--dry-run", "-o", tmp_path / "t", *args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "t").exists()
+
+
+def test_dry_run_takes_no_command(cli, tmp_path):
+    result = cli("record", "--dry-run", "-o", tmp_path / "t", "--", "echo", "hi")
+    assert result.exit_code == 2 and "takes no command" in result.stderr

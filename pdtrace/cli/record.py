@@ -11,6 +11,8 @@ from package metadata: pdtrace does not import vLLM here), start, end and exit s
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -20,7 +22,7 @@ import time
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version as dist_version
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 
@@ -137,25 +139,51 @@ def _announce(output: Path) -> None:
     err_console.print(f"pdtrace: analyze it with: pdtrace analyze {output}", markup=False, highlight=False)
 
 
-def _record_dry_run(output: Path) -> int:
+def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
     """The `--dry-run` branch: vLLM's real EngineCore on a simulated executor (pdtrace.dryrun).
 
-    Dry-run options (pp, tp, requests, faults, ...) are added here as options of `record` and passed into the
-    DryRunConfig; the defaults of DryRunConfig apply until then.
-    """
+    The configuration is checked before the output directory is made. Exits 0 even when vLLM raised inside the
+    run (its assert, say): that is the trace's finding, recorded as an `engine_error` event, not a failure of the
+    recording."""
     from pdtrace.dryrun import DryRunConfig, run_dry_run
 
-    result = run_dry_run(DryRunConfig(), output)
+    config = DryRunConfig(**{name: value for name, value in options.items() if value is not None}).validate()
+    output = prepare_output(output, force)
+    result = run_dry_run(config, output)
     if result.error:
-        err_console.print(f"pdtrace: vLLM raised during the dry run: {result.error}", markup=False)
+        err_console.print(f"pdtrace: vLLM raised during the dry run (recorded as engine_error): {result.error}",
+                          markup=False)
     return 0
 
 
-@app.command(
-    "record",
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    no_args_is_help=True,
-)
+_DRY_PREFIX = "dry_"
+
+
+def _dry_run_parameters() -> list[inspect.Parameter]:
+    """One option of `record` per DryRunConfig field (name with dashes, `--fault` repeatable, booleans as
+    `--x/--no-x`), so the dry run's options and its configuration cannot drift apart. Defaults are None: only what
+    the user gives is passed on, DryRunConfig keeps its own defaults."""
+    from pdtrace.dryrun.config import FIELD_HELP, DryRunConfig  # no vLLM import
+
+    params = []
+    for field in dataclasses.fields(DryRunConfig):
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        help_text = FIELD_HELP.get(field.name, "")
+        if field.name == "faults":
+            names, annotation = ["--fault"], Optional[list[str]]
+        elif isinstance(default, bool):
+            flag = "prefix-caching" if field.name == "enable_prefix_caching" else field.name.replace("_", "-")
+            names, annotation = [f"--{flag}/--no-{flag}"], Optional[bool]
+            help_text = f"{help_text} [default: {'on' if default else 'off'}]"
+        else:
+            names, annotation = [f"--{field.name.replace('_', '-')}"], Optional[type(default)]
+            help_text = f"{help_text} [default: {default}]"
+        option = typer.Option(None, *names, help=help_text, show_default=False, rich_help_panel="Dry run")
+        params.append(inspect.Parameter(_DRY_PREFIX + field.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=annotation))
+    return params
+
+
 def record(
     output: Path = typer.Option(..., "-o", "--output", help="Trace directory to create (must be empty)."),
     force: bool = typer.Option(False, "--force", help="Record into a non-empty output directory."),
@@ -163,18 +191,31 @@ def record(
                                  help="Record vLLM's real EngineCore on a simulated cluster; no command."),
     command: list[str] = typer.Argument(None, metavar="-- CMD [ARGS]...",
                                         help="The command to run with recording on (after `--`)."),
+    **dry_options: Any,
 ) -> None:
-    """Run CMD with pdtrace recording every vLLM process it starts, into the trace directory OUTPUT."""
+    """Run CMD with pdtrace recording every vLLM process it starts, into the trace directory OUTPUT; or, with
+    --dry-run, drive vLLM's real engine core on a simulated cluster (options under "Dry run")."""
     command = list(command or [])
+    options = {name[len(_DRY_PREFIX):]: value for name, value in dry_options.items()}
     if dry_run:
         if command:
             raise UsageError("--dry-run takes no command")
-        out = prepare_output(output, force)
-        status = _record_dry_run(out)
+        status = _record_dry_run(output, force, options)
+        out = output.resolve()
     else:
+        given = sorted(name for name, value in options.items() if value not in (None, []))
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is a dry-run option: add --dry-run")
         if not command:
             raise UsageError("no command to record: pdtrace record -o TRACE -- CMD [ARGS]...")
         out = prepare_output(output, force)
         status = run_recorded(command, out)
     _announce(out)
     raise typer.Exit(status)
+
+
+_base = inspect.signature(record)
+record.__signature__ = _base.replace(parameters=[  # type: ignore[attr-defined]
+    p for p in _base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + _dry_run_parameters())
+app.command("record", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+            no_args_is_help=True)(record)

@@ -1,0 +1,37 @@
+"""`pdtrace record --dry-run` through the CLI: a shipped sample's REGENERATE command reproduces its findings."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _findings(trace: Path) -> list[tuple]:
+    from pdtrace.analysis import analyze
+
+    found = analyze(str(trace))
+    return sorted(zip(found["rule"], found["subrule"], found["severity"], found["instance"], found["req"]))
+
+
+@pytest.mark.parametrize("sample", ["starve"])
+def test_regenerate_command_reproduces_the_sample(cli, tmp_path: Path, sample: str) -> None:
+    folder = REPO / "sample_traces" / sample
+    line = next(ln for ln in (folder / "REGENERATE").read_text().splitlines() if ln.startswith("pdtrace record"))
+    args = shlex.split(line)[2:]  # after `pdtrace record`
+    out = tmp_path / "trace"
+    args[args.index("-o") + 1] = str(out)
+    result = cli("record", *args)
+    assert result.exit_code == 0, result.stderr
+    assert f"pdtrace analyze {out}" in result.stderr
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["dry_run"]["faults"] == [sample]
+    assert _findings(out) == _findings(folder)
