@@ -217,3 +217,174 @@ def fmt_blocks(blocks: list[int], limit: int = 12) -> str:
     if len(blocks) <= limit:
         return "[" + ", ".join(str(b) for b in blocks) + "]"
     return "[" + ", ".join(str(b) for b in blocks[:limit]) + f", ... ({len(blocks)} blocks)]"
+
+
+# --- engine failures ---------------------------------------------------------------------------------------------
+#
+# Crash policy, shared by every absence-based rule (leaked_blocks, unscheduled_request). Once a scheduler's engine
+# logged `engine_error`, nothing it would have done afterwards can appear in the trace: a finding that reports the
+# absence of such an event is a consequence of the crash, not a bug of its own. The *failure point* is the first
+# event of the failing step K (the step of the first `engine_error` of that scheduler; the error row itself when the
+# step is unknown): the engine never finished that step's update, so anything due from there on was cut off. A
+# finding on that scheduler is a crash consequence when
+#   - the event it misses became due at or after the failure point (a free due at a finish or at a send completion
+#     recorded in the failing step's update), or
+#   - it is a window open at the end of the trace (a wait for a transfer, an idle request, a request waiting to be
+#     scheduled) that had not yet reached the rule's threshold at the failure point (time since the window began
+#     <= grace_s; steps strictly before the failure point < starve_steps / zombie_steps).
+# Such findings become `info`; their message starts "engine failed at step K (engine_error <error>) before <what>: ",
+# their evidence ends with the engine_error row and `extra` gets `engine_failed` {step, ts_ns, error} and
+# `downgraded: "engine_error"`. Findings already overdue before the failure keep their severity: the crash did not
+# cause them. Only the failed scheduler's own findings are touched (a peer instance waiting on it is not).
+
+CRASH_SEVERITY = "info"
+CRASH_NOTE = "the engine failed here"
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The first `engine_error` of one scheduler and its failure point (first event of the failing step)."""
+
+    row: int
+    pos: int
+    step: int
+    ts_ns: int
+    point_pos: int
+    point_ts: int
+    error: str
+
+    def describe(self) -> str:
+        at = f"step {self.step}" if self.step >= 0 else "an unknown step"
+        return f"engine failed at {at} (engine_error {self.error})"
+
+    def cut_off(self, due_pos: int) -> bool:
+        """The event due at due_pos could not happen: it was due at or after the failure point."""
+        return due_pos >= self.point_pos
+
+    def mark(self, record: dict[str, Any], what: str) -> dict[str, Any]:
+        """Rewrite a finding record as a crash consequence (severity, message, extra; evidence is the caller's:
+        append the ref of `self.row` with CRASH_NOTE)."""
+        record["severity"] = CRASH_SEVERITY
+        record["message"] = f"{self.describe()} before {what}: {record['message']}"
+        record["extra"] = dict(record.get("extra") or {}, downgraded="engine_error",
+                               engine_failed={"step": self.step if self.step >= 0 else None, "ts_ns": self.ts_ns,
+                                              "error": self.error})
+        return record
+
+
+def engine_failures(ctx: Any) -> dict[int, EngineFailure]:
+    """The first engine_error per scheduler key (see the crash policy above); {} when no engine failed."""
+    def build() -> dict[int, EngineFailure]:
+        cols = columns(ctx)
+        rows = cols.rows_of("engine_error")
+        out: dict[int, EngineFailure] = {}
+        if len(rows) == 0:
+            return out
+        rows = rows[np.argsort(cols.pos[rows], kind="stable")]
+        for row, detail in zip(rows.tolist(), cols.details(rows)):  # one per failure (a handful)
+            sk = int(cols.sk[row])
+            if sk in out:
+                continue
+            pos = int(cols.pos[row])
+            step = int(cols.step[row])
+            point = pos
+            if step >= 0:
+                same = np.flatnonzero((cols.sk == sk) & (cols.step == step))  # one mask per failed scheduler
+                if len(same):
+                    point = min(pos, int(cols.pos[same].min()))
+            error = " ".join(str(detail.get("error") or "").split()).rstrip(": ") or "unknown error"
+            if len(error) > 80:
+                error = error[:77] + "..."
+            out[sk] = EngineFailure(row, pos, step, int(cols.ts[row]), point, int(cols.ts[cols.order[point]]),
+                                    error)
+        return out
+    return ctx.cached("rulekit.engine_failures", build)
+
+
+# --- per-rank transfer reports ----------------------------------------------------------------------------------
+
+@dataclass
+class RankReport:
+    """Which ranks reported one request's transfer in one direction (`kv_send_rank` / `kv_recv_rank`)."""
+
+    direction: str            # "send" or "recv"
+    rows: list[int]           # the request's rank rows of that direction, in time order
+    reported: list[str]       # rank labels "pp<P>/tp<T>", sorted
+    missing: list[str]        # expected ranks that never reported (known labels)
+    expected: int | None      # expected number of ranks (None: unknown)
+    source: str               # where `expected` comes from
+
+    @property
+    def n_unseen(self) -> int:
+        """Expected ranks missing beyond the ones named (never seen on the instance at all)."""
+        if self.expected is None:
+            return 0
+        return max(0, self.expected - len(self.reported) - len(self.missing))
+
+    def describe(self) -> str:
+        names = list(self.missing) + ([f"{self.n_unseen} more"] if self.n_unseen else [])
+        verb = "send" if self.direction == "send" else "receive"
+        return (f"rank(s) {', '.join(names)} never reported the {verb} (kv_{self.direction}_rank from "
+                f"{', '.join(self.reported)} only; {self.expected} expected, from {self.source})")
+
+
+def _rank_label(pp: int, tp: int) -> str:
+    return f"pp{max(pp, 0)}/tp{max(tp, 0)}"
+
+
+def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
+    """The ranks that reported request key rk's transfer in `direction`, and the expected ones that did not.
+
+    None when the request has no rank row of that direction (nothing says ranks report here) or every expected rank
+    reported. Expected ranks: the count is the detail `expected_ranks` of the request's own aggregated
+    `kv_<direction>_done` rows (or, when it has none, the largest one of its instance), else engine_config tp*pp,
+    else the number of distinct ranks that reported that direction for any request of the same scheduler; the ranks
+    named missing are those of that scheduler-wide set absent for this request (one mask per call: call it per
+    finding only)."""
+    cols = columns(ctx)
+    kind_name = f"kv_{direction}_rank"
+    all_rows = cols.rows_of(kind_name)
+    if len(all_rows) == 0:
+        return None
+    mine = all_rows[cols.rk[all_rows] == rk]
+    if len(mine) == 0:
+        return None
+    sk = int(cols.sk[mine[0]])
+    inst_rows = all_rows[cols.sk[all_rows] == sk]
+    pp = cols.table.column("pp_rank").take(pa.array(inst_rows)).to_numpy(zero_copy_only=False)
+    tp = cols.table.column("tp_rank").take(pa.array(inst_rows)).to_numpy(zero_copy_only=False)
+    pp = np.nan_to_num(np.asarray(pp, np.float64), nan=-1).astype(np.int64)
+    tp = np.nan_to_num(np.asarray(tp, np.float64), nan=-1).astype(np.int64)
+    labels = np.array([_rank_label(p, t) for p, t in zip(pp.tolist(), tp.tolist())], dtype=object)
+    is_mine = cols.rk[inst_rows] == rk
+    reported = sorted(set(labels[is_mine].tolist()))
+    known = sorted(set(labels.tolist()))
+    expected: int | None = None
+    source = ""
+    done_rows = cols.rows_of(f"kv_{direction}_done")
+    done_rows = done_rows[cols.sk[done_rows] == sk]
+    if len(done_rows):
+        own = done_rows[cols.rk[done_rows] == rk]
+        for rows_, where in ((own, "expected_ranks of its completion"),
+                             (done_rows, "expected_ranks of the instance's completions")):
+            values = [d.get("expected_ranks") for d in cols.details(rows_[:256])]
+            values = [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if values:
+                expected, source = max(values), where
+                break
+    if expected is None:
+        cfg = engine_configs(ctx).get(sk, {})
+        try:
+            expected, source = int(cfg.get("tp", 1)) * int(cfg.get("pp", 1)), "engine_config tp*pp"
+            if "tp" not in cfg and "pp" not in cfg:
+                expected = None
+        except (TypeError, ValueError):
+            expected = None
+    if expected is None:
+        expected, source = len(known), "the ranks that reported for other requests"
+    missing = [label for label in known if label not in reported]
+    report = RankReport(direction, sorted(mine.tolist(), key=lambda r: int(cols.pos[r])), reported,
+                        missing, expected, source)
+    if not missing and report.n_unseen == 0:
+        return None
+    return report

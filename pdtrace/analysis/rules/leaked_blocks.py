@@ -12,8 +12,23 @@ Algorithm, over the ownership intervals never closed by a free (one finding per 
   although the step that was the last one submitted before the free has its `step_output` and a later non-empty
   step has had its update (deferred frees drain there), is `definitely` (context `deferred_never_drained`) unless
   the block was allocated again (the pool got it back unrecorded).
+Per-rank reports: where the owner's open transfer (`indirectly`) has `kv_send_rank` / `kv_recv_rank` rows of its
+direction and some expected rank never reported (`rulekit.rank_report`: expected = detail `expected_ranks`, else
+engine_config tp*pp, else the ranks that reported for other requests of the scheduler), the message names the
+silent ranks, the rank rows are evidence, the context ends in `:missing_rank` and `extra` gets `missing_ranks`,
+`ranks_reported` and `ranks_expected`: the aggregator waits for a rank that will never report. It stays a leak
+(same class and severity): the blocks are what is lost, the silent rank is why.
 A `recorder_gap` or `recorder_off` of the instance between the moment in question and the end of the trace
-downgrades the finding one severity (extra `downgraded`). `extra` carries `class`, `n_blocks`, `held_s` and
+downgrades the finding one severity (extra `downgraded`).
+Engine failures (the crash policy of `rulekit`, "engine failures"): on a scheduler whose engine logged
+`engine_error`, a leak is a consequence of the crash, and becomes info with the engine_error as evidence, when
+- `definitely`: the free was due (the later of the finish and the close of its send / receive) at or after the
+  failure point (the first event of the failing step), e.g. a `kv_send_done` recorded in the update vLLM's assert
+  interrupted;
+- `deferred_never_drained`: the update that should have drained the free comes at or after the failure point;
+- `indirectly` / `possibly`: the wait (or idleness), measured up to the failure point instead of the end of the
+  trace, was not yet longer than the grace period.
+Leaks already overdue before the failure keep their severity. `extra` carries `class`, `n_blocks`, `held_s` and
 `pool_blocks` (engine_config n), which the leak summary adds up per instance.
 """
 
@@ -29,8 +44,9 @@ from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import (DOWNGRADE, Evidence, engine_configs, fmt_blocks, gaps, groups,
-                                      inst_code_of_sk, sk_instance, step_index)
+from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
+                                      engine_failures, fmt_blocks, gaps, groups, inst_code_of_sk, rank_report,
+                                      sk_instance, step_index)
 
 CLASS_SEVERITY = {"definitely": "error", "indirectly": "error", "possibly": "warning"}
 
@@ -47,29 +63,35 @@ def run(ctx: Any) -> pd.DataFrame:
     gp = gaps(ctx)
     ev = Evidence(cols)
     cfgs = engine_configs(ctx)
+    failures = engine_failures(ctx)
     records: list[dict[str, Any]] = []
 
     def ts_at(pos: int) -> int:
         return int(cols.ts[cols.order[pos]])
 
     def emit(cls: str, sk: int, req_row: int, blocks: list[int], since_pos: int, why: str,
-             evidence: list[dict[str, Any]], context: str, step: Any) -> None:
+             evidence: list[dict[str, Any]], context: str, step: Any, crash: EngineFailure | None = None,
+             extra_more: dict[str, Any] | None = None) -> None:
         instance, dp = sk_instance(cols, sk)
         severity = CLASS_SEVERITY[cls]
         gap = gp.covers(inst_code_of_sk(cols, sk), since_pos, end_pos)
         extra: dict[str, Any] = {"class": cls, "n_blocks": len(blocks), "held_s": (end_ts - ts_at(since_pos)) / 1e9,
-                                 "pool_blocks": cfgs.get(sk, {}).get("num_blocks")}
+                                 "pool_blocks": cfgs.get(sk, {}).get("num_blocks"), **(extra_more or {})}
         if gap:
             severity = DOWNGRADE[severity]
             extra["downgraded"] = gap
             why += f" ({gap} in the trace: events may be missing)"
         req = ev.ref(req_row).get("req")
-        records.append({
+        record = {
             "rule": "leaked_blocks", "subrule": cls, "severity": severity, "instance": instance, "dp_rank": dp,
             "req": req, "blocks": blocks, "step": step, "ts_ns": ts_at(since_pos),
             "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} {cls} lost: {req} {why}",
             "evidence": evidence, "context": context, "extra": extra,
-        })
+        }
+        if crash is not None:
+            crash.mark(record, f"{req} gave them up")
+            record["evidence"] = evidence + [ev.ref(crash.row, CRASH_NOTE)]
+        records.append(record)
 
     open_iv = np.flatnonzero(own.free_row < 0)
     if len(open_iv):
@@ -84,32 +106,52 @@ def run(ctx: Any) -> pd.DataFrame:
             recv_open = bool(st.recv_open_at(np.array([rk]), np.array([end_pos]))[0])
             ev.refs([alloc_row] + ([int(cols.order[fin])] if fin >= 0 else []))
             evidence = [ev.ref(alloc_row, "allocated here")]
+            failure = failures.get(sk)
+            crash: EngineFailure | None = None
+            extra_more: dict[str, Any] = {}
             if send_open or recv_open:
                 since = fin if send_open else int(st.wait_kv_pos[rk])
                 if end_ts - ts_at(since) <= grace_ns:
                     continue
+                if failure is not None and failure.point_ts - ts_at(since) <= grace_ns:
+                    crash = failure
                 cls = "indirectly"
                 evidence.append(ev.ref(int(cols.order[since]), "finished with delay_free: waiting for the peer's "
                                        "read" if send_open else "waiting for remote KV since"))
                 why = (f"waits {'to send its KV' if send_open else 'for remote KV'} for "
                        f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {ctx.config.grace_s:g} s) and never completes")
                 context = f"leaked_blocks:indirectly:{'send' if send_open else 'recv'}"
+                ranks = rank_report(ctx, rk, "send" if send_open else "recv")
+                if ranks is not None:
+                    why += f"; {ranks.describe()}"
+                    ev.refs(ranks.rows[:16])
+                    evidence += [ev.ref(r, f"kv_{ranks.direction}_rank: this rank reported")
+                                 for r in ranks.rows[:16]]
+                    context += ":missing_rank"
+                    extra_more = {"missing_ranks": ranks.missing, "ranks_reported": ranks.reported,
+                                  "ranks_expected": ranks.expected}
             elif fin >= 0:
                 since = fin
                 cls = "definitely"
                 evidence.append(ev.ref(int(cols.order[fin]), "request finished"))
                 why = "finished and has no open transfer, but never gave them up"
                 context = "leaked_blocks:definitely:finished"
+                due = max(fin, int(st.send_close_pos[rk]), int(st.recv_close_pos[rk]))
+                if failure is not None and failure.cut_off(due):
+                    crash = failure
             else:
                 last = int(st.last_pos[rk])
                 if last < 0 or end_ts - ts_at(last) <= grace_ns:
                     continue
+                if failure is not None and failure.point_ts - ts_at(last) <= grace_ns:
+                    crash = failure
                 since = last
                 cls = "possibly"
                 evidence.append(ev.ref(int(cols.order[last]), "last event of the request"))
                 why = f"is still alive but idle for {(end_ts - ts_at(last)) / 1e9:.1f} s"
                 context = "leaked_blocks:possibly:idle"
-            emit(cls, sk, alloc_row, blocks, since, why, evidence, context, ev.ref(alloc_row).get("step"))
+            emit(cls, sk, alloc_row, blocks, since, why, evidence, context, ev.ref(alloc_row).get("step"), crash,
+                 extra_more)
 
     _deferred_never_drained(ctx, ev, emit)
     return findings_frame(records)
@@ -135,16 +177,22 @@ def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
     tokens = si.tokens_of(cols.sk[outs], cols.step[outs])
     busy = outs[tokens > 0]
     later = next_at_or_after(own.sk[cand], fence_out, cols.sk[busy], cols.pos[busy], strict=True)
-    leaked = cand[has & (fence_out >= 0) & (later >= 0)]
+    keep = has & (fence_out >= 0) & (later >= 0)
+    leaked = cand[keep]
+    drain_pos = cols.pos[busy[np.maximum(later, 0)]][keep] if len(busy) else np.zeros(0, np.int64)
+    failures = engine_failures(ctx)
     for group in groups(own.free_row[leaked]):
         members = leaked[group]
         row = int(own.free_row[members[0]])
         blocks = sorted(int(b) for b in own.block[members])
         ev.refs([row, int(own.alloc_row[members[0]])])
         evidence = [ev.ref(row, "deferred free"), ev.ref(int(own.alloc_row[members[0]]), "allocated here")]
-        emit("definitely", int(own.sk[members[0]]), row, blocks, int(cols.pos[row]),
+        sk = int(own.sk[members[0]])
+        failure = failures.get(sk)
+        crash = failure if failure is not None and failure.cut_off(int(drain_pos[group].min())) else None
+        emit("definitely", sk, row, blocks, int(cols.pos[row]),
              "freed them with a deferred free that never reached the pool although its fence passed", evidence,
-             "leaked_blocks:definitely:deferred_never_drained", ev.ref(row).get("step"))
+             "leaked_blocks:definitely:deferred_never_drained", ev.ref(row).get("step"), crash)
 
 
 RULE = Rule(
