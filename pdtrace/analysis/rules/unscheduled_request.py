@@ -38,6 +38,15 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
   request was scheduled (or preempted, or finished) again later.
 A `recorder_gap` or `recorder_off` on the instance over a finding's window lowers its severity one level (the
 missing event may have been dropped).
+Engine failures (the crash policy of `rulekit`, "engine failures"): a finding whose window is open at the end of
+the trace, on a scheduler whose engine logged `engine_error`, is re-measured up to the failure point (the first
+event of the failing step): when the steps strictly before it stay under the subrule's step threshold
+(starve_steps for starved / never_scheduled / preempted_not_resumed / stuck_waiting_kv, zombie_steps for zombie /
+dropped_from_batch; for starved that step count bounds the steps with room from above) and, for
+stuck_waiting_kv, the wait up to the failure point is within grace_s, the schedule or transfer it misses would only
+have come after the crash: the finding becomes info, says "engine failed at step K (engine_error ...) before ..."
+and cites the engine_error. Windows that were already over their threshold before the failure keep their severity;
+windows closed before the end are not affected.
 """
 
 from __future__ import annotations
@@ -52,7 +61,8 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import RequestState, request_state
-from pdtrace.analysis.rulekit import DOWNGRADE, Evidence, engine_configs, gaps, inst_code_of_sk, sk_instance
+from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, Evidence, engine_configs, engine_failures, gaps,
+                                      inst_code_of_sk, sk_instance)
 from pdtrace.analysis.steps import _step_frame, rows_columns
 
 _MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
@@ -162,12 +172,37 @@ def _next_in(sorted_key: np.ndarray, rk: np.ndarray, pos: np.ndarray, span: int)
 class _Out:
     """Collects finding records; evidence rows fetched in one take at the end."""
 
-    def __init__(self, ctx: AnalysisContext, cols: Columns) -> None:
+    #: step threshold (an AnalysisConfig field) per subrule, for the crash policy
+    STEP_THRESHOLD = {"starved": "starve_steps", "never_scheduled": "starve_steps",
+                      "preempted_not_resumed": "starve_steps", "stuck_waiting_kv": "starve_steps",
+                      "zombie": "zombie_steps", "dropped_from_batch": "zombie_steps"}
+    #: what the crash cut off, per subrule (message text)
+    CUT_OFF = {"stuck_waiting_kv": "its KV arrived", "dropped_from_batch": "it came back to the batch"}
+
+    def __init__(self, ctx: AnalysisContext, cols: Columns, sc: SchedCounter | None = None) -> None:
         self.ctx = ctx
         self.cols = cols
         self.ev = Evidence(cols)
         self.gaps = gaps(ctx)
+        self.sc = sc
+        self.failures = engine_failures(ctx)
         self.pending: list[tuple[dict[str, Any], list[tuple[int, str | None]]]] = []
+
+    def _crash_cut(self, subrule: str, sk: int, start_row: int) -> Any:
+        """The engine failure that explains a window open at the end, or None (see the module docstring)."""
+        failure = self.failures.get(sk)
+        if failure is None or self.sc is None:
+            return None
+        start = int(self.cols.pos[start_row])
+        if start >= failure.point_pos:
+            return failure
+        steps = float(self.sc.steps_between(np.array([sk]), np.array([start]), np.array([failure.point_pos]))[0])
+        if steps >= int(getattr(self.ctx.config, self.STEP_THRESHOLD.get(subrule, "starve_steps"))):
+            return None
+        if subrule == "stuck_waiting_kv" and \
+                failure.point_ts - int(self.cols.ts[start_row]) > float(self.ctx.config.grace_s) * 1e9:
+            return None
+        return failure
 
     def add(self, subrule: str, severity: str, rk: int, start_row: int, end_pos: int, message: str,
             evidence: list[tuple[int, str | None]], extra: dict[str, Any]) -> None:
@@ -182,12 +217,18 @@ class _Out:
             message += f" ({covered} on {instance} over this window: the missing event may have been dropped)"
             extra = dict(extra, downgraded=covered)
         step = int(cols.step[start_row])
-        self.pending.append(({
+        record = {
             "rule": "unscheduled_request", "subrule": subrule, "severity": severity, "instance": instance,
             "dp_rank": dp, "req": str(names["req"].iloc[rk]), "blocks": [], "step": step if step >= 0 else None,
             "ts_ns": int(cols.ts[start_row]), "message": message, "context": f"unscheduled_request:{subrule}",
             "extra": extra,
-        }, [(r, note) for r, note in evidence if r is not None and r >= 0]))
+        }
+        evidence = [(r, note) for r, note in evidence if r is not None and r >= 0]
+        crash = self._crash_cut(subrule, sk, start_row) if end_pos < 0 else None
+        if crash is not None:
+            crash.mark(record, f"{names['req'].iloc[rk]} {self.CUT_OFF.get(subrule, 'was scheduled')}")
+            evidence.append((crash.row, CRASH_NOTE))
+        self.pending.append((record, evidence))
 
     def frame(self) -> pd.DataFrame:
         self.ev.refs(r for _, evs in self.pending for r, _ in evs)
@@ -269,7 +310,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     st = request_state(ctx)
     cfg = ctx.config
     sc = SchedCounter(ctx, cols)
-    out = _Out(ctx, cols)
+    out = _Out(ctx, cols, sc)
     need = _prompt_need(ctx, cols, st, sc)
     span = int(cols.n) + 2
     unfinished = st.finish_pos < 0
