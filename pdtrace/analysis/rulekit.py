@@ -339,8 +339,8 @@ def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
     reported. Expected ranks: the count is the detail `expected_ranks` of the request's own aggregated
     `kv_<direction>_done` rows (or, when it has none, the largest one of its instance), else engine_config tp*pp,
     else the number of distinct ranks that reported that direction for any request of the same scheduler; the ranks
-    named missing are those of that scheduler-wide set absent for this request (one mask per call: call it per
-    finding only)."""
+    named missing are those of the scheduler-wide set (ranks that reported for any request, plus the engine_config
+    pp x tp grid) absent for this request (one mask per call: call it per finding only)."""
     cols = columns(ctx)
     kind_name = f"kv_{direction}_rank"
     all_rows = cols.rows_of(kind_name)
@@ -382,6 +382,13 @@ def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
             expected = None
     if expected is None:
         expected, source = len(known), "the ranks that reported for other requests"
+    cfg = engine_configs(ctx).get(sk, {})
+    try:  # the configured grid names ranks that never reported for any request
+        grid = [_rank_label(p, t) for p in range(int(cfg.get("pp", 1))) for t in range(int(cfg.get("tp", 1)))] \
+            if ("tp" in cfg or "pp" in cfg) else []
+    except (TypeError, ValueError):
+        grid = []
+    known = sorted(set(known) | set(grid))
     missing = [label for label in known if label not in reported]
     report = RankReport(direction, sorted(mine.tolist(), key=lambda r: int(cols.pos[r])), reported,
                         missing, expected, source)
