@@ -264,3 +264,12 @@ def test_idle_request_on_a_failed_engine_is_info_not_possibly_lost():
     assert f["severity"] == "info" and f["message"].startswith("engine failed at step 0")
     f = one(analyze(trace(False), rules=["leaked_blocks"]), "leaked_blocks", "possibly")
     assert f["severity"] == "warning"
+
+
+def test_leak_summary_leaves_out_crash_consequences():
+    from pdtrace.analysis import summarize_findings
+
+    crashed = summarize_findings(analyze(send_done_then_crash(True, early_leak=True), rules=["leaked_blocks"]))
+    assert [(e["instance"], e["definitely"], e["requests"]) for e in crashed["leaks"]] == [("P", 2, 1)]  # c only
+    plain = summarize_findings(analyze(send_done_then_crash(False, early_leak=True), rules=["leaked_blocks"]))
+    assert [(e["instance"], e["definitely"], e["requests"]) for e in plain["leaks"]] == [("P", 5, 2)]

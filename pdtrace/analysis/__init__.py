@@ -177,9 +177,14 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
 
 
 def _leak_summary(leaks: pd.DataFrame) -> list[dict[str, Any]]:
+    """Leaked blocks per (instance, dp_rank), by class, with their share of the pool. Leaks that are consequences of
+    an engine failure (extra `downgraded` == "engine_error", the crash policy of rulekit) are left out: the blocks
+    were still in use when the engine died, not lost by a bug."""
     rows: dict[tuple[str, Any], dict[str, Any]] = {}
     for rec in leaks.to_dict("records"):  # one per leak finding
         extra = rec.get("extra") or {}
+        if extra.get("downgraded") == "engine_error":
+            continue
         key = (str(rec.get("instance")), rec.get("dp_rank"))
         entry = rows.setdefault(key, {"instance": key[0], "dp_rank": key[1], "blocks": 0, "definitely": 0,
                                       "indirectly": 0, "possibly": 0, "requests": 0, "pool_blocks": None})
