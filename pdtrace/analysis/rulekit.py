@@ -11,8 +11,9 @@ from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.analysis.columns import NO, Columns, columns, take_rows
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
 
@@ -332,66 +333,117 @@ def _rank_label(pp: int, tp: int) -> str:
     return f"pp{max(pp, 0)}/tp{max(tp, 0)}"
 
 
+_RANK_SPAN = 10_000  # rank code = pp * _RANK_SPAN + tp
+
+
+@dataclass
+class _RankIndex:
+    """The rank rows of one direction sorted by (request key, position), with their rank codes; per scheduler,
+    the codes seen for any request and the largest `expected_ranks` of its aggregated completions."""
+
+    rows: np.ndarray
+    rk: np.ndarray
+    code: np.ndarray
+    known: dict[int, set[int]]
+    done_rows: np.ndarray      # kv_<direction>_done rows sorted by request key
+    done_rk: np.ndarray
+    instance_expected: dict[int, int]
+
+    def of(self, rk: int) -> np.ndarray:
+        """Indices (into rows / code) of request key rk's rank rows."""
+        lo, hi = np.searchsorted(self.rk, [rk, rk + 1])
+        return np.arange(lo, hi)
+
+    def done_of(self, rk: int) -> np.ndarray:
+        lo, hi = np.searchsorted(self.done_rk, [rk, rk + 1])
+        return self.done_rows[lo:hi]
+
+
+def _expected_values(cols: Columns, rows: np.ndarray) -> list[int]:
+    values = [d.get("expected_ranks") for d in cols.details(rows)]
+    return [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _rank_index(ctx: Any, direction: str) -> _RankIndex:
+    def build() -> _RankIndex:
+        cols = columns(ctx)
+        rows = cols.rows_of(f"kv_{direction}_rank")
+        rows = rows[cols.rk[rows] >= 0]
+        rk = cols.rk[rows].astype(np.int64)
+        order = np.lexsort((cols.pos[rows], rk))
+        rows, rk = rows[order], rk[order]
+        pp = np.maximum(int_column_at(cols, "pp_rank", rows), 0)
+        tp = np.maximum(int_column_at(cols, "tp_rank", rows), 0)
+        code = pp * _RANK_SPAN + tp
+        sk = cols.sk[rows]
+        known: dict[int, set[int]] = {}
+        for s in np.unique(sk).tolist():  # per scheduler
+            known[int(s)] = set(np.unique(code[sk == s]).tolist())
+        done = cols.rows_of(f"kv_{direction}_done")
+        done = done[np.isin(cols.sk[done], list(known)) & (cols.rk[done] >= 0)] if known else done[:0]
+        done_rk = cols.rk[done].astype(np.int64)
+        d_order = np.argsort(done_rk, kind="stable")
+        done, done_rk = done[d_order], done_rk[d_order]
+        instance_expected: dict[int, int] = {}
+        for s in known:  # per scheduler: the completions' declared rank counts (a sample of them)
+            values = _expected_values(cols, done[cols.sk[done] == s][:256])
+            if values:
+                instance_expected[s] = max(values)
+        return _RankIndex(rows, rk, code, known, done, done_rk, instance_expected)
+    return ctx.cached(f"rulekit.rank_index.{direction}", build)
+
+
+def int_column_at(cols: Columns, name: str, rows: np.ndarray) -> np.ndarray:
+    """A numeric column's values at rows, nulls as -1."""
+    if len(rows) == 0 or name not in cols.table.column_names:
+        return np.full(len(rows), -1, np.int64)
+    values = take_rows(cols.table.column(name), rows)
+    return np.asarray(pc.fill_null(values, -1).to_numpy(zero_copy_only=False), np.int64)
+
+
 def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
     """The ranks that reported request key rk's transfer in `direction`, and the expected ones that did not.
 
     None when the request has no rank row of that direction (nothing says ranks report here) or every expected rank
     reported. Expected ranks: the count is the detail `expected_ranks` of the request's own aggregated
-    `kv_<direction>_done` rows (or, when it has none, the largest one of its instance), else engine_config tp*pp,
-    else the number of distinct ranks that reported that direction for any request of the same scheduler; the ranks
-    named missing are those of the scheduler-wide set (ranks that reported for any request, plus the engine_config
-    pp x tp grid) absent for this request (one mask per call: call it per finding only)."""
+    `kv_<direction>_done` rows (or, when it has none, the largest one of its scheduler's completions), else
+    engine_config tp*pp, else the number of distinct ranks that reported that direction for any request of the same
+    scheduler; the ranks named missing are those of the scheduler-wide set (ranks that reported for any request, plus
+    the engine_config pp x tp grid) absent for this request. The rank rows are indexed once per direction (sorted by
+    request key); each call is a searchsorted, so call it per finding."""
     cols = columns(ctx)
-    kind_name = f"kv_{direction}_rank"
-    all_rows = cols.rows_of(kind_name)
-    if len(all_rows) == 0:
-        return None
-    mine = all_rows[cols.rk[all_rows] == rk]
+    idx = _rank_index(ctx, direction)
+    mine = idx.of(rk)
     if len(mine) == 0:
         return None
-    sk = int(cols.sk[mine[0]])
-    inst_rows = all_rows[cols.sk[all_rows] == sk]
-    pp = cols.table.column("pp_rank").take(pa.array(inst_rows)).to_numpy(zero_copy_only=False)
-    tp = cols.table.column("tp_rank").take(pa.array(inst_rows)).to_numpy(zero_copy_only=False)
-    pp = np.nan_to_num(np.asarray(pp, np.float64), nan=-1).astype(np.int64)
-    tp = np.nan_to_num(np.asarray(tp, np.float64), nan=-1).astype(np.int64)
-    labels = np.array([_rank_label(p, t) for p, t in zip(pp.tolist(), tp.tolist())], dtype=object)
-    is_mine = cols.rk[inst_rows] == rk
-    reported = sorted(set(labels[is_mine].tolist()))
-    known = sorted(set(labels.tolist()))
+    sk = int(cols.sk[idx.rows[mine[0]]])
+    reported_codes = set(idx.code[mine].tolist())
+    cfg = engine_configs(ctx).get(sk, {})
     expected: int | None = None
     source = ""
-    done_rows = cols.rows_of(f"kv_{direction}_done")
-    done_rows = done_rows[cols.sk[done_rows] == sk]
-    if len(done_rows):
-        own = done_rows[cols.rk[done_rows] == rk]
-        for rows_, where in ((own, "expected_ranks of its completion"),
-                             (done_rows, "expected_ranks of the instance's completions")):
-            values = [d.get("expected_ranks") for d in cols.details(rows_[:256])]
-            values = [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if values:
-                expected, source = max(values), where
-                break
-    if expected is None:
-        cfg = engine_configs(ctx).get(sk, {})
-        try:
-            expected, source = int(cfg.get("tp", 1)) * int(cfg.get("pp", 1)), "engine_config tp*pp"
-            if "tp" not in cfg and "pp" not in cfg:
-                expected = None
-        except (TypeError, ValueError):
-            expected = None
+    own = _expected_values(cols, idx.done_of(rk))
+    if own:
+        expected, source = max(own), "expected_ranks of its completion"
+    elif sk in idx.instance_expected:
+        expected, source = idx.instance_expected[sk], "expected_ranks of the instance's completions"
+    grid: set[int] = set()
+    try:
+        if "tp" in cfg or "pp" in cfg:
+            n_pp, n_tp = int(cfg.get("pp", 1)), int(cfg.get("tp", 1))
+            grid = {p * _RANK_SPAN + t for p in range(n_pp) for t in range(n_tp)}
+            if expected is None:
+                expected, source = n_pp * n_tp, "engine_config tp*pp"
+    except (TypeError, ValueError):
+        grid = set()
+    known = idx.known.get(sk, set()) | grid
     if expected is None:
         expected, source = len(known), "the ranks that reported for other requests"
-    cfg = engine_configs(ctx).get(sk, {})
-    try:  # the configured grid names ranks that never reported for any request
-        grid = [_rank_label(p, t) for p in range(int(cfg.get("pp", 1))) for t in range(int(cfg.get("tp", 1)))] \
-            if ("tp" in cfg or "pp" in cfg) else []
-    except (TypeError, ValueError):
-        grid = []
-    known = sorted(set(known) | set(grid))
-    missing = [label for label in known if label not in reported]
-    report = RankReport(direction, sorted(mine.tolist(), key=lambda r: int(cols.pos[r])), reported,
-                        missing, expected, source)
-    if not missing and report.n_unseen == 0:
+
+    def labels(codes: set[int]) -> list[str]:
+        return [_rank_label(c // _RANK_SPAN, c % _RANK_SPAN) for c in sorted(codes)]
+
+    report = RankReport(direction, idx.rows[mine].tolist(), labels(reported_codes),
+                        labels(known - reported_codes), expected, source)
+    if not report.missing and report.n_unseen == 0:
         return None
     return report

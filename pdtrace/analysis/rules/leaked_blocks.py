@@ -125,8 +125,8 @@ def run(ctx: Any) -> pd.DataFrame:
                 if ranks is not None:
                     why += f"; {ranks.describe()}"
                     ev.refs(ranks.rows[:16])
-                    evidence += [ev.ref(r, f"kv_{ranks.direction}_rank: this rank reported")
-                                 for r in ranks.rows[:16]]
+                    silent = ", ".join(ranks.missing) or "the rest"
+                    evidence += [ev.ref(r, f"this rank reported; {silent} never did") for r in ranks.rows[:16]]
                     context += ":missing_rank"
                     extra_more = {"missing_ranks": ranks.missing, "ranks_reported": ranks.reported,
                                   "ranks_expected": ranks.expected}
