@@ -29,7 +29,7 @@ Engine failures (the crash policy of `rulekit`, "engine failures"): on a schedul
 - `indirectly` / `possibly`: the wait (or idleness), measured up to the failure point instead of the end of the
   trace, was not yet longer than the grace period.
 Leaks already overdue before the failure keep their severity. `extra` carries `class`, `n_blocks`, `held_s` and
-`pool_blocks` (engine_config n), which the leak summary adds up per instance.
+`pool_blocks` (engine_config n), which the leak summary adds up per instance (crash consequences left out).
 """
 
 from __future__ import annotations
