@@ -282,10 +282,10 @@ def engine_failures(ctx: Any) -> dict[int, EngineFailure]:
         if len(rows) == 0:
             return out
         rows = rows[np.argsort(cols.pos[rows], kind="stable")]
-        for row, detail in zip(rows.tolist(), cols.details(rows)):  # one per failure (a handful)
+        _, first = np.unique(cols.sk[rows], return_index=True)  # each scheduler's first engine_error
+        rows = rows[np.sort(first)]
+        for row, detail in zip(rows.tolist(), cols.details(rows)):  # one per failed scheduler
             sk = int(cols.sk[row])
-            if sk in out:
-                continue
             pos = int(cols.pos[row])
             step = int(cols.step[row])
             point = pos
