@@ -273,3 +273,23 @@ def test_leak_summary_leaves_out_crash_consequences():
     assert [(e["instance"], e["definitely"], e["requests"]) for e in crashed["leaks"]] == [("P", 2, 1)]  # c only
     plain = summarize_findings(analyze(send_done_then_crash(False, early_leak=True), rules=["leaked_blocks"]))
     assert [(e["instance"], e["definitely"], e["requests"]) for e in plain["leaks"]] == [("P", 5, 2)]
+
+
+def test_a_peer_of_the_failed_engine_keeps_its_findings():
+    """P fails; D, still waiting for P's KV 600 s later, is not excused: the policy is per scheduler."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
+    d.step({}, wait_kv={"r1": [7, 8]})
+    d.output()
+    p.step({})
+    p._current = 0
+    crash(p)
+    crash(p, "RuntimeError: second")  # only the first engine_error of a scheduler counts
+    b.advance(600 * S)
+    d.step({})
+    d.output()
+    df = analyze(b.trace(), rules=["unscheduled_request", "leaked_blocks"])
+    assert set(df["instance"]) == {"D"} and set(df["severity"]) == {"error"}
+    assert not df["message"].str.contains("engine failed").any()
