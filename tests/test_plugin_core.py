@@ -122,6 +122,27 @@ def test_session_keeps_one_recorder_per_instance_and_dp_rank(tmp_path):
     assert session.recorders() == [] and a.closed
 
 
+def test_hook_durations_use_the_sessions_clock_else_perf_counter(tmp_path, monkeypatch):
+    import time
+
+    from pdtrace.recording.vllm._common import SchedulerState
+
+    ticks = iter(range(10**18, 10**18 + 100, 5))
+
+    def clock() -> int:
+        return next(ticks)
+
+    session.configure(tmp_path / "dry", source="dryrun", clock=clock)
+    assert session.duration_clock() is clock
+    state = SchedulerState(None, "p", "prefill", 0)   # what schedule() and the futures' waits time with
+    assert state.now is clock and state.rec.clock is clock
+    session.reset()                                   # a new session forgets the old clock
+    monkeypatch.setenv(session.TRACE_DIR_ENV, str(tmp_path / "live"))
+    assert session.configure_from_env("vllm-0.33.0")
+    assert session.duration_clock() is time.perf_counter_ns
+    assert SchedulerState(None, "p", "prefill", 0).now is time.perf_counter_ns
+
+
 def test_instance_ids_follow_the_format_rules():
     assert split_dp_suffix("prefill-0_dp3") == ("prefill-0", 3)
     assert split_dp_suffix("engine_dpx") == ("engine_dpx", None)

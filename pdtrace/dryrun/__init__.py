@@ -3,7 +3,8 @@
 The real engine loop, scheduler, KV cache manager, block pool and NixlConnector scheduler side run unchanged; only
 the workers, the KV transfer engine and the client are simulated (pdtrace/dryrun/executor.py, transfer.py,
 sim.py), on a virtual clock. Recording goes through the same hooks as a live run
-(`pdtrace.recording.vllm.install_hooks()` after `session.configure(..., source="dryrun", clock=...)`); only what no
+(`pdtrace.recording.vllm.install_hooks()` after `session.configure(..., source="dryrun", clock=...)`: timestamps and
+the hooks' durations, `dur_ns` and `wait_ns`, come from that virtual clock); only what no
 real vLLM code runs for here (the workers' exec spans, per-rank transfer reports, the persistent batch) is emitted
 by the simulated workers, on the "worker" channel of each instance's recorder.
 
@@ -146,27 +147,6 @@ def _check_vllm_importable() -> None:
                              "README.md)")
 
 
-def _use_virtual_durations(clock: Any) -> Any:
-    """The hooks time schedule() (`dur_ns`) and the futures' waits (`wait_ns`) with their module's `_now`; in a
-    dry run those durations must come from the virtual clock too, or the same seed would not give the same trace.
-    Returns a function that puts the original back."""
-    import importlib
-
-    try:
-        table = importlib.import_module("pdtrace.recording.vllm.v0_33")
-    except ImportError:
-        return lambda: None
-    if not hasattr(table, "_now"):
-        return lambda: None
-    original = table._now
-    table._now = clock
-
-    def restore() -> None:
-        table._now = original
-
-    return restore
-
-
 def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
     """Run vLLM's real engine core(s) on the simulated cluster `config` describes; write the trace to `output_dir`.
 
@@ -204,12 +184,10 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     session.configure(str(out), source="dryrun", clock=cluster.clock)
     if not install_hooks():
         raise RecordingError("pdtrace's vLLM hooks could not be installed for this vLLM version")
-    restore_durations = _use_virtual_durations(cluster.clock)
     try:
         cluster.build()
         stats = cluster.run()
     finally:
-        restore_durations()
         session.close_all()
     manifest = out / "_manifest.json"
     if not manifest.exists():

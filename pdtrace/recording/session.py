@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,14 @@ def configure_from_env(source: str) -> bool:
 def is_configured() -> bool:
     """Whether a session is configured (recorders can be opened)."""
     return _directory is not None
+
+
+def duration_clock() -> Callable[[], int]:
+    """The clock hooks take durations from (`dur_ns`, `wait_ns`): the configured clock (a dry run's virtual one,
+    so that the same seed gives the same trace), else `time.perf_counter_ns` (monotonic, unlike the
+    `time.time_ns` that stamps live events)."""
+    clock = _clock
+    return clock if clock is not None else time.perf_counter_ns
 
 
 def directory() -> str | None:
@@ -120,7 +129,8 @@ def close_all() -> None:
 
 def reset() -> None:
     """Close everything and forget the configuration (tests, and a dry run that ends its session)."""
-    global _directory
+    global _directory, _clock
     close_all()
     with _lock:
         _directory = None
+        _clock = None

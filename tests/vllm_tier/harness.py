@@ -270,6 +270,46 @@ def make_engine(vllm_config: Any, pp: int = 2) -> Any:
     return EngineCore(vllm_config, executor_class=fake_executor_class(pp), log_stats=False)
 
 
+def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
+    """vLLM's real EngineCoreProc busy loop (`run_busy_loop`, `_process_input_queue`, `_handle_client_request`) on
+    the fake executor, without the ZMQ handshakes and socket threads of its __init__: a test puts the client's
+    messages into `input_queue` itself, as the input thread does after preprocessing."""
+    import queue
+
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
+
+    class InProcessEngineCoreProc(EngineCoreProc):
+        def __init__(self, vllm_config: Any, executor_class: type) -> None:
+            # The attributes EngineCoreProc.__init__ sets around EngineCore.__init__ (core.py:1184-1245), sockets
+            # and data parallelism aside.
+            self.input_queue = queue.Queue()
+            self.output_queue = queue.Queue()
+            self.engine_index = 0
+            self.engines_running = False
+            self.shutdown_state = EngineShutdownState.RUNNING
+            self.reject_new_requests = False
+            self.tensor_ipc_receiver = None
+            self.has_coordinator = False
+            self.publish_dp_lb_stats = False
+            self.last_counts = (0, 0)
+            self.process_input_queue_block = True
+            EngineCore.__init__(self, vllm_config, executor_class, False)
+            self.enable_fault_tolerance = False
+
+    return InProcessEngineCoreProc(vllm_config, fake_executor_class(pp))
+
+
+def client_add(engine: Any, request: Any) -> None:
+    """Queue an ADD from the client, as EngineCoreProc's input thread does after preprocess_add_request."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    request.block_hasher = engine.request_block_hasher
+    if request.block_hasher is not None:
+        request.block_hashes = []
+        request.update_block_hashes()
+    engine.input_queue.put_nowait((EngineCoreRequestType.ADD, (request, 0)))
+
+
 def engine_add(engine: Any, request: Any) -> None:
     """Add a request as EngineCore.add_request would after preprocessing (hashing set up)."""
     request.block_hasher = engine.request_block_hasher

@@ -142,3 +142,119 @@ def test_finished_sending_for_a_running_request_is_recorded_before_vllm_asserts(
     findings = pdtrace.analyze(live_plugin)
     hit = findings[(findings["rule"] == "completion_before_finish") & (findings["req"] == "r2")]
     assert len(hit) == 1 and hit.iloc[0]["subrule"] == "send"
+
+
+class _TickClock:
+    """A recording clock that moves by exactly TICK ns per read: durations become counts of reads."""
+
+    TICK = 1_000
+
+    def __init__(self) -> None:
+        self.now = 1_767_225_600_000_000_000
+
+    def __call__(self) -> int:
+        self.now += self.TICK
+        return self.now
+
+
+def test_durations_come_from_the_sessions_clock(live_plugin, model_dir):
+    """With a clock configured (as the dry run does), dur_ns and wait_ns are differences of that clock's readings,
+    not of perf_counter_ns: one read before and one after, nothing recorded in between in this run."""
+    from pdtrace.recording import session
+
+    clock = _TickClock()
+    session.configure(live_plugin, source="test", clock=clock)   # EngineCore's plugin load keeps this session
+    vc = H.make_vllm_config(model_dir, kv_role=None)
+    vc.scheduler_config.async_scheduling = False      # EngineCore.step: no batch queue
+    engine = H.make_engine(vc, pp=1)
+    _ENGINES.append(engine)
+    assert engine.step_fn.__name__ == "step"
+    for i in range(3):
+        H.engine_add(engine, H.make_request(f"r{i}", 40, max_tokens=4))
+    _run(engine)
+
+    events = H.close_and_read(live_plugin)
+    tick = _TickClock.TICK
+    assert {e["ts_ns"] % tick for e in events} == {clock.now % tick}   # every timestamp read from the clock
+    durations = [e["detail"]["dur_ns"] for e in H.of_kind(events, "sched")]
+    assert len(durations) > 3 and set(durations) == {tick}
+    waits = [e["detail"]["wait_ns"] for e in H.of_kind(events, "step_output")]
+    tokens = [e["n"] for e in H.of_kind(events, "sched")]
+    # A step that ran the model waits on execute_model's future, then on sample_tokens (two timed waits); an empty
+    # one gets its output from execute_model's future alone.
+    assert 0 in tokens and waits == [2 * tick if n else tick for n in tokens]
+
+
+@pytest.fixture
+def busy_loop_engine(live_plugin, model_dir):
+    """A real EngineCoreProc busy loop on the fake executor (one batch in flight), pdtrace loaded by its __init__."""
+    engine = H.make_engine_proc(H.make_vllm_config(model_dir, kv_role=None), pp=1)
+    _ENGINES.append(engine)
+    return engine
+
+
+def test_client_request_error_is_recorded_and_reraised_unchanged(live_plugin, busy_loop_engine):
+    """A duplicate request id from the client trips the scheduler's assert in add_request, between steps, in
+    EngineCoreProc._handle_client_request: engine_error (where, error, the request), flushed, and vLLM's own
+    exception goes on to kill the busy loop."""
+    import pdtrace
+
+    engine = busy_loop_engine
+    H.client_add(engine, H.make_request("r0", 40, max_tokens=8))
+    engine._process_input_queue()
+    for _ in range(2):
+        engine.step_fn()
+    H.client_add(engine, H.make_request("r0", 40, max_tokens=8))   # same id again
+    with pytest.raises(AssertionError, match="duplicate request id") as raised:
+        engine.run_busy_loop()
+    assert "_handle_client_request" in {f.name for f in raised.traceback}   # raised there, not in a step
+
+    flushed = pdtrace.open_trace(str(live_plugin)).table.to_pylist()      # before any close: the flush wrote it
+    assert [r["kind"] for r in flushed].count("engine_error") == 1
+    events = H.close_and_read(live_plugin)
+    error, = H.of_kind(events, "engine_error")
+    assert error["component"] == "engine" and error["step"] is None      # between steps
+    assert error["detail"] == {"error": "AssertionError: duplicate request id", "where": "_handle_client_request",
+                               "request": "ADD", "req": "r0"}
+    assert len(H.of_kind(events, "req_add", req="r0")) == 1
+    assert events.index(error) > max(events.index(e) for e in H.of_kind(events, "step_output"))
+    assert [e["step"] for e in H.of_kind(events, "sched")] == [0, 1]
+
+
+def test_executor_failure_reported_to_the_busy_loop_is_recorded(live_plugin, busy_loop_engine):
+    from vllm.v1.engine import EngineCoreRequestType
+
+    engine = busy_loop_engine
+    H.client_add(engine, H.make_request("r0", 40, max_tokens=8))
+    engine.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b""))  # what the executor's callback puts
+    with pytest.raises(RuntimeError, match="Executor failed"):
+        engine.run_busy_loop()
+    events = H.close_and_read(live_plugin)
+    error, = H.of_kind(events, "engine_error")
+    assert error["detail"] == {"error": "RuntimeError: Executor failed.", "where": "_handle_client_request",
+                               "request": "EXECUTOR_FAILED"}
+
+
+def test_client_request_hook_failure_leaves_vllms_exception_alone(live_plugin, busy_loop_engine, monkeypatch):
+    """pdtrace failing while it records the error: recording switches off, vLLM's exception still propagates."""
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    engine = busy_loop_engine
+    H.client_add(engine, H.make_request("r0", 40, max_tokens=8))
+    engine._process_input_queue()
+    engine.step_fn()
+
+    class BrokenChannel:
+        def emit(self, *args, **kwargs):
+            raise RuntimeError("boom inside pdtrace")
+
+    monkeypatch.setattr(engine.__dict__[v0_33.STATE_ATTR], "eng", BrokenChannel())   # the engine_error emit fails
+    H.client_add(engine, H.make_request("r0", 40, max_tokens=8))
+    with pytest.raises(AssertionError, match="duplicate request id"):
+        engine.run_busy_loop()
+    assert RUNTIME.errors == 1 and not RUNTIME.active
+    events = H.close_and_read(live_plugin)
+    assert not H.of_kind(events, "engine_error")
+    off, = H.of_kind(events, "recorder_off")
+    assert "_handle_client_request" in off["detail"]["error"] and "boom inside pdtrace" in off["detail"]["error"]

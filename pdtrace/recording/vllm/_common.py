@@ -54,12 +54,14 @@ class SchedulerState:
 
     __slots__ = (
         "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason",
-        "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits",
+        "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits", "now",
     )
 
     def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
         self.sched = scheduler
         self.rec = session.recorder(instance, role, dp_rank)
+        #: The clock of `dur_ns` and `wait_ns`: the session's (a dry run's virtual clock), read with the recorder.
+        self.now = session.duration_clock()
         self.ch = self.rec.channel("scheduler")
         self.eng = self.rec.channel("engine")
         self.next_step = 0

@@ -21,7 +21,9 @@ vllm-0.33-corrections.md) give the reasoning; in short:
   `_free_cow_retained_blocks` -> blocks_pool_free of copy-on-write retentions. Not covered: sliding-window
   trimming inside allocate_slots (blocks_free reason `skipped`) and connectors that free pool blocks directly.
 * Engine loop: `EngineCore.step` / `step_with_batch_queue` (class wraps: `step_fn` is bound after the plugin ran)
-  -> engine_error; at the first step the executor *instance* is wrapped -> step_submit, and the futures' wait.
+  -> engine_error; at the first step the executor *instance* is wrapped -> step_submit, and the futures' wait
+  (`dur_ns` and `wait_ns` on the session's duration clock: the dry run's virtual clock, else perf_counter_ns).
+  `EngineCoreProc._handle_client_request` (client ADD / ABORT / EXECUTOR_FAILED between steps) -> engine_error.
 * Workers (lazy modules): `Worker.execute_model` / `sample_tokens` -> exec_begin / exec_end per PP and TP rank,
   kv_send_rank / kv_recv_rank from each rank's own KVConnectorOutput; V1 `GPUModelRunner._update_states` ->
   batch_add / batch_remove.
@@ -32,7 +34,6 @@ Every wrapper: if recording is off, call the original and nothing else; pdtrace'
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pdtrace.recording import session
@@ -50,7 +51,6 @@ from pdtrace.recording.vllm._runtime import RUNTIME
 VERSIONS = ("0.33.0",)
 
 _RT = RUNTIME
-_now = time.perf_counter_ns
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager"
@@ -286,14 +286,15 @@ def _w_schedule(orig: Any) -> Any:
             step = st.next_step
             st.next_step = step + 1
             st.cur_step = step
-            t0 = _now()
+            now = st.now
+            t0 = now()
         except Exception as exc:
             _RT.fail("schedule", exc)
             return orig(self, *args, **kwargs)
         so = orig(self, *args, **kwargs)
         if _RT.active:
             try:
-                dur = _now() - t0
+                dur = now() - t0
                 setattr(so, STEP_ATTR, step)
                 nst = so.num_scheduled_tokens
                 # Which tables grew: new requests, and cached ones whose new_block_ids is not None (vLLM's own
@@ -645,13 +646,14 @@ def _engine_state(engine: Any) -> SchedulerState:
 
 def _timed_future(future: Any, st: SchedulerState) -> None:
     result = future.result
+    now = st.now
 
     def timed_result(*args: Any, **kwargs: Any) -> Any:
-        t0 = _now()
+        t0 = now()
         try:
             return result(*args, **kwargs)
         finally:
-            st.wait_ns = (st.wait_ns or 0) + (_now() - t0)
+            st.wait_ns = (st.wait_ns or 0) + (now() - t0)
 
     try:
         future.result = timed_result
@@ -684,11 +686,12 @@ def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
             out = sample_tokens(grammar_output, *args, **kwargs)
             _timed_future(out, st)
             return out
-        t0 = _now()
+        now = st.now
+        t0 = now()
         try:
             return sample_tokens(grammar_output, *args, **kwargs)
         finally:
-            st.wait_ns = (st.wait_ns or 0) + (_now() - t0)
+            st.wait_ns = (st.wait_ns or 0) + (now() - t0)
 
     executor.execute_model = wrapped_execute_model
     executor.sample_tokens = wrapped_sample_tokens
@@ -719,6 +722,34 @@ def _w_engine_step(where: str) -> Any:
         return step
 
     return factory
+
+
+def _w_handle_client_request(orig: Any) -> Any:
+    # The busy loop handles client input between steps (EngineCoreProc._process_input_queue, core.py:1647): an ADD
+    # or ABORT that raises in the scheduler (e.g. its "duplicate request id" assert), or EXECUTOR_FAILED, ends the
+    # loop as surely as a step does. Aborts drained inside a step (_process_aborts_queue) are the step wrapper's;
+    # the preprocess path (input thread) answers its errors per request and never reaches here. Nothing is done
+    # unless vLLM raises: a client request costs one extra Python call.
+    def _handle_client_request(self: Any, request_type: Any, request: Any) -> Any:
+        try:
+            return orig(self, request_type, request)
+        except Exception as exc:
+            if _RT.active:
+                try:
+                    st = self.__dict__.get(STATE_ATTR) or _sched_state(self.scheduler)
+                    detail: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}",
+                                              "where": "_handle_client_request",
+                                              "request": getattr(request_type, "name", str(request_type))}
+                    if detail["request"] == "ADD":
+                        detail["req"] = str(request[0].request_id)
+                    st.eng.emit("engine_error", step=st.cur_step, detail=detail)
+                    st.cur_step = None
+                    st.rec.flush()
+                except Exception as inner:
+                    _RT.fail("_handle_client_request", inner)
+            raise
+
+    return _handle_client_request
 
 
 # ---------------------------------------------------------------------------------------------------- workers
@@ -870,6 +901,7 @@ TABLE: tuple[Hook, ...] = (
     Hook(_SCHED, "Scheduler", "_free_cow_retained_blocks", _w_free_cow_retained_blocks, ("blocks", "fence_seq")),
     Hook(_CORE, "EngineCore", "step", _w_engine_step("step"), ()),
     Hook(_CORE, "EngineCore", "step_with_batch_queue", _w_engine_step("step_with_batch_queue"), ()),
+    Hook(_CORE, "EngineCoreProc", "_handle_client_request", _w_handle_client_request, ("request_type", "request")),
     Hook(_WORKER, "Worker", "execute_model", _w_worker_execute_model, ("scheduler_output",), lazy=True),
     Hook(_WORKER, "Worker", "sample_tokens", _w_worker_sample_tokens, ("grammar_output",), lazy=True),
     Hook(_RUNNER, "GPUModelRunner", "_update_states", _w_update_states, ("scheduler_output",), lazy=True),
