@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pdtrace.analysis.columns import Columns, _first_seen_codes, dictionary_codes, take_rows
+from pdtrace.analysis.columns import Columns, _first_seen_codes, dictionary_codes
+from pdtrace.trace.model import take_rows
 from pdtrace.trace.reader import REQ_DICTIONARY_ATTR, open_trace
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"

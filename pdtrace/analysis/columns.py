@@ -13,7 +13,6 @@ so no rule compares strings per event.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -23,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.trace.model import Trace
+from pdtrace.trace.model import Trace, parse_details
 from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
 
 NO = -1  # the "absent" value of every code, key, step and position array
@@ -41,31 +40,6 @@ def _values(arr: pa.Array, dtype: Any, fill: int) -> np.ndarray:
         valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset:].view(bool)
         return np.where(valid, values, fill).astype(dtype, copy=False)
     return values.astype(dtype, copy=False)  # no nulls, same type: a read-only view of the Arrow buffer
-
-
-def take_rows(column: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
-    """The column's values at `rows` (any order, repeats allowed), taken from the chunks that hold them:
-    `ChunkedArray.take` concatenates every chunk first (a copy of a 10M-row string column for one row)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    n = len(column)
-    if column.num_chunks <= 1 or len(rows) == 0 or rows.min() < 0 or rows.max() >= n:
-        return column.take(pa.array(rows))  # (also raises Arrow's own error for a row out of bounds)
-    starts = np.zeros(column.num_chunks + 1, np.int64)
-    np.cumsum([len(c) for c in column.chunks], out=starts[1:])
-    which = np.searchsorted(starts, rows, side="right") - 1
-    order = np.argsort(which, kind="stable")
-    w_sorted = which[order]
-    bounds = np.r_[np.flatnonzero(np.r_[True, w_sorted[1:] != w_sorted[:-1]]), len(order)]
-    pieces = []
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        chunk = int(w_sorted[a])
-        pieces.append(column.chunk(chunk).take(pa.array(rows[order[a:b]] - starts[chunk])))
-    got = pa.concat_arrays(pieces)
-    if np.array_equal(order, np.arange(len(order))):
-        return got
-    inverse = np.empty(len(rows), np.int64)
-    inverse[order] = np.arange(len(rows))
-    return got.take(pa.array(inverse))
 
 
 def _concat_values(arrays: list[pa.Array], dtype: Any, fill: int) -> np.ndarray:
@@ -444,17 +418,8 @@ class Columns:
         return self._codes[key]  # type: ignore[return-value]
 
     def details(self, rows: np.ndarray) -> list[dict[str, Any]]:
-        """`Trace.details` (the parsed `detail` JSON of these rows, {} where null or not an object), with the
-        strings taken chunk by chunk (see take_rows)."""
-        raw = take_rows(self.table.column("detail"), np.asarray(rows, dtype=np.int64)).to_pylist()
-        out: list[dict[str, Any]] = []
-        for text in raw:  # per cited row, few
-            try:
-                value = json.loads(text) if text else {}
-            except ValueError:
-                value = {}
-            out.append(value if isinstance(value, dict) else {})
-        return out
+        """`Trace.details`: the parsed `detail` JSON of these rows ({} where null or not an object)."""
+        return parse_details(self.table.column("detail"), rows)
 
 
 def columns(ctx: Any) -> Columns:

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import NO, Columns, columns, take_rows
+from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.trace.model import take_rows
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
 

@@ -49,7 +49,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import columns, take_rows
+from pdtrace.analysis.columns import columns
+from pdtrace.trace.model import take_rows
 from pdtrace.analysis.context import AnalysisContext
 
 BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests")
