@@ -160,7 +160,11 @@ severity, instance, number of findings and request ids; `tests/test_samples.py` 
 Notes:
 
 - `completion_before_finish` and `duplicate_completion` end where vLLM's own assert stopped the engine
-  (`engine_error` is the trace's last scheduler event): exactly what kills a real EngineCoreProc.
+  (`engine_error` is the trace's last scheduler event): exactly what kills a real EngineCoreProc. In
+  `duplicate_completion` the assert also kept another request's recorded send completion from freeing its blocks;
+  the analyzer reports that leak as info ("engine failed at step K ... before ..."), a consequence of the crash
+  rather than a second bug.
+- `missing_rank_completion`'s leak finding names the silent rank (pp0/tp1) and cites the ranks that did report.
 - The leak samples (`lost_send_completion`, `missing_rank_completion`, `slow_transfer`, `starve`) were made with
   `--end-hold-s 500`: once the run is stuck, the engines jump 500 s ahead and take one more step, so the wait
   outlasts the analyzer's default grace period (480 s, NIXL's D-side block TTL) without simulating the ~1000 empty
