@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,11 +138,17 @@ def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
     """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
-    ev = ctx.trace.events
-    rows = ev[(ev["kind"] == "engine_config") & ev["n"].notna()]
-    out = pd.DataFrame({"instance": rows["instance"].astype("str").to_numpy(),
-                        "dp_rank": rows["dp_rank"].fillna(-1).to_numpy(dtype=np.int64),
-                        "pool_blocks": rows["n"].to_numpy(dtype=np.int64)})
+    # Filtered in Arrow: a few rows, not the whole trace, become pandas.
+    table = ctx.trace.table
+    mask = pc.fill_null(pc.and_(pc.equal(table.column("kind"), "engine_config"), pc.is_valid(table.column("n"))),
+                        False)
+    rows = table.select(["instance", "dp_rank", "n"]).filter(mask)
+    instance = rows.column("instance")
+    if pa.types.is_dictionary(instance.type):
+        instance = instance.cast(instance.type.value_type)
+    out = pd.DataFrame({"instance": instance.to_numpy(zero_copy_only=False).astype(object),
+                        "dp_rank": pc.fill_null(rows.column("dp_rank"), -1).to_numpy().astype(np.int64),
+                        "pool_blocks": rows.column("n").to_numpy().astype(np.int64)})
     return out.drop_duplicates(["instance", "dp_rank"], keep="last").reset_index(drop=True)
 
 
