@@ -69,11 +69,36 @@ def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
 
 
 def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
+    from pdtrace.analysis.columns import columns
+
+    arrays = _phase_arrays(ctx)
+    if arrays is None:
+        return _empty_phases()
+    rk, phase, start, end = arrays
+    names = columns(ctx).rk_names
+    return pd.DataFrame({
+        "instance": names["instance"].to_numpy(dtype=object)[rk].astype(str),
+        "dp_rank": pd.array(names["dp_rank"].to_numpy()[rk], dtype="Int16"),
+        "role": names["role"].to_numpy(dtype=object)[rk].astype(str),
+        "req": names["req"].to_numpy(dtype=object)[rk].astype(str),
+        "phase": pd.Categorical.from_codes(phase, categories=PHASES, ordered=True),
+        "start_ns": start,
+        "end_ns": end,
+    }).astype({"instance": "str", "role": "str", "req": "str"})
+
+
+def _phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """request_phases as arrays (request key, phase code, start_ns, end_ns), sorted by request key then time;
+    None where request_phases is the empty frame. Cached: block_usage joins on the integer keys."""
+    return ctx.cached("timelines.phase_arrays", lambda: _compute_phase_arrays(ctx))
+
+
+def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     from pdtrace.analysis.columns import bool_column, columns
 
     cols = columns(ctx)
     if cols.n == 0:
-        return _empty_phases()
+        return None
     comp_codes, comp_names = cols.codes("component")
     mask = (cols.rk >= 0) & cols.is_kind(*_STATE_KINDS)
     if "scheduler" in comp_names:
@@ -82,7 +107,7 @@ def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
         mask[:] = False
     rows = np.flatnonzero(mask)
     if len(rows) == 0:
-        return _empty_phases()
+        return None
     rows = rows[np.lexsort((cols.pos[rows], cols.rk[rows]))]  # per request, in the global event order
     rk = cols.rk[rows]
     kind_codes, kind_names = cols.codes("kind")
@@ -122,18 +147,8 @@ def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
     end = np.full(len(rows), trace_end, dtype=np.int64)
     same_next = rk[1:] == rk[:-1]
     end[:-1] = np.where(same_next, start[1:], trace_end)
-    names = cols.rk_names
     keep = end > start
-    rk, phase, start, end = rk[keep], phase[keep], start[keep], end[keep]
-    return pd.DataFrame({
-        "instance": names["instance"].to_numpy(dtype=object)[rk].astype(str),
-        "dp_rank": pd.array(names["dp_rank"].to_numpy()[rk], dtype="Int16"),
-        "role": names["role"].to_numpy(dtype=object)[rk].astype(str),
-        "req": names["req"].to_numpy(dtype=object)[rk].astype(str),
-        "phase": pd.Categorical.from_codes(phase, categories=PHASES, ordered=True),
-        "start_ns": start,
-        "end_ns": end,
-    }).astype({"instance": "str", "role": "str", "req": "str"})
+    return rk[keep], phase[keep], start[keep], end[keep]
 
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
@@ -208,105 +223,139 @@ def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) ->
 
 
 def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
-    from pdtrace.analysis.blocks import block_ownership
+    # Integer keys throughout (request key, scheduler key, block), from the ownership arrays and the phase arrays:
+    # the join and the sorts are numpy searches and lexsorts, not pandas merges and sorts of string columns.
+    from pdtrace.analysis.blocks import ownership
+    from pdtrace.analysis.columns import _ramp, columns
 
-    own = block_ownership(ctx)
+    own = ownership(ctx)
     if len(own) == 0:
         return _empty_usage()
+    cols = columns(ctx)
     _, trace_end = trace_span(ctx)
-    h = pd.DataFrame({
-        "instance": own["instance"].astype("str").to_numpy(),
-        "dp_rank": own["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
-        "req": own["req"].astype("str").to_numpy(),
-        "block": own["block"].to_numpy(dtype=np.int64),
-        "alloc_ts": own["alloc_ts"].to_numpy(dtype=np.int64),
-        "free_ts": own["free_ts"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
-    })
-    h["holding"] = np.arange(len(h))
-    h["open"] = h["free_ts"] < 0
-    h.loc[h["open"], "free_ts"] = trace_end
+    names = cols.rk_names
+    sk_names = cols.sk_names
+    sk_of_rk = names["sk"].to_numpy(dtype=np.int64)
+    sk_instance = sk_names["instance"].to_numpy(dtype=object).astype(str)
+    sk_dp = sk_names["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64)
+    # Schedulers ranked in (instance, dp_rank) order: the order the results are sorted in.
+    _, instance_rank = np.unique(sk_instance, return_inverse=True)
+    sk_rank = np.empty(len(sk_names), np.int64)
+    sk_rank[np.lexsort((sk_dp, instance_rank))] = np.arange(len(sk_names))
 
-    ph = request_phases(ctx)
-    ph = pd.DataFrame({"instance": ph["instance"].to_numpy(), "req": ph["req"].to_numpy(),
-                       "dp_rank": ph["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64),
-                       "finished": (ph["phase"].cat.codes.to_numpy() >= _FINISHED_HOLDING),
-                       "start_ns": ph["start_ns"].to_numpy(), "end_ns": ph["end_ns"].to_numpy()})
-    seg = h.merge(ph, on=["instance", "dp_rank", "req"], how="left")
+    h_rk = own.rk.astype(np.int64)
+    h_block = own.block.astype(np.int64)
+    h_alloc = cols.ts[own.alloc_row]
+    h_open = own.free_row < 0
+    h_free = np.where(h_open, trace_end, cols.ts[np.where(h_open, 0, own.free_row)])
+
+    # Each holding against every phase of its owner (phases are sorted by request key), clipped to both.
+    phases = _phase_arrays(ctx)
+    if phases is None:
+        p_rk = np.empty(0, np.int64)
+        p_code = p_start_all = p_end_all = np.zeros(1, np.int64)
+    else:
+        p_rk, p_code, p_start_all, p_end_all = phases
+    lo = np.searchsorted(p_rk, h_rk, side="left")
+    n_match = np.searchsorted(p_rk, h_rk, side="right") - lo
+    holding = np.repeat(np.arange(len(h_rk)), np.maximum(n_match, 1))
+    has_phase = n_match[holding] > 0
+    pidx = np.where(has_phase, lo[holding] + _ramp(np.maximum(n_match, 1)), 0)
     # An owner without phases (its events fell outside the trace) counts as running for the whole holding.
-    no_phase = seg["start_ns"].isna().to_numpy()
-    p_start = seg["start_ns"].fillna(0).to_numpy(dtype=np.int64, copy=True)
-    p_end = seg["end_ns"].fillna(trace_end).to_numpy(dtype=np.int64)
-    p_start[no_phase] = seg["alloc_ts"].to_numpy()[no_phase]
-    seg["s"] = np.maximum(seg["alloc_ts"].to_numpy(), p_start)
-    seg["e"] = np.minimum(seg["free_ts"].to_numpy(), p_end)
-    seg["state"] = np.where(seg["finished"].fillna(False).to_numpy(dtype=bool), 1, 0)
-    seg = seg[seg["e"] > seg["s"]]
-    seg = seg[["instance", "dp_rank", "req", "block", "holding", "open", "alloc_ts", "s", "e", "state"]]
+    p_start = np.where(has_phase, p_start_all[pidx], h_alloc[holding])
+    p_end = np.where(has_phase, p_end_all[pidx], trace_end)
+    s = np.maximum(h_alloc[holding], p_start)
+    e = np.minimum(h_free[holding], p_end)
+    state = np.where(has_phase & (p_code[pidx] >= _FINISHED_HOLDING), 1, 0)
+    keep = e > s
+    holding, s, e, state = holding[keep], s[keep], e[keep], state[keep]
 
     leaks = _leak_findings(ctx, findings)
     if len(leaks):
-        open_h = seg.loc[seg["open"], ["holding", "instance", "req", "block"]].drop_duplicates("holding")
+        seg_open = h_open[holding]
+        open_ids = np.unique(holding[seg_open])
+        open_rk = h_rk[open_ids]
+        open_h = pd.DataFrame({"holding": open_ids,
+                               "instance": names["instance"].to_numpy(dtype=object)[open_rk].astype(str),
+                               "req": names["req"].to_numpy(dtype=object)[open_rk].astype(str),
+                               "block": h_block[open_ids]})
         exact = open_h.merge(leaks[leaks["block"] >= 0], on=["instance", "req", "block"])
         whole = open_h.merge(leaks[leaks["block"] < 0].drop(columns="block"), on=["instance", "req"])
         flagged = pd.concat([exact, whole])[["holding", "leak_ts"]].groupby("holding")["leak_ts"].min()
-        fin_start = seg[seg["state"] == 1].groupby("holding")["s"].min()
         never = np.iinfo(np.int64).max
-        leak_at = np.full(len(h), never, dtype=np.int64)
-        leak_at[flagged.index.to_numpy()] = np.minimum(
-            flagged.to_numpy(np.int64), fin_start.reindex(flagged.index, fill_value=never).to_numpy(np.int64))
-        lf = leak_at[seg["holding"].to_numpy()]
+        fin_start = np.full(len(h_rk), never, dtype=np.int64)
+        np.minimum.at(fin_start, holding[state == 1], s[state == 1])
+        flagged_ids = flagged.index.to_numpy(dtype=np.int64)
+        leak_at = np.full(len(h_rk), never, dtype=np.int64)
+        leak_at[flagged_ids] = np.minimum(flagged.to_numpy(np.int64), fin_start[flagged_ids])
+        lf = leak_at[holding]
         has = lf != never
-        s, e_ = seg["s"].to_numpy(), seg["e"].to_numpy()
-        split = has & (s < lf) & (e_ > lf)
-        tail = seg[split].copy()
-        tail["s"] = lf[split]
-        tail["state"] = 2
-        seg.loc[split, "e"] = lf[split]
-        seg.loc[has & (s >= lf), "state"] = 2
-        seg = pd.concat([seg, tail], ignore_index=True)
+        split = has & (s < lf) & (e > lf)
+        tail_holding, tail_s, tail_e = holding[split], lf[split], e[split]
+        e = np.where(split, lf, e)
+        state = np.where(has & (s >= lf), 2, state)
+        holding = np.concatenate([holding, tail_holding])
+        s = np.concatenate([s, tail_s])
+        e = np.concatenate([e, tail_e])
+        state = np.concatenate([state, np.full(len(tail_holding), 2, state.dtype)])
 
     # Per block: +1 at each segment's start, -1 at its end (none for open holdings at the end of the trace).
-    n = len(seg)
-    ends_open = seg["open"].to_numpy() & (seg["e"].to_numpy() >= trace_end)
-    d = pd.DataFrame({
-        "instance": np.concatenate([seg["instance"].to_numpy(), seg["instance"].to_numpy()[~ends_open]]),
-        "dp_rank": np.concatenate([seg["dp_rank"].to_numpy(), seg["dp_rank"].to_numpy()[~ends_open]]),
-        "block": np.concatenate([seg["block"].to_numpy(), seg["block"].to_numpy()[~ends_open]]),
-        "ts_ns": np.concatenate([seg["s"].to_numpy(), seg["e"].to_numpy()[~ends_open]]),
-        "state": np.concatenate([seg["state"].to_numpy(), seg["state"].to_numpy()[~ends_open]]),
-        "delta": np.concatenate([np.ones(n, np.int64), -np.ones(int((~ends_open).sum()), np.int64)]),
-    })
-    d = d.sort_values(["instance", "dp_rank", "block", "ts_ns", "delta"], kind="stable", ignore_index=True)
-    bkey = d[["instance", "dp_rank", "block"]]
-    bgroup = (bkey != bkey.shift()).any(axis=1).cumsum().to_numpy()
-    state, delta = d["state"].to_numpy(), d["delta"].to_numpy()
-    counts = np.stack([np.where(state == i, delta, 0) for i in range(len(BLOCK_STATES))], axis=1)
-    counts = pd.DataFrame(counts).groupby(bgroup).cumsum().to_numpy()
+    ends_open = h_open[holding] & (e >= trace_end)
+    closes = ~ends_open
+    seg_sk = sk_of_rk[h_rk[holding]]
+    d_sk = np.concatenate([seg_sk, seg_sk[closes]])
+    d_block = np.concatenate([h_block[holding], h_block[holding][closes]])
+    d_ts = np.concatenate([s, e[closes]])
+    d_state = np.concatenate([state, state[closes]])
+    d_delta = np.concatenate([np.ones(len(s), np.int64), -np.ones(int(closes.sum()), np.int64)])
+    order = np.lexsort((d_delta, d_ts, d_block, sk_rank[d_sk]))
+    d_sk, d_block, d_ts, d_state, d_delta = d_sk[order], d_block[order], d_ts[order], d_state[order], d_delta[order]
+    new_block = np.ones(len(d_sk), dtype=bool)
+    new_block[1:] = (d_sk[1:] != d_sk[:-1]) | (d_block[1:] != d_block[:-1])
+    counts = np.stack([np.where(d_state == i, d_delta, 0) for i in range(len(BLOCK_STATES))], axis=1)
+    counts = _group_cumsum(counts, new_block)
     held = counts > 0
     block_state = np.where(held.any(axis=1), held.argmax(axis=1), -1)
-    prev_state = np.full(len(d), -1, dtype=np.int64)
-    prev_state[1:] = np.where(bgroup[1:] == bgroup[:-1], block_state[:-1], -1)
+    prev_state = np.full(len(d_sk), -1, dtype=np.int64)
+    prev_state[1:] = np.where(new_block[1:], -1, block_state[:-1])
     change = block_state != prev_state
-    chg = d[change]
+    c_sk, c_ts = d_sk[change], d_ts[change]
     new, old = block_state[change], prev_state[change]
-    per_state = np.zeros((len(chg), len(BLOCK_STATES)), dtype=np.int64)
-    rows = np.arange(len(chg))
+    per_state = np.zeros((len(c_sk), len(BLOCK_STATES)), dtype=np.int64)
+    rows = np.arange(len(c_sk))
     per_state[rows[new >= 0], new[new >= 0]] += 1
     per_state[rows[old >= 0], old[old >= 0]] -= 1
 
-    t = pd.DataFrame({"instance": chg["instance"].to_numpy(), "dp_rank": chg["dp_rank"].to_numpy(),
-                      "ts_ns": chg["ts_ns"].to_numpy()})
+    # Per scheduler, in time order: cumulated counts; the last row per instant; rows where no count changed
+    # (an owner changed phase) dropped.
+    order = np.lexsort((c_ts, sk_rank[c_sk]))
+    c_sk, c_ts, per_state = c_sk[order], c_ts[order], per_state[order]
+    new_sched = np.ones(len(c_sk), dtype=bool)
+    new_sched[1:] = c_sk[1:] != c_sk[:-1]
+    per_state = _group_cumsum(per_state, new_sched)
+    last = np.ones(len(c_sk), dtype=bool)
+    last[:-1] = (c_sk[1:] != c_sk[:-1]) | (c_ts[1:] != c_ts[:-1])
+    c_sk, c_ts, per_state = c_sk[last], c_ts[last], per_state[last]
+    same = np.zeros(len(c_sk), dtype=bool)
+    same[1:] = (c_sk[1:] == c_sk[:-1]) & (per_state[1:] == per_state[:-1]).all(axis=1)
+    c_sk, c_ts, per_state = c_sk[~same], c_ts[~same], per_state[~same]
+
+    t = pd.DataFrame({"instance": sk_instance.astype(object)[c_sk], "dp_rank": sk_dp[c_sk], "ts_ns": c_ts})
     for i, name in enumerate(BLOCK_STATES):
         t[name] = per_state[:, i]
-    t = t.sort_values(["instance", "dp_rank", "ts_ns"], kind="stable", ignore_index=True)
-    sgroup = (t[["instance", "dp_rank"]] != t[["instance", "dp_rank"]].shift()).any(axis=1).cumsum().to_numpy()
-    t[list(BLOCK_STATES)] = t[list(BLOCK_STATES)].groupby(sgroup).cumsum()
-    t = t.drop_duplicates(["instance", "dp_rank", "ts_ns"], keep="last").reset_index(drop=True)
-    # Drop instants where an owner changed phase but no count did.
-    same = (t[["instance", "dp_rank", *BLOCK_STATES]] == t[["instance", "dp_rank", *BLOCK_STATES]].shift()).all(axis=1)
-    t = t[~same.to_numpy()].reset_index(drop=True)
-    t["in_use"] = t[list(BLOCK_STATES)].sum(axis=1)
+    t["in_use"] = per_state.sum(axis=1)
     t = t.merge(pool_sizes(ctx), on=["instance", "dp_rank"], how="left")
     t["pool_blocks"] = t["pool_blocks"].astype("Int64")
     t["dp_rank"] = pd.array(np.where(t["dp_rank"] < 0, None, t["dp_rank"]), dtype="Int16")
     return t[list(USAGE_COLUMNS)]
+
+
+def _group_cumsum(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Cumulative sums of the rows of `values` (2-D) restarting at each row where `starts` is True."""
+    if len(values) == 0:
+        return values
+    total = np.cumsum(values, axis=0)
+    first = np.flatnonzero(starts)
+    before = np.zeros_like(values[: len(first)])
+    before[1:] = total[first[1:] - 1]
+    return total - np.repeat(before, np.diff(np.append(first, len(values))), axis=0)
