@@ -253,3 +253,55 @@ def test_forked_child_records_under_its_own_pid(tmp_path):
     assert sorted(by_req) == ["after-fork", "before-fork", "in-child"]  # nothing written twice
     assert len(rows) == 3
     assert by_req["before-fork"] == by_req["after-fork"] == os.getpid() and by_req["in-child"] == pid
+
+
+def _empty_step(state, step, free_blocks=10):
+    """The rows one empty step leaves in a synchronous engine loop: sched (0 tokens), step_submit, step_output."""
+    state.ch.emit("sched", step, None, None, 0, None, None, None, None,
+                  {"running": 0, "waiting": 0, "waiting_kv": 0, "free_blocks": free_blocks, "dur_ns": 100})
+    state.eng.emit("step_submit", step=step, n=1)
+    state.eng.emit("step_output", step=step, detail={"wait_ns": 5})
+
+
+def test_empty_steps_fold_only_while_nothing_else_is_recorded(tmp_path):
+    """The vLLM hook's fold (v0_33._coalesce_empty_step, run after the update of an empty step) on hand-made rows:
+    consecutive empty steps join the run's sched row; any other event, a change of the row's counters or a write
+    of the buffer ends the run, and a folded step leaves no row."""
+    import pdtrace
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._common import SchedulerState
+
+    session.configure(tmp_path / "t", source="test")
+    st = SchedulerState(None, "p", "prefill", 0)
+    for step in range(0, 4):                       # steps 0-3: one run
+        _empty_step(st, step)
+        v0_33._coalesce_empty_step(st, step)
+    st.ch.emit("req_add", req="r1", n=16)          # another event: step 4 starts a new run
+    for step in range(4, 6):
+        _empty_step(st, step)
+        v0_33._coalesce_empty_step(st, step)
+    _empty_step(st, 6, free_blocks=9)              # the pool changed: its own row, heading the next run
+    v0_33._coalesce_empty_step(st, 6)
+    _empty_step(st, 7, free_blocks=9)
+    v0_33._coalesce_empty_step(st, 7)
+    st.rec.flush()                                 # written: step 8 cannot join step 6's row any more
+    _empty_step(st, 8, free_blocks=9)
+    v0_33._coalesce_empty_step(st, 8)
+    _empty_step(st, 9, free_blocks=9)
+    v0_33._coalesce_empty_step(st, 9)
+    session.close_all()
+
+    import json
+
+    rows = sorted(pdtrace.open_trace(tmp_path / "t").table.to_pylist(), key=lambda r: r["seq"])
+    brief = [(r["kind"], r["step"], json.loads(r["detail"]).get("empty_run") if r["detail"] else None)
+             for r in rows if r["kind"] != "engine_config"]
+    assert brief == [
+        ("sched", 0, 4), ("step_submit", 0, None), ("step_output", 0, None),
+        ("req_add", None, None),
+        ("sched", 4, 2), ("step_submit", 4, None), ("step_output", 4, None),
+        ("sched", 6, 2), ("step_submit", 6, None), ("step_output", 6, None),
+        ("sched", 8, 2), ("step_submit", 8, None), ("step_output", 8, None),
+    ]
+    first = json.loads(next(r["detail"] for r in rows if r["kind"] == "sched"))
+    assert first["dur_ns"] == 400 and first["free_blocks"] == 10   # the run's schedule() time, summed

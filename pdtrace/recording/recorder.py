@@ -137,6 +137,11 @@ class Channel:
         self.pp_rank = pp_rank
         self.tp_rank = tp_rank
 
+    @property
+    def channel_id(self) -> int:
+        """This channel's id in its recorder's rows (`Recorder.edit_recent`)."""
+        return self._id
+
     def emit(self, kind: str, step: int | None = None, req: str | None = None, blocks: Any = None,
              n: int | None = None, reason: str | None = None, status: str | None = None,
              delay_free: bool | None = None, deferred: bool | None = None, detail: Any = None) -> None:
@@ -353,6 +358,14 @@ class Recorder:
             self._wake.set()
         except Exception:
             self._count_error()
+
+    def edit_recent(self, edit: Callable[[list[tuple]], Any]) -> Any:
+        """Call `edit(rows)` on the events not yet taken by the writer (oldest first), under the lock the writer
+        takes them with, and return its result. For a hook that rewrites its own latest rows (the vLLM hooks
+        coalesce runs of empty steps): `edit` may replace or delete rows, never reorder them, and must be quick.
+        Row layout: (ts_ns, channel id, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail)."""
+        with self._state_lock:
+            return edit(self._rows)
 
     def flush(self) -> None:
         """Write every row emitted before this call (blocks the caller until it is on disk). Never raises."""

@@ -258,3 +258,53 @@ def test_client_request_hook_failure_leaves_vllms_exception_alone(live_plugin, b
     assert not H.of_kind(events, "engine_error")
     off, = H.of_kind(events, "recorder_off")
     assert "_handle_client_request" in off["detail"]["error"] and "boom inside pdtrace" in off["detail"]["error"]
+
+
+@pytest.mark.parametrize("batch_queue", [False, True], ids=["step", "batch_queue"])
+def test_runs_of_empty_steps_are_coalesced(live_plugin, model_dir, batch_queue):
+    """A prefill finished with a delayed free: vLLM steps with nothing to schedule until the send completes. Those
+    empty steps, with nothing else recorded between them, become one sched row with empty_run = k; step ids still
+    count every schedule() call, and the step that brings the completion keeps its own rows."""
+    import pdtrace
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.steps import step_table
+
+    if batch_queue:
+        engine = _engine(model_dir, "kv_producer", "prefill-0")
+    else:
+        vc = H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0")
+        vc.scheduler_config.async_scheduling = False
+        engine = H.make_engine(vc, pp=1)
+        _ENGINES.append(engine)
+        assert engine.step_fn.__name__ == "step"
+    executor = type(engine.model_executor)
+    executor.submitted = []
+    executor.inject = {30: {"finished_sending": {"r1"}}}      # in the output of the 31st step
+    H.engine_add(engine, H.make_request("r1", 40, remote_decode=True))
+    _run(engine)
+    calls = len(executor.submitted)                           # every schedule() call was submitted
+    assert calls > 30
+
+    events = H.close_and_read(live_plugin)
+    sched = H.of_kind(events, "sched")
+    weights = [e["detail"].get("empty_run", 1) for e in sched]
+    assert sum(weights) == calls                              # every step counted once
+    steps = [e["step"] for e in sched]
+    assert [s + w for s, w in zip(steps, weights)] == steps[1:] + [calls]   # ids advance by k
+    runs = [e for e in sched if "empty_run" in e["detail"]]
+    assert runs and max(w for w in weights) >= 20             # the wait for the send is one row, not 20+
+    assert all(e["n"] == 0 and e["detail"]["empty_run"] >= 2 for e in runs)
+    covered = {s for e in runs for s in range(e["step"] + 1, e["step"] + e["detail"]["empty_run"])}
+    assert not [e for e in events if e["step"] in covered]   # a coalesced step left no row at all
+    for e in runs:                                            # nothing else happened inside a run
+        at = events.index(e)
+        end = e["step"] + e["detail"]["empty_run"]
+        between = [x for x in events[at + 1:] if x["step"] is None or x["step"] < end]
+        assert {x["kind"] for x in between} <= {"step_submit", "step_output"}
+    send, = H.of_kind(events, "kv_send_done", req="r1")
+    assert send["step"] in steps                              # the completion's step has its own sched row
+    # The analyzers read the coalesced rows as k steps.
+    table = step_table(AnalysisContext(pdtrace.open_trace(str(live_plugin))))
+    assert table["empty_run"].fillna(0).sum() == calls
+    findings = pdtrace.analyze(live_plugin)
+    assert not (findings["severity"] == "error").any()

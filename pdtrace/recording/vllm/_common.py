@@ -55,6 +55,7 @@ class SchedulerState:
     __slots__ = (
         "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason",
         "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits", "now",
+        "run_head", "run_k",
     )
 
     def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
@@ -79,6 +80,9 @@ class SchedulerState:
         self.known: dict[str, Any] = {}
         #: Local prefix hit of a request being admitted: (hit blocks, hit tokens).
         self.hits: dict[str, tuple[int, int]] = {}
+        #: The latest empty step's `sched` row still in the recorder's buffer, and how many steps it stands for.
+        self.run_head: tuple | None = None
+        self.run_k = 0
 
 
 class WorkerState:

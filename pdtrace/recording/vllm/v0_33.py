@@ -24,6 +24,10 @@ vllm-0.33-corrections.md) give the reasoning; in short:
   -> engine_error; at the first step the executor *instance* is wrapped -> step_submit, and the futures' wait
   (`dur_ns` and `wait_ns` on the session's duration clock: the dry run's virtual clock, else perf_counter_ns).
   `EngineCoreProc._handle_client_request` (client ADD / ABORT / EXECUTOR_FAILED between steps) -> engine_error.
+  Runs of empty steps (a delayed free or a KV wait pending: vLLM steps at ~1 kHz with nothing to schedule) are
+  coalesced after each empty step's update (`_coalesce_empty_step`): while nothing else is recorded, a step's
+  sched/step_submit/step_output rows are taken back out of the recorder's buffer and counted in the run's first
+  sched row (detail `empty_run`). In-process workers (UniProcExecutor) record every step, so no run forms there.
 * Workers (lazy modules): `Worker.execute_model` / `sample_tokens` -> exec_begin / exec_end per PP and TP rank,
   kv_send_rank / kv_recv_rank from each rank's own KVConnectorOutput; V1 `GPUModelRunner._update_states` ->
   batch_add / batch_remove.
@@ -351,9 +355,70 @@ def _w_update_from_output(orig: Any) -> Any:
             return orig(self, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)  # on a vLLM error cur_step stays for engine_error
         st.cur_step = None
+        if step is not None and not scheduler_output.total_num_scheduled_tokens and _RT.active:
+            try:
+                _coalesce_empty_step(st, step)
+            except Exception as exc:
+                _RT.fail("update_from_output", exc)
         return out
 
     return update_from_output
+
+
+_STEP_KINDS = frozenset(("sched", "step_submit", "step_output"))
+#: sched detail keys that must agree for a step to join a run (the coalesced row then holds for every step of it).
+_RUN_SAME = ("running", "waiting", "waiting_kv", "free_blocks")
+#: How far back from the newest row the run's head is looked for (a run leaves at most a few rows after it).
+_RUN_WINDOW = 32
+
+
+def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
+    """After the update of an empty step: fold it into the run's `sched` row when nothing but empty-step rows
+    (`sched` with 0 tokens, `step_submit`, `step_output` of this scheduler) were recorded since that row, the step
+    follows the run's last one, and the row's counters still hold. Its three rows are removed from the recorder's
+    buffer, the head's detail gets `empty_run` = k and the summed `dur_ns`. A row already taken by the writer is
+    never touched: the next empty step then starts a new run. Otherwise this step's `sched` row heads a new run."""
+    head, k = st.run_head, st.run_k
+    sched_id, engine_id = st.ch.channel_id, st.eng.channel_id
+
+    def edit(rows: list[tuple]) -> tuple[tuple | None, int]:
+        mine: list[int] = []  # this step's rows, newest first
+        sched_at = head_at = -1
+        i = len(rows) - 1
+        stop = max(-1, i - _RUN_WINDOW)
+        while i > stop:
+            row = rows[i]
+            if row is head:
+                head_at = i
+                break
+            cid = row[1]
+            if row[2] not in _STEP_KINDS or (cid != sched_id and cid != engine_id) or row[3] is None:
+                break
+            if row[2] == "sched" and row[6]:
+                break
+            if row[3] == step:
+                mine.append(i)
+                if row[2] == "sched":
+                    sched_at = i
+            i -= 1
+        if sched_at < 0:  # this step's sched row is behind other events, or already written
+            return None, 0
+        row = rows[sched_at]
+        if head_at >= 0 and step == head[3] + k and isinstance(head[11], dict) and isinstance(row[11], dict):
+            hd, sd = head[11], row[11]
+            if all(hd.get(key) == sd.get(key) for key in _RUN_SAME):
+                detail = dict(hd)
+                detail["empty_run"] = k + 1
+                if "dur_ns" in hd and "dur_ns" in sd:
+                    detail["dur_ns"] = hd["dur_ns"] + sd["dur_ns"]
+                new_head = head[:11] + (detail,)
+                rows[head_at] = new_head
+                for j in mine:
+                    del rows[j]
+                return new_head, k + 1
+        return row, 1
+
+    st.run_head, st.run_k = st.rec.edit_recent(edit)
 
 
 def _w_preempt_request(orig: Any) -> Any:
