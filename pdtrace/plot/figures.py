@@ -123,6 +123,8 @@ def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) 
 def _engine_labels(frame: pd.DataFrame, multi_dp: set[str]) -> pd.Series:
     """"instance" or, for an instance with several DP ranks, "instance dpN"."""
     inst = frame["instance"].astype("str")
+    if not multi_dp:  # the common case: no per-row number formatting
+        return inst
     dp = frame["dp_rank"].astype("Int64").fillna(0).astype(np.int64).astype("str")
     return inst.where(~inst.isin(list(multi_dp)), inst + " dp" + dp)
 
@@ -138,16 +140,12 @@ def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
 
 
 def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
-    """The step_submit / step_output rows (a filter in Arrow, so the other events never become pandas)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    """The step_submit / step_output rows (taken in Arrow, so the other events never become pandas; the rows come
+    from the analyses' cached kind codes, not a string comparison of every row)."""
+    from pdtrace.analysis.columns import columns
 
-    table = ctx.trace.table
-    kind = table.column("kind")
-    if pa.types.is_dictionary(kind.type):
-        kind = kind.cast(kind.type.value_type)
-    rows = table.filter(pc.is_in(kind, value_set=pa.array(["step_submit", "step_output"])))
-    frame = rows.select(["ts_ns", "instance", "dp_rank", "kind", "n"]).to_pandas()
+    rows = columns(ctx).rows_of("step_submit", "step_output")
+    frame = ctx.trace.table.select(["ts_ns", "instance", "dp_rank", "kind", "n"]).take(rows).to_pandas()
     return frame.assign(instance=frame["instance"].astype("str"), kind=frame["kind"].astype("str"))
 
 
@@ -196,7 +194,9 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     engine_rows = _engine_rows(ctx)
     submits = engine_rows[(engine_rows["kind"] == "step_submit").to_numpy() & engine_rows["n"].notna().to_numpy()]
     depth_of = submits.assign(engine=_engine_labels(submits, multi_dp)).groupby("engine")["n"].max()
-    depth = spans["engine"].map(depth_of).fillna(1).astype(np.int64).to_numpy()
+    # Looked up per distinct engine (few), then spread by code: no per-row hashing of the label strings.
+    engine_codes, engine_names = pd.factorize(spans["engine"], use_na_sentinel=False)
+    depth = pd.Series(engine_names).map(depth_of).fillna(1).astype(np.int64).to_numpy()[engine_codes]
     multi_slot = bool((depth > 1).any())
 
     # exec spans, merged where several fall within one pixel
