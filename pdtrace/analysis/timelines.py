@@ -206,9 +206,10 @@ def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) ->
     count changes, with the counts from then on in `running`, `finished_awaiting_transfer`, `leaked`, their sum
     `in_use`, and the pool size `pool_blocks` (from `engine_config`, NA without one).
 
-    Algorithm: start from `block_ownership` (one holding interval per (req, block), open ones end at the end of the
-    trace) and intersect each holding with its owner's `request_phases` (a merge on (instance, dp_rank, req), then
-    clip): the part while the owner waits or runs is `running`, the part after its finish (finished_holding or
+    Algorithm: start from the block ownership intervals (`block_ownership`'s rows, as the cached ownership arrays:
+    one holding interval per (req, block), open ones end at the end of the trace) and intersect each holding with
+    its owner's `request_phases` (joined on the integer request key by a search in the phases sorted by key, then
+    clipped): the part while the owner waits or runs is `running`, the part after its finish (finished_holding or
     freed) is `finished_awaiting_transfer`. Holdings never freed that the `leaked_blocks` rule reports (its findings:
     `findings` when given, else the rule's own run on `ctx`; one code path with `analyze`) are `leaked` from the
     owner's finish, or from the finding's ts_ns when the owner never finished. A block with several owners counts
