@@ -345,8 +345,17 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     for i, name in enumerate(BLOCK_STATES):
         t[name] = per_state[:, i]
     t["in_use"] = per_state.sum(axis=1)
-    t = t.merge(pool_sizes(ctx), on=["instance", "dp_rank"], how="left")
-    t["pool_blocks"] = t["pool_blocks"].astype("Int64")
+    # Pool size per scheduler key (a lookup of the few engine_config rows), spread by the rows' scheduler keys.
+    pools = pool_sizes(ctx)
+    sk_of = {(str(i), int(dp)): k for k, (i, dp) in enumerate(zip(sk_instance.tolist(), sk_dp.tolist()))}
+    pool_of_sk = np.zeros(len(sk_names), np.int64)
+    has_pool = np.zeros(len(sk_names), bool)
+    for inst, dp, blocks in zip(pools["instance"].tolist(), pools["dp_rank"].tolist(),
+                                pools["pool_blocks"].tolist()):  # per scheduler (few)
+        k = sk_of.get((str(inst), int(dp)))
+        if k is not None:
+            pool_of_sk[k], has_pool[k] = blocks, True
+    t["pool_blocks"] = pd.arrays.IntegerArray(pool_of_sk[c_sk], ~has_pool[c_sk])
     t["dp_rank"] = pd.array(np.where(t["dp_rank"] < 0, None, t["dp_rank"]), dtype="Int16")
     return t[list(USAGE_COLUMNS)]
 
