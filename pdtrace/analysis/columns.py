@@ -427,22 +427,23 @@ def columns(ctx: Any) -> Columns:
     return ctx.cached("columns", lambda: Columns(ctx.trace))
 
 
+def _reduce_per_key(reduce: np.ufunc, empty: int, keys: np.ndarray, values: np.ndarray, n_keys: int,
+                    fill: int) -> np.ndarray:
+    out = np.full(n_keys, empty, np.int64)
+    if len(keys):
+        reduce.at(out, keys, values)
+    out[out == empty] = fill
+    return out
+
+
 def first_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
     """Minimum of `values` per key (keys in [0, n_keys)); `fill` where a key has none."""
-    out = np.full(n_keys, np.iinfo(np.int64).max, np.int64)
-    if len(keys):
-        np.minimum.at(out, keys, values)
-    out[out == np.iinfo(np.int64).max] = fill
-    return out
+    return _reduce_per_key(np.minimum, np.iinfo(np.int64).max, keys, values, n_keys, fill)
 
 
 def last_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
     """Maximum of `values` per key; `fill` where a key has none."""
-    out = np.full(n_keys, np.iinfo(np.int64).min, np.int64)
-    if len(keys):
-        np.maximum.at(out, keys, values)
-    out[out == np.iinfo(np.int64).min] = fill
-    return out
+    return _reduce_per_key(np.maximum, np.iinfo(np.int64).min, keys, values, n_keys, fill)
 
 
 def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from pdtrace.cli.app import app, err_console, load_trace, out_console
+from pdtrace.cli.app import TraceArgument, app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -58,7 +58,7 @@ def _split(values: Optional[list[str]]) -> list[str]:
 
 @app.command()
 def analyze(
-    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    trace: TraceArgument,
     format: AnalyzeFormat = typer.Option(AnalyzeFormat.text, "--format", "-f", help="text (default) or json."),
     rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
                                               help="Rules to run, comma-separated or repeated (default: all)."),

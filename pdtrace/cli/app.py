@@ -9,7 +9,7 @@ import os
 import sys
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Annotated, Any, Iterable, Optional
 
 import typer
 from rich.console import Console
@@ -27,6 +27,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+# Arguments and options that several verbs share, declared once.
+TraceArgument = Annotated[Path, typer.Argument(help="Trace directory (or one Parquet part file).",
+                                               show_default=False)]
+InstanceOption = Annotated[Optional[list[str]], typer.Option("--instance", "-i",
+                                                             help="Only this instance (repeat for several).")]
+SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",
+                                                             help="Window start, seconds from the trace start.")]
+UntilSecondsOption = Annotated[Optional[float], typer.Option("--until",
+                                                             help="Window end, seconds from the trace start.")]
 
 #: Results (tables, reports) go to stdout.
 def _results_width() -> int | None:

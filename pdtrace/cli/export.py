@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import app, err_console, out_console
-from pdtrace.cli.app import load_trace
+from pdtrace.cli.app import (InstanceOption, SinceSecondsOption, TraceArgument, UntilSecondsOption, app, err_console,
+                             load_trace, out_console)
 
 
 class ExportFormat(str, Enum):
@@ -23,16 +23,15 @@ class ExportFormat(str, Enum):
 
 @app.command()
 def export(
-    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    trace: TraceArgument,
     to: ExportFormat = typer.Option(ExportFormat.chrome, "--to",
                                     help="chrome: Trace Event JSON; perfetto: protobuf (needs `pip install "
                                          "perfetto`)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Output file (default: <trace>.json or <trace>.pftrace)."),
-    instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
-                                                 help="Only this instance (repeat for several)."),
-    since: Optional[float] = typer.Option(None, "--since", help="Window start, seconds from the trace start."),
-    until: Optional[float] = typer.Option(None, "--until", help="Window end, seconds from the trace start."),
+    instance: InstanceOption = None,
+    since: SinceSecondsOption = None,
+    until: UntilSecondsOption = None,
     request: Optional[list[str]] = typer.Option(None, "--request", "-r",
                                                 help="Only this request and its P/D peer (repeat for several), "
                                                      "over its lifetime."),

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
-from pdtrace.cli.app import app, load_trace, out_console
+from pdtrace.cli.app import TraceArgument, app, load_trace, out_console
 
 
 class InfoFormat(str, Enum):
@@ -108,7 +107,7 @@ def _render(summary: dict[str, Any]) -> None:
 
 @app.command()
 def info(
-    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    trace: TraceArgument,
     output_format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import app, err_console, out_console
-from pdtrace.cli.app import load_trace
+from pdtrace.cli.app import (InstanceOption, SinceSecondsOption, TraceArgument, UntilSecondsOption, app, err_console,
+                             load_trace, out_console)
 
 
 class PlotKind(str, Enum):
@@ -25,17 +25,16 @@ class PlotKind(str, Enum):
 
 @app.command()
 def plot(
-    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file).", show_default=False),
+    trace: TraceArgument,
     kind: PlotKind = typer.Option(PlotKind.pipeline, "--kind", "-k",
                                   help="pipeline (exec spans and bubbles per PP rank), requests (phases per "
                                        "request, findings marked), blocks (KV blocks in use by owner state), "
                                        "steps (schedule() time and tokens per step)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Image file: .png, .svg or .pdf (default: <trace>-<kind>.png)."),
-    instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
-                                                 help="Only this instance (repeat for several)."),
-    since: Optional[float] = typer.Option(None, "--since", help="Window start, seconds from the trace start."),
-    until: Optional[float] = typer.Option(None, "--until", help="Window end, seconds from the trace start."),
+    instance: InstanceOption = None,
+    since: SinceSecondsOption = None,
+    until: UntilSecondsOption = None,
     request: Optional[list[str]] = typer.Option(None, "--request", "-r",
                                                 help="Only this request (repeat for several); the other kinds "
                                                      "show its lifetime, and its P/D peer's."),
