@@ -2,7 +2,7 @@
 
 Rules compare events by their position in one global order: a stable sort of `ts_ns` over the rows in load order
 (files in path order, each file in `seq` order), so one writer's events keep their exact `seq` order whenever its
-clock does not step back. `pos[row]` is a row's rank in that order and `order[pos]` the row at a rank.
+clock does not step back. `pos[row]` is a row's rank in that order (int32 below 2**31 rows) and `order[pos]` the row at a rank.
 
 Keys:
 - `sk` (scheduler key): one dense id per (instance, dp_rank); a null dp_rank is its own value.
@@ -276,8 +276,11 @@ class Columns:
 
     @cached_property
     def pos(self) -> np.ndarray:
-        pos = np.empty(self.n, np.int64)
-        pos[self.order] = np.arange(self.n, dtype=np.int64)
+        # int32 while positions fit (and pos + 2, the span of composite keys `key * span + pos`, which are int64):
+        # half the fresh memory of the 10M-row scatter and of every gather of positions
+        dtype = np.int32 if self.n < 2**31 - 2 else np.int64
+        pos = np.empty(self.n, dtype)
+        pos[self.order] = np.arange(self.n, dtype=dtype)
         return pos
 
     @cached_property
@@ -431,7 +434,8 @@ def _reduce_per_key(reduce: np.ufunc, empty: int, keys: np.ndarray, values: np.n
                     fill: int) -> np.ndarray:
     out = np.full(n_keys, empty, np.int64)
     if len(keys):
-        reduce.at(out, keys, values)
+        # ufunc.at has a fast path only when the values already have the output's type (int32 positions: 10x)
+        reduce.at(out, keys, np.asarray(values).astype(np.int64, copy=False))
     out[out == empty] = fill
     return out
 
