@@ -10,9 +10,12 @@
    injected in four waves: a P send that never completes (indirect leak past the 480 s grace), a D request that
    never frees (definite leak), a kv_send_done for a running request (C02), a duplicated free (double free).
    Written per writer (instance, pid) in part files of 1M rows, zstd.
-2. Alternates, --repeat times, two subprocesses and reports wall time and peak RSS (getrusage of the child):
+2. Alternates, --repeat times, these subprocesses and reports wall time and peak RSS (getrusage of the child):
    floor    imports pyarrow and numpy, reads every column of the trace, flattens the block lists and lexsorts
             (block, ts)
+   floor malloc  the same on Arrow's system (malloc) memory pool (ARROW_DEFAULT_MEMORY_POOL=system), the pool
+            open_trace reads into: the default mimalloc pool's huge-page arenas make the plain floor swing between
+            ~0.7 and ~2.4 s wall with the machine's load, this one stays put
    analyze  `python -m pdtrace analyze TRACE --format json` (all rules) to /dev/null
    block rules  the same with --rules limited to the five KV-block rules
    and the ratios to the floor (targets: time <= 2.0x, peak RSS <= 2x), in wall time and in CPU time (user +
@@ -293,11 +296,11 @@ print(t.num_rows, len(ids), int(order[0]))
 """
 
 
-def child(cmd: list[str]) -> tuple[float, int, int, float]:
+def child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, int, float]:
     """(wall s, peak RSS KiB, exit status, CPU s = user + system) of one subprocess. CPU time is the steadier
     figure on a shared machine."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -378,10 +381,13 @@ def main() -> None:
     floor_cmd = [sys.executable, "-c", FLOOR, str(args.dir)]
     analyze_cmd = [sys.executable, "-m", "pdtrace", "analyze", str(args.dir), "--format", "json"]
     block_cmd = analyze_cmd + ["--rules", ",".join(BLOCK_RULES)]
-    runs: dict[str, list[tuple[float, int, int, float]]] = {"floor": [], "analyze": [], "block rules": []}
+    malloc_env = dict(os.environ, ARROW_DEFAULT_MEMORY_POOL="system")
+    runs: dict[str, list[tuple[float, int, int, float]]] = {"floor": [], "floor malloc": [], "analyze": [],
+                                                            "block rules": []}
     for i in range(args.repeat):
-        for name, cmd in (("floor", floor_cmd), ("analyze", analyze_cmd), ("block rules", block_cmd)):
-            runs[name].append(child(cmd))
+        for name, cmd, env in (("floor", floor_cmd, None), ("floor malloc", floor_cmd, malloc_env),
+                               ("analyze", analyze_cmd, None), ("block rules", block_cmd, None)):
+            runs[name].append(child(cmd, env))
         print(f"  run {i + 1}: " + " | ".join(
             f"{name} {r[-1][0]:6.2f} s wall {r[-1][3]:6.2f} s cpu {r[-1][1] / 1024:6.0f} MiB"
             for name, r in runs.items()))
@@ -394,6 +400,11 @@ def main() -> None:
         wall, cpu, rss = fig[name]
         print(f"{name:<12} / floor: time {wall / f_wall:4.2f}x wall, {cpu / f_cpu:4.2f}x cpu (target <= 2.0x)   "
               f"RSS {rss / f_rss:4.2f}x (target <= 2x)")
+    m_wall, m_cpu, m_rss = fig["floor malloc"]
+    for name in ("analyze", "block rules"):
+        wall, cpu, rss = fig[name]
+        print(f"{name:<12} / floor malloc: time {wall / m_wall:4.2f}x wall, {cpu / m_cpu:4.2f}x cpu   "
+              f"RSS {rss / m_rss:4.2f}x")
 
 
 if __name__ == "__main__":
