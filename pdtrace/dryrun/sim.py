@@ -40,7 +40,8 @@ log = logging.getLogger("pdtrace.dryrun")
 
 NS_PER_US = 1000
 
-_MODEL_CONFIG = {
+#: The tiny Llama config.json the dry run (and the vLLM test tier) builds engines from: no weights, no tokenizer.
+TINY_MODEL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 64,
@@ -63,7 +64,7 @@ def _model_dir() -> str:
     """A local model directory holding only a tiny Llama config.json (no weights, no tokenizer)."""
     path = Path(tempfile.gettempdir()) / "pdtrace-dryrun-model"
     cfg = path / "config.json"
-    text = json.dumps(_MODEL_CONFIG, indent=1, sort_keys=True)
+    text = json.dumps(TINY_MODEL_CONFIG, indent=1, sort_keys=True)
     if not cfg.exists() or cfg.read_text() != text:
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / f".config.{os.getpid()}.json"

@@ -21,31 +21,17 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-BLOCK_SIZE = 16
-EOS_TOKEN_ID = 50256
+from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
+from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
-_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 50304,
-    "max_position_embeddings": 4096,
-    "eos_token_id": EOS_TOKEN_ID,
-    "bos_token_id": 1,
-    "torch_dtype": "float16",
-    "rms_norm_eps": 1e-5,
-}
+BLOCK_SIZE = 16
 
 
 def tiny_model_dir(root: str | os.PathLike[str]) -> str:
-    """A local model directory holding only a tiny Llama config.json."""
+    """A local model directory holding only the dry run's tiny Llama config.json (no weights, no tokenizer)."""
     path = Path(root) / "tiny-llama"
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_LLAMA_CONFIG))
+    (path / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
     return str(path)
 
 
