@@ -29,6 +29,12 @@ NO = -1  # the "absent" value of every code, key, step and position array
 ABSENT = -2  # code_of() for a value the column does not hold
 
 
+def _bits(buffer: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """An Arrow bitmap (validity or bool values) as n numpy bools, starting at the array's offset."""
+    packed = np.frombuffer(buffer, dtype=np.uint8)
+    return np.unpackbits(packed, count=offset + n, bitorder="little")[offset:].view(bool)
+
+
 def _values(arr: pa.Array, dtype: Any, fill: int) -> np.ndarray:
     """A primitive Arrow array's values as numpy, nulls replaced by `fill`, read straight from its buffers: no
     Arrow compute, so no memory held by Arrow's pool (which keeps what it frees) at 10M rows."""
@@ -36,9 +42,7 @@ def _values(arr: pa.Array, dtype: Any, fill: int) -> np.ndarray:
     arrow_dtype = np.dtype(arr.type.to_pandas_dtype())
     values = np.frombuffer(arr.buffers()[1], dtype=arrow_dtype, count=arr.offset + n)[arr.offset:]
     if arr.null_count:
-        bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
-        valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset:].view(bool)
-        return np.where(valid, values, fill).astype(dtype, copy=False)
+        return np.where(_bits(arr.buffers()[0], arr.offset, n), values, fill).astype(dtype, copy=False)
     return values.astype(dtype, copy=False)  # no nulls, same type: a read-only view of the Arrow buffer
 
 
@@ -58,8 +62,7 @@ def _concat_values(arrays: list[pa.Array], dtype: Any, fill: int) -> np.ndarray:
         piece = out[start:start + n]
         piece[...] = np.frombuffer(arr.buffers()[1], dtype=arrow_dtype, count=arr.offset + n)[arr.offset:]
         if arr.null_count:
-            bits = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
-            valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset:].view(bool)
+            valid = _bits(arr.buffers()[0], arr.offset, n)
             np.logical_not(valid, out=valid)
             piece[valid] = fill
         start += n
@@ -121,8 +124,7 @@ def _unified_indices(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
         piece = out[start:start + m]
         np.take(luts[i], values, out=piece, mode="clip")  # a null slot's index may be anything: fixed below
         if idx.null_count:
-            bits = np.frombuffer(idx.buffers()[0], dtype=np.uint8)
-            valid = np.unpackbits(bits, count=idx.offset + m, bitorder="little")[idx.offset:].view(bool)
+            valid = _bits(idx.buffers()[0], idx.offset, m)
             np.logical_not(valid, out=valid)
             piece[valid] = NO
         start += m
@@ -179,11 +181,9 @@ def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     values, valids = [], []
     for arr in col.chunks:
         n, off = len(arr), arr.offset
-        bits = np.frombuffer(arr.buffers()[1], dtype=np.uint8)
-        values.append(np.unpackbits(bits, count=off + n, bitorder="little")[off:].view(bool))
+        values.append(_bits(arr.buffers()[1], off, n))
         if arr.null_count:
-            vb = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
-            valids.append(np.unpackbits(vb, count=off + n, bitorder="little")[off:].view(bool))
+            valids.append(_bits(arr.buffers()[0], off, n))
         else:
             valids.append(np.ones(n, bool))
     if not values:
@@ -387,8 +387,7 @@ class Columns:
             offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=off + n + 1)[off:]
             lengths = np.diff(offsets)
             if arr.null_count:  # a null list may still span values in theory; count none for it
-                vb = np.frombuffer(arr.buffers()[0], dtype=np.uint8)
-                valid = np.unpackbits(vb, count=off + n, bitorder="little")[off:].view(bool)
+                valid = _bits(arr.buffers()[0], off, n)
                 lengths = np.where(valid, lengths, 0)
             else:
                 valid = None
