@@ -235,3 +235,24 @@ def test_every_rank_and_scheduler_gets_its_own_thread(tmp_path: Path) -> None:
     assert len(threads) == len(set(threads.values())) == len(ranks) + 3
     assert {f"dp{dp} PP{pp} TP{tp}" for dp, pp, tp in ranks} | {"scheduler dp0", "scheduler dp1", "scheduler dp10"} \
         == set(threads.values())
+
+
+@pytest.mark.parametrize("verb", ["plot", "export"])
+def test_request_option_is_the_shared_one_in_help(cli, verb: str) -> None:
+    """plot and export declare --request once (pdtrace.cli.app.RequestOption): same flags, same help text."""
+    from pdtrace.cli.app import RequestOption
+
+    r = cli(verb, "--help")
+    assert r.exit_code == 0, r.stderr
+    shared = RequestOption.__metadata__[0]
+    text = " ".join(r.stdout.split())
+    assert "-r, --request" in text
+    assert " ".join(shared.help.split()) in text
+
+
+def test_cli_export_short_request_flag_selects_like_the_long_one(cli, tmp_path: Path) -> None:
+    trace_dir = pd_scenario().write(tmp_path / "demo")
+    r = cli("export", trace_dir, "-r", "r2", "-o", tmp_path / "short.json")
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads((tmp_path / "short.json").read_text())
+    assert {v for v in names(doc, "thread_name").values() if v.startswith("req ")} == {"req r2"}

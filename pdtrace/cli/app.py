@@ -37,6 +37,10 @@ SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",
                                                              help="Window start, seconds from the trace start.")]
 UntilSecondsOption = Annotated[Optional[float], typer.Option("--until",
                                                              help="Window end, seconds from the trace start.")]
+RequestOption = Annotated[Optional[list[str]], typer.Option(
+    "--request", "-r",
+    help="Only this request (repeat for several): the window narrows to its lifetime and its P/D peer's, and "
+         "(without --instance) to their instances.")]
 
 #: Results (tables, reports) go to stdout.
 def _results_width() -> int | None:

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, SinceSecondsOption, TraceArgument, UntilSecondsOption, app, err_console,
-                             load_trace, out_console)
+from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
+                             app, err_console, load_trace, out_console)
 
 
 class ExportFormat(str, Enum):
@@ -32,12 +32,13 @@ def export(
     instance: InstanceOption = None,
     since: SinceSecondsOption = None,
     until: UntilSecondsOption = None,
-    request: Optional[list[str]] = typer.Option(None, "--request", "-r",
-                                                help="Only this request and its P/D peer (repeat for several), "
-                                                     "over its lifetime."),
+    request: RequestOption = None,
 ) -> None:
     """Export a trace to Chrome Trace Event JSON or Perfetto protobuf: processes per instance, threads per rank
-    and request, slices, block counters and P->D transfer flows."""
+    and request, slices, block counters and P->D transfer flows.
+
+    With --request, the request threads kept are the named requests' and their P/D peers' (so that a transfer
+    flow has both ends), over the window that --request narrowed."""
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.export import export as run_export
     from pdtrace.plot import Window, trace_stem

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, SinceSecondsOption, TraceArgument, UntilSecondsOption, app, err_console,
-                             load_trace, out_console)
+from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
+                             app, err_console, load_trace, out_console)
 
 
 class PlotKind(str, Enum):
@@ -35,12 +35,13 @@ def plot(
     instance: InstanceOption = None,
     since: SinceSecondsOption = None,
     until: UntilSecondsOption = None,
-    request: Optional[list[str]] = typer.Option(None, "--request", "-r",
-                                                help="Only this request (repeat for several); the other kinds "
-                                                     "show its lifetime, and its P/D peer's."),
+    request: RequestOption = None,
     dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
 ) -> None:
-    """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps."""
+    """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps.
+
+    With --request, `--kind requests` draws only the named requests' lanes; the other kinds draw everything in the
+    window that --request narrowed."""
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.plot import Window, default_output, render
 
