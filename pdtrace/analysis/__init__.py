@@ -5,7 +5,8 @@ This is the one code path behind both the notebook API and `pdtrace analyze`:
 2. keep the rows inside `config.since_ns` / `config.until_ns` and `config.instances` (one vectorised mask);
 3. run the selected rules from the registry (`pdtrace.analysis.registry.load_rules`, the `pdtrace.rules`
    entry-point group) on one shared AnalysisContext, so derived tables (columns, request and ownership tables,
-   step index) are computed once;
+   step index) are computed once; rules and the tables they declare run side by side on `config.jobs` threads
+   (`pdtrace.analysis.parallel`), with the same findings as one after the other;
 4. concatenate their findings and sort them by severity (errors first), then time, then rule.
 
 `summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
@@ -28,6 +29,7 @@ import pyarrow.compute as pc
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
+from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
 from pdtrace.trace.model import Trace
@@ -161,8 +163,10 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
         config = config or AnalysisConfig()
         ctx = AnalysisContext(trace=window(_load(trace_or_path), config), config=config)
     trace = ctx.trace
+    jobs = int(ctx.config.jobs) or default_jobs()
     with _allocation_settings():
-        frames = [f for f in (_check(rule.run(ctx), rule) for rule in chosen) if len(f)]
+        frames = [f for f in (_check(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen))
+                  if len(f)]
     if frames:
         findings = pd.concat(frames, ignore_index=True)
         rank = findings["severity"].map(SEVERITY_ORDER).fillna(-1).to_numpy()

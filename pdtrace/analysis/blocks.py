@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.analysis.columns import NO, Columns, block_lists, columns, positions, request_keys
+from pdtrace.analysis.parallel import shared_table
 
 OWNERSHIP_COLUMNS = (
     "instance", "dp_rank", "req", "block", "alloc_ts", "alloc_seq", "alloc_step", "free_ts", "free_seq",
@@ -193,6 +194,7 @@ def _build(cols: Columns) -> Ownership:
     )
 
 
+@shared_table(positions, request_keys, block_lists)
 def ownership(ctx: Any) -> Ownership:
     """Holding intervals as arrays, cached on the context."""
     return ctx.cached("ownership", lambda: _build(columns(ctx)))
@@ -297,6 +299,7 @@ def _build_gaps(ctx: Any) -> ReleaseGaps:
     return ReleaseGaps(rk=key[zero], start_pos=pos[zero], end_pos=end, free_row=row[zero])
 
 
+@shared_table(ownership)
 def release_gaps(ctx: Any) -> ReleaseGaps:
     """The request-level "holds nothing" gaps, cached on the context."""
     return ctx.cached("release_gaps", lambda: _build_gaps(ctx))

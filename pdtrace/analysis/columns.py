@@ -14,7 +14,6 @@ so no rule compares strings per event.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pdtrace.analysis.once import OnceCache, once_property
+from pdtrace.analysis.parallel import shared_table
 from pdtrace.trace.model import Trace, parse_details
 from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
 
@@ -196,27 +197,28 @@ class Columns:
     """Per-row arrays of one trace (see the module docstring)."""
 
     trace: Trace
-    _codes: dict[str, tuple[np.ndarray, list[str]]] = field(default_factory=dict, repr=False)
-    _rows: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict, repr=False)
+    #: every derived array, built once even when rules on several threads ask together (see pdtrace.analysis.once)
+    _once: OnceCache = field(default_factory=OnceCache, repr=False)
 
     @property
     def table(self) -> pa.Table:
         return self.trace.table
 
-    @cached_property
+    @once_property
     def n(self) -> int:
         return self.trace.table.num_rows
 
     def codes(self, name: str) -> tuple[np.ndarray, list[str]]:
-        if name not in self._codes:
-            # the reader keeps `req` as read from Parquet (dictionary indices) next to the table's strings
-            kept = getattr(self.trace, REQ_DICTIONARY_ATTR, None) if name == "req" else None
-            if kept is not None and kept[0] is self.table:
-                self._codes[name] = _first_seen_codes(kept[1], self.n)
-                delattr(self.trace, REQ_DICTIONARY_ATTR)  # its indices are not needed again: free them
-            else:
-                self._codes[name] = dictionary_codes(self.table.column(name))
-        return self._codes[name]
+        return self._once.get(("codes", name), lambda: self._build_codes(name))
+
+    def _build_codes(self, name: str) -> tuple[np.ndarray, list[str]]:
+        # the reader keeps `req` as read from Parquet (dictionary indices) next to the table's strings
+        kept = getattr(self.trace, REQ_DICTIONARY_ATTR, None) if name == "req" else None
+        if kept is not None and kept[0] is self.table:
+            codes = _first_seen_codes(kept[1], self.n)
+            delattr(self.trace, REQ_DICTIONARY_ATTR)  # its indices are not needed again: free them
+            return codes
+        return dictionary_codes(self.table.column(name))
 
     def code_of(self, name: str, value: str) -> int:
         """The code of one value; ABSENT (never equal to any code, nor to NO for null) if the column lacks it."""
@@ -225,22 +227,17 @@ class Columns:
 
     def rows_of(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds, in row order (cached: rules ask for the same kinds again)."""
-        key = ("rows",) + kinds
-        if key not in self._rows:
-            self._rows[key] = np.flatnonzero(self.is_kind(*kinds))
-        return self._rows[key]
+        return self._once.get(("rows",) + kinds, lambda: np.flatnonzero(self.is_kind(*kinds)))
 
     def req_rows(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds that name a request (cached)."""
-        key = ("req_rows",) + kinds
-        if key not in self._rows:
-            plain = ("rows",) + kinds
-            if plain in self._rows:
-                rows = self._rows[plain]
-                self._rows[key] = rows[self.rk[rows] >= 0]
-            else:
-                self._rows[key] = np.flatnonzero(self.is_kind(*kinds) & (self.rk >= 0))
-        return self._rows[key]
+        def build() -> np.ndarray:
+            if ("rows",) + kinds in self._once:
+                rows = self.rows_of(*kinds)
+                return rows[self.rk[rows] >= 0]
+            return np.flatnonzero(self.is_kind(*kinds) & (self.rk >= 0))
+
+        return self._once.get(("req_rows",) + kinds, build)
 
     def mask_of_rows(self, rows: np.ndarray) -> np.ndarray:
         mask = np.zeros(self.n, bool)
@@ -258,23 +255,23 @@ class Columns:
         lut[wanted] = True
         return lut[codes]
 
-    @cached_property
+    @once_property
     def ts(self) -> np.ndarray:
         return int_column(self.table, "ts_ns")
 
-    @cached_property
+    @once_property
     def step(self) -> np.ndarray:
         return int_column(self.table, "step")
 
-    @cached_property
+    @once_property
     def nvalue(self) -> np.ndarray:
         return int_column(self.table, "n")
 
-    @cached_property
+    @once_property
     def order(self) -> np.ndarray:
         return np.argsort(self.ts, kind="stable")
 
-    @cached_property
+    @once_property
     def pos(self) -> np.ndarray:
         # int32 while positions fit (and pos + 2, the span of composite keys `key * span + pos`, which are int64):
         # half the fresh memory of the 10M-row scatter and of every gather of positions
@@ -283,11 +280,11 @@ class Columns:
         pos[self.order] = np.arange(self.n, dtype=dtype)
         return pos
 
-    @cached_property
+    @once_property
     def dp(self) -> np.ndarray:
         return int_column(self.table, "dp_rank", np.int16)
 
-    @cached_property
+    @once_property
     def _sched_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         inst, _ = self.codes("instance")
         if self.n == 0:
@@ -307,7 +304,7 @@ class Columns:
     def sk(self) -> np.ndarray:
         return self._sched_keys[0]
 
-    @cached_property
+    @once_property
     def sk_names(self) -> pd.DataFrame:
         """One row per scheduler key: instance, dp_rank (NA when null)."""
         _, inst_of, dp_of = self._sched_keys
@@ -317,7 +314,7 @@ class Columns:
             "dp_rank": pd.array([None if d < 0 else int(d) for d in dp_of], dtype="Int16"),
         })
 
-    @cached_property
+    @once_property
     def _request_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rk per row, scheduler key per request key, req code per request key)."""
         req, _ = self.codes("req")
@@ -353,7 +350,7 @@ class Columns:
     def n_requests(self) -> int:
         return len(self._request_keys[1])
 
-    @cached_property
+    @once_property
     def sk_role(self) -> list[str]:
         """The role of each scheduler key (from the first row of that scheduler)."""
         role_codes, role_names = self.codes("role")
@@ -363,7 +360,7 @@ class Columns:
         first[sk[starts][::-1]] = starts[::-1]
         return [role_names[role_codes[r]] if r >= 0 and role_codes[r] >= 0 else "none" for r in first.tolist()]
 
-    @cached_property
+    @once_property
     def rk_names(self) -> pd.DataFrame:
         """One row per request key: instance, dp_rank, req, role (its scheduler's), sk."""
         _, key_sk, key_req = self._request_keys
@@ -376,7 +373,7 @@ class Columns:
         out["sk"] = key_sk.astype(np.int32)
         return out
 
-    @cached_property
+    @once_property
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The `blocks` column flattened: (row of each block, block id), read from the list offsets with numpy."""
         col = self.table.column("blocks")
@@ -414,10 +411,7 @@ class Columns:
         return rows[keep], ids[keep]
 
     def bool_col(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        key = "bool:" + name
-        if key not in self._codes:
-            self._codes[key] = bool_column(self.table, name)  # type: ignore[assignment]
-        return self._codes[key]  # type: ignore[return-value]
+        return self._once.get(("bool", name), lambda: bool_column(self.table, name))
 
     def details(self, rows: np.ndarray) -> list[dict[str, Any]]:
         """`Trace.details`: the parsed `detail` JSON of these rows ({} where null or not an object)."""
@@ -427,6 +421,24 @@ class Columns:
 def columns(ctx: Any) -> Columns:
     """The shared Columns of an AnalysisContext."""
     return ctx.cached("columns", lambda: Columns(ctx.trace))
+
+
+@shared_table()
+def positions(ctx: Any) -> np.ndarray:
+    """`Columns.pos`: every row's rank in the global order (one stable sort of ts_ns)."""
+    return columns(ctx).pos
+
+
+@shared_table()
+def request_keys(ctx: Any) -> np.ndarray:
+    """`Columns.rk`: the request key of every row (-1 where none)."""
+    return columns(ctx).rk
+
+
+@shared_table()
+def block_lists(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`Columns.block_rows`: the `blocks` column flattened to (row, block id) pairs."""
+    return columns(ctx).block_rows
 
 
 def _reduce_per_key(reduce: np.ufunc, empty: int, keys: np.ndarray, values: np.ndarray, n_keys: int,

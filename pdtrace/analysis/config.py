@@ -29,6 +29,9 @@ class AnalysisConfig:
     until_ns: int | None = None
     #: Only these instances (None: all).
     instances: tuple[str, ...] | None = None
+    #: Threads for the rules and their shared tables (`pdtrace.analysis.parallel`): 0 = one per CPU, at most 4;
+    #: 1 = one after the other on the caller's thread. The findings are the same for every value.
+    jobs: int = 0
 
     def with_overrides(self, **values: Any) -> "AnalysisConfig":
         """A copy with the given fields replaced; unknown names or bad types raise UsageError."""

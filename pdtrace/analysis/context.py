@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.once import OnceCache
 from pdtrace.trace.model import Trace
 
 T = TypeVar("T")
@@ -15,10 +16,9 @@ T = TypeVar("T")
 class AnalysisContext:
     trace: Trace
     config: AnalysisConfig = field(default_factory=AnalysisConfig)
-    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+    _cache: OnceCache = field(default_factory=OnceCache, repr=False)
 
     def cached(self, key: str, build: Callable[[], T]) -> T:
-        """Compute a derived table once per analysis run (e.g. the sorted event order, block ownership)."""
-        if key not in self._cache:
-            self._cache[key] = build()
-        return self._cache[key]
+        """Compute a derived table once per analysis run (e.g. the sorted event order, block ownership), also when
+        rules running on several threads ask for it at the same time."""
+        return self._cache.get(key, build)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -17,12 +17,18 @@ ENTRY_POINT_GROUP = "pdtrace.rules"
 
 @dataclass(frozen=True)
 class Rule:
-    """One analysis rule: `run(ctx)` returns a findings DataFrame (columns of `pdtrace.analysis.findings`)."""
+    """One analysis rule: `run(ctx)` returns a findings DataFrame (columns of `pdtrace.analysis.findings`).
+
+    `needs`: the shared tables (functions of the context, e.g. `pdtrace.analysis.requests.request_state`) the rule
+    reads. Optional: analyze() builds them ahead of the rules, side by side on its threads
+    (`pdtrace.analysis.parallel`); an undeclared table is still built when the rule first asks for it.
+    """
 
     id: str
     summary: str
     run: "Callable[[AnalysisContext], pd.DataFrame]"
     subrules: tuple[str, ...] = field(default=())
+    needs: "tuple[Callable[[AnalysisContext], Any], ...]" = field(default=())
 
 
 class RuleLoadError(Exception):

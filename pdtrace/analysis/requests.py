@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_per_key
+from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_per_key, positions, request_keys
+from pdtrace.analysis.parallel import shared_table
 
 REQUEST_COLUMNS = (
     "instance", "dp_rank", "req", "role", "add_ts", "first_sched_ts", "first_sched_step", "last_sched_ts",
@@ -141,6 +142,7 @@ def _build_state(cols: Columns) -> RequestState:
     return state
 
 
+@shared_table(positions, request_keys)
 def request_state(ctx: Any) -> RequestState:
     """Lifecycle positions per request key, cached on the context."""
     return ctx.cached("request_state", lambda: _build_state(columns(ctx)))

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.analysis.columns import NO, Columns, columns, positions, request_keys
+from pdtrace.analysis.parallel import shared_table
 from pdtrace.trace.model import take_rows
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
@@ -90,6 +91,7 @@ def _index(cols: Columns) -> StepIndex:
     return StepIndex(span, sk_, sp, sr, ok, op, orow, ck, cols.nvalue[crow], has)
 
 
+@shared_table(positions, request_keys)
 def step_index(ctx: Any) -> StepIndex:
     return ctx.cached("rulekit.step_index", lambda: _index(columns(ctx)))
 

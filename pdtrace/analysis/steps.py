@@ -49,7 +49,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import columns
+from pdtrace.analysis.columns import columns, positions
+from pdtrace.analysis.parallel import shared_table
+from pdtrace.analysis.requests import request_state
 from pdtrace.trace.model import take_rows
 from pdtrace.analysis.context import AnalysisContext
 
@@ -238,6 +240,7 @@ def _first_per_key(key: np.ndarray, ts: np.ndarray) -> np.ndarray:
     return order[first]
 
 
+@shared_table()
 def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """step_table with integer `inst` codes and the sched row index `row` (internal form).
 
@@ -352,6 +355,7 @@ def _ints_from_text(text: pa.Array, key: str) -> np.ndarray:
     return pc.fill_null(pc.cast(found, pa.int64()), _NULL).to_numpy(zero_copy_only=False)
 
 
+@shared_table()
 def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*.
     Numpy throughout: the exec rows' details read in row order (substring tests, a regex only where `gpu_`
@@ -523,6 +527,7 @@ class StepCount:
         return self._zero_until(e, origin) - self._zero_until(s, origin)
 
 
+@shared_table(positions, request_state)
 def request_lifetimes(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per request key (instance, dp_rank, req) of `pdtrace.analysis.requests.request_state`: inst (code),
     dp, start_ts (req_add, else its first scheduling, KV wait or finish), wait_kv_ts, recv_ts (the receive's close:
@@ -530,8 +535,6 @@ def request_lifetimes(ctx: AnalysisContext) -> pd.DataFrame:
     Read off the shared per-request positions: O(requests), no pass over the events."""
 
     def build() -> pd.DataFrame:
-        from pdtrace.analysis.requests import request_state
-
         cols = columns(ctx)
         st = request_state(ctx)
 
@@ -559,6 +562,7 @@ def _int64(series: pd.Series, fill: int = _NULL) -> np.ndarray:
     return series.astype("Int64").fillna(fill).to_numpy(dtype=np.int64)
 
 
+@shared_table(request_lifetimes, _step_frame)
 def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCount, StepCount, StepCount]]:
     """Per scheduler (inst, dp): (live requests, runnable requests, token-carrying steps in flight)."""
 
@@ -665,6 +669,7 @@ class _Keys:
         return code * self.step_span + step + 1
 
 
+@shared_table(_span_frame)
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
     """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e, lane): spans of token-carrying steps with both
     ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy, one lexsort)."""
@@ -735,6 +740,7 @@ CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE = (
     BUBBLE_CAUSES.index("queue_not_full"))
 
 
+@shared_table(busy_spans, _count_functions, _step_frame)
 def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """Every idle gap (> 0 ns) between busy spans of a lane, classified, with integer codes (inst, dp, pp, tp):
     the pipeline_bubble rule sums idle time from it; `bubbles` keeps the gaps of at least bubble_min_ns. `cause` is
@@ -859,6 +865,7 @@ def _bubble_frame(ctx: AnalysisContext) -> pd.DataFrame:
     return gaps[gaps["dur_ns"] >= max(int(ctx.config.bubble_min_ns), 1)].reset_index(drop=True)
 
 
+@shared_table(gap_frame)
 def bubbles(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per idle interval on a (instance, dp_rank, pp_rank, tp_rank) lane: start_ns, end_ns, dur_ns, cause,
     step_before, step_after, runnable, in_flight. See the module docstring for the algorithm and the causes."""

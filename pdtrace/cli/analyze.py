@@ -84,6 +84,8 @@ def analyze(
     config: Optional[Path] = typer.Option(None, "--config", help="A pyproject.toml whose [tool.pdtrace] table "
                                           "holds thresholds (default: the nearest one from the current directory)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Text: show every finding of a context in full."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads for the rules (default: one per CPU, "
+                                       "at most 4; 1 runs them one after the other). Same findings either way."),
 ) -> None:
     """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
     unscheduled requests and pipeline bubbles, with the events that prove them."""
@@ -97,7 +99,7 @@ def analyze(
     table = load_pyproject_table(pyproject, required=config is not None) if pyproject is not None else {}
     settings, defaults = config_from_table(table)
     overrides: dict[str, Any] = {"grace_s": grace_s, "starve_steps": starve_steps, "zombie_steps": zombie_steps,
-                                 "bubble_warn_fraction": bubble_warn_fraction}
+                                 "bubble_warn_fraction": bubble_warn_fraction, "jobs": jobs}
     if bubble_min_ms is not None:
         overrides["bubble_min_ns"] = int(bubble_min_ms * 1_000_000)
     settings = settings.with_overrides(**overrides)

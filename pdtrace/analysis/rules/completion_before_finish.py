@@ -110,4 +110,5 @@ RULE = Rule(
     summary="a transfer completion for a request that is not finished (send) or not waiting for it (recv)",
     run=run,
     subrules=("send", "recv"),
+    needs=(request_state, step_index),
 )

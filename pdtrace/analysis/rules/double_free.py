@@ -143,4 +143,5 @@ RULE = Rule(
             "freed; completions for unknown ids",
     run=run,
     subrules=("not_owned", "unknown_id", "completion_after_free"),
+    needs=(request_state, ownership, release_gaps, step_index),
 )

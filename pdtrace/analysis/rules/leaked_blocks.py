@@ -201,4 +201,5 @@ RULE = Rule(
             "stuck on a transfer; deferred frees that never reach the pool",
     run=run,
     subrules=("definitely", "indirectly", "possibly"),
+    needs=(request_state, ownership, step_index),
 )

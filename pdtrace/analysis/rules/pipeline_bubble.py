@@ -201,4 +201,5 @@ RULE = Rule(
     summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
     run=run,
     subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests"),
+    needs=(gap_frame,),
 )

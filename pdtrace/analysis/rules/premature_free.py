@@ -305,4 +305,5 @@ RULE = Rule(
             "asynchronously loaded request before the step that used them has its output",
     run=run,
     subrules=("unfinished", "send_open", "recv_open", "quorum", "async_load_reuse", "not_deferred"),
+    needs=(request_state, ownership, step_index),
 )

@@ -649,4 +649,5 @@ RULE = Rule(
     run=run,
     subrules=("never_scheduled", "starved", "stuck_waiting_kv", "preempted_not_resumed", "dropped_from_batch",
               "zombie"),
+    needs=(request_state, _step_frame),
 )

@@ -1,0 +1,122 @@
+"""Running the rules and the shared tables they read on a few threads.
+
+Most of an analysis is numpy and Arrow work on whole columns (sorts, gathers, scatters), which runs without the GIL,
+and the rules are independent of each other once the shared tables exist. So `run_rules` schedules one graph:
+
+- nodes are the selected rules and every shared table they declare (`Rule.needs`), with the tables those tables
+  declare (`shared_table(*needs)` on the function that returns the table), transitively;
+- a node is submitted to a thread pool of `jobs` workers when every node it needs is done, in a fixed order:
+  tables before rules, each in the order it was first found (so the same inputs give the same schedule);
+- each node calls its function once; the tables are cached on the context (`AnalysisContext.cached`, per-key
+  locks), so a rule that asks for a table it did not declare still gets the one copy, just later.
+
+Declarations only decide what runs early and side by side; a missing or extra one changes the speed, never the
+findings. The findings are returned in the order the rules were given, whatever order they finished in, and the
+first exception raised (in completion order) propagates after the running nodes stop. `jobs=1` runs the rules
+one after the other on the caller's thread, building tables lazily, exactly as without this module.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.registry import Rule
+
+Table = Callable[["AnalysisContext"], Any]
+
+#: More threads than this gain nothing: the graph of the built-in rules is at most four nodes wide.
+MAX_JOBS = 4
+
+
+def shared_table(*needs: Table) -> Callable[[Table], Table]:
+    """Mark `fn(ctx) -> table` as a shared table built on the tables `needs` (see the module docstring)."""
+
+    def mark(fn: Table) -> Table:
+        fn.needs = tuple(needs)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def default_jobs() -> int:
+    """One thread per CPU this process may run on, at most MAX_JOBS."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_JOBS, cpus))
+
+
+def _needs(node: Any) -> tuple[Table, ...]:
+    return tuple(getattr(node, "needs", ()) or ())
+
+
+def _graph(rules: Sequence["Rule"]) -> tuple[list[Table], dict[Any, tuple[Any, ...]]]:
+    """(the tables in dependency-first discovery order, node -> the nodes it waits for)."""
+    tables: list[Table] = []
+    seen: set[int] = set()
+
+    def visit(table: Table, path: tuple[int, ...]) -> None:
+        if id(table) in path:
+            raise ValueError(f"shared tables depend on each other in a cycle through {table.__qualname__}")
+        if id(table) in seen:
+            return
+        for need in _needs(table):
+            visit(need, path + (id(table),))
+        seen.add(id(table))
+        tables.append(table)
+
+    for rule in rules:
+        for table in _needs(rule):
+            visit(table, ())
+    waits: dict[Any, tuple[Any, ...]] = {table: _needs(table) for table in tables}
+    for index, rule in enumerate(rules):
+        waits[("rule", index)] = _needs(rule)
+    return tables, waits
+
+
+def run_rules(ctx: "AnalysisContext", rules: Sequence["Rule"], jobs: int) -> list["pd.DataFrame"]:
+    """`[rule.run(ctx) for rule in rules]`, on `jobs` threads (see the module docstring)."""
+    if jobs <= 1 or not rules:
+        return [rule.run(ctx) for rule in rules]
+    tables, waits = _graph(rules)
+    order: list[Any] = list(tables) + [("rule", i) for i in range(len(rules))]
+    results: dict[int, Any] = {}
+    done: set[Any] = set()
+    started: set[Any] = set()
+    running: dict[Future, Any] = {}
+    error: BaseException | None = None
+
+    def call(node: Any) -> Any:
+        if isinstance(node, tuple):
+            return rules[node[1]].run(ctx)
+        return node(ctx)
+
+    with ThreadPoolExecutor(max_workers=min(jobs, MAX_JOBS), thread_name_prefix="pdtrace-rule") as pool:
+        while True:
+            if error is None:
+                for node in order:
+                    if node not in started and all(need in done for need in waits[node]):
+                        started.add(node)
+                        running[pool.submit(call, node)] = node
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                node = running.pop(future)
+                exc = future.exception()
+                if exc is not None:
+                    error = error or exc
+                    continue
+                done.add(node)
+                if isinstance(node, tuple):
+                    results[node[1]] = future.result()
+    if error is not None:
+        raise error
+    return [results[i] for i in range(len(rules))]
