@@ -20,7 +20,12 @@ How it reads, and why it is about as fast as pyarrow reading the columns:
    columns cast (safely) to the format's widths, `blocks` list<int32>. Analyses rely on this.
 5. With `validate=True`, check the values of the loaded table in one vectorised pass (`validate.check_values`);
    only when that finds something are the files re-checked one by one, so that the error names the file and the
-   row within it.
+   row within it. That pass includes `seq` order: strictly increasing within each part file (seq may restart
+   from one file to the next, see `pdtrace.trace.validate`), and a file that goes backwards is an error, since the
+   analyses would replay it in the wrong order. Where each file's rows start in the loaded table is known from
+   the footers' row counts when nothing was filtered; with an instance or time filter it is not, so the pass
+   looks for seq going backwards between rows of one writer anywhere, and only if it finds that (two files of one
+   writer whose seq restarts, or a real violation) are the files re-checked one by one to tell which.
 
 The whole load allocates from Arrow's system (malloc) memory pool rather than the default mimalloc one: mimalloc
 backs its arenas with transparent huge pages here, and zeroing fresh 2 MiB pages made the reading and casting cost
@@ -34,6 +39,7 @@ files, unknown kinds, a bad manifest) are kept in `Trace.warnings`, and also iss
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import warnings
@@ -48,7 +54,8 @@ import pyarrow.parquet as pq
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, MANIFEST_NAME, SCHEMA
 from pdtrace.trace.model import SkippedFile, Trace, TraceFile
-from pdtrace.trace.validate import TraceWarning, check_metadata, check_schema, check_values
+from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
+                                    first_seq_violation)
 
 _PARQUET_MAGIC = b"PAR1"
 
@@ -301,11 +308,19 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
     expression = _filter_expression(wanted_instances, since_ns, until_ns)
     tables = []
     req_parts: list[pa.ChunkedArray | None] = []
+    footer_rows = {f.path: f.rows for f in files}
+    # Rows each loaded file contributed, in load order (for the seq check's file boundaries); None once unknown.
+    file_rows: list[int] | None = []
     for _schema, paths in runs:
         try:
             raw = _read_files(paths, selected, expression)
             tables.append(normalize_table(raw, selected, paths[0]))
             req_parts.append(_req_dictionary(raw))
+            counts = [footer_rows[name] for name in paths]
+            if file_rows is not None and expression is None and sum(counts) == raw.num_rows:
+                file_rows.extend(counts)
+            else:
+                file_rows = None
             del raw
         except TraceError:
             # A value that does not fit the format's type (say a pid beyond int32): name the file that holds it.
@@ -318,6 +333,8 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
                 try:
                     tables.append(normalize_table(_read_files([name], selected, expression), selected, name))
                     req_parts.append(None)
+                    if file_rows is not None:
+                        file_rows.append(tables[-1].num_rows)
                 except (OSError, pa.ArrowException) as exc:
                     skipped.append(SkippedFile(name, describe_unreadable(name, exc)))
                     files = [f for f in files if f.path != name]
@@ -327,11 +344,18 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
     table = pa.concat_tables(tables).unify_dictionaries() if tables else _empty_table(selected)
 
     if validate:
+        file_starts = None
+        if file_rows is not None and sum(file_rows) == table.num_rows:
+            file_starts = list(itertools.accumulate(file_rows[:-1]))
         try:
-            notes.extend(check_values(table, str(root)))
+            notes.extend(check_values(table, str(root), file_starts=file_starts, check_seq=file_starts is not None))
         except TraceError:
             _raise_first_file_violation(files, selected)
             raise
+        if file_starts is None and first_seq_violation(table, str(root)) is not None:
+            # Boundaries unknown (a filtered load): seq goes backwards within one writer somewhere, which is either
+            # a restart from one of its files to the next (allowed) or a violation inside a file; the files decide.
+            _raise_first_file_violation(files, selected)
 
     notes.extend(f"{s.path}: skipped: {s.reason}" for s in skipped)
     if warn:

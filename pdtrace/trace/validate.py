@@ -11,10 +11,30 @@ Three levels, cheapest first, so that the reader can check every file of a 10M-e
   any integer type; integer columns any integer type (the reader casts them, safely, to the format's width);
   a nullable column may have Arrow's `null` type (all null, as some writers store a column they cannot type).
   Columns the format does not know are left alone (a newer minor format adds columns), with a note.
-- `check_values(table, where)`: non-null columns hold no null; `role`, `component` in their vocabularies;
-  `reason` in `pdtrace.format.REASONS` for the kinds listed there (null is allowed). Vectorised with
-  pyarrow.compute: vocabulary checks look at the dictionaries (or `unique()`) first and only scan the rows to find
-  the first offending one when something is wrong; `(kind, reason)` pairs come from one hash group-by.
+- `check_values(table, where, file_starts)`: non-null columns hold no null; `role`, `component` in their
+  vocabularies; each known kind on a component `pdtrace.format.KINDS` allows for it (scheduler-side kinds on
+  `scheduler`, engine-loop kinds on `engine`, worker kinds on `worker` or `connector`, recorder and optional kinds
+  anywhere); `reason` in `pdtrace.format.REASONS` for the kinds listed there (null is allowed); `seq` strictly
+  increasing within each writer's part file (`first_seq_violation`). Vectorised with pyarrow.compute and numpy:
+  vocabulary checks look at the dictionaries (or `unique()`) first and only scan the rows to find the first
+  offending one when something is wrong; `(kind, component, reason)` triples come from one hash group-by; the
+  seq check is one comparison of each row with the previous one.
+
+Why `seq` order is an error (exit 2) and not a warning: `seq` is the exact order of one writer's events, and a
+writer writes its rows in that order, so a part file whose rows go backwards (or repeat a seq) was not written by
+a conforming writer: rows spliced, duplicated or sorted by something else. The analyses order events by a stable
+sort on `ts_ns` over load order, so such a file would be replayed silently in the wrong order wherever timestamps
+tie or run backwards, and a finding drawn from a mis-ordered replay (a use after free, a double free) would be
+wrong with nothing to say so. Refusing the trace, naming the file and row, is the honest answer; `validate=False`
+still loads it for whoever wants to look.
+
+What a writer is, for the seq check: one part file. The recorder writes `<instance>/<pid>/part-NNNNNN.parquet`
+and numbers each file's rows consecutively, but two files of one (instance, pid) may legitimately restart or
+interleave seq: a reused pid (a later process with the same pid continues the folder's part numbers, with seq from
+0), and several recorders of one instance in one process, which share the seq counter but claim seq and part
+numbers at different moments, so part order need not be seq order. So seq is only compared within a file, and
+within a file only between adjacent rows of the same (instance, pid) (a table of several writers, like an
+`EventBuilder` table, restarts at each writer change).
 
 Event kinds the format does not know are NOT an error: the format is extended only by adding kinds, so a trace
 from a newer pdtrace (or another engine's adapter) may carry kinds this build has never heard of. They are
@@ -28,8 +48,9 @@ reported is the one at the lowest row (ties: the column that comes first in the 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -192,9 +213,65 @@ def _allowed_text(values: Iterable[str], limit: int = 8) -> str:
     return f"one of {shown}"
 
 
-def check_values(table: pa.Table, where: str) -> list[str]:
+def first_seq_violation(table: pa.Table, where: str,
+                        file_starts: Sequence[int] | None = None) -> tuple[int, str] | None:
+    """The first row whose `seq` is not greater than the previous row's, within one writer's part file; (row,
+    message), or None.
+
+    `file_starts`: the rows where a new part file begins, when `table` is several files loaded one after another
+    (seq may restart there); None when `table` is one file (or an in-memory table). A change of (instance, pid)
+    between two rows is always a restart. Without `seq` in the table nothing is checked; without `instance` or
+    `pid`, the rows of a file are taken as one writer's (which a part file is). Vectorised: each chunk's seq is
+    compared with itself shifted by one (numpy, no copy); only the rows where seq does not increase, normally one
+    per writer change, are then looked at further."""
+    if "seq" not in table.column_names or table.num_rows < 2:
+        return None
+    seq = _as_chunked(table.column("seq"))
+    if seq.null_count:  # a null seq is reported by the null check
+        return None
+    found: list[np.ndarray] = []
+    offset = 0
+    previous_last: Any = None
+    for chunk in seq.chunks:
+        if len(chunk) == 0:
+            continue
+        values = chunk.to_numpy()
+        if previous_last is not None and values[0] <= previous_last:
+            found.append(np.array([offset], dtype=np.int64))
+        within = np.flatnonzero(values[1:] <= values[:-1])
+        if within.size:
+            found.append(within.astype(np.int64) + (offset + 1))
+        previous_last = values[-1]
+        offset += len(chunk)
+    if not found:
+        return None
+    rows = np.concatenate(found)
+    if file_starts is not None and len(file_starts):
+        rows = rows[~np.isin(rows, np.asarray(file_starts, dtype=np.int64))]
+    for name in ("instance", "pid"):
+        if rows.size and name in table.column_names:
+            column = table.column(name)
+            here = column.take(pa.array(rows))
+            before = column.take(pa.array(rows - 1))
+            if pa.types.is_dictionary(column.type):
+                here, before = here.cast(column.type.value_type), before.cast(column.type.value_type)
+            same = pc.fill_null(pc.equal(here, before), False)
+            rows = rows[same.to_numpy(zero_copy_only=False)]
+    if not rows.size:
+        return None
+    row = int(rows.min())
+    value, previous = seq[row].as_py(), seq[row - 1].as_py()
+    return row, (f"{where}: row {row}, column 'seq': expected more than {previous} (the previous row's seq: seq "
+                 f"strictly increases within a writer's file), found {value}")
+
+
+def check_values(table: pa.Table, where: str, file_starts: Sequence[int] | None = None,
+                 check_seq: bool = True) -> list[str]:
     """Check the values of the format columns present in `table`; raise TraceError naming the first violation
-    (lowest row), return notes (unknown kinds). Columns missing from `table` are not checked (a projection)."""
+    (lowest row), return notes (unknown kinds). Columns missing from `table` are not checked (a projection).
+
+    `file_starts`: see `first_seq_violation` (None: `table` is one file). `check_seq=False` leaves the seq order
+    out, for a table of several files whose boundaries are not known (the reader then checks it otherwise)."""
     names = set(table.column_names)
     order = {name: i for i, name in enumerate(COLUMNS)}
     violations: list[tuple[int, int, str]] = []  # (row, column order, message)
@@ -214,10 +291,13 @@ def check_values(table: pa.Table, where: str) -> list[str]:
                 violations.append((row, order[name], f"{where}: row {row}, column '{name}': expected "
                                                      f"{_allowed_text(vocabulary)}, found {value!r}"))
 
-    if "kind" in names and "reason" in names and table.column("reason").null_count < table.num_rows:
-        violation = _first_bad_reason(table, where)
+    if "kind" in names and ("component" in names or "reason" in names):
+        violations.extend(_pairing_violations(table, where, order))
+
+    if check_seq:
+        violation = first_seq_violation(table, where, file_starts)
         if violation is not None:
-            violations.append((violation[0], order["reason"], violation[1]))
+            violations.append((violation[0], order["seq"], violation[1]))
 
     if violations:
         raise TraceError(min(violations)[2])
@@ -235,25 +315,39 @@ def check_values(table: pa.Table, where: str) -> list[str]:
     return notes
 
 
-def _first_bad_reason(table: pa.Table, where: str) -> tuple[int, str] | None:
-    """The first row whose `reason` is outside REASONS[kind], for the kinds REASONS lists; (row, message)."""
-    pairs = pa.table({"kind": table.column("kind"), "reason": table.column("reason")})
-    if any(pa.types.is_dictionary(t) for t in pairs.schema.types):
-        pairs = pairs.unify_dictionaries()
-    distinct = pairs.group_by(["kind", "reason"]).aggregate([]).to_pylist()
-    bad = [(p["kind"], p["reason"]) for p in distinct
-           if p["kind"] in REASONS and p["reason"] is not None and p["reason"] not in REASONS[p["kind"]]]
-    if not bad:
-        return None
-    first: tuple[int, str] | None = None
-    for kind, reason in bad:  # one vectorised scan per offending (kind, reason) pair; there are few
-        mask = pc.and_(pc.equal(pairs.column("kind"), kind), pc.equal(pairs.column("reason"), reason))
+def _pairing_violations(table: pa.Table, where: str, order: Mapping[str, int]) -> list[tuple[int, int, str]]:
+    """The first row of each offending pairing: a known kind on a component `KINDS` does not allow for it, a
+    `reason` outside REASONS[kind] for the kinds REASONS lists. The distinct (kind, component, reason) triples come
+    from one hash group-by (a few dozen, whatever the row count); rows are scanned only for an offending triple."""
+    keys = [name for name in ("kind", "component", "reason") if name in table.column_names]
+    if "reason" in keys and table.column("reason").null_count == table.num_rows:
+        keys.remove("reason")  # all null: nothing to check, and a narrower group-by
+    if keys == ["kind"]:
+        return []
+    triples = pa.table({name: table.column(name) for name in keys})
+    if any(pa.types.is_dictionary(t) for t in triples.schema.types):
+        triples = triples.unify_dictionaries()
+    distinct = triples.group_by(keys).aggregate([]).to_pylist()
+    bad: dict[tuple[str, str, str], str] = {}  # (column, kind, value) -> the message after the row
+    for triple in distinct:
+        kind = triple["kind"]
+        allowed = KINDS.get(kind)
+        component = triple.get("component")
+        if allowed is not None and component is not None and component in COMPONENTS and component not in allowed:
+            # An unknown component is the vocabulary check's to report; an unknown kind is only a note.
+            bad[("component", kind, component)] = (f"column 'component': expected {_allowed_text(allowed)} for kind "
+                                                   f"'{kind}', found {component!r}")
+        reason = triple.get("reason")
+        if kind in REASONS and reason is not None and reason not in REASONS[kind]:
+            bad[("reason", kind, reason)] = (f"column 'reason': expected {_allowed_text(REASONS[kind])} for kind "
+                                             f"'{kind}', found {reason!r}")
+    violations = []
+    for (column, kind, value), text in bad.items():  # one vectorised scan per offending pair; there are few
+        mask = pc.and_(pc.equal(triples.column("kind"), kind), pc.equal(triples.column(column), value))
         row = _first_true(mask)
-        if row is not None and (first is None or row < first[0]):
-            message = (f"{where}: row {row}, column 'reason': expected {_allowed_text(REASONS[kind])} for kind "
-                       f"'{kind}', found {reason!r}")
-            first = (row, message)
-    return first
+        if row is not None:
+            violations.append((row, order[column], f"{where}: row {row}, {text}"))
+    return violations
 
 
 def validate_table(table: pa.Table, where: str = "<table>", metadata: Mapping[Any, Any] | None = None,
