@@ -239,8 +239,9 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
     columns: format columns to load (default all); the table has them in format order.
     instances: keep only these instances (one name or several).
     since_ns, until_ns: keep only events with since_ns <= ts_ns < until_ns.
-    validate: check the values of the loaded rows (null in a non-null column, unknown role or component, a
-        reason outside the kind's vocabulary). Footers (column types, schema version) are always checked.
+    validate: check the values of the loaded rows (null in a non-null column, unknown role or component, a kind
+        on a component the format does not allow for it, a reason outside the kind's vocabulary, seq not strictly
+        increasing within a writer's part file). Footers (column types, schema version) are always checked.
     warn: also issue the warnings (skipped files, unknown kinds, bad manifest) as Python `TraceWarning`s; they
         are always in `Trace.warnings`.
     """
