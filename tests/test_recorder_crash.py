@@ -313,7 +313,7 @@ def test_recording_imports_neither_pandas_nor_anything_outside_the_recording_pat
         rec.emit("blocks_free", step=1, req="r1", blocks=[1, 2], reason="finished", status="RUNNING",
                  delay_free=False, deferred=True, detail={"fence": 3})
         rec.emit("blocks_alloc", step="2", req=7, blocks=("3", 4), n=2.5)  # the coercion paths too
-        chan.emit_many("req_sched", step=2, reqs=["r1", None], ns=[1, None])
+        chan.emit_many("kv_send_rank", step=2, reqs=["r1", None], ns=[1, None])  # a worker kind on a worker channel
         rec.close()
         heavy = sorted(m for m in ("pandas", "typer", "rich", "matplotlib") if m in sys.modules)
         print(json.dumps(heavy))
