@@ -32,6 +32,7 @@ from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_fin
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
+from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
 from pdtrace.trace.model import Trace
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig"]
@@ -86,19 +87,6 @@ def window(trace: Trace, config: AnalysisConfig) -> Trace:
     return filtered
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-_GLIBC_DEFAULT_THRESHOLD = 128 * 1024
-
-
-def _glibc_mallopt() -> Any:
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return None
-
-
 @contextmanager
 def _allocation_settings() -> Iterator[None]:
     """While the rules run: numpy does not ask for transparent huge pages, and glibc keeps freed large blocks.
@@ -111,17 +99,17 @@ def _allocation_settings() -> Iterator[None]:
     restored afterwards (glibc's thresholds to its defaults)."""
     setter = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
     previous = setter(False) if setter is not None else None
-    mallopt = _glibc_mallopt()
-    tuned = mallopt is not None and mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and \
-        mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1
+    mallopt = glibc_mallopt()
+    tuned = mallopt is not None and mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and \
+        mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
     try:
         yield
     finally:
         if setter is not None:
             setter(previous)
         if tuned:
-            mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD)
-            mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD)
+            mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+            mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
 
 
 def _load(trace_or_path: Any) -> Trace:

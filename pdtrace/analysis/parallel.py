@@ -5,8 +5,8 @@ and the rules are independent of each other once the shared tables exist. So `ru
 
 - nodes are the selected rules and every shared table they declare (`Rule.needs`), with the tables those tables
   declare (`shared_table(*needs)` on the function that returns the table), transitively;
-- a node is submitted to a thread pool of `jobs` workers when every node it needs is done, in a fixed order:
-  tables before rules, each in the order it was first found (so the same inputs give the same schedule);
+- a node starts on one of `jobs` threads when every node it needs is done and a thread is free; among the ready
+  nodes, tables go before rules, each in the order it was first found (dependencies first);
 - each node calls its function once; the tables are cached on the context (`AnalysisContext.cached`, per-key
   locks), so a rule that asks for a table it did not declare still gets the one copy, just later.
 
@@ -98,10 +98,15 @@ def run_rules(ctx: "AnalysisContext", rules: Sequence["Rule"], jobs: int) -> lis
             return rules[node[1]].run(ctx)
         return node(ctx)
 
-    with ThreadPoolExecutor(max_workers=min(jobs, MAX_JOBS), thread_name_prefix="pdtrace-rule") as pool:
+    workers = min(jobs, MAX_JOBS)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdtrace-rule") as pool:
         while True:
             if error is None:
+                # a node is handed to a thread only when one is free, so a table that just became ready (say
+                # request_state, on the critical path) is not queued behind independent work submitted earlier
                 for node in order:
+                    if len(running) >= workers:
+                        break
                     if node not in started and all(need in done for need in waits[node]):
                         started.add(node)
                         running[pool.submit(call, node)] = node

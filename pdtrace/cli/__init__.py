@@ -9,6 +9,7 @@ import typer
 
 from pdtrace.cli.app import app, err_console
 from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
+from pdtrace.malloc import single_arena
 
 # Each import registers one verb on `app`, in the order `pdtrace --help` lists them.
 from pdtrace.cli import record, info, analyze, show, plot, export  # noqa: E402,F401  isort: skip
@@ -16,6 +17,7 @@ from pdtrace.cli import record, info, analyze, show, plot, export  # noqa: E402,
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pdtrace` console script: the one place where errors become exit statuses."""
+    single_arena()  # a process of our own: its threads share one malloc arena (see pdtrace.malloc)
     try:
         rv = app(args=argv, prog_name="pdtrace", standalone_mode=False)
     except PdtraceError as exc:
