@@ -206,9 +206,9 @@ def _build_frame(ctx: Any) -> pd.DataFrame:
     names = cols.rk_names
     seq = cols.table.column("seq").to_numpy() if cols.n else np.empty(0, np.int64)
     reason_codes, reason_names = cols.codes("reason")
-    deferred_value, deferred_valid = cols.bool_col("deferred")
     freed = own.free_row >= 0
     frow = np.where(freed, own.free_row, 0)
+    deferred_value, deferred_valid = cols.bools_at("deferred", frow)
 
     def nullable(values: np.ndarray, valid: np.ndarray, dtype: str) -> Any:
         arr = pd.array(values, dtype=dtype)
@@ -234,8 +234,7 @@ def _build_frame(ctx: Any) -> pd.DataFrame:
         "free_seq": nullable(seq[frow] if len(frow) else frow, freed, "Int64"),
         "free_step": nullable(fstep, freed & (fstep >= 0), "Int64"),
         "free_reason": pd.array(lookup[np.where(freed & (rc >= 0), rc, len(reason_names))], dtype="string"),
-        "deferred": nullable(deferred_value[frow] if len(frow) else frow.astype(bool),
-                             freed & (deferred_valid[frow] if len(frow) else freed), "boolean"),
+        "deferred": nullable(deferred_value, freed & deferred_valid, "boolean"),
         "pool_free_ts": nullable(cols.ts[np.where(has_pool, pool_row, 0)] if len(own) else frow,
                                  has_pool, "Int64"),
     }, columns=list(OWNERSHIP_COLUMNS))

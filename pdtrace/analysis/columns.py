@@ -192,6 +192,45 @@ def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(values), np.concatenate(valids)
 
 
+def _bits_at(buffer: pa.Buffer, offset: int, positions: np.ndarray) -> np.ndarray:
+    """Bits of an Arrow bitmap at the given positions of an array starting at `offset`, as bools."""
+    packed = np.frombuffer(buffer, dtype=np.uint8)
+    at = positions + offset
+    return ((packed[at >> 3] >> (at & 7).astype(np.uint8)) & 1).astype(bool)
+
+
+def gather(column: pa.ChunkedArray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, is_valid) of a primitive or bool column at `rows` (any order), read straight from each chunk's
+    buffers: no 10M-row copy of the column for the few rows a rule looks at, and no Arrow allocation. Values under
+    a null are whatever the buffer holds; use is_valid."""
+    rows = np.asarray(rows)
+    is_bool = pa.types.is_boolean(column.type)
+    out = np.empty(len(rows), bool if is_bool else np.dtype(column.type.to_pandas_dtype()))
+    valid = np.ones(len(rows), bool)
+    if len(rows) == 0:
+        return out, valid
+    ascending = bool((rows[1:] >= rows[:-1]).all())
+    order = None if ascending else np.argsort(rows, kind="stable")
+    sorted_rows = rows if order is None else rows[order]
+    starts = np.zeros(column.num_chunks + 1, np.int64)
+    np.cumsum([len(c) for c in column.chunks], out=starts[1:])
+    cuts = np.searchsorted(sorted_rows, starts)
+    for i, chunk in enumerate(column.chunks):
+        a, b = int(cuts[i]), int(cuts[i + 1])
+        if a == b:
+            continue
+        local = sorted_rows[a:b] - starts[i]
+        where = slice(a, b) if order is None else order[a:b]
+        if is_bool:
+            out[where] = _bits_at(chunk.buffers()[1], chunk.offset, local)
+        else:
+            values = np.frombuffer(chunk.buffers()[1], dtype=out.dtype, count=chunk.offset + len(chunk))
+            out[where] = values[chunk.offset:][local]
+        if chunk.null_count:
+            valid[where] = _bits_at(chunk.buffers()[0], chunk.offset, local)
+    return out, valid
+
+
 @dataclass
 class Columns:
     """Per-row arrays of one trace (see the module docstring)."""
@@ -225,9 +264,13 @@ class Columns:
         names = self.codes(name)[1]
         return names.index(value) if value in names else ABSENT
 
+    def _row_index(self, rows: np.ndarray) -> np.ndarray:
+        # cached row lists stay for the whole run (req_sched rows are most of a trace): int32 like pos
+        return rows.astype(np.int32) if self.n < 2**31 - 2 else rows
+
     def rows_of(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds, in row order (cached: rules ask for the same kinds again)."""
-        return self._once.get(("rows",) + kinds, lambda: np.flatnonzero(self.is_kind(*kinds)))
+        return self._once.get(("rows",) + kinds, lambda: self._row_index(np.flatnonzero(self.is_kind(*kinds))))
 
     def req_rows(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds that name a request (cached)."""
@@ -235,7 +278,7 @@ class Columns:
             if ("rows",) + kinds in self._once:
                 rows = self.rows_of(*kinds)
                 return rows[self.rk[rows] >= 0]
-            return np.flatnonzero(self.is_kind(*kinds) & (self.rk >= 0))
+            return self._row_index(np.flatnonzero(self.is_kind(*kinds) & (self.rk >= 0)))
 
         return self._once.get(("req_rows",) + kinds, build)
 
@@ -261,15 +304,36 @@ class Columns:
 
     @once_property
     def step(self) -> np.ndarray:
-        return int_column(self.table, "step")
+        # int32 when every step fits (vLLM counts schedule() calls: 2**31 is years of steps): the array stays in
+        # memory for the whole run. Composite keys cast it to int64 first, like pos.
+        col = self.table.column("step")
+        top = pc.max(col).as_py() if self.n else None
+        return int_column(self.table, "step", np.int32 if top is None or top < 2**31 - 2 else np.int64)
 
-    @once_property
-    def nvalue(self) -> np.ndarray:
-        return int_column(self.table, "n")
+    def ints_at(self, name: str, rows: np.ndarray, fill: int = NO) -> np.ndarray:
+        """A numeric column's values at rows as int64, `fill` where null (see `gather`)."""
+        values, valid = gather(self.table.column(name), rows)
+        values = values.astype(np.int64, copy=False)
+        if not valid.all():
+            values = np.where(valid, values, fill)
+        return values
+
+    def numbers_at(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """A numeric column's values at rows as float64, NaN where null."""
+        values, valid = gather(self.table.column(name), rows)
+        values = values.astype(np.float64)
+        values[~valid] = np.nan
+        return values
+
+    def bools_at(self, name: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(value, is_valid) of a bool column at rows."""
+        return gather(self.table.column(name), rows)
 
     @once_property
     def order(self) -> np.ndarray:
-        return np.argsort(self.ts, kind="stable")
+        # int32 below 2**31 rows, like pos: it is only ever an index, and it stays in memory for the whole run
+        order = np.argsort(self.ts, kind="stable")
+        return order.astype(np.int32) if self.n < 2**31 - 2 else order
 
     @once_property
     def pos(self) -> np.ndarray:

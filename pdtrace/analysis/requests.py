@@ -105,10 +105,10 @@ def _build_state(cols: Columns) -> RequestState:
     sched = cols.req_rows("req_sched")
     finish_rows = cols.req_rows("req_finish")
     finish_pos = first_per_key(rk[finish_rows], pos[finish_rows], n)
-    delay_value, delay_valid = cols.bool_col("delay_free")
     delay_free = np.zeros(n, bool)
     firsts = finish_pos[rk[finish_rows]] == pos[finish_rows]
-    delay_free[rk[finish_rows[firsts]]] = (delay_value & delay_valid)[finish_rows[firsts]]
+    delay_value, delay_valid = cols.bools_at("delay_free", finish_rows[firsts])
+    delay_free[rk[finish_rows[firsts]]] = delay_value & delay_valid
     wait_kv_pos = _first(cols, ("req_wait_kv",), n)
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
     preempt_rows = cols.req_rows("req_preempt")

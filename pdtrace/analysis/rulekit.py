@@ -88,7 +88,7 @@ def _index(cols: Columns) -> StepIndex:
     ck, _, crow = sorted_by_key(sch)
     has = np.zeros(int(cols.sk.max()) + 1 if cols.n else 0, bool)
     has[cols.sk[outp]] = True
-    return StepIndex(span, sk_, sp, sr, ok, op, orow, ck, cols.nvalue[crow], has)
+    return StepIndex(span, sk_, sp, sr, ok, op, orow, ck, cols.ints_at("n", crow), has)
 
 
 @shared_table(positions, request_keys)
@@ -102,10 +102,10 @@ def engine_configs(ctx: Any) -> dict[int, dict[str, Any]]:
         cols = columns(ctx)
         rows = cols.rows_of("engine_config")
         out: dict[int, dict[str, Any]] = {}
-        for row, detail in zip(rows.tolist(), cols.details(rows)):
+        for row, detail, n in zip(rows.tolist(), cols.details(rows), cols.ints_at("n", rows).tolist()):
             cfg = dict(detail)
-            if cols.nvalue[row] >= 0:
-                cfg["num_blocks"] = int(cols.nvalue[row])
+            if n >= 0:
+                cfg["num_blocks"] = int(n)
             out.setdefault(int(cols.sk[row]), cfg)
         return out
     return ctx.cached("rulekit.engine_configs", build)

@@ -91,10 +91,7 @@ def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = Fal
     rows = kind_rows(ctx, kinds)
     inst_codes, _ = dict_codes(ctx, "instance")
     kind_codes, kind_values = dict_codes(ctx, "kind")
-    n = cols.nvalue[rows].astype(np.float64)
-    n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
-        zero_copy_only=False))
-    n[~n_valid[rows]] = np.nan
+    n = cols.numbers_at("n", rows)
     fields = rows_columns(ctx, rows, ["seq", "pid", "pp_rank", "tp_rank"])
     frame = pd.DataFrame({
         "row": rows,
@@ -105,7 +102,7 @@ def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = Fal
         "dp": cols.dp[rows].astype(np.int64),
         "pp": fields["pp_rank"].astype(np.int64),
         "tp": fields["tp_rank"].astype(np.int64),
-        "step": cols.step[rows],
+        "step": cols.step[rows].astype(np.int64),
         "n": n,
         "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_values) if len(kind_values)
         else pd.Categorical([]),
@@ -250,8 +247,6 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     def build() -> pd.DataFrame:
         cols = columns(ctx)
         inst_codes, _ = dict_codes(ctx, "instance")
-        n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
-            zero_copy_only=False))
         dp_span = int(cols.dp.max()) + 2 if cols.n else 2
         step_span = int(cols.step.max()) + 2 if cols.n else 2
 
@@ -278,9 +273,7 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
             return out
 
         def number(rows: np.ndarray) -> np.ndarray:
-            v = cols.nvalue[rows].astype(np.float64)
-            v[~n_valid[rows]] = np.nan
-            return v
+            return cols.numbers_at("n", rows)
 
         # only what the rules read; step_table() adds waiting, waiting_kv and dur_ns for plots and notebooks
         sched_detail = detail_numbers(ctx, s_rows, ("running", "free_blocks", "empty_run"), optional=("empty_run",))
@@ -392,11 +385,9 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         order = np.lexsort((fields["seq"], lane_code))
         rows, inst, dp, pp, tp, lane_code = rows[order], inst[order], dp[order], pp[order], tp[order], lane_code[order]
         is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
-        step = cols.step[rows]
+        step = cols.step[rows].astype(np.int64)
         ts = cols.ts[rows]
-        n_valid = ctx.cached("steps:n_valid", lambda: pc.is_valid(ctx.trace.table.column("n")).to_numpy(
-            zero_copy_only=False))
-        n = np.where(n_valid[rows], cols.nvalue[rows], np.nan)
+        n = cols.numbers_at("n", rows)
         same_next = np.zeros(len(rows), dtype=bool)
         if len(rows) > 1:
             same_next[:-1] = (lane_code[1:] == lane_code[:-1]) & (step[1:] == step[:-1]) & ~is_begin[1:]

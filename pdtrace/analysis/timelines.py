@@ -94,7 +94,7 @@ def _phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    from pdtrace.analysis.columns import bool_column, columns
+    from pdtrace.analysis.columns import columns
 
     cols = columns(ctx)
     if cols.n == 0:
@@ -118,7 +118,7 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     k = kind_lut[kind_codes[rows]]
     is_add, is_wait_kv, is_recv_done, is_recv_fail, is_sched, is_preempt, is_finish, is_free = (
         k == i for i in range(len(_STATE_KINDS)))
-    delay_free = bool_column(cols.table, "delay_free")[0][rows]
+    delay_free = cols.bools_at("delay_free", rows)[0]
 
     new_group = np.ones(len(rows), dtype=bool)
     new_group[1:] = rk[1:] != rk[:-1]

@@ -160,9 +160,9 @@ def run(ctx: Any) -> pd.DataFrame:
 def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
     cols = columns(ctx)
     own = ownership(ctx)
-    value, valid = cols.bool_col("deferred")
     free_row = np.where(own.free_row >= 0, own.free_row, 0)
-    cand = np.flatnonzero((own.free_row >= 0) & valid[free_row] & value[free_row])
+    value, valid = cols.bools_at("deferred", free_row)
+    cand = np.flatnonzero((own.free_row >= 0) & valid & value)
     cand = cand[own.pool_free_after(cand) < 0]
     cand = cand[(own.others_at_free(cand) == 0) & (own.next_alloc_after(cand) < 0)]
     if len(cand) == 0:

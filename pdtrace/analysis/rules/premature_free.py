@@ -91,10 +91,10 @@ def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
     defer = defer_block_free(ctx)
     if not defer.any():
         return out
-    value, valid = cols.bool_col("deferred")
     rows = fr["rows"]
     sk = cols.sk[rows]
-    cand = np.flatnonzero(defer[sk] & valid[rows] & ~value[rows])
+    value, valid = cols.bools_at("deferred", rows)
+    cand = np.flatnonzero(defer[sk] & valid & ~value)
     if len(cand) == 0:
         return out
     si = step_index(ctx)

@@ -292,7 +292,7 @@ def _prompt_need(ctx: AnalysisContext, cols: Columns, st: RequestState, sc: Sche
     add = st.add_pos
     has = add >= 0
     rows = _row(cols, add[has])
-    prompt = cols.nvalue[rows].astype(np.float64)
+    prompt = cols.ints_at("n", rows).astype(np.float64)
     bs = sc.block_size[st.sk[has]]
     blocks = np.where((prompt > 0) & (bs > 0), np.ceil(prompt / np.where(bs > 0, bs, 1)), 1)
     need[has] = np.maximum(blocks, 1).astype(np.int64)
