@@ -311,38 +311,32 @@ def child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 
 
 def profile(directory: Path) -> None:
+    """One process, one thread: the load, then every shared table the rules declare (in the order the scheduler
+    would start them, each timed without the tables it builds on) and every rule."""
     from pdtrace.analysis import _allocation_settings, available_rules
-    from pdtrace.analysis.blocks import ownership, release_gaps
-    from pdtrace.analysis.columns import columns
     from pdtrace.analysis.context import AnalysisContext
-    from pdtrace.analysis.requests import request_state
-    from pdtrace.analysis.rulekit import step_index
+    from pdtrace.analysis.parallel import _graph
+    from pdtrace.malloc import single_arena
     from pdtrace.trace.reader import open_trace
 
+    single_arena()  # as the CLI does
     t0 = time.perf_counter()
     trace = open_trace(directory, warn=False)
-    print(f"  open_trace                 {time.perf_counter() - t0:7.2f} s  ({len(trace):,} events)")
+    print(f"  open_trace                    {time.perf_counter() - t0:7.2f} s  ({len(trace):,} events)")
     ctx = AnalysisContext(trace)
-    settings = _allocation_settings()  # as analyze() runs the rules: small pages, glibc keeps freed blocks
-    settings.__enter__()
-    for name, build in (("columns: kind codes", lambda: columns(ctx).codes("kind")),
-                        ("columns: order/pos", lambda: columns(ctx).pos),
-                        ("columns: request keys", lambda: columns(ctx).rk),
-                        ("request_state", lambda: request_state(ctx)),
-                        ("ownership", lambda: ownership(ctx)),
-                        ("release_gaps", lambda: release_gaps(ctx)),
-                        ("step_index", lambda: step_index(ctx))):
-        t0 = time.perf_counter()
-        build()
-        print(f"  {name:<26} {time.perf_counter() - t0:7.2f} s")
     rules, _ = available_rules()
-    for rule in rules.values():
-        t0 = time.perf_counter()
-        found = rule.run(ctx)
-        counts = found["severity"].value_counts().to_dict() if len(found) else {}
-        print(f"  rule {rule.id:<21} {time.perf_counter() - t0:7.2f} s  findings {len(found)} {counts}")
-    settings.__exit__(None, None, None)
-    print(f"  peak RSS (this process)    {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:7.0f} MiB")
+    tables = [node for node in _graph(list(rules.values()))[0] if not isinstance(node, tuple)]
+    with _allocation_settings():  # as analyze() runs the rules: small pages, glibc keeps freed blocks
+        for table in tables:
+            t0 = time.perf_counter()
+            table(ctx)
+            print(f"  table {table.__name__:<23} {time.perf_counter() - t0:7.2f} s")
+        for rule in rules.values():
+            t0 = time.perf_counter()
+            found = rule.run(ctx)
+            counts = found["severity"].value_counts().to_dict() if len(found) else {}
+            print(f"  rule {rule.id:<24} {time.perf_counter() - t0:7.2f} s  findings {len(found)} {counts}")
+    print(f"  peak RSS (this process)       {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:7.0f} MiB")
 
 
 def main() -> None:
@@ -391,6 +385,8 @@ def main() -> None:
         print(f"  run {i + 1}: " + " | ".join(
             f"{name} {r[-1][0]:6.2f} s wall {r[-1][3]:6.2f} s cpu {r[-1][1] / 1024:6.0f} MiB"
             for name, r in runs.items()))
+    if args.repeat < 1:
+        return
     fig = {name: (statistics.median(x[0] for x in r), statistics.median(x[3] for x in r), max(x[1] for x in r))
            for name, r in runs.items()}
     for name, (wall, cpu, rss) in fig.items():

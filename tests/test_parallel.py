@@ -194,3 +194,20 @@ def test_jobs_from_the_command_line_and_pyproject(cli: Any, tmp_path: Path) -> N
     project.write_text("[tool.pdtrace]\njobs = 1\n")
     res = cli("analyze", trace, "--config", project, "--format", "json", "--fail-on", "never")
     assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == outputs[0]
+
+
+def test_the_longest_chain_is_scheduled_first() -> None:
+    from pdtrace.analysis.parallel import _graph
+
+    @shared_table(cost=0.01)
+    def cheap_base(c: AnalysisContext) -> None: ...
+
+    @shared_table(cheap_base, cost=0.5)
+    def slow_table(c: AnalysisContext) -> None: ...
+
+    light = _rule("light", lambda c: _one_finding("light"))
+    heavy = Rule(id="heavy", summary="heavy", run=lambda c: _one_finding("heavy"), needs=(slow_table,), cost=0.2)
+    order, waits = _graph([light, heavy])
+    # upward rank: cheap_base 0.71, slow_table 0.7, heavy 0.2, light 0.05 (the default cost)
+    assert order == [cheap_base, slow_table, ("rule", 1), ("rule", 0)]
+    assert waits[slow_table] == (cheap_base,) and waits[("rule", 1)] == (slow_table,) and waits[("rule", 0)] == ()

@@ -194,7 +194,7 @@ def _build(cols: Columns) -> Ownership:
     )
 
 
-@shared_table(positions, request_keys, block_lists)
+@shared_table(positions, request_keys, block_lists, cost=0.1)
 def ownership(ctx: Any) -> Ownership:
     """Holding intervals as arrays, cached on the context."""
     return ctx.cached("ownership", lambda: _build(columns(ctx)))
@@ -298,7 +298,7 @@ def _build_gaps(ctx: Any) -> ReleaseGaps:
     return ReleaseGaps(rk=key[zero], start_pos=pos[zero], end_pos=end, free_row=row[zero])
 
 
-@shared_table(ownership)
+@shared_table(ownership, cost=0.05)
 def release_gaps(ctx: Any) -> ReleaseGaps:
     """The request-level "holds nothing" gaps, cached on the context."""
     return ctx.cached("release_gaps", lambda: _build_gaps(ctx))

@@ -487,19 +487,19 @@ def columns(ctx: Any) -> Columns:
     return ctx.cached("columns", lambda: Columns(ctx.trace))
 
 
-@shared_table()
+@shared_table(cost=0.14)
 def positions(ctx: Any) -> np.ndarray:
     """`Columns.pos`: every row's rank in the global order (one stable sort of ts_ns)."""
     return columns(ctx).pos
 
 
-@shared_table()
+@shared_table(cost=0.17)
 def request_keys(ctx: Any) -> np.ndarray:
     """`Columns.rk`: the request key of every row (-1 where none)."""
     return columns(ctx).rk
 
 
-@shared_table()
+@shared_table(cost=0.06)
 def block_lists(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
     """`Columns.block_rows`: the `blocks` column flattened to (row, block id) pairs."""
     return columns(ctx).block_rows

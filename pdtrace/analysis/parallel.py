@@ -6,7 +6,10 @@ and the rules are independent of each other once the shared tables exist. So `ru
 - nodes are the selected rules and every shared table they declare (`Rule.needs`), with the tables those tables
   declare (`shared_table(*needs)` on the function that returns the table), transitively;
 - a node starts on one of `jobs` threads when every node it needs is done and a thread is free; among the ready
-  nodes, tables go before rules, each in the order it was first found (dependencies first);
+  nodes, the one with the longest remaining chain goes first (list scheduling by upward rank: a node's rank is
+  its own cost plus the largest rank of the nodes waiting for it; costs are the hints `Rule.cost` and
+  `shared_table(cost=...)`, seconds at 10M events, default DEFAULT_COST), so the critical path starts early and
+  light nodes fill the gaps;
 - each node calls its function once; the tables are cached on the context (`AnalysisContext.cached`, per-key
   locks), so a rule that asks for a table it did not declare still gets the one copy, just later.
 
@@ -34,11 +37,17 @@ Table = Callable[["AnalysisContext"], Any]
 MAX_JOBS = 4
 
 
-def shared_table(*needs: Table) -> Callable[[Table], Table]:
-    """Mark `fn(ctx) -> table` as a shared table built on the tables `needs` (see the module docstring)."""
+#: Cost hint of a node that gives none (seconds at 10M events: a typical rule or table).
+DEFAULT_COST = 0.05
+
+
+def shared_table(*needs: Table, cost: float = DEFAULT_COST) -> Callable[[Table], Table]:
+    """Mark `fn(ctx) -> table` as a shared table built on the tables `needs`; `cost` is a hint for the scheduler
+    (seconds at 10M events; see the module docstring)."""
 
     def mark(fn: Table) -> Table:
         fn.needs = tuple(needs)  # type: ignore[attr-defined]
+        fn.cost = float(cost)  # type: ignore[attr-defined]
         return fn
 
     return mark
@@ -57,9 +66,14 @@ def _needs(node: Any) -> tuple[Table, ...]:
     return tuple(getattr(node, "needs", ()) or ())
 
 
-def _graph(rules: Sequence["Rule"]) -> tuple[list[Table], dict[Any, tuple[Any, ...]]]:
-    """(the tables in dependency-first discovery order, node -> the nodes it waits for)."""
-    tables: list[Table] = []
+def _cost(node: Any) -> float:
+    return float(getattr(node, "cost", DEFAULT_COST))
+
+
+def _graph(rules: Sequence["Rule"]) -> tuple[list[Any], dict[Any, tuple[Any, ...]]]:
+    """(every node, highest upward rank first, ties in discovery order; node -> the nodes it waits for). Rules are
+    the nodes ("rule", index); tables are their functions, found depth-first from the rules' `needs`."""
+    found: list[Any] = []
     seen: set[int] = set()
 
     def visit(table: Table, path: tuple[int, ...]) -> None:
@@ -70,23 +84,31 @@ def _graph(rules: Sequence["Rule"]) -> tuple[list[Table], dict[Any, tuple[Any, .
         for need in _needs(table):
             visit(need, path + (id(table),))
         seen.add(id(table))
-        tables.append(table)
+        found.append(table)
 
-    for rule in rules:
+    for index, rule in enumerate(rules):
         for table in _needs(rule):
             visit(table, ())
-    waits: dict[Any, tuple[Any, ...]] = {table: _needs(table) for table in tables}
+        found.append(("rule", index))
+    waits: dict[Any, tuple[Any, ...]] = {node: _needs(node) for node in found if not isinstance(node, tuple)}
     for index, rule in enumerate(rules):
         waits[("rule", index)] = _needs(rule)
-    return tables, waits
+    rank: dict[Any, float] = {}
+    for node in reversed(found):  # every node comes after what it needs, so its dependents are ranked already
+        cost = _cost(rules[node[1]]) if isinstance(node, tuple) else _cost(node)
+        rank[node] = cost
+    for node in reversed(found):
+        for need in waits[node]:
+            rank[need] = max(rank[need], _cost(need) + rank[node])
+    position = {node: i for i, node in enumerate(found)}
+    return sorted(found, key=lambda node: (-rank[node], position[node])), waits
 
 
 def run_rules(ctx: "AnalysisContext", rules: Sequence["Rule"], jobs: int) -> list["pd.DataFrame"]:
     """`[rule.run(ctx) for rule in rules]`, on `jobs` threads (see the module docstring)."""
     if jobs <= 1 or not rules:
         return [rule.run(ctx) for rule in rules]
-    tables, waits = _graph(rules)
-    order: list[Any] = list(tables) + [("rule", i) for i in range(len(rules))]
+    order, waits = _graph(rules)
     results: dict[int, Any] = {}
     done: set[Any] = set()
     started: set[Any] = set()

@@ -22,6 +22,8 @@ class Rule:
     `needs`: the shared tables (functions of the context, e.g. `pdtrace.analysis.requests.request_state`) the rule
     reads. Optional: analyze() builds them ahead of the rules, side by side on its threads
     (`pdtrace.analysis.parallel`); an undeclared table is still built when the rule first asks for it.
+    `cost`: the rule's own run time in seconds at 10M events (bench/analyze.py --profile), a hint that only decides
+    what starts first on those threads (the longest chain first, so it does not run alone at the end).
     """
 
     id: str
@@ -29,6 +31,7 @@ class Rule:
     run: "Callable[[AnalysisContext], pd.DataFrame]"
     subrules: tuple[str, ...] = field(default=())
     needs: "tuple[Callable[[AnalysisContext], Any], ...]" = field(default=())
+    cost: float = 0.05
 
 
 class RuleLoadError(Exception):

@@ -142,7 +142,7 @@ def _build_state(cols: Columns) -> RequestState:
     return state
 
 
-@shared_table(positions, request_keys)
+@shared_table(positions, request_keys, cost=0.21)
 def request_state(ctx: Any) -> RequestState:
     """Lifecycle positions per request key, cached on the context."""
     return ctx.cached("request_state", lambda: _build_state(columns(ctx)))

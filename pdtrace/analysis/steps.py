@@ -237,7 +237,7 @@ def _first_per_key(key: np.ndarray, ts: np.ndarray) -> np.ndarray:
     return order[first]
 
 
-@shared_table()
+@shared_table(cost=0.1)
 def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """step_table with integer `inst` codes and the sched row index `row` (internal form).
 
@@ -348,7 +348,7 @@ def _ints_from_text(text: pa.Array, key: str) -> np.ndarray:
     return pc.fill_null(pc.cast(found, pa.int64()), _NULL).to_numpy(zero_copy_only=False)
 
 
-@shared_table()
+@shared_table(cost=0.09)
 def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*.
     Numpy throughout: the exec rows' details read in row order (substring tests, a regex only where `gpu_`
@@ -518,7 +518,7 @@ class StepCount:
         return self._zero_until(e, origin) - self._zero_until(s, origin)
 
 
-@shared_table(positions, request_state)
+@shared_table(positions, request_state, cost=0.01)
 def request_lifetimes(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per request key (instance, dp_rank, req) of `pdtrace.analysis.requests.request_state`: inst (code),
     dp, start_ts (req_add, else its first scheduling, KV wait or finish), wait_kv_ts, recv_ts (the receive's close:
@@ -553,7 +553,7 @@ def _int64(series: pd.Series, fill: int = _NULL) -> np.ndarray:
     return series.astype("Int64").fillna(fill).to_numpy(dtype=np.int64)
 
 
-@shared_table(request_lifetimes, _step_frame)
+@shared_table(request_lifetimes, _step_frame, cost=0.01)
 def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCount, StepCount, StepCount]]:
     """Per scheduler (inst, dp): (live requests, runnable requests, token-carrying steps in flight)."""
 
@@ -660,7 +660,7 @@ class _Keys:
         return code * self.step_span + step + 1
 
 
-@shared_table(_span_frame)
+@shared_table(_span_frame, cost=0.01)
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
     """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e, lane): spans of token-carrying steps with both
     ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy, one lexsort)."""
@@ -731,7 +731,7 @@ CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE = (
     BUBBLE_CAUSES.index("queue_not_full"))
 
 
-@shared_table(busy_spans, _count_functions, _step_frame)
+@shared_table(busy_spans, _count_functions, _step_frame, cost=0.08)
 def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """Every idle gap (> 0 ns) between busy spans of a lane, classified, with integer codes (inst, dp, pp, tp):
     the pipeline_bubble rule sums idle time from it; `bubbles` keeps the gaps of at least bubble_min_ns. `cause` is

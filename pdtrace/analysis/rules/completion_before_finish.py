@@ -111,4 +111,5 @@ RULE = Rule(
     run=run,
     subrules=("send", "recv"),
     needs=(request_state, step_index),
+    cost=0.03,
 )

@@ -144,4 +144,5 @@ RULE = Rule(
     run=run,
     subrules=("not_owned", "unknown_id", "completion_after_free"),
     needs=(request_state, ownership, release_gaps, step_index),
+    cost=0.02,
 )

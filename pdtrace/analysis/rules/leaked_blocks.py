@@ -202,4 +202,5 @@ RULE = Rule(
     run=run,
     subrules=("definitely", "indirectly", "possibly"),
     needs=(request_state, ownership, step_index),
+    cost=0.02,
 )

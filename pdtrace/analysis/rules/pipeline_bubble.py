@@ -202,4 +202,5 @@ RULE = Rule(
     run=run,
     subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests"),
     needs=(gap_frame,),
+    cost=0.03,
 )

@@ -306,4 +306,5 @@ RULE = Rule(
     run=run,
     subrules=("unfinished", "send_open", "recv_open", "quorum", "async_load_reuse", "not_deferred"),
     needs=(request_state, ownership, step_index),
+    cost=0.05,
 )

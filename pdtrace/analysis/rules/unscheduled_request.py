@@ -650,4 +650,5 @@ RULE = Rule(
     subrules=("never_scheduled", "starved", "stuck_waiting_kv", "preempted_not_resumed", "dropped_from_batch",
               "zombie"),
     needs=(request_state, _step_frame),
+    cost=0.22,
 )

@@ -175,4 +175,5 @@ RULE = Rule(
     run=run,
     subrules=("sched_after_free", "remote_read", "completion_after_free", "reused_during_transfer"),
     needs=(request_state, ownership, release_gaps),
+    cost=0.02,
 )
