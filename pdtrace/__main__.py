@@ -1,3 +1,3 @@
-from pdtrace.cli import main
+from pdtrace.cli import console_main
 
-main()
+console_main()
