@@ -9,7 +9,9 @@ first step, freed at its finish), a 5 ms stall every 200 steps (bubbles on every
 - the one-off import of matplotlib (every `pdtrace plot` process pays it once);
 - per kind, cold: a fresh context, all the analysis the figure needs (analyze's rules included) plus drawing
   and saving the PNG; warm: drawing and saving again on the same context (the analyses cached), i.e. the cost
-  of the plotting itself; and the ratio of each to the read time (the issue's target: plot <= 3x read).
+  of the plotting itself; and the ratio of each to the read time (the issue's target: plot <= 3x read);
+- as whole processes, what a user waits for (median of --repeat runs, alternating): `pdtrace plot TRACE --kind K`
+  against a process that imports pdtrace's reader and reads the same trace (`open_trace`), and the ratio.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -130,12 +134,42 @@ def synthetic_table(target_events: int, seed: int = 0) -> pa.Table:
     return table.cast(SCHEMA)
 
 
+READ_PROCESS = "import sys; from pdtrace.trace.reader import open_trace; open_trace(sys.argv[1], warn=False)"
+
+
+def _wall(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if proc.returncode not in (0, 1):
+        print(f"  failed ({proc.returncode}): {proc.stderr.decode().strip()[-300:]}", file=sys.stderr)
+    return time.perf_counter() - start
+
+
+def processes(trace_dir: Path, kinds: list[str], repeat: int, out_dir: Path) -> None:
+    """Whole processes, alternating: the read process, then `pdtrace plot` of each kind; medians and ratios."""
+    if repeat < 1:
+        return
+    read_cmd = [sys.executable, "-c", READ_PROCESS, str(trace_dir)]
+    walls: dict[str, list[float]] = {"read": []}
+    for _ in range(repeat):
+        walls["read"].append(_wall(read_cmd))
+        for kind in kinds:
+            walls.setdefault(kind, []).append(_wall([sys.executable, "-m", "pdtrace", "plot", str(trace_dir),
+                                                     "--kind", kind, "-o", str(out_dir / f"p_{kind}.png")]))
+    read_s = statistics.median(walls["read"])
+    print(f"processes (median of {repeat}): read {read_s:.2f} s")
+    for kind in kinds:
+        wall = statistics.median(walls[kind])
+        print(f"  pdtrace plot --kind {kind:<9} {wall:5.2f} s  {wall / read_s:4.1f}x the read process")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pdtrace-bench-plot"))
     parser.add_argument("--kinds", default="pipeline,requests,blocks,steps")
     parser.add_argument("--keep", action="store_true", help="keep the generated trace and images")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each process (median)")
     args = parser.parse_args()
 
     from pdtrace.analysis.context import AnalysisContext
@@ -174,6 +208,7 @@ def main() -> None:
         render(ctx, kind, out)
         warm = time.perf_counter() - t
         print(f"{kind:<10} {cold:8.2f} {cold / read_s:7.1f} {warm:8.2f} {warm / read_s:7.1f}")
+    processes(trace_dir, args.kinds.split(","), args.repeat, args.dir)
     trace = open_trace(trace_dir, warn=False)
     t = time.perf_counter()
     model = export(AnalysisContext(trace), "chrome", args.dir / "out.json")

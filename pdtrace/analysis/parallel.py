@@ -70,7 +70,7 @@ def _cost(node: Any) -> float:
     return float(getattr(node, "cost", DEFAULT_COST))
 
 
-def _graph(rules: Sequence["Rule"]) -> tuple[list[Any], dict[Any, tuple[Any, ...]]]:
+def _graph(rules: Sequence[Any]) -> tuple[list[Any], dict[Any, tuple[Any, ...]]]:
     """(every node, highest upward rank first, ties in discovery order; node -> the nodes it waits for). Rules are
     the nodes ("rule", index); tables are their functions, found depth-first from the rules' `needs`."""
     found: list[Any] = []
@@ -108,6 +108,28 @@ def run_rules(ctx: "AnalysisContext", rules: Sequence["Rule"], jobs: int) -> lis
     """`[rule.run(ctx) for rule in rules]`, on `jobs` threads (see the module docstring)."""
     if jobs <= 1 or not rules:
         return [rule.run(ctx) for rule in rules]
+    return _run(ctx, rules, jobs)
+
+
+def build_tables(ctx: "AnalysisContext", tables: Sequence[Table], jobs: int) -> None:
+    """Build these shared tables (and the tables they need) on `jobs` threads, e.g. everything a figure reads
+    before it draws; the results are in the context's cache. One thread: nothing to do ahead, they build lazily."""
+    if jobs > 1 and tables:
+        _run(ctx, [_TableAsRule(table) for table in tables], jobs)
+
+
+class _TableAsRule:
+    """A table in the place of a rule (a sink of the graph), so one scheduler serves both."""
+
+    def __init__(self, table: Table) -> None:
+        self.needs = (table,)
+        self.cost = 0.0
+
+    def run(self, ctx: "AnalysisContext") -> None:
+        return None
+
+
+def _run(ctx: "AnalysisContext", rules: Sequence[Any], jobs: int) -> list[Any]:
     order, waits = _graph(rules)
     results: dict[int, Any] = {}
     done: set[Any] = set()

@@ -300,6 +300,7 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     return ctx.cached("steps:step_frame", build)
 
 
+@shared_table(_step_frame, cost=0.05)
 def step_table(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per scheduler step (instance, dp_rank, step): sched_ts, tokens, running, waiting, waiting_kv,
     free_blocks, dur_ns, empty_run, submit_ts, in_flight, output_ts, wait_ns (NA where the event or key is absent).
@@ -444,6 +445,7 @@ def span_rpcs(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.Categorical:
     return pd.Categorical.from_codes(np.where(code >= 0, code, position), categories=names)
 
 
+@shared_table(_span_frame, cost=0.1)
 def exec_spans(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per RPC a rank ran for a step (instance, dp_rank, pp_rank, tp_rank, step, rpc): begin_ts, end_ts
     (NA where unpaired), n (tokens), gpu_begin_ns, gpu_end_ns. See the module docstring for the algorithm."""

@@ -14,6 +14,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pdtrace.analysis.blocks import ownership
+from pdtrace.analysis.columns import positions, request_keys
+from pdtrace.analysis.parallel import shared_table
+from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.rulekit import step_index
+
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.analysis.context import AnalysisContext
 
@@ -87,6 +93,7 @@ def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
     }).astype({"instance": "str", "role": "str", "req": "str"})
 
 
+@shared_table(positions, request_keys, cost=0.4)
 def _phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """request_phases as arrays (request key, phase code, start_ns, end_ns), sorted by request key then time;
     None where request_phases is the empty frame. Cached: block_usage joins on the integer keys."""
@@ -151,6 +158,9 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     return rk[keep], phase[keep], start[keep], end[keep]
 
 
+request_phases = shared_table(_phase_arrays, cost=0.3)(request_phases)
+
+
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
     """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
     # Filtered in Arrow: a few rows, not the whole trace, become pandas.
@@ -201,6 +211,8 @@ def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.
     })
 
 
+# (what the leaked_blocks rule it runs reads, besides ownership: request_state and step_index)
+@shared_table(ownership, _phase_arrays, request_state, step_index, cost=0.5)
 def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) -> pd.DataFrame:
     """Blocks in use over time per scheduler, split by owner state: one row per (instance, dp_rank, ts_ns) where a
     count changes, with the counts from then on in `running`, `finished_awaiting_transfer`, `leaked`, their sum

@@ -50,9 +50,11 @@ def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, 
         raise UsageError(f"unknown plot kind {kind!r} (kinds: {', '.join(KINDS)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
-    from pdtrace.plot.figures import FIGURES
+    from pdtrace.analysis.parallel import build_tables, default_jobs
+    from pdtrace.plot.figures import FIGURE_TABLES, FIGURES
 
     sel = resolve(ctx, window or Window())
+    build_tables(ctx, FIGURE_TABLES[kind], int(ctx.config.jobs) or default_jobs())
     return FIGURES[kind](ctx, sel, dpi)
 
 

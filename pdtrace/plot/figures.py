@@ -23,8 +23,9 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
+from pdtrace.analysis.steps import bubbles, exec_spans, step_table  # noqa: E402
 from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, block_usage, request_phases  # noqa: E402
-from pdtrace.plot.window import Selection, findings_of  # noqa: E402
+from pdtrace.plot.window import Selection, request_findings  # noqa: E402
 
 WIDTH_IN = 14.0
 #: Drawing area of the axes as a fraction of the figure width (used to size a pixel in ns).
@@ -152,7 +153,6 @@ def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """One lane per (instance, DP rank, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
     step_submit / step_output ticks on an engine lane per scheduler."""
-    from pdtrace.analysis.steps import bubbles, exec_spans
 
     spans = exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"])
     spans = spans[sel.keep_instance(spans["instance"])]  # all of them name the lanes; the window clips below
@@ -285,7 +285,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         ph = ph[ph["req"].isin(list(sel.requests))]
     if len(ph) == 0:
         raise sel.empty("request phases")
-    findings = findings_of(ctx)
+    findings = request_findings(ctx)
     f = findings[findings["req"].notna()] if len(findings) else findings
     if len(f):
         f = f.assign(instance=f["instance"].astype("str"), req=f["req"].astype("str"),
@@ -432,7 +432,6 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """Per scheduler: time inside schedule() per step (ms) and tokens scheduled per step, over time."""
-    from pdtrace.analysis.steps import step_table
 
     st = step_table(ctx)
     st = st[sel.keep_instance(st["instance"]) & sel.contains(st["sched_ts"].astype("Int64").fillna(-1))]
@@ -470,3 +469,7 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 
 FIGURES = {"pipeline": pipeline_figure, "requests": requests_figure, "blocks": blocks_figure, "steps": steps_figure}
+
+#: The shared tables each figure reads, built side by side before it draws (pdtrace.analysis.parallel).
+FIGURE_TABLES = {"pipeline": (exec_spans, bubbles), "requests": (request_phases, request_findings),
+                 "blocks": (block_usage,), "steps": (step_table,)}

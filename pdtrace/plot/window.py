@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.timelines import request_phases, trace_span
 from pdtrace.errors import PdtraceError, UsageError
 
@@ -124,9 +125,21 @@ def _request_pairs(ctx: AnalysisContext, requests: frozenset[str],
         | frozenset(zip(down["instance"].astype("str"), down["req"].astype("str"), strict=True))
 
 
-def findings_of(ctx: AnalysisContext) -> pd.DataFrame:
+def findings_of(ctx: AnalysisContext, without: tuple[str, ...] = ()) -> pd.DataFrame:
     """The findings `pdtrace analyze` reports for this trace and configuration: plots and exports mark exactly
-    these (one code path with analyze), computed once per context."""
-    from pdtrace.analysis import analyze
+    these (one code path with analyze), computed once per context. `without`: rule ids a figure has no use for
+    (their findings are left out, and their analysis is not run)."""
+    from pdtrace.analysis import analyze, available_rules
+    from pdtrace.analysis.findings import empty_findings
 
-    return ctx.cached("plot.findings", lambda: analyze(ctx))
+    def build() -> pd.DataFrame:
+        rules = [rule for rule_id, rule in available_rules()[0].items() if rule_id not in without]
+        return analyze(ctx, rules=rules) if rules else empty_findings()
+
+    return ctx.cached("plot.findings" + "".join(f"-{r}" for r in sorted(without)), build)
+
+
+@shared_table(cost=1.0)
+def request_findings(ctx: AnalysisContext) -> pd.DataFrame:
+    """The findings a requests figure marks: every rule's but pipeline_bubble's (per rank, never on a request)."""
+    return findings_of(ctx, without=("pipeline_bubble",))
