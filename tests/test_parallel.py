@@ -211,3 +211,32 @@ def test_the_longest_chain_is_scheduled_first() -> None:
     # upward rank: cheap_base 0.71, slow_table 0.7, heavy 0.2, light 0.05 (the default cost)
     assert order == [cheap_base, slow_table, ("rule", 1), ("rule", 0)]
     assert waits[slow_table] == (cheap_base,) and waits[("rule", 1)] == (slow_table,) and waits[("rule", 0)] == ()
+
+
+def test_build_tables_builds_what_is_asked_and_its_needs_once() -> None:
+    from pdtrace.analysis.parallel import build_tables
+
+    ctx = _tiny_context()
+    calls: list[str] = []
+
+    @shared_table()
+    def base(c: AnalysisContext) -> int:
+        return c.cached("base", lambda: (calls.append("base"), 1)[1])
+
+    @shared_table(base)
+    def top(c: AnalysisContext) -> int:
+        return c.cached("top", lambda: (calls.append("top"), base(c) + 1)[1])
+
+    build_tables(ctx, [top], jobs=1)
+    assert calls == []  # one thread: nothing ahead of time, tables build when first read
+    build_tables(ctx, [top, base], jobs=2)
+    assert sorted(calls) == ["base", "top"] and top(ctx) == 2 and calls.count("base") == 1
+
+
+def test_every_figure_declares_shared_tables() -> None:
+    from pdtrace.plot import KINDS
+    from pdtrace.plot.figures import FIGURE_TABLES, FIGURES
+
+    assert set(FIGURE_TABLES) == set(FIGURES) == set(KINDS)
+    for kind, tables in FIGURE_TABLES.items():
+        assert tables and all(hasattr(t, "needs") for t in tables), kind
