@@ -132,21 +132,57 @@ def _unified_indices(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
     return encoded.dictionary, out
 
 
+_CHECK_BLOCK = 256  # rows per block of _numbered_by_first_seen
+
+
+def _numbered_by_first_seen(raw: np.ndarray, size: int) -> bool:
+    """Whether codes (-1 for null) in [0, size) are numbered by first appearance in row order with every code used:
+    each row at most one above the largest code before it (the first row at most 0), and size - 1 reached.
+
+    Checked by blocks of _CHECK_BLOCK rows instead of a running maximum over every row: a row no greater than the
+    largest code of the earlier blocks passes, so only the rows above it (each code's first rows, a few per block)
+    are compared with the running maximum, which over them is the larger of the earlier blocks' maximum and a
+    cumulative maximum of the rows above before it. Two reductions per row (block maxima, comparison) and
+    work on the few rows above."""
+    n = len(raw)
+    full = n // _CHECK_BLOCK * _CHECK_BLOCK
+    block_max = raw[:full].reshape(-1, _CHECK_BLOCK).max(axis=1)
+    if full < n:
+        block_max = np.append(block_max, raw[full:].max())
+    running = np.maximum.accumulate(block_max)
+    if int(running[-1]) != size - 1:
+        return False
+    before = np.empty(len(block_max), raw.dtype)  # the largest code of the earlier blocks; -1 before the first
+    before[0] = NO
+    before[1:] = running[:-1]
+    above = np.empty(n, bool)
+    np.greater(raw[:full].reshape(-1, _CHECK_BLOCK), before[:full // _CHECK_BLOCK, None],
+               out=above[:full].reshape(-1, _CHECK_BLOCK))
+    np.greater(raw[full:], before[-1], out=above[full:])
+    rows = np.flatnonzero(above)
+    del above
+    values = raw[rows]
+    earlier = np.empty(len(values), np.int64)  # the largest code of the rows above before each one
+    if len(values):
+        earlier[0] = NO
+        np.maximum.accumulate(values[:-1], out=earlier[1:])
+    bound = np.maximum(before[rows // _CHECK_BLOCK], earlier)
+    return bool((values <= bound + 1).all())
+
+
 def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list[str]]:
     """What `dictionary_codes` gives for the strings of a dictionary<int32, string> column whose dictionary may be
     in any order and hold unused values: codes renumbered by first appearance in row order, unused names dropped.
-    Reads the indices only (no string is hashed): one scatter for each code's first row, a sort of the distinct
+    Reads the indices only (no string is hashed): a blockwise check that they are numbered so already (what a
+    Parquet writer's dictionary gives), else one scatter for each code's first row and a sort of the distinct
     codes."""
     if column.num_chunks == 0 or n == 0:
         return np.empty(0, np.int16), []
     dictionary, raw = _unified_indices(column)
     size = len(dictionary)
     dtype = np.int16 if size < 32_000 else np.int32
-    running = np.maximum.accumulate(raw)
-    if int(running[-1]) == size - 1 and int(running[0]) <= 0 and not (running[1:] - running[:-1] > 1).any():
-        # already numbered by first appearance and every name used (what a Parquet writer's dictionary gives)
+    if _numbered_by_first_seen(raw, size):
         return raw.astype(dtype, copy=False), [str(v) for v in dictionary.to_pylist()]
-    del running
     rows = np.flatnonzero(raw >= 0)
     first = np.full(size, n, np.int64)
     first[raw[rows[::-1]]] = rows[::-1]  # the last write wins: each code's first row

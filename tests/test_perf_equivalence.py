@@ -1,0 +1,52 @@
+"""The fast paths of pdtrace.analysis.columns give what their plain definitions give (random inputs, seeded)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdtrace.analysis.columns import _CHECK_BLOCK, _numbered_by_first_seen
+
+
+def _numbered_by_running_max(raw: np.ndarray, size: int) -> bool:
+    running = np.maximum.accumulate(raw)
+    return bool(int(running[-1]) == size - 1 and int(running[0]) <= 0 and not (running[1:] - running[:-1] > 1).any())
+
+
+def _first_seen_numbering(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    values = rng.integers(0, k, n)
+    _, first = np.unique(values, return_index=True)
+    lut = np.empty(k, np.int64)
+    lut[values[np.sort(first)]] = np.arange(len(first))
+    raw = lut[values].astype(np.int32)
+    raw[rng.random(n) < 0.1] = -1
+    return raw
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blockwise_first_seen_check_matches_the_running_maximum(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    outcomes = set()
+    for trial in range(400):
+        n = int(rng.integers(1, 5 * _CHECK_BLOCK))
+        k = int(rng.integers(1, 80))
+        raw = _first_seen_numbering(rng, n, k) if trial % 4 else rng.integers(-1, k, n).astype(np.int32)
+        if trial % 4 == 2:  # one code off by a little
+            i = rng.integers(0, n)
+            raw[i] += rng.integers(-1, 3)
+        if trial % 4 == 3:  # two rows swapped
+            i, j = rng.integers(0, n, 2)
+            raw[[i, j]] = raw[[j, i]]
+        size = int(raw.max()) + 1 + (trial % 7 == 0)
+        expected = _numbered_by_running_max(raw, size)
+        outcomes.add(expected)
+        assert _numbered_by_first_seen(raw, size) == expected, (trial, n, size)
+    assert outcomes == {True, False}
+
+
+def test_first_seen_check_refuses_a_late_jump_in_a_later_block() -> None:
+    raw = np.repeat(np.arange(10, dtype=np.int32), _CHECK_BLOCK)  # 0..9, one block each: numbered by first sight
+    assert _numbered_by_first_seen(raw, 10)
+    raw[5 * _CHECK_BLOCK + 3] = 7  # 7 seen before 6
+    assert not _numbered_by_first_seen(raw, 10)
+    assert not _numbered_by_first_seen(np.repeat(np.arange(10, dtype=np.int32), 3), 11)  # code 10 unused
