@@ -1,11 +1,15 @@
-"""The fast paths of pdtrace.analysis.columns give what their plain definitions give (random inputs, seeded)."""
+"""The fast paths of pdtrace.analysis.columns give what their plain definitions give (random inputs, seeded;
+sample traces)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdtrace.analysis.columns import _CHECK_BLOCK, _numbered_by_first_seen
+from pdtrace.analysis.columns import _CHECK_BLOCK, Columns, _numbered_by_first_seen
+from pdtrace.trace.reader import open_trace
 
 
 def _numbered_by_running_max(raw: np.ndarray, size: int) -> bool:
@@ -50,3 +54,25 @@ def test_first_seen_check_refuses_a_late_jump_in_a_later_block() -> None:
     raw[5 * _CHECK_BLOCK + 3] = 7  # 7 seen before 6
     assert not _numbered_by_first_seen(raw, 10)
     assert not _numbered_by_first_seen(np.repeat(np.arange(10, dtype=np.int32), 3), 11)  # code 10 unused
+
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+
+
+@pytest.mark.parametrize("sample", ["starve", "few_requests_pp", "healthy_pd_pp1"])
+def test_row_lists_of_kinds_equal_a_pass_over_every_kind(sample: str) -> None:
+    path = SAMPLES / sample / "trace"
+    if not path.is_dir():
+        pytest.skip("sample trace not present")
+    cols = Columns(open_trace(path, warn=False))
+    codes, names = cols.codes("kind")
+    major = cols._kind_split[0]
+    queries = [(k,) for k in names] + [(names[major], k) for k in names if k != names[major]][:3] + \
+        [tuple(names[:3]), ("not_a_kind",), (names[major], "not_a_kind")]
+    for kinds in queries:
+        wanted = np.isin(codes, [names.index(k) for k in kinds if k in names])
+        rows = cols.rows_of(*kinds)
+        np.testing.assert_array_equal(rows, np.flatnonzero(wanted), err_msg=str(kinds))
+        assert rows.dtype == np.int32
+        np.testing.assert_array_equal(cols.req_rows(*kinds), np.flatnonzero(wanted & (cols.rk >= 0)),
+                                      err_msg=str(kinds))
