@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdtrace.analysis.columns import _CHECK_BLOCK, Columns, _numbered_by_first_seen
+from pdtrace.analysis.columns import _CHECK_BLOCK, Columns, _numbered_by_first_seen, first_per_key, last_per_key
 from pdtrace.trace.reader import open_trace
 
 
@@ -76,3 +76,22 @@ def test_row_lists_of_kinds_equal_a_pass_over_every_kind(sample: str) -> None:
         assert rows.dtype == np.int32
         np.testing.assert_array_equal(cols.req_rows(*kinds), np.flatnonzero(wanted & (cols.rk >= 0)),
                                       err_msg=str(kinds))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("sentinels", [False, True])
+def test_first_and_last_per_key_equal_an_int64_reduction(dtype: type, sentinels: bool) -> None:
+    rng = np.random.default_rng(7)
+    keys = rng.integers(0, 50, 2000).astype(np.int32)
+    values = rng.integers(-5, 10_000, 2000).astype(dtype)
+    if sentinels:  # the int32 sentinels are ordinary values
+        values[:3] = [np.iinfo(np.int32).max, np.iinfo(np.int32).min, 0]
+    n_keys = 60  # keys 50..59 have no value: fill
+    for ours, reduce, empty in ((first_per_key, np.minimum, np.iinfo(np.int64).max),
+                                (last_per_key, np.maximum, np.iinfo(np.int64).min)):
+        want = np.full(n_keys, empty, np.int64)
+        reduce.at(want, keys, values.astype(np.int64))
+        want[want == empty] = -7
+        got = ours(keys, values, n_keys, fill=-7)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, want)

@@ -347,10 +347,18 @@ class Columns:
 
     def req_rows(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds that name a request (cached): `rows_of` where rk >= 0."""
-        def build() -> np.ndarray:
+        return self._req_rows_and_keys(kinds)[0]
+
+    def req_keys(self, *kinds: str) -> np.ndarray:
+        """`rk` at `req_rows(*kinds)` (cached with them: read once to select the rows)."""
+        return self._req_rows_and_keys(kinds)[1]
+
+    def _req_rows_and_keys(self, kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        def build() -> tuple[np.ndarray, np.ndarray]:
             rows = self.rows_of(*kinds)
-            has = self.rk[rows] >= 0
-            return rows if has.all() else rows[has]
+            keys = self.rk[rows]
+            has = keys >= 0
+            return (rows, keys) if has.all() else (rows[has], keys[has])
 
         return self._once.get(("req_rows",) + kinds, build)
 
@@ -482,6 +490,11 @@ class Columns:
     def rk(self) -> np.ndarray:
         return self._request_keys[0]
 
+    @once_property
+    def request_sk(self) -> np.ndarray:
+        """The scheduler key of each request key, int32 (`rk_names["sk"]` without building the names)."""
+        return self._request_keys[1].astype(np.int32)
+
     @property
     def n_requests(self) -> int:
         return len(self._request_keys[1])
@@ -506,7 +519,7 @@ class Columns:
         out["req"] = names[key_req] if len(key_req) else np.empty(0, object)
         roles = np.asarray(self.sk_role, dtype=object)
         out["role"] = roles[key_sk] if len(key_sk) else np.empty(0, object)
-        out["sk"] = key_sk.astype(np.int32)
+        out["sk"] = self.request_sk
         return out
 
     @once_property
@@ -577,24 +590,33 @@ def block_lists(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
     return columns(ctx).block_rows
 
 
-def _reduce_per_key(reduce: np.ufunc, empty: int, keys: np.ndarray, values: np.ndarray, n_keys: int,
-                    fill: int) -> np.ndarray:
-    out = np.full(n_keys, empty, np.int64)
+def _reduce_per_key(reduce: np.ufunc, keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int) -> np.ndarray:
+    values = np.asarray(values)
+    # ufunc.at has a fast path only when the values already have the output's type: int32 values (positions,
+    # steps) are reduced in int32 unless one of them is the sentinel, int64 otherwise; the result is int64
+    dtype = np.dtype(np.int32) if values.dtype == np.int32 else np.dtype(np.int64)
+    info = np.iinfo(dtype)
+    empty = info.max if reduce is np.minimum else info.min
+    if dtype == np.int32 and len(values) and (values == empty).any():
+        dtype, empty = np.dtype(np.int64), (np.iinfo(np.int64).max if reduce is np.minimum else np.iinfo(np.int64).min)
+    out = np.full(n_keys, empty, dtype)
     if len(keys):
-        # ufunc.at has a fast path only when the values already have the output's type (int32 positions: 10x)
-        reduce.at(out, keys, np.asarray(values).astype(np.int64, copy=False))
-    out[out == empty] = fill
+        reduce.at(out, keys, values.astype(dtype, copy=False))
+    missing = out == empty
+    out = out.astype(np.int64, copy=False)
+    out[missing] = fill
     return out
 
 
 def first_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
-    """Minimum of `values` per key (keys in [0, n_keys)); `fill` where a key has none."""
-    return _reduce_per_key(np.minimum, np.iinfo(np.int64).max, keys, values, n_keys, fill)
+    """Minimum of `values` per key (keys in [0, n_keys)), int64; `fill` where a key has none. One `np.minimum.at`
+    (in int32 for int32 values)."""
+    return _reduce_per_key(np.minimum, keys, values, n_keys, fill)
 
 
 def last_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = NO) -> np.ndarray:
-    """Maximum of `values` per key; `fill` where a key has none."""
-    return _reduce_per_key(np.maximum, np.iinfo(np.int64).min, keys, values, n_keys, fill)
+    """Maximum of `values` per key, int64; `fill` where a key has none. One `np.maximum.at`."""
+    return _reduce_per_key(np.maximum, keys, values, n_keys, fill)
 
 
 def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,

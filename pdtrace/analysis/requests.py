@@ -2,10 +2,11 @@
 
 Algorithm: every scheduler row that names a request gets its request key (`rk`, see columns.py). For each kind the
 first or last position per key is one `np.minimum.at` / `np.maximum.at` over that kind's rows (positions in the
-global time order), turned back into rows, timestamps and steps by indexing. Counts are `np.bincount`. Transfer
-closes are searched after the moment they belong to: a send closes at the first `kv_send_done` or `kv_expire` after
-the finish, a receive at the first `kv_recv_done` or per-request `kv_recv_fail` after `req_wait_kv`. Only `req_add`
-rows with a `detail` are JSON-parsed (one per request, never per event).
+global time order, reduced in int32), turned back into rows, timestamps and steps by indexing. Counts are
+`np.add.at` (req_sched) or `np.bincount`. Transfer closes are searched after the moment they belong to: a send closes
+at the first `kv_send_done` or `kv_expire` after the finish, a receive at the first `kv_recv_done` or per-request
+`kv_recv_fail` after `req_wait_kv`. Only `req_add` rows with a `detail` are JSON-parsed (one per request, never per
+event).
 
 `request_state(ctx)` holds the same facts as numpy arrays of positions indexed by `rk` (what the rules use);
 `request_table(ctx)` is the DataFrame of timestamps for notebooks, `show`, plots and the scheduling rules.
@@ -98,11 +99,20 @@ def _first_after(cols: Columns, kinds: tuple[str, ...], after: np.ndarray, n: in
     return first_per_key(rk[keep], pos[keep], n)
 
 
+def _count_per_key(keys: np.ndarray, n: int) -> np.ndarray:
+    """`np.bincount(keys, minlength=n)` as one `np.add.at` (bincount first copies int32 keys to int64)."""
+    counts = np.zeros(n, np.int64)
+    np.add.at(counts, keys, 1)
+    return counts
+
+
 def _build_state(cols: Columns) -> RequestState:
     n = cols.n_requests
     rk = cols.rk
     pos = cols.pos
     sched = cols.req_rows("req_sched")
+    sched_rk = cols.req_keys("req_sched")
+    sched_pos = pos[sched]  # most rows of a trace: read once for the first and the last schedule
     finish_rows = cols.req_rows("req_finish")
     finish_pos = first_per_key(rk[finish_rows], pos[finish_rows], n)
     delay_free = np.zeros(n, bool)
@@ -113,14 +123,13 @@ def _build_state(cols: Columns) -> RequestState:
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
     preempt_rows = cols.req_rows("req_preempt")
     free_rows = cols.req_rows("blocks_free")
-    sched_rk = rk[sched]
     state = RequestState(
         n=n,
-        sk=cols.rk_names["sk"].to_numpy() if n else np.empty(0, np.int32),
+        sk=cols.request_sk if n else np.empty(0, np.int32),
         add_pos=_first(cols, ("req_add",), n),
-        first_sched_pos=first_per_key(sched_rk, pos[sched], n),
-        last_sched_pos=last_per_key(sched_rk, pos[sched], n),
-        n_sched=np.bincount(sched_rk, minlength=n) if n else np.empty(0, np.int64),
+        first_sched_pos=first_per_key(sched_rk, sched_pos, n),
+        last_sched_pos=last_per_key(sched_rk, sched_pos, n),
+        n_sched=_count_per_key(sched_rk, n),
         wait_kv_pos=wait_kv_pos,
         recv_done_pos=_first(cols, ("kv_recv_done",), n),
         recv_fail_pos=recv_fail_pos,
@@ -142,7 +151,7 @@ def _build_state(cols: Columns) -> RequestState:
     return state
 
 
-@shared_table(positions, request_keys, cost=0.21)
+@shared_table(positions, request_keys, cost=0.13)
 def request_state(ctx: Any) -> RequestState:
     """Lifecycle positions per request key, cached on the context."""
     return ctx.cached("request_state", lambda: _build_state(columns(ctx)))
