@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from pdtrace.analysis.columns import _CHECK_BLOCK, Columns, _numbered_by_first_seen, first_per_key, last_per_key
+from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace
 
 
@@ -95,3 +97,33 @@ def test_first_and_last_per_key_equal_an_int64_reduction(dtype: type, sentinels:
         got = ours(keys, values, n_keys, fill=-7)
         assert got.dtype == np.int64
         np.testing.assert_array_equal(got, want)
+
+
+def _sched_keys_by_bincount(cols: Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plain definition: (instance, dp) combined, a bincount of every row, a lookup table."""
+    inst, _ = cols.codes("instance")
+    width = int(cols.dp.max()) + 2
+    combined = inst.astype(np.int32) * np.int32(width) + cols.dp + 1
+    present = np.flatnonzero(np.bincount(combined))
+    lut = np.full(int(present[-1]) + 1, -1, np.int64)
+    lut[present] = np.arange(len(present))
+    return lut[combined], present // width, present % width - 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scheduler_keys_by_blocks_equal_a_bincount_of_every_row(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n_runs = 40
+    lengths = rng.choice([1, 7, 300, 1500, 5000], n_runs)  # writers' runs: some shorter than a block, some longer
+    instance = np.repeat(rng.choice(["P", "D", "E"], n_runs), lengths)
+    dp = np.repeat(rng.integers(-1, 3, n_runs), lengths)
+    flip = rng.random(len(dp)) < 0.001  # a few rows of another dp inside a run
+    dp[flip] = 2
+    table = pa.table({"instance": pa.array(instance), "dp_rank": pa.array(dp, pa.int16(), mask=dp < 0)})
+    cols = Columns(Trace(table=table))
+    sk, inst_of, dp_of = cols._sched_keys
+    want_sk, want_inst, want_dp = _sched_keys_by_bincount(cols)
+    np.testing.assert_array_equal(sk, want_sk)
+    np.testing.assert_array_equal(inst_of, want_inst)
+    np.testing.assert_array_equal(dp_of, want_dp)
+    assert inst_of.dtype == want_inst.dtype and sk.dtype == np.int16

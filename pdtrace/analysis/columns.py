@@ -133,6 +133,7 @@ def _unified_indices(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
 
 
 _CHECK_BLOCK = 256  # rows per block of _numbered_by_first_seen
+_KEY_BLOCK = 1024  # rows per block of Columns._sched_keys
 
 
 def _numbered_by_first_seen(raw: np.ndarray, size: int) -> bool:
@@ -434,15 +435,38 @@ class Columns:
         if self.n == 0:
             return np.empty(0, np.int16), np.empty(0, np.int64), np.empty(0, np.int64)
         width = int(self.dp.max()) + 2
-        # (instance, dp) as one small int: int32 arithmetic, a bincount and a lookup table (no 10M-row hashing)
-        combined = inst.astype(np.int32) * np.int32(width)
+        # (instance, dp) as one small int (int16 when every pair fits), its distinct values and a lookup table (no
+        # 10M-row hashing). A writer's rows are contiguous and its (instance, dp) constant, so most blocks of
+        # _KEY_BLOCK rows hold one value: the values present are the blocks' minima and maxima plus the rows of
+        # the mixed blocks, and a constant block's keys are one fill
+        dtype = np.int16 if (len(self.codes("instance")[1]) + 1) * width < 32_000 else np.int32
+        combined = np.multiply(inst, dtype(width), dtype=dtype)
         combined += self.dp
         combined += 1
-        present = np.flatnonzero(np.bincount(combined))
+        full = self.n // _KEY_BLOCK * _KEY_BLOCK
+        blocks = combined[:full].reshape(-1, _KEY_BLOCK)
+        low, high = blocks.min(axis=1), blocks.max(axis=1)
+        mixed = np.flatnonzero(low != high)
+        tail = combined[full:]
+        if min(int(low.min()) if len(low) else 0, int(tail.min()) if len(tail) else 0) < 0:  # a null instance
+            present = np.flatnonzero(np.bincount(combined))  # refuses negative values, as always
+        else:
+            top = max(int(high.max()) if len(high) else 0, int(tail.max()) if len(tail) else 0)
+            seen = np.zeros(top + 1, bool)
+            seen[low] = True
+            seen[high] = True
+            seen[blocks[mixed]] = True
+            seen[tail] = True
+            present = np.flatnonzero(seen)
         sk_dtype = np.int16 if len(present) < 32_000 else np.int32
         lut = np.full(int(present[-1]) + 1, NO, sk_dtype)
         lut[present] = np.arange(len(present))
-        return lut[combined], present // width, present % width - 1
+        sk = np.empty(self.n, sk_dtype)
+        sk_blocks = sk[:full].reshape(-1, _KEY_BLOCK)
+        sk_blocks[...] = lut[low][:, None]
+        sk_blocks[mixed] = lut[blocks[mixed]]
+        sk[full:] = lut[tail]
+        return sk, present // width, present % width - 1
 
     @property
     def sk(self) -> np.ndarray:
@@ -468,12 +492,14 @@ class Columns:
         width = int(req.max()) + 1
         space = (int(self.sk.max()) + 1) * width
         if space < 2**31 - 1:
-            # dense key space: int32 arithmetic, one bincount and a lookup table instead of hashing every row;
-            # rows without a req map to the extra slot `space`, which the table maps to NO
-            combined = self.sk.astype(np.int32) * np.int32(width)
+            # dense key space: int32 arithmetic, one scatter of the keys seen and a lookup table instead of hashing
+            # every row; rows without a req map to the extra slot `space`, which the table maps to NO
+            combined = np.multiply(self.sk, np.int32(width), dtype=np.int32)
             combined += req
             combined[~has] = space
-            present = np.flatnonzero(np.bincount(combined, minlength=space + 1)[:space])
+            seen = np.zeros(space + 1, bool)
+            seen[combined] = True
+            present = np.flatnonzero(seen[:space])
             lut = np.full(space + 1, NO, np.int32)
             lut[present] = np.arange(len(present), dtype=np.int32)
             rk = lut[combined]
@@ -578,7 +604,7 @@ def positions(ctx: Any) -> np.ndarray:
     return columns(ctx).pos
 
 
-@shared_table(cost=0.17)
+@shared_table(cost=0.14)
 def request_keys(ctx: Any) -> np.ndarray:
     """`Columns.rk`: the request key of every row (-1 where none)."""
     return columns(ctx).rk
