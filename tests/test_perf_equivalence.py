@@ -127,3 +127,16 @@ def test_scheduler_keys_by_blocks_equal_a_bincount_of_every_row(seed: int) -> No
     np.testing.assert_array_equal(inst_of, want_inst)
     np.testing.assert_array_equal(dp_of, want_dp)
     assert inst_of.dtype == want_inst.dtype and sk.dtype == np.int16
+
+
+def test_running_count_restarts_at_each_run_of_keys() -> None:
+    from pdtrace.analysis.blocks import _running_count
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 17, 500):
+        key = np.sort(rng.integers(0, max(n // 4, 1), n)).astype(np.int64)
+        delta = rng.choice([1, -1], n).astype(np.int64)
+        want = np.empty(n, np.int64)
+        for i in range(n):  # the definition, on a tiny input
+            want[i] = delta[i] + (want[i - 1] if i and key[i] == key[i - 1] else 0)
+        np.testing.assert_array_equal(_running_count(key, delta), want)

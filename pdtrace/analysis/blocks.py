@@ -180,7 +180,7 @@ def _build(cols: Columns) -> Ownership:
 
     i_rk = rk[starts]
     i_block = block[starts]
-    sk_of_rk = cols.rk_names["sk"].to_numpy().astype(np.int64) if cols.n_requests else np.empty(0, np.int64)
+    sk_of_rk = cols.request_sk.astype(np.int64) if cols.n_requests else np.empty(0, np.int64)
     i_sk = sk_of_rk[i_rk] if len(i_rk) else np.empty(0, np.int64)
     alloc_row = rows[starts]
     alloc_pos = pos[starts]
@@ -194,7 +194,7 @@ def _build(cols: Columns) -> Ownership:
     )
 
 
-@shared_table(positions, request_keys, block_lists, cost=0.1)
+@shared_table(positions, request_keys, block_lists, cost=0.09)
 def ownership(ctx: Any) -> Ownership:
     """Holding intervals as arrays, cached on the context."""
     return ctx.cached("ownership", lambda: _build(columns(ctx)))
@@ -270,14 +270,17 @@ class ReleaseGaps:
 
 
 def _running_count(key: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """Running sum of delta within runs of equal (sorted) key."""
+    """Running sum of delta within runs of equal (sorted) key: the global running sum less its value just before
+    each run, repeated over the run."""
     running = np.cumsum(delta)
     if len(key) == 0:
         return running
-    group_start = np.ones(len(key), bool)
-    group_start[1:] = key[1:] != key[:-1]
-    base = np.maximum.accumulate(np.where(group_start, np.arange(len(key)), 0))
-    return running - np.where(base > 0, running[np.maximum(base - 1, 0)], 0)
+    starts = np.flatnonzero(key[1:] != key[:-1]) + 1
+    before = np.empty(len(starts) + 1, running.dtype)
+    before[0] = 0
+    before[1:] = running[starts - 1]
+    running -= np.repeat(before, np.diff(starts, prepend=0, append=len(key)))
+    return running
 
 
 def _build_gaps(ctx: Any) -> ReleaseGaps:
@@ -298,7 +301,7 @@ def _build_gaps(ctx: Any) -> ReleaseGaps:
     return ReleaseGaps(rk=key[zero], start_pos=pos[zero], end_pos=end, free_row=row[zero])
 
 
-@shared_table(ownership, cost=0.05)
+@shared_table(ownership, cost=0.045)
 def release_gaps(ctx: Any) -> ReleaseGaps:
     """The request-level "holds nothing" gaps, cached on the context."""
     return ctx.cached("release_gaps", lambda: _build_gaps(ctx))
