@@ -140,3 +140,17 @@ def test_running_count_restarts_at_each_run_of_keys() -> None:
         for i in range(n):  # the definition, on a tiny input
             want[i] = delta[i] + (want[i - 1] if i and key[i] == key[i - 1] else 0)
         np.testing.assert_array_equal(_running_count(key, delta), want)
+
+
+def test_kind_split_equals_a_mask_of_the_common_kind() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        n = int(rng.integers(1, 300))
+        kinds = rng.choice(["a", "b", "c"], n, p=[0.7, 0.2, 0.1]) if trial % 3 else rng.choice(["a", "b"], n)
+        cols = Columns(Trace(table=pa.table({"kind": pa.array(kinds)})))
+        major, major_rows, minor_rows, minor_codes = cols._kind_split
+        codes, _ = cols.codes("kind")
+        np.testing.assert_array_equal(major_rows, np.flatnonzero(codes == major))
+        np.testing.assert_array_equal(minor_rows, np.flatnonzero(codes != major))
+        np.testing.assert_array_equal(minor_codes, codes[codes != major])
+        assert major_rows.dtype == minor_rows.dtype == np.int32

@@ -325,10 +325,19 @@ class Columns:
         sample = codes[::97]  # the most common kind of a strided sample: only the speed depends on this choice
         sample = sample[sample >= 0]
         major = int(np.bincount(sample).argmax()) if len(sample) else ABSENT
-        is_major = codes == major
-        major_rows = self._row_index(np.flatnonzero(is_major))
-        np.logical_not(is_major, out=is_major)
-        minor_rows = self._row_index(np.flatnonzero(is_major))
+        minor_rows = np.flatnonzero(codes != major)
+        # the major rows are the runs between minor rows, written as a running sum of steps in the rows' own dtype
+        # (no int64 list of most rows of the trace): +1 within a run, and at the start of run r (r minor rows
+        # before it) the jump over the minor rows since the previous run
+        runs = np.diff(minor_rows, prepend=-1, append=self.n) - 1
+        dtype = np.int32 if self.n < 2**31 - 2 else np.int64
+        major_rows = np.ones(self.n - len(minor_rows), dtype)
+        if len(major_rows):
+            filled = np.flatnonzero(runs)  # the runs that hold rows, by index r
+            major_rows[np.cumsum(runs[filled]) - runs[filled]] = np.diff(filled, prepend=filled[0]) + 1
+            major_rows[0] = filled[0]
+            np.cumsum(major_rows, out=major_rows)
+        minor_rows = self._row_index(minor_rows)
         return major, major_rows, minor_rows, codes[minor_rows]
 
     def rows_of(self, *kinds: str) -> np.ndarray:
