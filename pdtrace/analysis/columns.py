@@ -134,6 +134,7 @@ def _unified_indices(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
 
 _CHECK_BLOCK = 256  # rows per block of _numbered_by_first_seen
 _KEY_BLOCK = 1024  # rows per block of Columns._sched_keys
+_IN_PLACE_SLICE = 1 << 20  # rows per slice of a lookup written back in place
 
 
 def _numbered_by_first_seen(raw: np.ndarray, size: int) -> bool:
@@ -511,8 +512,12 @@ class Columns:
             present = np.flatnonzero(seen[:space])
             lut = np.full(space + 1, NO, np.int32)
             lut[present] = np.arange(len(present), dtype=np.int32)
-            rk = lut[combined]
-            del combined, lut
+            # the keys replace the combined values in place, a slice at a time: no second 10M-row array
+            for start in range(0, self.n, _IN_PLACE_SLICE):
+                piece = combined[start:start + _IN_PLACE_SLICE]
+                piece[...] = lut[piece]
+            rk = combined
+            del lut
         else:
             combined = self.sk.astype(np.int64) * width + req
             rk = np.full(self.n, NO, np.int32)
