@@ -339,7 +339,10 @@ class Columns:
             major_rows[0] = filled[0]
             np.cumsum(major_rows, out=major_rows)
         minor_rows = self._row_index(minor_rows)
-        return major, major_rows, minor_rows, codes[minor_rows]
+        minor_codes = codes[minor_rows]
+        for shared in (major_rows, minor_rows, minor_codes):  # handed out by rows_of and req_rows: never written
+            shared.flags.writeable = False
+        return major, major_rows, minor_rows, minor_codes
 
     def rows_of(self, *kinds: str) -> np.ndarray:
         """Rows of the given kinds, in row order (cached: rules ask for the same kinds again). The most common kind's
@@ -369,7 +372,10 @@ class Columns:
             rows = self.rows_of(*kinds)
             keys = self.rk[rows]
             has = keys >= 0
-            return (rows, keys) if has.all() else (rows[has], keys[has])
+            if not has.all():
+                rows, keys = rows[has], keys[has]
+            keys.flags.writeable = False
+            return rows, keys
 
         return self._once.get(("req_rows",) + kinds, build)
 
