@@ -91,7 +91,7 @@ def _index(cols: Columns) -> StepIndex:
     return StepIndex(span, sk_, sp, sr, ok, op, orow, ck, cols.ints_at("n", crow), has)
 
 
-@shared_table(positions, request_keys, cost=0.04)
+@shared_table(positions, request_keys, cost=0.02)
 def step_index(ctx: Any) -> StepIndex:
     return ctx.cached("rulekit.step_index", lambda: _index(columns(ctx)))
 
