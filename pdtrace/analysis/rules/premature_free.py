@@ -57,7 +57,7 @@ def last_sched_before(ctx: Any, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         wanted = np.zeros(cols.n_requests, bool)
         wanted[rk[hard]] = True
         rows = cols.req_rows("req_sched")
-        rows = rows[wanted[cols.rk[rows]]]
+        rows = rows[wanted[cols.req_keys("req_sched")]]
         idx = last_before(rk[hard], pos[hard], cols.rk[rows], cols.pos[rows], strict=True)
         out[hard] = np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
     return out

@@ -76,7 +76,7 @@ def run(ctx: Any) -> pd.DataFrame:
         late = gaps.rk[endless][st.last_sched_pos[gaps.rk[endless]] > gaps.start_pos[endless]]
         suspect[late] = True
         sched_rows = cols.req_rows("req_sched")
-        sched_rows = sched_rows[suspect[cols.rk[sched_rows]]] if suspect.any() else sched_rows[:0]
+        sched_rows = sched_rows[suspect[cols.req_keys("req_sched")]] if suspect.any() else sched_rows[:0]
         q_rows = np.concatenate([sched_rows, cols.req_rows("kv_send_done", "kv_recv_done")])
         q_rk = cols.rk[q_rows]
         r_rows, r_rk = _remote_read_rk(ctx)
