@@ -163,11 +163,13 @@ request_phases = shared_table(_phase_arrays, cost=0.3)(request_phases)
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
     """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
-    # Filtered in Arrow: a few rows, not the whole trace, become pandas.
-    table = ctx.trace.table
-    mask = pc.fill_null(pc.and_(pc.equal(table.column("kind"), "engine_config"), pc.is_valid(table.column("n"))),
-                        False)
-    rows = table.select(["instance", "dp_rank", "n"]).filter(mask)
+    from pdtrace.analysis.columns import columns
+
+    # The engine_config rows from the analyses' cached kind split (a few rows, no pass over the trace), then
+    # only those become pandas.
+    config_rows = columns(ctx).rows_of("engine_config")
+    rows = ctx.trace.table.select(["instance", "dp_rank", "n"]).take(pa.array(config_rows, pa.int64()))
+    rows = rows.filter(pc.is_valid(rows.column("n")))
     instance = rows.column("instance")
     if pa.types.is_dictionary(instance.type):
         instance = instance.cast(instance.type.value_type)

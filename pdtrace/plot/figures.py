@@ -121,22 +121,47 @@ def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) 
 # --- pipeline -----------------------------------------------------------------------------------------------------
 
 
-def _engine_labels(frame: pd.DataFrame, multi_dp: set[str]) -> pd.Series:
-    """"instance" or, for an instance with several DP ranks, "instance dpN"."""
-    inst = frame["instance"].astype("str")
-    if not multi_dp:  # the common case: no per-row number formatting
-        return inst
-    dp = frame["dp_rank"].astype("Int64").fillna(0).astype(np.int64).astype("str")
-    return inst.where(~inst.isin(list(multi_dp)), inst + " dp" + dp)
+def _ints(series: pd.Series, fill: int = 0) -> np.ndarray:
+    return series.astype("Int64").fillna(fill).to_numpy(np.int64)
+
+
+def _small_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(keys, return_inverse=True) for small non-negative integer keys: a bincount, not a sort."""
+    if len(keys) == 0:
+        return keys, keys
+    present = np.flatnonzero(np.bincount(keys))
+    lut = np.zeros(int(present[-1]) + 1, np.int64)
+    lut[present] = np.arange(len(present))
+    return present, lut[keys]
+
+
+def _engines(frame: pd.DataFrame, multi_dp: set[str]) -> tuple[np.ndarray, list[str]]:
+    """(engine index per row, engine names): an engine is an instance, or "instance dpN" for an instance with
+    several DP ranks. Named once per distinct (instance, dp_rank) pair and spread by integer codes, so no string is
+    built or compared per row."""
+    inst_codes, inst_names = pd.factorize(frame["instance"], use_na_sentinel=False)
+    dp = _ints(frame["dp_rank"])
+    dp = dp - dp.min() if len(dp) else dp
+    width = int(dp.max()) + 1 if len(dp) else 1
+    pairs, pair_of_row = _small_unique(inst_codes.astype(np.int64) * width + dp)
+    base = int(_ints(frame["dp_rank"]).min()) if len(frame) else 0
+    labels = []
+    for pair in pairs.tolist():  # per (instance, dp_rank) pair (few)
+        name = str(inst_names[pair // width])
+        labels.append(f"{name} dp{pair % width + base}" if name in multi_dp else name)
+    names, label_of_pair = np.unique(np.asarray(labels, dtype=object), return_inverse=True)
+    return label_of_pair[pair_of_row].astype(np.int64), [str(n) for n in names]
 
 
 def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
     """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role."""
-    table = ctx.trace.table.select(["instance", "role"])
-    pairs = table.group_by(["instance", "role"]).aggregate([]).to_pandas()  # one row per (instance, role)
+    from pdtrace.analysis.columns import columns
+
+    cols = columns(ctx)  # the role of each scheduler, from the analyses' scheduler keys: no pass over the trace
     rank = {"prefill": 0, "both": 1, "none": 2, "decode": 3}
-    best = {str(i): min(rank.get(str(r), 4) for r in pairs.loc[pairs["instance"] == i, "role"])
-            for i in pairs["instance"].unique()}  # per instance
+    best: dict[str, int] = {}
+    for instance, role in zip(cols.sk_names["instance"], cols.sk_role, strict=True):  # per scheduler (few)
+        best[str(instance)] = min(best.get(str(instance), 4), rank.get(role, 4))
     return sorted(names, key=lambda n: (best.get(n, 5), n))
 
 
@@ -161,27 +186,48 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     in_window = sel.overlaps(spans["begin_ts"], spans["end_ts"])
     if not in_window.any() and len(bub) == 0:
         raise sel.empty("exec spans (exec_begin/exec_end) or bubbles")
-    dp_per_inst = spans.groupby(spans["instance"].astype("str"))["dp_rank"].nunique()
-    multi_dp = set(dp_per_inst[dp_per_inst > 1].index)
+    inst_codes, inst_names = pd.factorize(spans["instance"], use_na_sentinel=False)
+    span_dp = _ints(spans["dp_rank"])
+    span_dp = span_dp - span_dp.min() if len(span_dp) else span_dp
+    dp_width = int(span_dp.max()) + 1 if len(span_dp) else 1
+    pairs, _ = _small_unique(inst_codes.astype(np.int64) * dp_width + span_dp)
+    per_inst = np.bincount(pairs // dp_width, minlength=len(inst_names)) if len(pairs) else np.zeros(0, np.int64)
+    multi_dp = {str(inst_names[i]) for i in np.flatnonzero(per_inst > 1).tolist()}
 
-    def lanes_of(frame: pd.DataFrame) -> pd.DataFrame:
-        return frame.assign(engine=_engine_labels(frame, multi_dp),
-                            pp_rank=frame["pp_rank"].astype("Int64").fillna(0).astype(np.int64),
-                            tp_rank=frame["tp_rank"].astype("Int64").fillna(0).astype(np.int64))
-
-    spans = lanes_of(spans)
+    # Lanes: integer keys (engine index, pp_rank) throughout; a lookup table maps them to the lane and its TP rank.
+    s_eng, s_names = _engines(spans, multi_dp)
+    s_pp, s_tp = _ints(spans["pp_rank"]), _ints(spans["tp_rank"])
     # One lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
-    lane_tp = spans.groupby(["engine", "pp_rank"])["tp_rank"].min().rename("lane_tp").reset_index()
-    engines = instance_order(ctx, list(lane_tp["engine"].unique()))
-    lanes: list[tuple[str, str, int]] = []  # (label, engine, pp_rank; -1 for the engine lane)
-    for eng in engines:  # per scheduler (few)
-        lanes.append((f"{eng} engine", eng, -1))
-        lanes.extend((f"{eng} PP{pp}", eng, int(pp)) for pp in sorted(lane_tp.loc[lane_tp["engine"] == eng, "pp_rank"]))
-    lane_table = pd.DataFrame([(eng, pp, i) for i, (_, eng, pp) in enumerate(lanes)],
-                              columns=["engine", "pp_rank", "lane"])
-    lane_table = lane_table.merge(lane_tp, on=["engine", "pp_rank"], how="left")
-    spans = spans[in_window].merge(lane_table, on=["engine", "pp_rank"])
-    spans = spans[spans["tp_rank"] == spans["lane_tp"]]
+    stage_tp = pd.DataFrame({"eng": s_eng, "pp": s_pp, "tp": s_tp}).groupby(["eng", "pp"])["tp"].min()
+    engines = instance_order(ctx, sorted({s_names[e] for e in stage_tp.index.get_level_values("eng").tolist()}))
+    engine_index = {name: i for i, name in enumerate(engines)}
+    pp_span = int(max(s_pp.max(initial=0), 0)) + 2
+    lane_lut = np.full(len(engines) * pp_span, -1, np.int64)
+    tp_lut = np.full(len(engines) * pp_span, -1, np.int64)
+    lanes: list[str] = []
+    stages = sorted((engine_index[s_names[e]], int(pp), int(tp)) for (e, pp), tp in stage_tp.items())
+    for i, eng in enumerate(engines):  # per scheduler (few)
+        lane_lut[i * pp_span] = len(lanes)  # its engine lane (pp -1)
+        lanes.append(f"{eng} engine")
+        for _, pp, tp in (stage for stage in stages if stage[0] == i):  # per stage
+            lane_lut[i * pp_span + pp + 1] = len(lanes)
+            tp_lut[i * pp_span + pp + 1] = tp
+            lanes.append(f"{eng} PP{pp}")
+
+    def lane_of(eng: np.ndarray, names: list[str], pp: np.ndarray, tp: np.ndarray | None) -> np.ndarray:
+        """The lane of each row (-1 where none, or where it is not the stage's drawn TP rank)."""
+        glob = np.array([engine_index.get(n, -1) for n in names] + [-1], np.int64)[eng]
+        ok = (glob >= 0) & (pp >= -1) & (pp < pp_span - 1)
+        key = np.where(ok, glob * pp_span + pp + 1, 0)
+        lane = np.where(ok, lane_lut[key], -1)
+        if tp is not None:
+            lane = np.where(tp == tp_lut[key], lane, -1)
+        return lane
+
+    span_lane = lane_of(s_eng, s_names, s_pp, s_tp)
+    keep = np.asarray(in_window, bool) & (span_lane >= 0)
+    spans = spans[keep].assign(lane=span_lane[keep])
+    s_eng = s_eng[keep]
     n_lanes = len(lanes)
 
     fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi)
@@ -193,10 +239,11 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     # In-flight depth per scheduler: the most steps step_submit ever saw in flight (1 without a batch queue).
     engine_rows = _engine_rows(ctx)
     submits = engine_rows[(engine_rows["kind"] == "step_submit").to_numpy() & engine_rows["n"].notna().to_numpy()]
-    depth_of = submits.assign(engine=_engine_labels(submits, multi_dp)).groupby("engine")["n"].max()
+    sub_eng, sub_names = _engines(submits, multi_dp)
+    depth_of = pd.Series(submits["n"].to_numpy(np.float64)).groupby(sub_eng).max()
+    depth_by_name = {sub_names[int(e)]: d for e, d in depth_of.items()}
     # Looked up per distinct engine (few), then spread by code: no per-row hashing of the label strings.
-    engine_codes, engine_names = pd.factorize(spans["engine"], use_na_sentinel=False)
-    depth = pd.Series(engine_names).map(depth_of).fillna(1).astype(np.int64).to_numpy()[engine_codes]
+    depth = np.array([int(depth_by_name.get(n, 1)) for n in s_names] + [1], np.int64)[s_eng]
     multi_slot = bool((depth > 1).any())
 
     # exec spans, merged where several fall within one pixel
@@ -228,8 +275,9 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
     # bubbles: one shaded rectangle per bubble the analysis reports on a drawn lane
     if len(bub):
-        bub = lanes_of(bub).merge(lane_table, on=["engine", "pp_rank"])
-        bub = bub[bub["tp_rank"] == bub["lane_tp"]]
+        b_eng, b_names = _engines(bub, multi_dp)
+        bub_lane = lane_of(b_eng, b_names, _ints(bub["pp_rank"]), _ints(bub["tp_rank"]))
+        bub = bub[bub_lane >= 0].assign(lane=bub_lane[bub_lane >= 0])
     labels_left = MAX_LABELS
     for cause in sorted(bub["cause"].astype("str").unique()) if len(bub) else []:  # per cause (five)
         part = bub[bub["cause"].astype("str") == cause]
@@ -250,8 +298,9 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
     # step_submit / step_output ticks on each scheduler's engine lane, at most one per pixel column
     marks = engine_rows[sel.keep_instance(engine_rows["instance"]) & sel.contains(engine_rows["ts_ns"])]
-    marks = marks.assign(engine=_engine_labels(marks, multi_dp))
-    marks = marks.merge(lane_table[lane_table["pp_rank"] == -1][["engine", "lane"]], on="engine")
+    m_eng, m_names = _engines(marks, multi_dp)
+    mark_lane = lane_of(m_eng, m_names, np.full(len(marks), -1, np.int64), None)  # the engine lane (pp -1)
+    marks = marks[mark_lane >= 0].assign(lane=mark_lane[mark_lane >= 0])
     for kind, colour, (lo, hi) in (("step_submit", "#08519c", (0.0, 0.4)), ("step_output", "#a50f15", (-0.4, 0.0))):
         part = marks[marks["kind"] == kind]
         if len(part) == 0:
@@ -264,7 +313,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         ax.add_collection(LineCollection(segs, colors=colour, linewidths=0.8, gid=kind))
         legend.append(Line2D([], [], color=colour, label=f"{kind} ({len(part)})"))
 
-    ax.set_yticks(y_of, [label for label, _, _ in lanes], fontsize=8)
+    ax.set_yticks(y_of, lanes, fontsize=8)
     ax.set_ylim(-0.6, n_lanes - 0.4)
     ax.set_xlim(tx.x(sel.lo_ns), tx.x(sel.hi_ns))
     ax.set_xlabel(tx.label)
