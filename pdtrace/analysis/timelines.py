@@ -115,7 +115,8 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     rows = np.flatnonzero(mask)
     if len(rows) == 0:
         return None
-    rows = rows[np.lexsort((cols.pos[rows], cols.rk[rows]))]  # per request, in the global event order
+    # per request, in the global event order: one sort of (request key, position) as one int64
+    rows = rows[np.argsort(cols.rk[rows].astype(np.int64) * (cols.n + 1) + cols.pos[rows])]
     rk = cols.rk[rows]
     kind_codes, kind_names = cols.codes("kind")
     kind_lut = np.full(len(kind_names), -1, np.int64)
@@ -125,7 +126,6 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     k = kind_lut[kind_codes[rows]]
     is_add, is_wait_kv, is_recv_done, is_recv_fail, is_sched, is_preempt, is_finish, is_free = (
         k == i for i in range(len(_STATE_KINDS)))
-    delay_free = cols.bools_at("delay_free", rows)[0]
 
     new_group = np.ones(len(rows), dtype=bool)
     new_group[1:] = rk[1:] != rk[:-1]
@@ -140,7 +140,8 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     phase[is_wait_kv & active] = _WAITING_KV
     phase[(is_recv_done | is_recv_fail | is_preempt) & active] = _WAITING
     phase[is_sched] = _RUNNING
-    phase[is_finish] = np.where(delay_free[is_finish], _FINISHED_HOLDING, _FREED)
+    delay_free = cols.bools_at("delay_free", rows[is_finish])[0]
+    phase[is_finish] = np.where(delay_free, _FINISHED_HOLDING, _FREED)
     phase[is_free & finished & ~is_finish] = _FREED
 
     keep = phase >= 0
