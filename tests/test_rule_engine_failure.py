@@ -292,4 +292,23 @@ def test_a_peer_of_the_failed_engine_keeps_its_findings():
     d.output()
     df = analyze(b.trace(), rules=["unscheduled_request", "leaked_blocks"])
     assert set(df["instance"]) == {"D"} and set(df["severity"]) == {"error"}
-    assert not df["message"].str.contains("engine failed").any()
+    assert not df["message"].str.startswith("engine failed").any()  # not rewritten as a crash consequence
+    # ...but the wait names its dead KV source, with P's first engine_error as evidence
+    stuck = one(df, "unscheduled_request", "stuck_waiting_kv")
+    assert "its KV source P engine failed at step" in stuck["message"] and "AssertionError" in stuck["message"]
+    assert stuck["extra"]["peer_engine_failed"]["instance"] == "P"
+    assert any(e["kind"] == "engine_error" and e.get("note") == "P failed here" for e in stuck["evidence"])
+
+
+def test_a_wait_on_a_live_peer_does_not_cite_a_failure():
+    b = builder()
+    Engine(b, instance="P", role="prefill", pid=1000).step({})
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
+    d.step({}, wait_kv={"r1": [7, 8]})
+    d.output()
+    b.advance(600 * S)
+    d.step({})
+    d.output()
+    stuck = one(analyze(b.trace(), rules=["unscheduled_request"]), "unscheduled_request", "stuck_waiting_kv")
+    assert "its KV source" not in stuck["message"] and "peer_engine_failed" not in stuck["extra"]

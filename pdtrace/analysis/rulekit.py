@@ -239,7 +239,8 @@ def fmt_blocks(blocks: list[int], limit: int = 12) -> str:
 # Such findings become `info`; their message starts "engine failed at step K (engine_error <error>) before <what>: ",
 # their evidence ends with the engine_error row and `extra` gets `engine_failed` {step, ts_ns, error} and
 # `downgraded: "engine_error"`. Findings already overdue before the failure keep their severity: the crash did not
-# cause them. Only the failed scheduler's own findings are touched (a peer instance waiting on it is not).
+# cause them. Only the failed scheduler's own findings are touched: a peer instance still waiting on it keeps its
+# severity (it should have timed out), and its stuck_waiting_kv findings cite the failure as their root cause.
 
 CRASH_SEVERITY = "info"
 CRASH_NOTE = "the engine failed here"

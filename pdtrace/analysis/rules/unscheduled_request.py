@@ -28,7 +28,9 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
   (kv_send_done) starve_steps steps before the end: the completion was lost, not late; warning when requests that
   began waiting later have already received their KV (overtaken: the transfer is lost, not slow) and starve_steps
   steps went by; info when the engine kept stepping (starve_steps steps) but nothing else says it is lost: the
-  trace may just end mid-transfer. A receive that closed but only after grace_s is a warning.
+  trace may just end mid-transfer. A receive that closed but only after grace_s is a warning. When the prefill
+  side's engine failed (its first engine_error), the finding cites it (message, evidence, extra
+  `peer_engine_failed`) with the same severity: the decode side must still give up on a dead peer.
 - `dropped_from_batch` (vLLM's V1 runner only; the rows exist only there): batch_remove reason `unscheduled` on a
   worker lane, no batch_add on that lane after it, request unfinished. Error when the scheduler scheduled it again
   and the lane executed that step (the worker ran a step whose request it had dropped); warning when it was never
@@ -61,8 +63,8 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import RequestState, request_state
-from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, Evidence, engine_configs, engine_failures, gaps,
-                                      inst_code_of_sk, sk_instance)
+from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
+                                      engine_failures, gaps, inst_code_of_sk, sk_instance)
 from pdtrace.analysis.steps import _step_frame, rows_columns
 
 _MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
@@ -286,6 +288,15 @@ def _remote_side(ctx: AnalysisContext, cols: Columns, st: RequestState, rk: int)
     return out
 
 
+def _peer_failure(cols: Columns, failures: dict[int, EngineFailure], instance: str | None) -> EngineFailure | None:
+    """The first engine failure of any scheduler of `instance` (the side a request waits on), or None."""
+    if not instance or not failures:
+        return None
+    schedulers = np.flatnonzero((cols.sk_names["instance"] == instance).to_numpy()).tolist()
+    found = [failures[sk] for sk in schedulers if sk in failures]
+    return min(found, key=lambda failure: failure.pos) if found else None
+
+
 def _prompt_need(ctx: AnalysisContext, cols: Columns, st: RequestState, sc: SchedCounter) -> np.ndarray:
     """Blocks each request's prompt needs (>= 1): ceil(req_add n / block_size) where both are known."""
     need = np.ones(st.n, np.int64)
@@ -476,6 +487,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             else:
                 sev = "info"
                 why = "while the engine kept stepping (the trace may end mid-transfer)"
+            peer = _peer_failure(cols, out.failures, remote.get("instance"))
+            if peer is not None:
+                # the root cause, cited; the severity stays: a decode side must still give up on a dead peer
+                # (its connector's timeout), so a wait past the grace period is its own bug
+                evidence.append((peer.row, f"{remote['instance']} failed here"))
+                extra["peer_engine_failed"] = {"instance": remote["instance"], "step": peer.step if peer.step >= 0
+                                               else None, "ts_ns": peer.ts_ns, "error": peer.error}
+                why += f"; its KV source {remote['instance']} {peer.describe()}"
             msg = (f"request {name} still waits for remote KV at the end of the trace: {_fmt_ms(age[i])}, "
                    f"{int(wsteps[i])} steps, {why}")
             out.add("stuck_waiting_kv", sev, r, int(wrow[i]), NO, msg, evidence, extra)
