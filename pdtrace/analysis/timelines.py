@@ -93,7 +93,7 @@ def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
     }).astype({"instance": "str", "role": "str", "req": "str"})
 
 
-@shared_table(positions, request_keys, cost=0.4)
+@shared_table(positions, request_keys, cost=0.2)
 def _phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """request_phases as arrays (request key, phase code, start_ns, end_ns), sorted by request key then time;
     None where request_phases is the empty frame. Cached: block_usage joins on the integer keys."""
@@ -189,13 +189,20 @@ def _empty_usage() -> pd.DataFrame:
     return pd.DataFrame(data)
 
 
+@shared_table(request_state, ownership, step_index, cost=0.05)
+def leaked_blocks_findings(ctx: "AnalysisContext") -> pd.DataFrame | None:
+    """The registered `leaked_blocks` rule's own findings on this context (one code path with analyze); None when
+    no such rule is registered."""
+    from pdtrace.analysis import available_rules
+
+    rule = available_rules()[0].get("leaked_blocks")
+    return ctx.cached("timelines.leaked_blocks", lambda: rule.run(ctx)) if rule else None
+
+
 def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
     """(instance, req, block, leak_ts) of the blocks the `leaked_blocks` rule reports (block -1: all of them)."""
     if findings is None:
-        from pdtrace.analysis import available_rules
-
-        rule = available_rules()[0].get("leaked_blocks")
-        findings = ctx.cached("timelines.leaked_blocks", lambda: rule.run(ctx)) if rule else None
+        findings = leaked_blocks_findings(ctx)
     cols = ["instance", "req", "block", "leak_ts"]
     if findings is None or len(findings) == 0 or not (findings["rule"] == "leaked_blocks").any():
         return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("block", "leak_ts") else "str") for c in cols})
@@ -214,8 +221,7 @@ def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.
     })
 
 
-# (what the leaked_blocks rule it runs reads, besides ownership: request_state and step_index)
-@shared_table(ownership, _phase_arrays, request_state, step_index, cost=0.5)
+@shared_table(ownership, _phase_arrays, leaked_blocks_findings, cost=0.3)
 def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) -> pd.DataFrame:
     """Blocks in use over time per scheduler, split by owner state: one row per (instance, dp_rank, ts_ns) where a
     count changes, with the counts from then on in `running`, `finished_awaiting_transfer`, `leaked`, their sum

@@ -166,13 +166,23 @@ def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
 
 
 def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
-    """The step_submit / step_output rows (taken in Arrow, so the other events never become pandas; the rows come
-    from the analyses' cached kind codes, not a string comparison of every row)."""
+    """The step_submit / step_output rows (ts_ns, instance, dp_rank, kind, n), from the analyses' cached columns at
+    those rows only: the other events never become pandas, and no string is built per row."""
     from pdtrace.analysis.columns import columns
 
-    rows = columns(ctx).rows_of("step_submit", "step_output")
-    frame = ctx.trace.table.select(["ts_ns", "instance", "dp_rank", "kind", "n"]).take(rows).to_pandas()
-    return frame.assign(instance=frame["instance"].astype("str"), kind=frame["kind"].astype("str"))
+    cols = columns(ctx)
+    rows = cols.rows_of("step_submit", "step_output")
+    inst_codes, inst_names = cols.codes("instance")
+    kind_codes, kind_names = cols.codes("kind")
+    dp = pd.array(cols.dp[rows], dtype="Int64")
+    dp[dp < 0] = pd.NA  # the analyses' -1 for a null dp_rank
+    return pd.DataFrame({
+        "ts_ns": cols.ts[rows],
+        "instance": pd.Categorical.from_codes(inst_codes[rows], categories=inst_names),
+        "dp_rank": dp,
+        "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_names),
+        "n": cols.numbers_at("n", rows),
+    })
 
 
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
