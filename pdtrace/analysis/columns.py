@@ -666,41 +666,32 @@ def last_per_key(keys: np.ndarray, values: np.ndarray, n_keys: int, fill: int = 
     return _reduce_per_key(np.maximum, keys, values, n_keys, fill)
 
 
-def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
-                     strict: bool = False) -> np.ndarray:
-    """For each a: the index into b of the first b with the same key and pos_b >= pos_a (> if strict), else -1.
-
-    One lexsort of b and one searchsorted of a: keys and positions are combined into one int64 (key * span + pos).
-    """
+def _search_by_key(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray, shift_a: int,
+                   side: str, step: int) -> np.ndarray:
+    """For each a: the index into b found by searching (key_a, pos_a + shift_a) among the sorted (key_b, pos_b)
+    with `side`, moved by `step`, kept only where that b has a's key; else -1. Keys and positions are combined
+    into one int64 (key * span + pos): one stable argsort of b and one searchsorted of a."""
     if len(key_b) == 0 or len(key_a) == 0:
         return np.full(len(key_a), NO, np.int64)
     span = int(max(pos_a.max(), pos_b.max())) + 2
     cb = key_b.astype(np.int64) * span + pos_b
     sort_b = np.argsort(cb, kind="stable")
-    cb_sorted = cb[sort_b]
-    ca = key_a.astype(np.int64) * span + pos_a + (1 if strict else 0)
-    idx = np.searchsorted(cb_sorted, ca, side="left")
-    ok = idx < len(cb_sorted)
+    ca = key_a.astype(np.int64) * span + pos_a + shift_a
+    idx = np.searchsorted(cb[sort_b], ca, side=side) + step
     found = np.full(len(key_a), NO, np.int64)
-    hit = np.flatnonzero(ok)
+    hit = np.flatnonzero((idx >= 0) & (idx < len(sort_b)))
     same = key_b[sort_b[idx[hit]]] == key_a[hit]
     found[hit[same]] = sort_b[idx[hit[same]]]
     return found
+
+
+def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
+                     strict: bool = False) -> np.ndarray:
+    """For each a: the index into b of the first b with the same key and pos_b >= pos_a (> if strict), else -1."""
+    return _search_by_key(key_a, pos_a, key_b, pos_b, 1 if strict else 0, "left", 0)
 
 
 def last_before(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
                 strict: bool = True) -> np.ndarray:
     """For each a: the index into b of the last b with the same key and pos_b < pos_a (<= if not strict), else -1."""
-    if len(key_b) == 0 or len(key_a) == 0:
-        return np.full(len(key_a), NO, np.int64)
-    span = int(max(pos_a.max(), pos_b.max())) + 2
-    cb = key_b.astype(np.int64) * span + pos_b
-    sort_b = np.argsort(cb, kind="stable")
-    cb_sorted = cb[sort_b]
-    ca = key_a.astype(np.int64) * span + pos_a
-    idx = np.searchsorted(cb_sorted, ca, side="left" if strict else "right") - 1
-    found = np.full(len(key_a), NO, np.int64)
-    hit = np.flatnonzero(idx >= 0)
-    same = key_b[sort_b[idx[hit]]] == key_a[hit]
-    found[hit[same]] = sort_b[idx[hit[same]]]
-    return found
+    return _search_by_key(key_a, pos_a, key_b, pos_b, 0, "left" if strict else "right", -1)

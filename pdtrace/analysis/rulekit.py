@@ -11,11 +11,9 @@ from typing import Any, Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from pdtrace.analysis.columns import NO, Columns, columns, positions, request_keys
 from pdtrace.analysis.parallel import shared_table
-from pdtrace.trace.model import take_rows
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
 
@@ -398,11 +396,10 @@ def _rank_index(ctx: Any, direction: str) -> _RankIndex:
 
 
 def int_column_at(cols: Columns, name: str, rows: np.ndarray) -> np.ndarray:
-    """A numeric column's values at rows, nulls as -1."""
-    if len(rows) == 0 or name not in cols.table.column_names:
+    """A numeric column's values at rows, nulls as -1 (all -1 where the table lacks the column)."""
+    if name not in cols.table.column_names:
         return np.full(len(rows), -1, np.int64)
-    values = take_rows(cols.table.column(name), rows)
-    return np.asarray(pc.fill_null(values, -1).to_numpy(zero_copy_only=False), np.int64)
+    return cols.ints_at(name, rows)
 
 
 def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
