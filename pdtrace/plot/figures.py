@@ -135,22 +135,33 @@ def _small_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return present, lut[keys]
 
 
+def _instance_dp_pairs(frame: pd.DataFrame) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """(instance names, instance index and dp_rank of each distinct (instance, dp_rank) pair, pair of each row),
+    from integer codes counted with a bincount (a null dp_rank counts as 0)."""
+    inst_codes, inst_names = pd.factorize(frame["instance"], use_na_sentinel=False)
+    dp = _ints(frame["dp_rank"])
+    base = int(dp.min()) if len(dp) else 0
+    width = int(dp.max()) - base + 1 if len(dp) else 1
+    pairs, pair_of_row = _small_unique(inst_codes.astype(np.int64) * width + (dp - base))
+    return [str(n) for n in inst_names], pairs // width, pairs % width + base, pair_of_row
+
+
+def _multi_dp_instances(frame: pd.DataFrame) -> set[str]:
+    """The instances with rows of more than one dp_rank."""
+    names, pair_inst, _, _ = _instance_dp_pairs(frame)
+    per_instance = np.bincount(pair_inst, minlength=len(names))
+    return {names[i] for i in np.flatnonzero(per_instance > 1).tolist()}
+
+
 def _engines(frame: pd.DataFrame, multi_dp: set[str]) -> tuple[np.ndarray, list[str]]:
     """(engine index per row, engine names): an engine is an instance, or "instance dpN" for an instance with
     several DP ranks. Named once per distinct (instance, dp_rank) pair and spread by integer codes, so no string is
     built or compared per row."""
-    inst_codes, inst_names = pd.factorize(frame["instance"], use_na_sentinel=False)
-    dp = _ints(frame["dp_rank"])
-    dp = dp - dp.min() if len(dp) else dp
-    width = int(dp.max()) + 1 if len(dp) else 1
-    pairs, pair_of_row = _small_unique(inst_codes.astype(np.int64) * width + dp)
-    base = int(_ints(frame["dp_rank"]).min()) if len(frame) else 0
-    labels = []
-    for pair in pairs.tolist():  # per (instance, dp_rank) pair (few)
-        name = str(inst_names[pair // width])
-        labels.append(f"{name} dp{pair % width + base}" if name in multi_dp else name)
-    names, label_of_pair = np.unique(np.asarray(labels, dtype=object), return_inverse=True)
-    return label_of_pair[pair_of_row].astype(np.int64), [str(n) for n in names]
+    names, pair_inst, pair_dp, pair_of_row = _instance_dp_pairs(frame)
+    labels = [f"{names[i]} dp{dp}" if names[i] in multi_dp else names[i]
+              for i, dp in zip(pair_inst.tolist(), pair_dp.tolist())]  # per (instance, dp_rank) pair (few)
+    label_names, label_of_pair = np.unique(np.asarray(labels, dtype=object), return_inverse=True)
+    return label_of_pair[pair_of_row].astype(np.int64), [str(n) for n in label_names]
 
 
 def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
@@ -196,13 +207,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     in_window = sel.overlaps(spans["begin_ts"], spans["end_ts"])
     if not in_window.any() and len(bub) == 0:
         raise sel.empty("exec spans (exec_begin/exec_end) or bubbles")
-    inst_codes, inst_names = pd.factorize(spans["instance"], use_na_sentinel=False)
-    span_dp = _ints(spans["dp_rank"])
-    span_dp = span_dp - span_dp.min() if len(span_dp) else span_dp
-    dp_width = int(span_dp.max()) + 1 if len(span_dp) else 1
-    pairs, _ = _small_unique(inst_codes.astype(np.int64) * dp_width + span_dp)
-    per_inst = np.bincount(pairs // dp_width, minlength=len(inst_names)) if len(pairs) else np.zeros(0, np.int64)
-    multi_dp = {str(inst_names[i]) for i in np.flatnonzero(per_inst > 1).tolist()}
+    multi_dp = _multi_dp_instances(spans)
 
     # Lanes: integer keys (engine index, pp_rank) throughout; a lookup table maps them to the lane and its TP rank.
     s_eng, s_names = _engines(spans, multi_dp)
