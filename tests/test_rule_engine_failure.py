@@ -176,26 +176,23 @@ def tp2_send(ranks: list[int], other_ranks: list[int] | None = None, expected_ra
     an earlier request r0 whose send completed with these ranks reporting."""
     b = builder()
     p = Engine(b, instance="P", role="prefill", tp=2)
-    if other_ranks is not None:
-        p.add("r0", remote_decode=True)
-        p.step({"r0": 32}, alloc={"r0": [1, 2]})
+
+    def finish_and_report(req: str, blocks: list[int], reporting: list[int]) -> None:
+        """Prefill `req`, finish it with delay_free, then the next step's workers `reporting` its send."""
+        p.add(req, remote_decode=True)
+        p.step({req: 32}, alloc={req: blocks})
         p.output()
-        p.finish("r0", reason="length", delay_free=True)
+        p.finish(req, reason="length", delay_free=True)
         p.step({})
-        for tp in other_ranks:
+        for tp in reporting:
             p.ev("kv_send_rank", component="worker", pid=1001 + tp, pp_rank=0, tp_rank=tp, step=p.next_step - 1,
-                 req="r0")
+                 req=req)
         p.output()
+
+    if other_ranks is not None:
+        finish_and_report("r0", [1, 2], other_ranks)
         p.send_done("r0", **({"detail": {"expected_ranks": expected_ranks}} if expected_ranks else {}))
-    p.add("r1", remote_decode=True)
-    p.step({"r1": 32}, alloc={"r1": [3, 4]})
-    p.output()
-    p.finish("r1", reason="length", delay_free=True)
-    p.step({})
-    for tp in ranks:
-        p.ev("kv_send_rank", component="worker", pid=1001 + tp, pp_rank=0, tp_rank=tp, step=p.next_step - 1,
-             req="r1")
-    p.output()
+    finish_and_report("r1", [3, 4], ranks)
     b.advance(600 * S)
     p.step({})
     p.output()

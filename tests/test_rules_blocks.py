@@ -16,6 +16,7 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.requests import request_table
 from pdtrace.analysis.blocks import block_ownership
+from pdtrace.trace.builder import EventBuilder
 from pdtrace.trace.model import Trace
 
 BLOCK_RULES = ["premature_free", "use_after_free", "double_free", "leaked_blocks", "completion_before_finish"]
@@ -120,7 +121,8 @@ def test_send_completion_after_finish_is_clean():
 
 
 # -- C09: abort with receive and send pending, second completion ---------------------------------------------------
-def c09(second_status: str | None = "unknown") -> Trace:
+def abort_while_receiving() -> tuple[EventBuilder, Engine]:
+    """D aborts r1 while its KV is being received; vLLM frees the blocks once the receive completes (healthy)."""
     b = builder()
     d = Engine(b, instance="D", role="decode")
     d.add("r1", n=32, remote_prefill=True)
@@ -132,6 +134,12 @@ def c09(second_status: str | None = "unknown") -> Trace:
     d.output()
     d.recv_done("r1", status="FINISHED_ABORTED")
     d.free("r1", reason="received")
+    return b, d
+
+
+def c09(second_status: str | None = "unknown") -> Trace:
+    """abort_while_receiving, then a second completion for r1 in the same update, and the engine's assert."""
+    b, d = abort_while_receiving()
     d.ev("kv_send_done", step=d._current_step(), req="r1", status=second_status)
     d.ev("engine_error", component="engine", step=1, detail={"error": "AssertionError", "where": "update"})
     return b.trace()
@@ -152,17 +160,7 @@ def test_c09_second_completion_without_status_is_completion_after_free():
 
 
 def test_abort_while_waiting_for_kv_deferred_until_receive_is_clean():
-    b = builder()
-    d = Engine(b, instance="D", role="decode")
-    d.add("r1", n=32, remote_prefill=True)
-    d.step({}, wait_kv={"r1": [50, 51]})
-    d.output()
-    d._current = None
-    d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS", delay_free=True)
-    d.step({})
-    d.output()
-    d.recv_done("r1", status="FINISHED_ABORTED")
-    d.free("r1", reason="received")
+    b, _ = abort_while_receiving()
     assert len(found(b.trace())) == 0
 
 
