@@ -214,22 +214,6 @@ def int_column(table: pa.Table, name: str, dtype: Any = np.int64) -> np.ndarray:
     return _concat_values(col.chunks, dtype, -1)
 
 
-def bool_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(value, is_valid) of a nullable bool column, unpacked from its bitmaps."""
-    col = table.column(name)
-    values, valids = [], []
-    for arr in col.chunks:
-        n, off = len(arr), arr.offset
-        values.append(_bits(arr.buffers()[1], off, n))
-        if arr.null_count:
-            valids.append(_bits(arr.buffers()[0], off, n))
-        else:
-            valids.append(np.ones(n, bool))
-    if not values:
-        return np.zeros(0, bool), np.zeros(0, bool)
-    return np.concatenate(values), np.concatenate(valids)
-
-
 def _bits_at(buffer: pa.Buffer, offset: int, positions: np.ndarray) -> np.ndarray:
     """Bits of an Arrow bitmap at the given positions of an array starting at `offset`, as bools."""
     packed = np.frombuffer(buffer, dtype=np.uint8)
@@ -605,9 +589,6 @@ class Columns:
         rows, ids = self.block_rows
         keep = rows_mask[rows]
         return rows[keep], ids[keep]
-
-    def bool_col(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        return self._once.get(("bool", name), lambda: bool_column(self.table, name))
 
     def details(self, rows: np.ndarray) -> list[dict[str, Any]]:
         """`Trace.details`: the parsed `detail` JSON of these rows ({} where null or not an object)."""

@@ -103,8 +103,9 @@ def request_story(trace: Trace, req: str, instance: str | None = None) -> pd.Dat
         if inst in inst_names and r in req_names:
             mask |= (inst_codes == inst_names.index(inst)) & (req_codes == req_names.index(r))
     # deferred drains (req null) that returned this request's blocks to the pool
-    value, valid = cols.bool_col("deferred")
-    deferred_free = np.flatnonzero(mask & cols.is_kind("blocks_free") & valid & value)
+    frees = np.flatnonzero(mask & cols.is_kind("blocks_free"))
+    value, valid = cols.bools_at("deferred", frees)
+    deferred_free = frees[valid & value]
     if len(deferred_free):
         block_row, block_id = cols.block_rows
         drains = cols.is_kind("blocks_pool_free") & (req_codes < 0)
