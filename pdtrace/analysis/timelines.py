@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import positions, request_keys
+from pdtrace.analysis.columns import _ramp, columns, positions, request_keys
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import step_index
@@ -75,8 +75,6 @@ def request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
 
 
 def _request_phases(ctx: "AnalysisContext") -> pd.DataFrame:
-    from pdtrace.analysis.columns import columns
-
     arrays = _phase_arrays(ctx)
     if arrays is None:
         return _empty_phases()
@@ -101,8 +99,6 @@ def _phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    from pdtrace.analysis.columns import columns
-
     cols = columns(ctx)
     if cols.n == 0:
         return None
@@ -164,8 +160,6 @@ request_phases = shared_table(_phase_arrays, cost=0.3)(request_phases)
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
     """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
-    from pdtrace.analysis.columns import columns
-
     # The engine_config rows from the analyses' cached kind split (a few rows, no pass over the trace), then
     # only those become pandas.
     config_rows = columns(ctx).rows_of("engine_config")
@@ -247,9 +241,6 @@ def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) ->
 def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:
     # Integer keys throughout (request key, scheduler key, block), from the ownership arrays and the phase arrays:
     # the join and the sorts are numpy searches and lexsorts, not pandas merges and sorts of string columns.
-    from pdtrace.analysis.blocks import ownership
-    from pdtrace.analysis.columns import _ramp, columns
-
     own = ownership(ctx)
     if len(own) == 0:
         return _empty_usage()

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from pdtrace.analysis.columns import columns  # noqa: E402
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
 from pdtrace.analysis.steps import bubbles, exec_spans, step_table  # noqa: E402
 from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, block_usage, request_phases  # noqa: E402
@@ -166,8 +167,6 @@ def _engines(frame: pd.DataFrame, multi_dp: set[str]) -> tuple[np.ndarray, list[
 
 def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
     """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role."""
-    from pdtrace.analysis.columns import columns
-
     cols = columns(ctx)  # the role of each scheduler, from the analyses' scheduler keys: no pass over the trace
     rank = {"prefill": 0, "both": 1, "none": 2, "decode": 3}
     best: dict[str, int] = {}
@@ -179,8 +178,6 @@ def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
 def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
     """The step_submit / step_output rows (ts_ns, instance, dp_rank, kind, n), from the analyses' cached columns at
     those rows only: the other events never become pandas, and no string is built per row."""
-    from pdtrace.analysis.columns import columns
-
     cols = columns(ctx)
     rows = cols.rows_of("step_submit", "step_output")
     inst_codes, inst_names = cols.codes("instance")
