@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import _ramp, columns, positions, request_keys
+from pdtrace.analysis.columns import _ramp, columns, positions, request_keys, stable_argsort
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import step_index
@@ -108,11 +108,11 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
         mask &= comp_codes == comp_names.index("scheduler")
     else:
         mask[:] = False
-    rows = np.flatnonzero(mask)
+    # per request, in the global event order: the rows taken in that order, then a stable radix sort by request key
+    rows = cols.order[mask[cols.order]]
     if len(rows) == 0:
         return None
-    # per request, in the global event order: one sort of (request key, position) as one int64
-    rows = rows[np.argsort(cols.rk[rows].astype(np.int64) * (cols.n + 1) + cols.pos[rows])]
+    rows = rows[stable_argsort(cols.rk[rows])]
     rk = cols.rk[rows]
     kind_codes, kind_names = cols.codes("kind")
     kind_lut = np.full(len(kind_names), -1, np.int64)
