@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.image import imread
+from matplotlib.path import Path as MplPath
 
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.plot import KINDS, Window, build_figure, render
@@ -72,8 +73,13 @@ def artists(fig, prefix: str) -> list:
     return found
 
 
-def n_paths(fig, prefix: str) -> int:
-    return sum(len(a.get_paths()) for a in artists(fig, prefix))
+def shapes_of(artist) -> int:
+    """Shapes a collection draws: one per MOVETO (the figures put many shapes in each compound path)."""
+    return sum(1 if p.codes is None else int((p.codes == MplPath.MOVETO).sum()) for p in artist.get_paths())
+
+
+def n_shapes(fig, prefix: str) -> int:
+    return sum(shapes_of(a) for a in artists(fig, prefix))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -134,8 +140,8 @@ def test_pipeline_shades_one_rectangle_per_bubble_the_analysis_reports() -> None
         if len(table) == 0:
             continue
         fig = build_figure(ctx, "pipeline", dpi=50)
-        assert n_paths(fig, "bubbles:") == len(table), name
-        causes = {a.get_gid().split(":", 1)[1]: len(a.get_paths()) for a in artists(fig, "bubbles:")}
+        assert n_shapes(fig, "bubbles:") == len(table), name
+        causes = {a.get_gid().split(":", 1)[1]: shapes_of(a) for a in artists(fig, "bubbles:")}
         assert causes == table["cause"].astype(str).value_counts().to_dict(), name
         # a window: from the start of the bubble a third of the way in to the end of the one two thirds in
         t0 = int(trace.table.column("ts_ns").to_numpy().min())
@@ -144,7 +150,7 @@ def test_pipeline_shades_one_rectangle_per_bubble_the_analysis_reports() -> None
         since, until = (int(first["start_ns"]) - t0) / 1e9, (int(last["end_ns"]) - t0) / 1e9
         fig = build_figure(ctx, "pipeline", Window(since_s=since, until_s=until), dpi=50)
         lo, hi = t0 + round(since * 1e9), t0 + round(until * 1e9)
-        assert n_paths(fig, "bubbles:") == len(drawn_bubbles(ctx, lo, hi)), name
+        assert n_shapes(fig, "bubbles:") == len(drawn_bubbles(ctx, lo, hi)), name
         checked += 1
     assert checked >= 1
 
@@ -152,13 +158,13 @@ def test_pipeline_shades_one_rectangle_per_bubble_the_analysis_reports() -> None
     table = drawn_bubbles(ctx)
     assert len(table) >= 10  # 7 gaps on each of the two ranks
     fig = build_figure(ctx, "pipeline")
-    assert n_paths(fig, "bubbles:") == len(table)
+    assert n_shapes(fig, "bubbles:") == len(table)
     assert len(fig.axes[0].get_yticks()) == 3  # one lane per PP rank plus the engine lane
     t0 = int(ctx.trace.table.column("ts_ns").to_numpy().min())
     fig = build_figure(ctx, "pipeline", Window(since_s=0.010, until_s=0.020))
     inside = drawn_bubbles(ctx, t0 + 10 * MS, t0 + 20 * MS)
     assert 0 < len(inside) < len(table)
-    assert n_paths(fig, "bubbles:") == len(inside)
+    assert n_shapes(fig, "bubbles:") == len(inside)
 
 
 def test_pipeline_draws_each_span_and_marks_each_submit_and_output() -> None:
@@ -168,7 +174,7 @@ def test_pipeline_draws_each_span_and_marks_each_submit_and_output() -> None:
     ctx = AnalysisContext(trace)
     fig = build_figure(ctx, "pipeline")
     # spans are wider than a pixel here: one rectangle each
-    assert n_paths(fig, "exec_spans") == len(exec_spans(ctx))
+    assert n_shapes(fig, "exec_spans") == len(exec_spans(ctx))
     # four batch-queue slots in the legend (PP=4, four steps in flight)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert sum("batch-queue slot" in x for x in labels) == 4
@@ -176,8 +182,8 @@ def test_pipeline_draws_each_span_and_marks_each_submit_and_output() -> None:
     spaced = bubbly_pipeline()
     fig = build_figure(AnalysisContext(spaced), "pipeline")
     kinds = spaced.events["kind"].astype(str)
-    assert n_paths(fig, "step_submit") == int((kinds == "step_submit").sum()) == 8
-    assert n_paths(fig, "step_output") == int((kinds == "step_output").sum()) == 8
+    assert n_shapes(fig, "step_submit") == int((kinds == "step_submit").sum()) == 8
+    assert n_shapes(fig, "step_output") == int((kinds == "step_output").sum()) == 8
 
 
 def test_spans_narrower_than_a_pixel_are_merged() -> None:
@@ -192,7 +198,7 @@ def test_spans_narrower_than_a_pixel_are_merged() -> None:
 
     ctx = AnalysisContext(pp4_pipeline(n_steps=200))
     fig = build_figure(ctx, "pipeline", dpi=20)
-    assert 0 < n_paths(fig, "exec_spans") < len(exec_spans(ctx))
+    assert 0 < n_shapes(fig, "exec_spans") < len(exec_spans(ctx))
 
 
 def test_blocks_plot_peak_equals_an_independent_count_from_the_events() -> None:
@@ -217,7 +223,7 @@ def test_requests_plot_has_a_lane_per_request_and_marks_findings() -> None:
         ph = request_phases(ctx)
         lanes = ph[["instance", "req"]].drop_duplicates()
         assert len(lanes) <= 400, name  # the sample traces are small enough to show every request
-        assert n_paths(fig, "phases:") == len(ph), name
+        assert n_shapes(fig, "phases:") == len(ph), name
         on_requests = analyze(trace).dropna(subset=["req"])
         on_requests = on_requests[on_requests["ts_ns"].notna()]
         marks = artists(fig, "findings")
@@ -229,7 +235,7 @@ def test_requests_plot_has_a_lane_per_request_and_marks_findings() -> None:
     ph = request_phases(AnalysisContext(trace))
     one = build_figure(AnalysisContext(trace), "requests", Window(requests=("d1",)))
     assert len(one.axes[0].get_yticks()) == 1
-    assert n_paths(one, "phases:") == int((ph["req"] == "d1").sum())
+    assert n_shapes(one, "phases:") == int((ph["req"] == "d1").sum())
 
 
 def test_steps_plot_draws_every_step_of_each_scheduler() -> None:
@@ -358,4 +364,4 @@ def test_pipeline_lanes_per_dp_rank_and_stage() -> None:
     fig = build_figure(AnalysisContext(b.trace()), "pipeline")
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["E dp0 engine", "E dp0 PP0", "E dp0 PP1", "E dp1 engine", "E dp1 PP0", "E dp1 PP1"]
-    assert n_paths(fig, "exec_spans") == 2 * 2 * 3  # TP rank 1 is not drawn
+    assert n_shapes(fig, "exec_spans") == 2 * 2 * 3  # TP rank 1 is not drawn

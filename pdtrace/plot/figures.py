@@ -17,15 +17,16 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.collections import LineCollection, PolyCollection  # noqa: E402
+from matplotlib.collections import PathCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.path import Path  # noqa: E402
 
 from pdtrace.analysis.columns import columns  # noqa: E402
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
 from pdtrace.analysis.steps import bubbles, exec_spans, step_table  # noqa: E402
-from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, block_usage, request_phases  # noqa: E402
+from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, _phase_arrays, block_usage  # noqa: E402
 from pdtrace.plot.window import Selection, request_findings  # noqa: E402
 
 WIDTH_IN = 14.0
@@ -83,6 +84,47 @@ def _figure(height_in: float, dpi: float) -> Figure:
 def _rects(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray) -> np.ndarray:
     """(n, 4, 2) rectangle vertices, built without a Python loop."""
     return np.stack([np.stack([x0, y0], 1), np.stack([x0, y1], 1), np.stack([x1, y1], 1), np.stack([x1, y0], 1)], 1)
+
+
+#: Shapes per compound path. Agg snaps a path to whole pixels only while it has at most 1024 vertices, so rectangles
+#: (5 vertices) and ticks (2) stay as crisp as one path each.
+_SHAPES_PER_PATH = 200
+_RECT_CODES = np.array([Path.MOVETO, Path.LINETO, Path.LINETO, Path.LINETO, Path.CLOSEPOLY], Path.code_type)
+_TICK_CODES = np.array([Path.MOVETO, Path.LINETO], Path.code_type)
+
+
+def _compound_paths(shapes: np.ndarray, codes: np.ndarray) -> list[Path]:
+    """n shapes of k vertices each ((n, k, 2), the same k codes each) as a few compound Paths of at most
+    _SHAPES_PER_PATH shapes. Why: a Poly/LineCollection makes one Path object per shape in Python (5-8 us each:
+    16 ms for the 2,000 step ticks of a million-event trace); a slice of one vertex array per 200 shapes is free."""
+    n, k = shapes.shape[:2]
+    flat = shapes.reshape(n * k, 2)
+    return [Path(flat[i * k:(i + _SHAPES_PER_PATH) * k], np.tile(codes, min(_SHAPES_PER_PATH, n - i)))
+            for i in range(0, n, _SHAPES_PER_PATH)]  # per 200 shapes
+
+
+def _rect_collection(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray, colours: np.ndarray | str,
+                     **kwargs: object) -> PathCollection:
+    """Filled rectangles, one colour each (or one for all), as compound paths grouped by colour."""
+    closed = np.concatenate([_rects(x0, x1, y0, y1), np.stack([x0, y0], 1)[:, None, :]], 1)
+    if isinstance(colours, str):
+        groups = [(colours, np.arange(len(closed)))]
+    else:
+        names, colour_of = np.unique(np.asarray(colours, dtype=str), return_inverse=True)
+        groups = [(str(name), np.flatnonzero(colour_of == i)) for i, name in enumerate(names)]  # per colour (few)
+    paths: list[Path] = []
+    faces: list[str] = []
+    for colour, idx in groups:
+        group = _compound_paths(closed[idx], _RECT_CODES)
+        paths += group
+        faces += [colour] * len(group)
+    return PathCollection(paths, facecolors=faces, edgecolors="none", linewidths=0, **kwargs)
+
+
+def _tick_collection(x: np.ndarray, y0: np.ndarray, y1: np.ndarray, colour: str, **kwargs: object) -> PathCollection:
+    """Vertical ticks from y0 to y1 at x, as compound paths."""
+    segments = np.stack([np.stack([x, y0], 1), np.stack([x, y1], 1)], 1)
+    return PathCollection(_compound_paths(segments, _TICK_CODES), facecolors="none", edgecolors=colour, **kwargs)
 
 
 def merge_subpixel(lane: np.ndarray, start: np.ndarray, end: np.ndarray, px_ns: float) -> pd.DataFrame:
@@ -277,8 +319,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     colours = np.where(single, np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)], DENSE_COLOR)
     yc = y_of[merged["lane"].to_numpy(np.int64)]
     x1 = np.maximum(merged["end"].to_numpy(), merged["start"].to_numpy() + tx.px_ns)
-    ax.add_collection(PolyCollection(_rects(tx.x(merged["start"]), tx.x(x1), yc - 0.35, yc + 0.35),
-                                     facecolors=list(colours), edgecolors="none", linewidths=0, gid="exec_spans"))
+    ax.add_collection(_rect_collection(tx.x(merged["start"]), tx.x(x1), yc - 0.35, yc + 0.35, colours,
+                                       gid="exec_spans"))
     for s in sorted(set(slot[first][single].tolist()))[: len(SLOT_COLORS)]:
         name = f"exec, batch-queue slot {s}" if multi_slot else ("exec, even step" if s == 0 else "exec, odd step")
         legend.append(Patch(facecolor=SLOT_COLORS[s % len(SLOT_COLORS)], label=name))
@@ -298,8 +340,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         yb = y_of[part["lane"].to_numpy(np.int64)]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
         x1 = tx.x(np.maximum(b1, b0 + 2 * tx.px_ns))  # at least two pixels wide, so that every bubble shows
-        ax.add_collection(PolyCollection(_rects(tx.x(b0), x1, yb - 0.48, yb + 0.48),
-                                         facecolors=colour, alpha=0.45, edgecolors="none", gid=f"bubbles:{cause}"))
+        ax.add_collection(_rect_collection(tx.x(b0), x1, yb - 0.48, yb + 0.48, colour, alpha=0.45,
+                                           gid=f"bubbles:{cause}"))
         legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
         # Label the widest bubbles with their cause where there is room (60 px).
         wide = np.flatnonzero((b1 - b0) >= 60 * tx.px_ns)
@@ -321,8 +363,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         ticks = pd.DataFrame({"lane": part["lane"].to_numpy(np.int64), "col": col,
                               "ts": part["ts_ns"].to_numpy(np.int64)}).drop_duplicates(["lane", "col"])
         xs, ys = tx.x(ticks["ts"].to_numpy()), y_of[ticks["lane"].to_numpy()]
-        segs = np.stack([np.stack([xs, ys + lo], 1), np.stack([xs, ys + hi], 1)], 1)
-        ax.add_collection(LineCollection(segs, colors=colour, linewidths=0.8, gid=kind))
+        ax.add_collection(_tick_collection(xs, ys + lo, ys + hi, colour, linewidths=0.8, gid=kind))
         legend.append(Line2D([], [], color=colour, label=f"{kind} ({len(part)})"))
 
     ax.set_yticks(y_of, lanes, fontsize=8)
@@ -338,65 +379,106 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 # --- requests -----------------------------------------------------------------------------------------------------
 
 
+def _request_lanes(ctx: AnalysisContext) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], list[str]]:
+    """A lane per request (instance, req), its DP ranks together, from the request keys' integer codes: (lane of
+    each request key, instance code and req code of each lane, the instance names, the req names)."""
+    cols = columns(ctx)
+    inst_of_sk, inst_names = pd.factorize(cols.sk_names["instance"].astype(str), use_na_sentinel=False)
+    _, req_names = cols.codes("req")
+    width = max(len(req_names), 1)
+    pair = inst_of_sk.astype(np.int64)[cols.request_sk] * width + cols.request_req
+    pairs, lane_of_key = np.unique(pair, return_inverse=True)
+    return lane_of_key, pairs // width, pairs % width, [str(n) for n in inst_names], list(req_names)
+
+
 def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
-    """A swimlane per request through its phases; findings on requests marked where they happen."""
-    ph = request_phases(ctx)
-    ph = ph[sel.keep_instance(ph["instance"]) & sel.overlaps(ph["start_ns"], ph["end_ns"])]
-    if sel.requests is not None:
-        ph = ph[ph["req"].isin(list(sel.requests))]
-    if len(ph) == 0:
+    """A swimlane per request through its phases; findings on requests marked where they happen. Drawn from the
+    phases' integer keys (`_phase_arrays`); only the drawn lanes (at most MAX_REQUEST_LANES) get names."""
+    arrays = _phase_arrays(ctx)
+    if arrays is None:
         raise sel.empty("request phases")
+    rk, phase_code, start_ns, end_ns = arrays
+    pair_of_key, pair_inst, pair_req, inst_names, req_names = _request_lanes(ctx)
+    n_pairs = len(pair_inst)
+    wanted = np.ones(n_pairs, dtype=bool)
+    if sel.instances is not None:
+        wanted &= np.isin(pair_inst, [i for i, n in enumerate(inst_names) if n in sel.instances])
+    if sel.requests is not None:
+        wanted &= np.isin(pair_req, [i for i, n in enumerate(req_names) if n in sel.requests])
+    pair = pair_of_key[rk]
+    keep = wanted[pair] & sel.overlaps(start_ns, end_ns)
+    pair, phase_code, start_ns, end_ns = pair[keep], phase_code[keep], start_ns[keep], end_ns[keep]
+    if len(pair) == 0:
+        raise sel.empty("request phases")
+
     findings = request_findings(ctx)
     f = findings[findings["req"].notna()] if len(findings) else findings
+    f_pair = np.empty(0, np.int64)
     if len(f):
-        f = f.assign(instance=f["instance"].astype("str"), req=f["req"].astype("str"),
-                     ts_ns=pd.to_numeric(f["ts_ns"], errors="coerce"))
+        f = f.assign(ts_ns=pd.to_numeric(f["ts_ns"], errors="coerce"))
         f = f[f["ts_ns"].notna()]
         f = f[sel.contains(f["ts_ns"].to_numpy(np.int64))]
+        # (instance, req) of each finding to its lane key: a lookup in the sorted lane keys (findings are few)
+        inst_index = {n: i for i, n in enumerate(inst_names)}
+        req_index = {n: i for i, n in enumerate(req_names)}
+        key = np.array([inst_index.get(str(i), -1) * max(len(req_names), 1) + req_index.get(str(r), -10**9)
+                        for i, r in zip(f["instance"], f["req"], strict=True)], np.int64)  # per finding
+        pair_key = pair_inst * max(len(req_names), 1) + pair_req
+        at = np.minimum(np.searchsorted(pair_key, key), max(n_pairs - 1, 0))
+        found = (pair_key[at] == key) if n_pairs else np.zeros(len(key), bool)
+        f, f_pair = f[found], at[found]
 
     # Lanes: requests ordered by first phase start; when they are too many, those with findings first.
-    first = ph.groupby(["instance", "req"], observed=True)["start_ns"].min().reset_index()
-    if len(f):
-        flagged = f[["instance", "req"]].drop_duplicates().assign(flagged=True)
-        first = first.merge(flagged, on=["instance", "req"], how="left")
-        first["flagged"] = first["flagged"].fillna(False).astype(bool)
-    else:
-        first["flagged"] = False
-    total = len(first)
+    present = np.flatnonzero(np.bincount(pair, minlength=n_pairs) > 0)
+    first_start = np.full(n_pairs, np.iinfo(np.int64).max)
+    np.minimum.at(first_start, pair, start_ns)
+    flagged = np.zeros(n_pairs, dtype=bool)
+    flagged[f_pair] = True
+    total = len(present)
     sampled = ""
+    chosen = present
     if total > MAX_REQUEST_LANES:
         # Too many lanes to read: every request with a finding, then requests evenly spaced in arrival order.
-        flagged_rows = first[first["flagged"]].sort_values("start_ns").head(MAX_REQUEST_LANES)
-        rest = first[~first["flagged"]].sort_values("start_ns")
+        by_start = present[np.argsort(first_start[present], kind="stable")]
+        flagged_rows = by_start[flagged[by_start]][:MAX_REQUEST_LANES]
+        rest = by_start[~flagged[by_start]]
         room = MAX_REQUEST_LANES - len(flagged_rows)
-        pick = np.unique(np.linspace(0, len(rest) - 1, room).round().astype(np.int64)) if room > 0 and len(rest) else []
-        first = pd.concat([flagged_rows, rest.iloc[pick]])
+        pick = np.unique(np.linspace(0, len(rest) - 1, room).round().astype(np.int64)) if room > 0 and len(rest) \
+            else np.empty(0, np.int64)
+        chosen = np.concatenate([flagged_rows, rest[pick]])
         sampled = (f"{len(flagged_rows)} with findings, " if len(flagged_rows) else "") + \
             f"{len(pick)} evenly spaced in arrival order"
+    first = pd.DataFrame({"pair": chosen, "start_ns": first_start[chosen],
+                          "instance": [inst_names[i] for i in pair_inst[chosen].tolist()],  # per drawn lane
+                          "req": [req_names[i] for i in pair_req[chosen].tolist()]})
     first = first.sort_values(["start_ns", "instance", "req"]).reset_index(drop=True)
     n_lanes = len(first)
-    first["lane"] = np.arange(n_lanes)
-    ph = ph.merge(first[["instance", "req", "lane"]], on=["instance", "req"])
+    lane_of_pair = np.full(n_pairs, -1, np.int64)
+    lane_of_pair[first["pair"].to_numpy(np.int64)] = np.arange(n_lanes)
+    lane = lane_of_pair[pair]
+    drawn = lane >= 0
+    lane, phase_code, start_ns, end_ns = lane[drawn], phase_code[drawn], start_ns[drawn], end_ns[drawn]
+    f_lane = lane_of_pair[f_pair]
+    f = f[f_lane >= 0]
+    f_lane = f_lane[f_lane >= 0]
 
     fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi)
     ax = fig.add_subplot(1, 1, 1)
     tx = _time_axis(sel, dpi)
-    y = (n_lanes - 1 - ph["lane"].to_numpy()).astype(np.float64)
+    y = (n_lanes - 1 - lane).astype(np.float64)
     legend: list = []
-    for phase in PHASES:
-        m = (ph["phase"] == phase).to_numpy()
+    for code, phase in enumerate(PHASES):
+        m = phase_code == code
         if not m.any():
             continue
-        s = np.maximum(ph["start_ns"].to_numpy(np.int64)[m], sel.lo_ns)
-        e = np.minimum(ph["end_ns"].to_numpy(np.int64)[m], sel.hi_ns)
-        ax.add_collection(PolyCollection(_rects(tx.x(s), tx.x(np.maximum(e, s + tx.px_ns)), y[m] - 0.4, y[m] + 0.4),
-                                         facecolors=PHASE_COLORS[phase], edgecolors="none", gid=f"phases:{phase}"))
+        s = np.maximum(start_ns[m], sel.lo_ns)
+        e = np.minimum(end_ns[m], sel.hi_ns)
+        ax.add_collection(_rect_collection(tx.x(s), tx.x(np.maximum(e, s + tx.px_ns)), y[m] - 0.4, y[m] + 0.4,
+                                           PHASE_COLORS[phase], gid=f"phases:{phase}"))
         legend.append(Patch(facecolor=PHASE_COLORS[phase], label=phase.replace("_", " ")))
 
     if len(f):
-        f = f.merge(first[["instance", "req", "lane"]], on=["instance", "req"])
-    if len(f):
-        fy = (n_lanes - 1 - f["lane"].to_numpy()).astype(np.float64)
+        fy = (n_lanes - 1 - f_lane).astype(np.float64)
         colours = [SEVERITY_COLORS.get(str(s), "#000000") for s in f["severity"]]
         ax.scatter(tx.x(f["ts_ns"].to_numpy(np.int64)), fy, marker="X", s=40, c=colours, edgecolors="black",
                    linewidths=0.5, zorder=3, gid="findings")
@@ -410,7 +492,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
             ax.annotate(name, (float(tx.x(int(ts))), yy), xytext=(4, 4), textcoords="offset points", fontsize=7)
 
     if n_lanes <= 40:
-        ax.set_yticks((n_lanes - 1 - first["lane"].to_numpy()).astype(float),
+        ax.set_yticks((n_lanes - 1 - np.arange(n_lanes)).astype(float),
                       [f"{r} ({i})" for i, r in zip(first["instance"], first["req"], strict=True)], fontsize=7)
         ax.set_ylabel("request (instance)")
     else:
@@ -532,5 +614,5 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 FIGURES = {"pipeline": pipeline_figure, "requests": requests_figure, "blocks": blocks_figure, "steps": steps_figure}
 
 #: The shared tables each figure reads, built side by side before it draws (pdtrace.analysis.parallel).
-FIGURE_TABLES = {"pipeline": (exec_spans, bubbles), "requests": (request_phases, request_findings),
+FIGURE_TABLES = {"pipeline": (exec_spans, bubbles), "requests": (_phase_arrays, request_findings),
                  "blocks": (block_usage,), "steps": (step_table,)}
