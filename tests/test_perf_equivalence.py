@@ -169,3 +169,28 @@ def test_radix_stable_argsort_equals_numpys_stable_sort(dtype: type) -> None:
         for n in (0, 1, 7, 5000):
             keys = rng.integers(lo, hi, n, endpoint=True).astype(dtype)
             assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable")), (dtype, lo, hi, n)
+
+
+def test_detail_values_of_a_few_rows_equal_the_arrow_extraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to FEW_ROWS rows, detail values come from Python's `re` with the same patterns as Arrow's kernels."""
+    from pdtrace.analysis import steps
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder()
+    details = [{"pp": 2, "tp": 1, "runner": "gpu"}, {"pp": 4.5, "flag": True, "runner": ""}, {"flag": False},
+               None, {"pp": -3, "nested": {"tp": 7}}, {"pp": 1e3, "runner": "cpu \u00e9"}, {"tp": "8"}, {}]
+    for detail in details:
+        b.add("engine_config", n=100, detail=detail)
+    ctx = AnalysisContext(b.trace())
+    rows = np.arange(len(details))
+    keys = ["pp", "tp", "flag", "absent"]
+    few = steps.detail_numbers(ctx, rows, keys)
+    few_text = {k: steps.detail_text(ctx, rows, k) for k in ("runner", "tp", "absent")}
+    monkeypatch.setattr(steps, "FEW_ROWS", 0)
+    arrow = steps.detail_numbers(ctx, rows, keys)
+    for key in keys:
+        np.testing.assert_array_equal(few[key], arrow[key], err_msg=key)
+    for key, values in few_text.items():
+        assert list(values) == list(steps.detail_text(ctx, rows, key)), key
+    assert few["pp"][0] == 2 and few["flag"][1] == 1.0 and few["flag"][2] == 0.0 and np.isnan(few["pp"][3])

@@ -42,6 +42,7 @@ ranks sat idle.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import numpy as np
@@ -144,20 +145,55 @@ def _extract(text: pa.Array, pattern: str, key: str, optional: bool) -> tuple[pa
     return pc.struct_field(pc.extract_regex(text, pattern), [0]), idx
 
 
+#: Up to this many rows, `detail` values are read with Python's `re` per row (the same patterns): each Arrow regex
+#: kernel call compiles its pattern, about 0.5 ms per key, where a handful of rows (engine_config) take microseconds.
+FEW_ROWS = 32
+
+
+def _number_pattern(key: str) -> str:
+    return rf'"{key}"\s*:\s*(?P<v>-?[0-9.eE+]+|true|false)'
+
+
+def _text_pattern(key: str) -> str:
+    return rf'"{key}"\s*:\s*"(?P<v>[^"]*)"'
+
+
+def _few_values(ctx: AnalysisContext, rows: np.ndarray, pattern: str) -> list[str | None]:
+    """The first match of `pattern` in each row's detail (None where none), for a few rows (FEW_ROWS)."""
+    compiled = re.compile(pattern)
+    found = [compiled.search(text) for text in _detail_text(ctx, rows).to_pylist()]  # per row (few)
+    return [m.group("v") if m else None for m in found]
+
+
+def _as_float(value: str | None) -> float:
+    if value is None:
+        return float("nan")
+    if value in ("true", "false"):
+        return 1.0 if value == "true" else 0.0
+    try:
+        return float(value)
+    except ValueError:  # digits and signs that make no number ("1.2.3"): as absent
+        return float("nan")
+
+
 def detail_numbers(ctx: AnalysisContext, rows: np.ndarray, keys: Iterable[str],
                    optional: Iterable[str] = ()) -> dict[str, np.ndarray]:
     """Numeric `detail` values of the given rows, one float array per key (NaN where absent; booleans as 1/0).
 
     The detail text of the rows is taken once; one vectorised regular-expression extraction per key (Arrow,
-    never Python per row), over only the rows that name the key for `optional` keys."""
+    never Python per row), over only the rows that name the key for `optional` keys. Up to FEW_ROWS rows, the
+    same patterns run through Python's `re` instead."""
     keys = list(keys)
     if len(rows) == 0:
         return {k: np.empty(0) for k in keys}
+    if len(rows) <= FEW_ROWS:
+        return {key: np.array([_as_float(v) for v in _few_values(ctx, rows, _number_pattern(key))], np.float64)
+                for key in keys}
     text = _detail_text(ctx, rows)
     optional = set(optional)
     out = {}
     for key in keys:
-        raw, idx = _extract(text, rf'"{key}"\s*:\s*(?P<v>-?[0-9.eE+]+|true|false)', key, key in optional)
+        raw, idx = _extract(text, _number_pattern(key), key, key in optional)
         raw = pc.replace_substring_regex(pc.replace_substring_regex(raw, "^true$", "1"), "^false$", "0")
         values = pc.cast(raw, pa.float64()).to_numpy(zero_copy_only=False)
         if idx is None:
@@ -194,7 +230,9 @@ def detail_text(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
     """The string `detail` value `key` of the given rows (None where absent), vectorised in Arrow."""
     if len(rows) == 0:
         return np.empty(0, dtype=object)
-    found = pc.extract_regex(_detail_text(ctx, rows), rf'"{key}"\s*:\s*"(?P<v>[^"]*)"')
+    if len(rows) <= FEW_ROWS:
+        return np.array(_few_values(ctx, rows, _text_pattern(key)), dtype=object)
+    found = pc.extract_regex(_detail_text(ctx, rows), _text_pattern(key))
     return pc.struct_field(found, [0]).to_numpy(zero_copy_only=False)
 
 
@@ -404,7 +442,7 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         end_row[has_end] = rows[end_idx[has_end]]
         return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head],
                              "step": step[head], "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok,
-                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row})
+                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row}, copy=False)
 
     return ctx.cached("steps:span_frame", build)
 
@@ -588,9 +626,11 @@ def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCo
 def pipeline_sizes(ctx: AnalysisContext) -> dict[tuple[int, int], int]:
     """p per scheduler (inst, dp): engine_config's `pp`, else the number of PP ranks seen executing."""
     spans = _span_frame(ctx)
-    seen = spans.groupby(["inst", "dp"])["pp"].max().to_dict() if len(spans) else {}
+    inst, dp, pp = (spans[c].to_numpy() for c in ("inst", "dp", "pp"))
+    # spans come in lane order (instance, dp, pp, tp): the last span of each (inst, dp) has its highest pp
+    last = np.flatnonzero(np.r_[(inst[1:] != inst[:-1]) | (dp[1:] != dp[:-1]), True]) if len(inst) else inst
+    sizes = {(i, d): p + 1 for i, d, p in zip(inst[last].tolist(), dp[last].tolist(), pp[last].tolist())}
     cfg = engine_configs(ctx)
-    sizes = {key: int(v) + 1 for key, v in seen.items()}
     for inst, dp, pp in zip(cfg["inst"], cfg["dp"], cfg["pp"], strict=True):
         if not np.isnan(pp):
             sizes[(int(inst), int(dp))] = int(pp)
@@ -684,7 +724,7 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         order = keep[np.lexsort((b[keep], lane))]
         return pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
                              "step": step[order], "n": n[order], "b": b[order], "e": e[order],
-                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order])})
+                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order])}, copy=False)
 
     return ctx.cached("steps:busy_spans", build)
 
@@ -836,7 +876,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
             "inst": inst, "dp": dp, "pp": pp, "tp": tp, "start_ns": s, "end_ns": e, "dur_ns": dur,
             "step_before": step[idx - 1], "step_after": step_after,
             "cause": pd.Categorical.from_codes(cause.astype(np.int8), categories=list(BUBBLE_CAUSES)),
-            "runnable": runnable, "in_flight": in_flight, "span_row": idx})
+            "runnable": runnable, "in_flight": in_flight, "span_row": idx}, copy=False)
 
     return ctx.cached("steps:gap_frame", build)
 
