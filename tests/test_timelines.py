@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas.testing as pd_testing
 import pytest
 
 from pdtrace.analysis.context import AnalysisContext
@@ -192,6 +193,49 @@ def test_block_usage_counts_a_shared_block_once() -> None:
     # a holds 1,2,3; b adds 1,2 (shared) and 4: four distinct blocks, not six.
     assert u["in_use"].max() == 4
     assert u["in_use"].iloc[-1] == 0
+
+
+def _sample_traces() -> list:
+    from pathlib import Path
+
+    from pdtrace.trace.reader import open_trace
+
+    root = Path(__file__).resolve().parent.parent / "sample_traces"
+    return [open_trace(p, warn=False) for p in sorted(root.glob("*/trace"))]
+
+
+def test_block_usage_of_blocks_with_one_holder_at_a_time_equals_the_per_block_count(monkeypatch) -> None:
+    """Blocks never held twice at once take a fast path (their holdings' segments are the changes); counting
+    holders per state for every block, as for shared blocks, gives the same table."""
+    from scenarios import HEALTHY
+
+    from pdtrace.analysis.blocks import Ownership, ownership
+
+    traces = [make() for make in HEALTHY.values()] + [pd_scenario().trace()] + _sample_traces()
+    fast = [block_usage(AnalysisContext(trace)) for trace in traces]
+    # both paths are exercised: the scenarios include prefix sharing
+    assert any(ownership(AnalysisContext(trace)).shared_blocks().any() for trace in traces)
+    monkeypatch.setattr(Ownership, "shared_blocks", lambda self: np.ones(len(self), bool))
+    for trace, expected in zip(traces, fast, strict=True):
+        pd_testing.assert_frame_equal(block_usage(AnalysisContext(trace)), expected)
+
+
+def test_shared_blocks_are_the_blocks_two_holdings_held_at_once() -> None:
+    from scenarios import HEALTHY
+
+    from pdtrace.analysis.blocks import ownership
+
+    marked = 0
+    for trace in [make() for make in HEALTHY.values()] + _sample_traces():
+        own = ownership(AnalysisContext(trace))
+        end = np.where(own.free_row >= 0, own.free_pos, np.iinfo(np.int64).max)
+        expected = np.zeros(len(own), bool)
+        for i, j in zip(*np.triu_indices(len(own), 1)):  # every pair of holdings (few)
+            if own.pool_key[i] == own.pool_key[j] and own.alloc_pos[i] < end[j] and own.alloc_pos[j] < end[i]:
+                expected |= own.pool_key == own.pool_key[i]
+        np.testing.assert_array_equal(own.shared_blocks(), expected)
+        marked += int(expected.sum())
+    assert marked > 0
 
 
 def test_block_usage_takes_leaks_from_the_leaked_blocks_rule() -> None:

@@ -53,6 +53,7 @@ class Ownership:
     width: int = 1
     _sorted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
     _others: np.ndarray | None = field(default=None, repr=False)
+    _shared: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.rk)
@@ -130,6 +131,32 @@ class Ownership:
             others[ev_id[is_end]] = count_after[is_end]
             self._others = others
         return self._others[idx]
+
+
+    def shared_blocks(self) -> np.ndarray:
+        """For each interval: whether its block (in its pool) ever had two holders at once, in any of its
+        intervals (prefix sharing). Computed once: the intervals in (pool block, allocation position) order (the
+        `next_alloc_after` table); an interval that starts before the furthest free seen so far in its block
+        overlaps an earlier one, and marks every interval of that block."""
+        if self._shared is None:
+            ids = self._table("alloc")[1]
+            key = self.pool_key[ids]
+            start = self.alloc_pos[ids].astype(np.int64)
+            end = np.where(self.free_row[ids] >= 0, self.free_pos[ids], np.iinfo(np.int32).max).astype(np.int64)
+            new_block = np.ones(len(ids), bool)
+            new_block[1:] = key[1:] != key[:-1]
+            block_index = np.cumsum(new_block) - 1
+            # the furthest end so far within each block: one running maximum over (block index, end) packed in an
+            # int64 (positions < 2**31), block indexes ascending
+            reach = np.maximum.accumulate((block_index << 32) | end) & 0xFFFFFFFF if len(ids) else end
+            overlaps = np.zeros(len(ids), bool)
+            overlaps[1:] = ~new_block[1:] & (start[1:] < reach[:-1])
+            block_shared = np.zeros(int(block_index[-1]) + 1 if len(ids) else 0, bool)
+            block_shared[block_index[overlaps]] = True
+            shared = np.zeros(len(self), bool)
+            shared[ids] = block_shared[block_index]
+            self._shared = shared
+        return self._shared
 
 
 def _sort_by(key: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -115,7 +115,9 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     rows = rows[stable_argsort(cols.rk[rows])]
     rk = cols.rk[rows]
     kind_codes, kind_names = cols.codes("kind")
-    kind_lut = np.full(len(kind_names), -1, np.int64)
+    # small dtypes throughout: these arrays have a row per request event (600k at 1M events), and in a fresh
+    # process every new page is a page fault
+    kind_lut = np.full(len(kind_names), -1, np.int8)
     for i, name in enumerate(_STATE_KINDS):  # per kind (eight)
         if name in kind_names:
             kind_lut[kind_names.index(name)] = i
@@ -127,10 +129,10 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     new_group[1:] = rk[1:] != rk[:-1]
     # A lifecycle runs from a request's first row or a req_add to the next; "finished" once it had a req_finish
     # (a running maximum of 2*lifecycle + finished: lifecycles only grow along the sorted rows).
-    lifecycle = np.cumsum(new_group | is_add)
+    lifecycle = np.cumsum(new_group | is_add, dtype=np.int32)
     finished = (np.maximum.accumulate(2 * lifecycle + is_finish) - 2 * lifecycle) == 1
 
-    phase = np.full(len(rows), -1, dtype=np.int64)
+    phase = np.full(len(rows), -1, dtype=np.int8)
     active = ~finished
     phase[is_add] = _WAITING
     phase[is_wait_kv & active] = _WAITING_KV
@@ -312,37 +314,53 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
         e = np.concatenate([e, tail_e])
         state = np.concatenate([state, np.full(len(tail_holding), 2, state.dtype)])
 
-    # Per block: +1 at each segment's start, -1 at its end (none for open holdings at the end of the trace).
+    # State changes (scheduler, time, new state, old state; -1: not held). A block with one holder at a time (no
+    # prefix sharing) is in its holder's state: its segments' starts and ends are its changes. Blocks that ever
+    # had several holders at once go through the count of holders per state below.
     ends_open = h_open[holding] & (e >= trace_end)
-    closes = ~ends_open
     seg_sk = sk_of_rk[h_rk[holding]]
-    d_sk = np.concatenate([seg_sk, seg_sk[closes]])
-    d_block = np.concatenate([h_block[holding], h_block[holding][closes]])
-    d_ts = np.concatenate([s, e[closes]])
-    d_state = np.concatenate([state, state[closes]])
-    d_delta = np.concatenate([np.ones(len(s), np.int64), -np.ones(int(closes.sum()), np.int64)])
-    order = np.lexsort((d_delta, d_ts, d_block, sk_rank[d_sk]))
-    d_sk, d_block, d_ts, d_state, d_delta = d_sk[order], d_block[order], d_ts[order], d_state[order], d_delta[order]
-    new_block = np.ones(len(d_sk), dtype=bool)
-    new_block[1:] = (d_sk[1:] != d_sk[:-1]) | (d_block[1:] != d_block[:-1])
-    counts = np.stack([np.where(d_state == i, d_delta, 0) for i in range(len(BLOCK_STATES))], axis=1)
-    counts = _group_cumsum(counts, new_block)
-    held = counts > 0
-    block_state = np.where(held.any(axis=1), held.argmax(axis=1), -1)
-    prev_state = np.full(len(d_sk), -1, dtype=np.int64)
-    prev_state[1:] = np.where(new_block[1:], -1, block_state[:-1])
-    change = block_state != prev_state
-    c_sk, c_ts = d_sk[change], d_ts[change]
-    new, old = block_state[change], prev_state[change]
-    per_state = np.zeros((len(c_sk), len(BLOCK_STATES)), dtype=np.int64)
+    shared = own.shared_blocks()[holding]
+    solo = np.flatnonzero(~shared)
+    solo_end = solo[~ends_open[solo]]
+    c_sk = np.concatenate([seg_sk[solo], seg_sk[solo_end]])
+    c_ts = np.concatenate([s[solo], e[solo_end]])
+    new = np.concatenate([state[solo], np.full(len(solo_end), -1, state.dtype)])
+    old = np.concatenate([np.full(len(solo), -1, state.dtype), state[solo_end]])
+    if shared.any():
+        # Per shared block: +1 at each segment's start, -1 at its end (none for open holdings at the end of the
+        # trace); the block's state is the first of BLOCK_STATES with a holder.
+        many = np.flatnonzero(shared)
+        closes = many[~ends_open[many]]
+        d_sk = np.concatenate([seg_sk[many], seg_sk[closes]])
+        d_block = np.concatenate([h_block[holding[many]], h_block[holding[closes]]])
+        d_ts = np.concatenate([s[many], e[closes]])
+        d_state = np.concatenate([state[many], state[closes]])
+        d_delta = np.concatenate([np.ones(len(many), np.int64), -np.ones(len(closes), np.int64)])
+        order = np.lexsort((d_delta, d_ts, d_block, sk_rank[d_sk]))
+        d_sk, d_block, d_ts, d_state, d_delta = (a[order] for a in (d_sk, d_block, d_ts, d_state, d_delta))
+        new_block = np.ones(len(d_sk), dtype=bool)
+        new_block[1:] = (d_sk[1:] != d_sk[:-1]) | (d_block[1:] != d_block[:-1])
+        counts = np.stack([np.where(d_state == i, d_delta, 0) for i in range(len(BLOCK_STATES))], axis=1)
+        counts = _group_cumsum(counts, new_block)
+        held = counts > 0
+        block_state = np.where(held.any(axis=1), held.argmax(axis=1), -1)
+        prev_state = np.full(len(d_sk), -1, dtype=np.int64)
+        prev_state[1:] = np.where(new_block[1:], -1, block_state[:-1])
+        change = block_state != prev_state
+        c_sk = np.concatenate([c_sk, d_sk[change]])
+        c_ts = np.concatenate([c_ts, d_ts[change]])
+        new = np.concatenate([new, block_state[change]])
+        old = np.concatenate([old, prev_state[change]])
+    # Per scheduler, in time order: +1 / -1 per state at each change, cumulated; the last row per instant; rows
+    # where no count changed (an owner changed phase) dropped. The order of the changes within an instant does
+    # not matter (only the counts after its last one are kept), so one unstable sort of a combined key does.
+    order = _by_scheduler_and_time(sk_rank[c_sk], c_ts)
+    c_sk, c_ts, new, old = c_sk[order], c_ts[order], new[order], old[order]
+    per_state = np.zeros((len(c_sk), len(BLOCK_STATES)), dtype=np.int32)  # counts of blocks: int32 is ample
     rows = np.arange(len(c_sk))
     per_state[rows[new >= 0], new[new >= 0]] += 1
     per_state[rows[old >= 0], old[old >= 0]] -= 1
-
-    # Per scheduler, in time order: cumulated counts; the last row per instant; rows where no count changed
-    # (an owner changed phase) dropped.
-    order = np.lexsort((c_ts, sk_rank[c_sk]))
-    c_sk, c_ts, per_state = c_sk[order], c_ts[order], per_state[order]
+    del rows, new, old, order
     new_sched = np.ones(len(c_sk), dtype=bool)
     new_sched[1:] = c_sk[1:] != c_sk[:-1]
     per_state = _group_cumsum(per_state, new_sched)
@@ -351,7 +369,7 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     c_sk, c_ts, per_state = c_sk[last], c_ts[last], per_state[last]
     same = np.zeros(len(c_sk), dtype=bool)
     same[1:] = (c_sk[1:] == c_sk[:-1]) & (per_state[1:] == per_state[:-1]).all(axis=1)
-    c_sk, c_ts, per_state = c_sk[~same], c_ts[~same], per_state[~same]
+    c_sk, c_ts, per_state = c_sk[~same], c_ts[~same], per_state[~same].astype(np.int64)
 
     t = pd.DataFrame({"instance": sk_instance.astype(object)[c_sk], "dp_rank": sk_dp[c_sk], "ts_ns": c_ts})
     for i, name in enumerate(BLOCK_STATES):
@@ -372,12 +390,26 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     return t[list(USAGE_COLUMNS)]
 
 
+def _by_scheduler_and_time(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """An order by (scheduler rank, ts), ties in any order: one quicksort of a combined int64 key where the ranks
+    and the time span fit, else a lexsort."""
+    if len(ts) == 0:
+        return np.empty(0, np.int64)
+    t0 = int(ts.min())
+    span = int(ts.max()) - t0 + 1
+    if int(rank.max()) < (2**62) // span:
+        return np.argsort(rank.astype(np.int64) * span + (ts - t0))
+    return np.lexsort((ts, rank))
+
+
 def _group_cumsum(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """Cumulative sums of the rows of `values` (2-D) restarting at each row where `starts` is True."""
     if len(values) == 0:
         return values
     total = np.cumsum(values, axis=0)
     first = np.flatnonzero(starts)
+    if len(first) == 1:  # one group (one scheduler, say)
+        return total
     before = np.zeros_like(values[: len(first)])
     before[1:] = total[first[1:] - 1]
     return total - np.repeat(before, np.diff(np.append(first, len(values))), axis=0)
