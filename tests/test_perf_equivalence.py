@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from pdtrace.analysis.columns import (_CHECK_BLOCK, Columns, _numbered_by_first_seen, first_per_key, last_per_key,
-                                     stable_argsort)
+                                     order_by_pair, stable_argsort)
 from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace
 
@@ -194,3 +194,21 @@ def test_detail_values_of_a_few_rows_equal_the_arrow_extraction(monkeypatch: pyt
     for key, values in few_text.items():
         assert list(values) == list(steps.detail_text(ctx, rows, key)), key
     assert few["pp"][0] == 2 and few["flag"][1] == 1.0 and few["flag"][2] == 0.0 and np.isnan(few["pp"][3])
+
+
+def test_order_by_pair_is_the_lexsort_or_none_when_already_in_order() -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        primary = rng.integers(0, 4, n)
+        secondary = rng.integers(0, 5, n)
+        if trial % 2:  # already in order, ties included
+            order = np.lexsort((secondary, primary))
+            primary, secondary = primary[order], secondary[order]
+        got = order_by_pair(primary, secondary)
+        expected = np.lexsort((secondary, primary))
+        if got is None:
+            np.testing.assert_array_equal(expected, np.arange(n))
+        else:
+            np.testing.assert_array_equal(got, expected)
+            assert not np.array_equal(expected, np.arange(n))

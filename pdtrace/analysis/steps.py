@@ -50,7 +50,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import columns, gather, positions
+from pdtrace.analysis.columns import columns, gather, order_by_pair, positions
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.trace.model import take_rows
@@ -409,9 +409,10 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         # one int64 per writer lane (instance, dp, pp, tp, pid) so that the sort has two keys, not six
         lane_code = (((inst * (dp.max(initial=0) + 2) + dp + 1) * (pp.max(initial=0) + 2) + pp + 1)
                      * (tp.max(initial=0) + 2) + tp + 1) * (pid.max(initial=0) + 1) + pid
-        order = np.lexsort((fields["seq"], lane_code))
-        rows, inst, dp, pp, tp, lane_code = rows[order], inst[order], dp[order], pp[order], tp[order], lane_code[order]
-        is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
+        order = order_by_pair(lane_code, fields["seq"])
+        if order is not None:
+            rows, inst, dp, pp, tp, lane_code = (a[order] for a in (rows, inst, dp, pp, tp, lane_code))
+            is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
         step = cols.step[rows].astype(np.int64)
         ts = cols.ts[rows]
         n = cols.numbers_at("n", rows)
@@ -430,8 +431,9 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         n_tok = np.concatenate([np.where(np.isnan(n[b_idx]), n[b_idx + 1], n[b_idx]), n[lb], n[le]])
         # spans in lane order (instance, dp, pp, tp), then time
         order_ts = np.where(begin_ts >= 0, begin_ts, end_ts)
-        sort = np.lexsort((order_ts, lane_code[head] // (pid.max(initial=0) + 1)))
-        head, end_idx, begin_ts, end_ts, n_tok = head[sort], end_idx[sort], begin_ts[sort], end_ts[sort], n_tok[sort]
+        sort = order_by_pair(lane_code[head] // (pid.max(initial=0) + 1), order_ts)
+        if sort is not None:
+            head, end_idx, begin_ts, end_ts, n_tok = (a[sort] for a in (head, end_idx, begin_ts, end_ts, n_tok))
         m = len(head)
         has_end = end_idx >= 0
         span_gb = np.full(m, _NULL, np.int64)
@@ -721,7 +723,8 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         keep = np.flatnonzero((begin >= 0) & (end >= 0) & ~(n <= 0))
         keys = _Keys(inst, dp, pp, tp, step)
         lane = keys.lane(inst[keep], dp[keep], pp[keep], tp[keep])
-        order = keep[np.lexsort((b[keep], lane))]
+        by_lane = order_by_pair(lane, b[keep])
+        order = keep if by_lane is None else keep[by_lane]
         return pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
                              "step": step[order], "n": n[order], "b": b[order], "e": e[order],
                              "lane": keys.lane(inst[order], dp[order], pp[order], tp[order])}, copy=False)
