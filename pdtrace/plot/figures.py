@@ -1,9 +1,10 @@
 """The figures of `pdtrace plot`, drawn with matplotlib's Agg backend from the analyses' tables.
 
-Every kind draws collections (one PolyCollection / LineCollection per colour), never one patch per span, and merges
-spans narrower than a pixel into one rectangle, so a figure of a million-event trace has at most a few thousand
-shapes per lane. Findings and bubbles come from the rule code `analyze` runs (`pdtrace.analysis.analyze` and
-`steps.bubbles`); nothing here judges the trace. Artists carry a `gid` ("exec_spans", "bubbles:<cause>",
+Every kind draws collections of compound paths (a few paths per colour, 200 shapes each), never one patch or Path
+object per span, and merges spans narrower than a pixel into one rectangle, so a figure of a million-event trace
+has at most a few thousand shapes per lane. The figures read the analyses' integer tables (codes for instances,
+requests and ranks) and name only what they draw. Findings and bubbles come from the rule code `analyze` runs
+(`pdtrace.analysis.analyze` and the bubble table of `steps`); nothing here judges the trace. Artists carry a `gid` ("exec_spans", "bubbles:<cause>",
 "phases:<phase>", "findings", "blocks:<state>", "pool", "steps:dur:<instance>", ...) so tests can find them.
 """
 
@@ -25,7 +26,8 @@ from matplotlib.path import Path  # noqa: E402
 
 from pdtrace.analysis.columns import columns  # noqa: E402
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
-from pdtrace.analysis.steps import bubbles, exec_spans, step_table  # noqa: E402
+from pdtrace.analysis.steps import (BUBBLE_CAUSES, _bubble_frame, _span_frame, gap_frame, instances,  # noqa: E402
+                                   step_table)
 from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, _phase_arrays, block_usage  # noqa: E402
 from pdtrace.plot.window import Selection, request_findings  # noqa: E402
 
@@ -164,10 +166,6 @@ def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) 
 # --- pipeline -----------------------------------------------------------------------------------------------------
 
 
-def _ints(series: pd.Series, fill: int = 0) -> np.ndarray:
-    return series.astype("Int64").fillna(fill).to_numpy(np.int64)
-
-
 def _small_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """np.unique(keys, return_inverse=True) for small non-negative integer keys: a bincount, not a sort."""
     if len(keys) == 0:
@@ -178,33 +176,34 @@ def _small_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return present, lut[keys]
 
 
-def _instance_dp_pairs(frame: pd.DataFrame) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """(instance names, instance index and dp_rank of each distinct (instance, dp_rank) pair, pair of each row),
-    from integer codes counted with a bincount (a null dp_rank counts as 0)."""
-    inst_codes, inst_names = pd.factorize(frame["instance"], use_na_sentinel=False)
-    dp = _ints(frame["dp_rank"])
-    base = int(dp.min()) if len(dp) else 0
-    width = int(dp.max()) - base + 1 if len(dp) else 1
-    pairs, pair_of_row = _small_unique(inst_codes.astype(np.int64) * width + (dp - base))
-    return [str(n) for n in inst_names], pairs // width, pairs % width + base, pair_of_row
+class _Engines:
+    """The engines of the pipeline figure, from integer codes: an engine is an instance, or "instance dpN" for an
+    instance whose exec spans have several DP ranks. A row's key is instance code * width + dp_rank (a null
+    dp_rank counts as 0); names are made once per distinct key (few), and rows reach them through lookup tables,
+    so no string is built or compared per row."""
 
+    def __init__(self, names: list[str], span_inst: np.ndarray, span_dp: np.ndarray, *others: np.ndarray) -> None:
+        self.names = names
+        self.width = max([int(dp.max(initial=0)) for dp in (span_dp, *others[1::2])] + [0]) + 1
+        n_keys = max(len(names), 1) * self.width
+        span_keys = np.flatnonzero(np.bincount(self.key(span_inst, span_dp), minlength=n_keys))
+        dp_count = np.bincount(span_keys // self.width, minlength=len(names))
+        multi = dp_count > 1  # per instance code
+        present = span_keys
+        for inst, dp in zip(others[::2], others[1::2], strict=True):  # bubbles, engine rows
+            present = np.union1d(present, np.flatnonzero(np.bincount(self.key(inst, dp), minlength=n_keys)))
+        labels = [f"{names[k // self.width]} dp{k % self.width}" if multi[k // self.width] else names[k // self.width]
+                  for k in present.tolist()]  # per (instance, dp_rank) pair (few)
+        self.labels, label_of_present = np.unique(np.asarray(labels, dtype=object), return_inverse=True)
+        self.label_of_key = np.full(n_keys, -1, np.int64)
+        self.label_of_key[present] = label_of_present
 
-def _multi_dp_instances(frame: pd.DataFrame) -> set[str]:
-    """The instances with rows of more than one dp_rank."""
-    names, pair_inst, _, _ = _instance_dp_pairs(frame)
-    per_instance = np.bincount(pair_inst, minlength=len(names))
-    return {names[i] for i in np.flatnonzero(per_instance > 1).tolist()}
+    def key(self, inst: np.ndarray, dp: np.ndarray) -> np.ndarray:
+        return inst.astype(np.int64) * self.width + np.maximum(dp, 0)
 
-
-def _engines(frame: pd.DataFrame, multi_dp: set[str]) -> tuple[np.ndarray, list[str]]:
-    """(engine index per row, engine names): an engine is an instance, or "instance dpN" for an instance with
-    several DP ranks. Named once per distinct (instance, dp_rank) pair and spread by integer codes, so no string is
-    built or compared per row."""
-    names, pair_inst, pair_dp, pair_of_row = _instance_dp_pairs(frame)
-    labels = [f"{names[i]} dp{dp}" if names[i] in multi_dp else names[i]
-              for i, dp in zip(pair_inst.tolist(), pair_dp.tolist())]  # per (instance, dp_rank) pair (few)
-    label_names, label_of_pair = np.unique(np.asarray(labels, dtype=object), return_inverse=True)
-    return label_of_pair[pair_of_row].astype(np.int64), [str(n) for n in label_names]
+    def label(self, inst: np.ndarray, dp: np.ndarray) -> np.ndarray:
+        """The engine (index into `labels`) of each row."""
+        return self.label_of_key[self.key(inst, dp)]
 
 
 def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
@@ -217,49 +216,48 @@ def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (best.get(n, 5), n))
 
 
-def _engine_rows(ctx: AnalysisContext) -> pd.DataFrame:
-    """The step_submit / step_output rows (ts_ns, instance, dp_rank, kind, n), from the analyses' cached columns at
-    those rows only: the other events never become pandas, and no string is built per row."""
-    cols = columns(ctx)
-    rows = cols.rows_of("step_submit", "step_output")
-    inst_codes, inst_names = cols.codes("instance")
-    kind_codes, kind_names = cols.codes("kind")
-    dp = pd.array(cols.dp[rows], dtype="Int64")
-    dp[dp < 0] = pd.NA  # the analyses' -1 for a null dp_rank
-    return pd.DataFrame({
-        "ts_ns": cols.ts[rows],
-        "instance": pd.Categorical.from_codes(inst_codes[rows], categories=inst_names),
-        "dp_rank": dp,
-        "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_names),
-        "n": cols.numbers_at("n", rows),
-    })
-
-
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     """One lane per (instance, DP rank, PP rank): exec spans coloured by batch-queue slot, bubbles shaded by cause,
-    step_submit / step_output ticks on an engine lane per scheduler."""
+    step_submit / step_output ticks on an engine lane per scheduler. Drawn from the analyses' integer tables
+    (`_span_frame`, `_bubble_frame`, the cached columns): names are made per lane only."""
+    cols = columns(ctx)
+    names = instances(ctx)
+    wanted = np.array([sel.instances is None or n in sel.instances for n in names] + [False], bool)  # per instance
 
-    spans = exec_spans(ctx).dropna(subset=["begin_ts", "end_ts"])
-    spans = spans[sel.keep_instance(spans["instance"])]  # all of them name the lanes; the window clips below
-    bub = bubbles(ctx).dropna(subset=["start_ns", "end_ns"])
-    bub = bub[sel.keep_instance(bub["instance"]) & sel.overlaps(bub["start_ns"], bub["end_ns"])]
-    in_window = sel.overlaps(spans["begin_ts"], spans["end_ts"])
-    if not in_window.any() and len(bub) == 0:
+    # exec spans with both ends, of the selected instances: all of them name the lanes; the window clips below
+    sf = _span_frame(ctx)
+    s_begin, s_end = sf["begin_ts"].to_numpy(), sf["end_ts"].to_numpy()
+    s_keep = np.flatnonzero((s_begin >= 0) & (s_end >= 0) & wanted[sf["inst"].to_numpy()])
+    s_inst, s_dp, s_pp, s_tp, s_step = (sf[c].to_numpy()[s_keep] for c in ("inst", "dp", "pp", "tp", "step"))
+    s_begin, s_end = s_begin[s_keep], s_end[s_keep]
+    s_pp, s_tp = np.maximum(s_pp, 0), np.maximum(s_tp, 0)  # a null rank counts as 0
+    bub = _bubble_frame(ctx)
+    b_start, b_end = bub["start_ns"].to_numpy(np.int64), bub["end_ns"].to_numpy(np.int64)
+    b_keep = np.flatnonzero(wanted[bub["inst"].to_numpy()] & sel.overlaps(b_start, b_end))
+    in_window = sel.overlaps(s_begin, s_end)
+    if not in_window.any() and len(b_keep) == 0:
         raise sel.empty("exec spans (exec_begin/exec_end) or bubbles")
-    multi_dp = _multi_dp_instances(spans)
+    m_rows = cols.rows_of("step_submit", "step_output")
+    inst_codes, _ = cols.codes("instance")
+    m_inst, m_dp = inst_codes[m_rows], cols.dp[m_rows].astype(np.int64)
+    b_inst, b_dp = bub["inst"].to_numpy()[b_keep], bub["dp"].to_numpy()[b_keep]
+    engines_of = _Engines(names, s_inst, s_dp, b_inst, b_dp, m_inst[m_inst >= 0], m_dp[m_inst >= 0])
 
-    # Lanes: integer keys (engine index, pp_rank) throughout; a lookup table maps them to the lane and its TP rank.
-    s_eng, s_names = _engines(spans, multi_dp)
-    s_pp, s_tp = _ints(spans["pp_rank"]), _ints(spans["tp_rank"])
-    # One lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
-    stage_tp = pd.DataFrame({"eng": s_eng, "pp": s_pp, "tp": s_tp}).groupby(["eng", "pp"])["tp"].min()
-    engines = instance_order(ctx, sorted({s_names[e] for e in stage_tp.index.get_level_values("eng").tolist()}))
+    # Lanes: integer keys (engine, pp_rank) throughout; a lookup table maps them to the lane and its TP rank. One
+    # lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
+    s_label = engines_of.label(s_inst, s_dp)
+    pp_span = int(s_pp.max(initial=0)) + 2
+    n_labels = len(engines_of.labels)
+    lowest_tp = np.full(n_labels * pp_span, np.iinfo(np.int64).max)
+    np.minimum.at(lowest_tp, s_label * pp_span + s_pp, s_tp)
+    stage_keys = np.flatnonzero(lowest_tp != np.iinfo(np.int64).max)
+    engines = instance_order(ctx, sorted({str(engines_of.labels[k // pp_span]) for k in stage_keys.tolist()}))
     engine_index = {name: i for i, name in enumerate(engines)}
-    pp_span = int(max(s_pp.max(initial=0), 0)) + 2
+    engine_of_label = np.array([engine_index.get(str(n), -1) for n in engines_of.labels] + [-1], np.int64)
     lane_lut = np.full(len(engines) * pp_span, -1, np.int64)
     tp_lut = np.full(len(engines) * pp_span, -1, np.int64)
     lanes: list[str] = []
-    stages = sorted((engine_index[s_names[e]], int(pp), int(tp)) for (e, pp), tp in stage_tp.items())
+    stages = sorted((int(engine_of_label[k // pp_span]), k % pp_span, int(lowest_tp[k])) for k in stage_keys.tolist())
     for i, eng in enumerate(engines):  # per scheduler (few)
         lane_lut[i * pp_span] = len(lanes)  # its engine lane (pp -1)
         lanes.append(f"{eng} engine")
@@ -268,9 +266,9 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
             tp_lut[i * pp_span + pp + 1] = tp
             lanes.append(f"{eng} PP{pp}")
 
-    def lane_of(eng: np.ndarray, names: list[str], pp: np.ndarray, tp: np.ndarray | None) -> np.ndarray:
+    def lane_of(label: np.ndarray, pp: np.ndarray, tp: np.ndarray | None) -> np.ndarray:
         """The lane of each row (-1 where none, or where it is not the stage's drawn TP rank)."""
-        glob = np.array([engine_index.get(n, -1) for n in names] + [-1], np.int64)[eng]
+        glob = engine_of_label[label]
         ok = (glob >= 0) & (pp >= -1) & (pp < pp_span - 1)
         key = np.where(ok, glob * pp_span + pp + 1, 0)
         lane = np.where(ok, lane_lut[key], -1)
@@ -278,10 +276,9 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
             lane = np.where(tp == tp_lut[key], lane, -1)
         return lane
 
-    span_lane = lane_of(s_eng, s_names, s_pp, s_tp)
-    keep = np.asarray(in_window, bool) & (span_lane >= 0)
-    spans = spans[keep].assign(lane=span_lane[keep])
-    s_eng = s_eng[keep]
+    span_lane = lane_of(s_label, s_pp, s_tp)
+    keep = np.flatnonzero(in_window & (span_lane >= 0))
+    span_lane, s_label, s_begin, s_end, s_step = (a[keep] for a in (span_lane, s_label, s_begin, s_end, s_step))
     n_lanes = len(lanes)
 
     fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi)
@@ -290,37 +287,39 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)  # first lane on top
     legend: list = []
 
-    # In-flight depth per scheduler: the most steps step_submit ever saw in flight (1 without a batch queue).
-    engine_rows = _engine_rows(ctx)
-    submits = engine_rows[(engine_rows["kind"] == "step_submit").to_numpy() & engine_rows["n"].notna().to_numpy()]
-    sub_eng, sub_names = _engines(submits, multi_dp)
-    depth_of = pd.Series(submits["n"].to_numpy(np.float64)).groupby(sub_eng).max()
-    depth_by_name = {sub_names[int(e)]: d for e, d in depth_of.items()}
-    # Looked up per distinct engine (few), then spread by code: no per-row hashing of the label strings.
-    depth = np.array([int(depth_by_name.get(n, 1)) for n in s_names] + [1], np.int64)[s_eng]
+    # In-flight depth per engine: the most steps step_submit ever saw in flight (1 without a batch queue).
+    kind_codes, kind_names = cols.codes("kind")
+    m_kind = kind_codes[m_rows]
+    m_n = cols.numbers_at("n", m_rows)
+    m_label = np.where(m_inst >= 0, engines_of.label(np.maximum(m_inst, 0), m_dp), -1)
+    submit_code = kind_names.index("step_submit") if "step_submit" in kind_names else -9
+    submits = np.flatnonzero((m_kind == submit_code) & ~np.isnan(m_n) & (m_label >= 0))
+    most = np.full(n_labels, -np.inf)
+    np.maximum.at(most, m_label[submits], m_n[submits])
+    depth_of_label = np.append(np.where(np.isfinite(most), most, 1), 1).astype(np.int64)
+    depth = depth_of_label[s_label]
     multi_slot = bool((depth > 1).any())
 
     # exec spans, merged where several fall within one pixel
-    begin = np.maximum(spans["begin_ts"].to_numpy(np.int64), sel.lo_ns).astype(np.float64)
-    end = np.minimum(spans["end_ts"].to_numpy(np.int64), sel.hi_ns).astype(np.float64)
+    begin = np.maximum(s_begin, sel.lo_ns).astype(np.float64)
+    end = np.minimum(s_end, sel.hi_ns).astype(np.float64)
     # Spans at least a pixel wide are drawn one by one; narrower ones are merged where they lie within a pixel of
     # each other (a run of them becomes one dark rectangle).
-    lanes_arr = spans["lane"].to_numpy(np.int64)
     narrow = (end - begin) < tx.px_ns
     wide_idx = np.flatnonzero(~narrow)
-    merged_narrow = merge_subpixel(lanes_arr[narrow], begin[narrow], end[narrow], tx.px_ns)
-    merged_narrow["first"] = np.flatnonzero(narrow)[merged_narrow["first"].to_numpy(np.int64)]
-    merged = pd.concat([pd.DataFrame({"lane": lanes_arr[wide_idx], "start": begin[wide_idx], "end": end[wide_idx],
-                                      "count": 1, "first": wide_idx}), merged_narrow], ignore_index=True)
-    step = spans["step"].astype("Int64").fillna(0).to_numpy(np.int64)
+    narrow_idx = np.flatnonzero(narrow)
+    merged = merge_subpixel(span_lane[narrow_idx], begin[narrow_idx], end[narrow_idx], tx.px_ns)
+    m_lane = np.concatenate([span_lane[wide_idx], merged["lane"].to_numpy(np.int64)])
+    m_start = np.concatenate([begin[wide_idx], merged["start"].to_numpy(np.float64)])
+    m_stop = np.concatenate([end[wide_idx], merged["end"].to_numpy(np.float64)])
+    single = np.concatenate([np.ones(len(wide_idx), bool), merged["count"].to_numpy() == 1])
+    first = np.concatenate([wide_idx, narrow_idx[merged["first"].to_numpy(np.int64)]])
+    step = np.maximum(s_step, 0)
     slot = step % np.maximum(depth, 1) if multi_slot else step % 2
-    first = merged["first"].to_numpy(np.int64)
-    single = merged["count"].to_numpy() == 1
     colours = np.where(single, np.array(SLOT_COLORS, dtype=object)[slot[first] % len(SLOT_COLORS)], DENSE_COLOR)
-    yc = y_of[merged["lane"].to_numpy(np.int64)]
-    x1 = np.maximum(merged["end"].to_numpy(), merged["start"].to_numpy() + tx.px_ns)
-    ax.add_collection(_rect_collection(tx.x(merged["start"]), tx.x(x1), yc - 0.35, yc + 0.35, colours,
-                                       gid="exec_spans"))
+    yc = y_of[m_lane]
+    x1 = np.maximum(m_stop, m_start + tx.px_ns)
+    ax.add_collection(_rect_collection(tx.x(m_start), tx.x(x1), yc - 0.35, yc + 0.35, colours, gid="exec_spans"))
     for s in sorted(set(slot[first][single].tolist()))[: len(SLOT_COLORS)]:
         name = f"exec, batch-queue slot {s}" if multi_slot else ("exec, even step" if s == 0 else "exec, odd step")
         legend.append(Patch(facecolor=SLOT_COLORS[s % len(SLOT_COLORS)], label=name))
@@ -328,16 +327,17 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         legend.append(Patch(facecolor=DENSE_COLOR, label="exec, several steps per pixel"))
 
     # bubbles: one shaded rectangle per bubble the analysis reports on a drawn lane
-    if len(bub):
-        b_eng, b_names = _engines(bub, multi_dp)
-        bub_lane = lane_of(b_eng, b_names, _ints(bub["pp_rank"]), _ints(bub["tp_rank"]))
-        bub = bub[bub_lane >= 0].assign(lane=bub_lane[bub_lane >= 0])
+    b_label = engines_of.label(b_inst, b_dp)
+    b_lane = lane_of(b_label, np.maximum(bub["pp"].to_numpy()[b_keep], 0), np.maximum(bub["tp"].to_numpy()[b_keep], 0))
+    on_lane = b_lane >= 0
+    b_lane, b_keep = b_lane[on_lane], b_keep[on_lane]
+    b_cause = bub["cause"].cat.codes.to_numpy()[b_keep]
     labels_left = MAX_LABELS
-    for cause in sorted(bub["cause"].astype("str").unique()) if len(bub) else []:  # per cause (five)
-        part = bub[bub["cause"].astype("str") == cause]
-        b0 = np.maximum(part["start_ns"].to_numpy(np.int64), sel.lo_ns)
-        b1 = np.minimum(part["end_ns"].to_numpy(np.int64), sel.hi_ns)
-        yb = y_of[part["lane"].to_numpy(np.int64)]
+    for cause in sorted(BUBBLE_CAUSES[c] for c in np.unique(b_cause).tolist()):  # per cause (five)
+        part = np.flatnonzero(b_cause == BUBBLE_CAUSES.index(cause))
+        b0 = np.maximum(b_start[b_keep[part]], sel.lo_ns)
+        b1 = np.minimum(b_end[b_keep[part]], sel.hi_ns)
+        yb = y_of[b_lane[part]]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
         x1 = tx.x(np.maximum(b1, b0 + 2 * tx.px_ns))  # at least two pixels wide, so that every bubble shows
         ax.add_collection(_rect_collection(tx.x(b0), x1, yb - 0.48, yb + 0.48, colour, alpha=0.45,
@@ -351,18 +351,18 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         labels_left -= len(wide)
 
     # step_submit / step_output ticks on each scheduler's engine lane, at most one per pixel column
-    marks = engine_rows[sel.keep_instance(engine_rows["instance"]) & sel.contains(engine_rows["ts_ns"])]
-    m_eng, m_names = _engines(marks, multi_dp)
-    mark_lane = lane_of(m_eng, m_names, np.full(len(marks), -1, np.int64), None)  # the engine lane (pp -1)
-    marks = marks[mark_lane >= 0].assign(lane=mark_lane[mark_lane >= 0])
+    m_ts = cols.ts[m_rows]
+    mark_lane = np.where(m_label >= 0, lane_of(np.maximum(m_label, 0), np.full(len(m_rows), -1, np.int64), None), -1)
+    marked = (mark_lane >= 0) & wanted[np.where(m_inst >= 0, m_inst, len(names))] & sel.contains(m_ts)
     for kind, colour, (lo, hi) in (("step_submit", "#08519c", (0.0, 0.4)), ("step_output", "#a50f15", (-0.4, 0.0))):
-        part = marks[marks["kind"] == kind]
+        part = np.flatnonzero(marked & (m_kind == (kind_names.index(kind) if kind in kind_names else -9)))
         if len(part) == 0:
             continue
-        col = ((part["ts_ns"].to_numpy(np.int64) - sel.lo_ns) // max(tx.px_ns, 1.0)).astype(np.int64)
-        ticks = pd.DataFrame({"lane": part["lane"].to_numpy(np.int64), "col": col,
-                              "ts": part["ts_ns"].to_numpy(np.int64)}).drop_duplicates(["lane", "col"])
-        xs, ys = tx.x(ticks["ts"].to_numpy()), y_of[ticks["lane"].to_numpy()]
+        col = ((m_ts[part] - sel.lo_ns) // max(tx.px_ns, 1.0)).astype(np.int64)
+        # the first tick of each (lane, pixel column), in row order
+        _, first_tick = np.unique(mark_lane[part] * (int(col.max()) + 1) + col, return_index=True)
+        ticks = part[np.sort(first_tick)]
+        xs, ys = tx.x(m_ts[ticks]), y_of[mark_lane[ticks]]
         ax.add_collection(_tick_collection(xs, ys + lo, ys + hi, colour, linewidths=0.8, gid=kind))
         legend.append(Line2D([], [], color=colour, label=f"{kind} ({len(part)})"))
 
@@ -614,5 +614,5 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 FIGURES = {"pipeline": pipeline_figure, "requests": requests_figure, "blocks": blocks_figure, "steps": steps_figure}
 
 #: The shared tables each figure reads, built side by side before it draws (pdtrace.analysis.parallel).
-FIGURE_TABLES = {"pipeline": (exec_spans, bubbles), "requests": (_phase_arrays, request_findings),
+FIGURE_TABLES = {"pipeline": (_span_frame, gap_frame), "requests": (_phase_arrays, request_findings),
                  "blocks": (block_usage,), "steps": (step_table,)}
