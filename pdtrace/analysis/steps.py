@@ -81,43 +81,8 @@ def kind_rows(ctx: AnalysisContext, kinds: Iterable[str]) -> np.ndarray:
     return columns(ctx).rows_of(*kinds)
 
 
-def select_rows(ctx: AnalysisContext, kinds: Iterable[str], with_req: bool = False) -> pd.DataFrame:
-    """The scalar fields of the events of the given kinds, as a DataFrame with integer codes.
-
-    Columns: row (index into the trace), ts_ns, seq, pid, inst (code into `instances(ctx)`), dp, pp, tp, step
-    (null ranks / steps as -1), n (float, NaN where null), kind (str categorical); with `with_req`, `req` (string).
-    Built from the shared column arrays and one filter of the other columns (no Arrow take per column).
-    """
-    cols = columns(ctx)
-    rows = kind_rows(ctx, kinds)
-    inst_codes, _ = dict_codes(ctx, "instance")
-    kind_codes, kind_values = dict_codes(ctx, "kind")
-    n = cols.numbers_at("n", rows)
-    fields = rows_columns(ctx, rows, ["seq", "pid", "pp_rank", "tp_rank"])
-    frame = pd.DataFrame({
-        "row": rows,
-        "ts_ns": cols.ts[rows],
-        "seq": fields["seq"],
-        "pid": fields["pid"],
-        "inst": inst_codes[rows],
-        "dp": cols.dp[rows].astype(np.int64),
-        "pp": fields["pp_rank"].astype(np.int64),
-        "tp": fields["tp_rank"].astype(np.int64),
-        "step": cols.step[rows].astype(np.int64),
-        "n": n,
-        "kind": pd.Categorical.from_codes(kind_codes[rows], categories=kind_values) if len(kind_values)
-        else pd.Categorical([]),
-    })
-    if with_req:
-        req = ctx.trace.table.column("req").take(pa.array(rows))
-        if pa.types.is_dictionary(req.type):
-            req = req.cast(req.type.value_type)
-        frame["req"] = req.to_pandas()
-    return frame
-
-
 def instances(ctx: AnalysisContext) -> list[str]:
-    """The instance names, indexed by the codes `select_rows` gives."""
+    """The instance names, indexed by the instance codes of the internal tables (`inst`)."""
     return dict_codes(ctx, "instance")[1]
 
 
@@ -158,10 +123,10 @@ def _text_pattern(key: str) -> str:
     return rf'"{key}"\s*:\s*"(?P<v>[^"]*)"'
 
 
-def _few_values(ctx: AnalysisContext, rows: np.ndarray, pattern: str) -> list[str | None]:
-    """The first match of `pattern` in each row's detail (None where none), for a few rows (FEW_ROWS)."""
+def _few_values(texts: list[str], pattern: str) -> list[str | None]:
+    """The first match of `pattern` in each of a few (FEW_ROWS) detail texts (None where none)."""
     compiled = re.compile(pattern)
-    found = [compiled.search(text) for text in _detail_text(ctx, rows).to_pylist()]  # per row (few)
+    found = [compiled.search(text) for text in texts]  # per row (few)
     return [m.group("v") if m else None for m in found]
 
 
@@ -187,7 +152,8 @@ def detail_numbers(ctx: AnalysisContext, rows: np.ndarray, keys: Iterable[str],
     if len(rows) == 0:
         return {k: np.empty(0) for k in keys}
     if len(rows) <= FEW_ROWS:
-        return {key: np.array([_as_float(v) for v in _few_values(ctx, rows, _number_pattern(key))], np.float64)
+        texts = _detail_text(ctx, rows).to_pylist()
+        return {key: np.array([_as_float(v) for v in _few_values(texts, _number_pattern(key))], np.float64)
                 for key in keys}
     text = _detail_text(ctx, rows)
     optional = set(optional)
@@ -231,7 +197,7 @@ def detail_text(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
     if len(rows) == 0:
         return np.empty(0, dtype=object)
     if len(rows) <= FEW_ROWS:
-        return np.array(_few_values(ctx, rows, _text_pattern(key)), dtype=object)
+        return np.array(_few_values(_detail_text(ctx, rows).to_pylist(), _text_pattern(key)), dtype=object)
     found = pc.extract_regex(_detail_text(ctx, rows), _text_pattern(key))
     return pc.struct_field(found, [0]).to_numpy(zero_copy_only=False)
 
@@ -243,14 +209,18 @@ def engine_configs(ctx: AnalysisContext) -> pd.DataFrame:
     max_num_seqs, max_num_batched_tokens, runner (NaN / None where the recorder did not know)."""
 
     def build() -> pd.DataFrame:
-        sel = select_rows(ctx, ["engine_config"])
-        out = sel[["inst", "dp", "ts_ns"]].copy()
-        out["n_blocks"] = sel["n"].to_numpy()
-        rows = sel["row"].to_numpy()
-        for key in ("pp", "tp", "batch_queue_size", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            out[key] = detail_number(ctx, rows, key)
-        out["runner"] = detail_text(ctx, rows, "runner")
-        return out.sort_values("ts_ns").drop_duplicates(["inst", "dp"], keep="first").reset_index(drop=True)
+        # a few rows (a scheduler's start): numpy on the cached columns and one detail read, no pandas per key
+        cols = columns(ctx)
+        rows = kind_rows(ctx, ["engine_config"])
+        rows = rows[np.argsort(cols.ts[rows], kind="stable")]
+        inst_codes, _ = dict_codes(ctx, "instance")
+        inst, dp = inst_codes[rows], cols.dp[rows].astype(np.int64)
+        _, first = np.unique(inst.astype(np.int64) * (int(dp.max(initial=0)) + 2) + dp + 1, return_index=True)
+        rows = rows[np.sort(first)]  # the first per (inst, dp), in time order
+        keys = ("pp", "tp", "batch_queue_size", "block_size", "max_num_seqs", "max_num_batched_tokens")
+        return pd.DataFrame({"inst": inst_codes[rows], "dp": cols.dp[rows].astype(np.int64), "ts_ns": cols.ts[rows],
+                             "n_blocks": cols.numbers_at("n", rows), **detail_numbers(ctx, rows, keys),
+                             "runner": detail_text(ctx, rows, "runner")})
 
     return ctx.cached("steps:engine_configs", build)
 
@@ -865,10 +835,12 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         for rank in distinct(pp[pp > 0]).tolist():  # per PP rank
             here = np.flatnonzero(pp == rank)
             above = np.flatnonzero(pp == rank - 1)
-            up_key = gap_key[above]
-            o = np.lexsort((dur[above], up_key))
-            last = np.r_[up_key[o][1:] != up_key[o][:-1], True] if len(o) else np.empty(0, bool)
-            k_sorted, dur_sorted, cause_sorted = up_key[o][last], dur[above][o][last], cause[above][o][last]
+            up_key, up_gap, up_code = gap_key[above], dur[above], cause[above]
+            o = order_by_pair(up_key, up_gap)  # per upstream stage and step, its longest gap (over TP ranks) last
+            if o is not None:
+                up_key, up_gap, up_code = up_key[o], up_gap[o], up_code[o]
+            last = np.r_[up_key[1:] != up_key[:-1], True] if len(up_key) else np.empty(0, bool)
+            k_sorted, dur_sorted, cause_sorted = up_key[last], up_gap[last], up_code[last]
             want = keys.at_step(keys.stage(inst[here], dp[here], pp[here] - 1), step_after[here])
             up_dur = lookup(k_sorted, dur_sorted, want, _NULL)
             up_cause = lookup(k_sorted, cause_sorted.astype(np.int64), want, _NULL)
