@@ -5,13 +5,14 @@
 The trace is generated with numpy/pyarrow, no Python loop per event: one engine (PP=4, four steps in flight),
 a step every 0.5 ms with ~32 requests in each batch, each request living 100 steps (8 KV blocks allocated at its
 first step, freed at its finish), a 5 ms stall every 200 steps (bubbles on every rank). Figures printed:
-- read: `open_trace` of the directory (what every verb pays first);
+- read: `open_trace` of the directory (what every verb pays first), cold (the first in the process) and warm;
 - the one-off import of matplotlib (every `pdtrace plot` process pays it once);
 - per kind, cold: a fresh context, all the analysis the figure needs (analyze's rules included) plus drawing
-  and saving the PNG; warm: drawing and saving again on the same context (the analyses cached), i.e. the cost
-  of the plotting itself; and the ratio of each to the read time (the issue's target: plot <= 3x read);
+  and saving the PNG, against the cold read; warm: drawing and saving again on the same context (the analyses
+  cached), i.e. the cost of the plotting itself, against a warm read (the issue's target: plot <= 3x read);
 - as whole processes, what a user waits for (median of --repeat runs, alternating): `pdtrace plot TRACE --kind K`
-  against a process that imports pdtrace's reader and reads the same trace (`open_trace`), and the ratio.
+  against a process that imports pdtrace's reader and reads the same trace (`open_trace`), and the ratio;
+- one fresh process per kind: the read and the plot, both cold, and their ratio (the strictest view).
 """
 
 from __future__ import annotations
@@ -223,10 +224,11 @@ def main() -> None:
         t = time.perf_counter()
         trace = open_trace(trace_dir, warn=False)
         reads.append(time.perf_counter() - t)
-    read_s = min(reads)
-    print(f"read (open_trace, best of 3): {read_s:.3f} s")
+    cold_read_s, read_s = reads[0], min(reads[1:])
+    print(f"read (open_trace): first (cold) {cold_read_s:.3f} s, best of the next two (warm) {read_s:.3f} s")
 
-    print(f"{'kind':<10} {'cold s':>8} {'x read':>7} {'warm s':>8} {'x read':>7}")
+    # cold plots against the cold read, warm plots against a warm read: like for like
+    print(f"{'kind':<10} {'cold s':>8} {'x cold read':>12} {'warm s':>8} {'x warm read':>12}")
     for kind in args.kinds.split(","):
         trace = open_trace(trace_dir, warn=False)
         ctx = AnalysisContext(trace)
@@ -237,7 +239,7 @@ def main() -> None:
         t = time.perf_counter()
         render(ctx, kind, out)
         warm = time.perf_counter() - t
-        print(f"{kind:<10} {cold:8.2f} {cold / read_s:7.1f} {warm:8.2f} {warm / read_s:7.1f}")
+        print(f"{kind:<10} {cold:8.3f} {cold / cold_read_s:12.1f} {warm:8.3f} {warm / read_s:12.1f}")
     processes(trace_dir, args.kinds.split(","), args.repeat, args.dir)
     trace = open_trace(trace_dir, warn=False)
     t = time.perf_counter()
