@@ -640,15 +640,34 @@ def _repeat(arrow_type: pa.DataType, code: str, value: int, length: int) -> pa.A
     return pa.Array.from_buffers(arrow_type, length, [None, pa.py_buffer(array.array(code, [value]) * length)])
 
 
-def _int_column(values: tuple, arrow_type: pa.DataType, code: str) -> pa.Array:
+_Builder = Callable[..., pa.Array]
+
+
+def _nullable(arrow_type_of: Callable[..., pa.DataType]) -> Callable[[_Builder], _Builder]:
+    """The null handling every column builder shares. `dense(values, count, nulls, *args)` builds a column with
+    some values; the decorated builder `(values, *args)` returns `pa.nulls` for an all-null column and, for a
+    mostly-null one, builds only its values and scatters them (`_scatter`). `arrow_type_of(*args)` is the type."""
+
+    def wrap(dense: _Builder) -> _Builder:
+        def build(values: tuple, *args: Any) -> pa.Array:
+            count = len(values)
+            nulls = values.count(None)
+            if nulls == count:
+                return pa.nulls(count, arrow_type_of(*args))
+            if _mostly_null(nulls, count):
+                return _scatter(values, lambda present: build(present, *args), arrow_type_of(*args))
+            return dense(values, count, nulls, *args)
+
+        build.__doc__, build.__name__ = dense.__doc__, dense.__name__
+        return build
+
+    return wrap
+
+
+@_nullable(lambda arrow_type, code: arrow_type)
+def _int_column(values: tuple, count: int, nulls: int, arrow_type: pa.DataType, code: str) -> pa.Array:
     """A nullable integer column (`code`: the array.array type code of `arrow_type`). None becomes a sentinel in
     one C-level pass, and the validity is one vectorised comparison with it."""
-    count = len(values)
-    nulls = values.count(None)
-    if nulls == count:
-        return pa.nulls(count, arrow_type)
-    if _mostly_null(nulls, count):
-        return _scatter(values, lambda present: _int_column(present, arrow_type, code), arrow_type)
     try:
         if not nulls:
             return pa.Array.from_buffers(arrow_type, count, [None, pa.py_buffer(array.array(code, values))])
@@ -663,13 +682,9 @@ def _int_column(values: tuple, arrow_type: pa.DataType, code: str) -> pa.Array:
     return _masked(arrow_type, data, valid, nulls)
 
 
-def _bool_column(values: tuple) -> pa.Array:
-    count = len(values)
-    nulls = values.count(None)
-    if nulls == count:
-        return pa.nulls(count, pa.bool_())
-    if _mostly_null(nulls, count):
-        return _scatter(values, _bool_column, pa.bool_())
+@_nullable(pa.bool_)
+def _bool_column(values: tuple, count: int, nulls: int) -> pa.Array:
+    """A nullable bool column: one code per row (False 0, True 1, None 2), then two vectorised comparisons."""
     try:
         codes = _u8(bytes(map(_BOOL_CODES.get, values, values)))
     except (TypeError, ValueError):  # truthy values that are not bools
@@ -687,14 +702,9 @@ def _strings(values: list) -> pa.Array:
                                  [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
 
 
-def _dictionary_column(values: tuple) -> pa.DictionaryArray:
+@_nullable(lambda: _DICT_TYPE)
+def _dictionary_column(values: tuple, count: int, nulls: int) -> pa.DictionaryArray:
     """A nullable dictionary<int32, string> column: codes by one dict lookup per row, strings encoded once each."""
-    count = len(values)
-    nulls = values.count(None)
-    if nulls == count:
-        return pa.nulls(count, _DICT_TYPE)
-    if _mostly_null(nulls, count):
-        return _scatter(values, _dictionary_column, _DICT_TYPE)
     try:
         codes = dict.fromkeys(values)
         codes.pop(None, None)
@@ -714,14 +724,9 @@ def _dictionary_column(values: tuple) -> pa.DictionaryArray:
     return pa.DictionaryArray.from_arrays(indices, dictionary)
 
 
-def _string_column(values: tuple) -> pa.Array:
+@_nullable(pa.string)
+def _string_column(values: tuple, count: int, nulls: int) -> pa.Array:
     """A nullable plain string column (through the dictionary path: repeated values are encoded once)."""
-    count = len(values)
-    nulls = values.count(None)
-    if nulls == count:
-        return pa.nulls(count, pa.string())
-    if _mostly_null(nulls, count):
-        return _scatter(values, _string_column, pa.string())
     encoded = _dictionary_column(values)
     return encoded.dictionary.take(encoded.indices)
 
