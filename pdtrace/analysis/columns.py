@@ -2,7 +2,8 @@
 
 Rules compare events by their position in one global order: a stable sort of `ts_ns` over the rows in load order
 (files in path order, each file in `seq` order), so one writer's events keep their exact `seq` order whenever its
-clock does not step back. `pos[row]` is a row's rank in that order (int32 below 2**31 rows) and `order[pos]` the row at a rank.
+clock does not step back. `pos[row]` is a row's rank in that order (int32 below 2**31 rows) and `order[pos]` the
+row at a rank.
 
 Keys:
 - `sk` (scheduler key): one dense id per (instance, dp_rank); a null dp_rank is its own value.

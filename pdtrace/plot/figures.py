@@ -4,8 +4,9 @@ Every kind draws collections of compound paths (a few paths per colour, 200 shap
 object per span, and merges spans narrower than a pixel into one rectangle, so a figure of a million-event trace
 has at most a few thousand shapes per lane. The figures read the analyses' integer tables (codes for instances,
 requests and ranks) and name only what they draw. Findings and bubbles come from the rule code `analyze` runs
-(`pdtrace.analysis.analyze` and the bubble table of `steps`); nothing here judges the trace. Artists carry a `gid` ("exec_spans", "bubbles:<cause>",
-"phases:<phase>", "findings", "blocks:<state>", "pool", "steps:dur:<instance>", ...) so tests can find them.
+(`pdtrace.analysis.analyze` and the bubble table of `steps`); nothing here judges the trace. Artists carry a `gid`
+("exec_spans", "bubbles:<cause>", "phases:<phase>", "findings", "blocks:<state>", "pool", "steps:dur:<instance>",
+...) so tests can find them.
 """
 
 from __future__ import annotations
@@ -166,31 +167,23 @@ def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) 
 # --- pipeline -----------------------------------------------------------------------------------------------------
 
 
-def _small_unique(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """np.unique(keys, return_inverse=True) for small non-negative integer keys: a bincount, not a sort."""
-    if len(keys) == 0:
-        return keys, keys
-    present = np.flatnonzero(np.bincount(keys))
-    lut = np.zeros(int(present[-1]) + 1, np.int64)
-    lut[present] = np.arange(len(present))
-    return present, lut[keys]
-
-
 class _Engines:
     """The engines of the pipeline figure, from integer codes: an engine is an instance, or "instance dpN" for an
     instance whose exec spans have several DP ranks. A row's key is instance code * width + dp_rank (a null
     dp_rank counts as 0); names are made once per distinct key (few), and rows reach them through lookup tables,
     so no string is built or compared per row."""
 
-    def __init__(self, names: list[str], span_inst: np.ndarray, span_dp: np.ndarray, *others: np.ndarray) -> None:
+    def __init__(self, names: list[str], spans: tuple[np.ndarray, np.ndarray],
+                 *others: tuple[np.ndarray, np.ndarray]) -> None:
+        """names: the instance names by code; spans, others: (instance code, dp_rank) of each row of the exec
+        spans (which decide the instances with several DP ranks) and of the other rows drawn (bubbles, ticks)."""
         self.names = names
-        self.width = max([int(dp.max(initial=0)) for dp in (span_dp, *others[1::2])] + [0]) + 1
+        self.width = max([int(dp.max(initial=0)) for _, dp in (spans, *others)] + [0]) + 1
         n_keys = max(len(names), 1) * self.width
-        span_keys = np.flatnonzero(np.bincount(self.key(span_inst, span_dp), minlength=n_keys))
-        dp_count = np.bincount(span_keys // self.width, minlength=len(names))
-        multi = dp_count > 1  # per instance code
+        span_keys = np.flatnonzero(np.bincount(self.key(*spans), minlength=n_keys))
+        multi = np.bincount(span_keys // self.width, minlength=len(names)) > 1  # per instance code
         present = span_keys
-        for inst, dp in zip(others[::2], others[1::2], strict=True):  # bubbles, engine rows
+        for inst, dp in others:  # bubbles, engine rows
             present = np.union1d(present, np.flatnonzero(np.bincount(self.key(inst, dp), minlength=n_keys)))
         labels = [f"{names[k // self.width]} dp{k % self.width}" if multi[k // self.width] else names[k // self.width]
                   for k in present.tolist()]  # per (instance, dp_rank) pair (few)
@@ -241,7 +234,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     inst_codes, _ = cols.codes("instance")
     m_inst, m_dp = inst_codes[m_rows], cols.dp[m_rows].astype(np.int64)
     b_inst, b_dp = bub["inst"].to_numpy()[b_keep], bub["dp"].to_numpy()[b_keep]
-    engines_of = _Engines(names, s_inst, s_dp, b_inst, b_dp, m_inst[m_inst >= 0], m_dp[m_inst >= 0])
+    engines_of = _Engines(names, (s_inst, s_dp), (b_inst, b_dp), (m_inst[m_inst >= 0], m_dp[m_inst >= 0]))
 
     # Lanes: integer keys (engine, pp_rank) throughout; a lookup table maps them to the lane and its TP rank. One
     # lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
