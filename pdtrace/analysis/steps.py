@@ -349,7 +349,8 @@ def _ints_from_text(text: pa.Array, key: str) -> np.ndarray:
 def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """exec_spans with integer codes (internal form): inst, dp, pp, tp, step, rpc, begin_ts, end_ts, n, gpu_*.
     Numpy throughout: the exec rows' details read in row order (substring tests, a regex only where `gpu_`
-    appears), then one lexsort by (writer lane, seq) and pairing by position."""
+    appears), then an order by (writer lane, seq) (a lexsort, skipped when the rows are in it already, as each
+    writer's are) and pairing by position."""
 
     def build() -> pd.DataFrame:
         cols = columns(ctx)
@@ -665,7 +666,8 @@ class _Keys:
 @shared_table(_span_frame, cost=0.01)
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
     """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e, lane): spans of token-carrying steps with both
-    ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy, one lexsort)."""
+    ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy; a lexsort unless the spans
+    are in that order already)."""
 
     def build() -> pd.DataFrame:
         spans = _span_frame(ctx)

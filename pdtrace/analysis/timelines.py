@@ -229,11 +229,13 @@ def block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None = None) ->
     clipped): the part while the owner waits or runs is `running`, the part after its finish (finished_holding or
     freed) is `finished_awaiting_transfer`. Holdings never freed that the `leaked_blocks` rule reports (its findings:
     `findings` when given, else the rule's own run on `ctx`; one code path with `analyze`) are `leaked` from the
-    owner's finish, or from the finding's ts_ns when the owner never finished. A block with several owners counts
-    once, in the first of BLOCK_STATES that any owner holds it in: per block, +1/-1 per segment and state are
-    summed cumulatively (sorted by time, frees before allocations at the same instant) and the block's state is the
-    first non-zero count; its state changes become +1/-1 per state per scheduler, cumulated over time, and the last
-    row per instant is kept. Holdings still open at the end of the trace stay counted there.
+    owner's finish, or from the finding's ts_ns when the owner never finished. A block that never had two holders
+    at once (`Ownership.shared_blocks`) is in its holder's state, so its segments' starts and ends are its state
+    changes. A block with several owners counts once, in the first of BLOCK_STATES that any owner holds it in: per
+    block, +1/-1 per segment and state are summed cumulatively (sorted by time, frees before allocations at the same
+    instant) and the block's state is the first non-zero count. The state changes become +1/-1 per state per
+    scheduler, cumulated over time, and the last row per instant is kept. Holdings still open at the end of the
+    trace stay counted there.
     """
     if findings is not None:
         return _block_usage(ctx, findings)
