@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from pdtrace.analysis.columns import (_CHECK_BLOCK, Columns, _numbered_by_first_seen, first_per_key, last_per_key,
-                                     order_by_pair, stable_argsort)
+                                     order_by_pair)
 from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace
 
@@ -155,20 +155,6 @@ def test_kind_split_equals_a_mask_of_the_common_kind() -> None:
         np.testing.assert_array_equal(minor_rows, np.flatnonzero(codes != major))
         np.testing.assert_array_equal(minor_codes, codes[codes != major])
         assert major_rows.dtype == minor_rows.dtype == np.int32
-
-
-@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint32])
-def test_radix_stable_argsort_equals_numpys_stable_sort(dtype: type) -> None:
-    """Every path of the radix sort (one 16-bit pass, wrapping subtraction, two and three passes, the timsort
-    fallback over 48 bits), with ties (stability) and negative keys."""
-    info = np.iinfo(dtype)
-    rng = np.random.default_rng(7)
-    for lo, hi in [(0, 2), (0, 300), (-300, 300), (info.min, info.max), (0, 2**20), (-(2**35), 2**35),
-                   (0, 2**47), (0, 2**50), (0, 2**62)]:
-        lo, hi = max(lo, int(info.min)), min(hi, int(info.max))
-        for n in (0, 1, 7, 5000):
-            keys = rng.integers(lo, hi, n, endpoint=True).astype(dtype)
-            assert np.array_equal(stable_argsort(keys), np.argsort(keys, kind="stable")), (dtype, lo, hi, n)
 
 
 def test_detail_values_of_a_few_rows_equal_the_arrow_extraction(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -207,31 +207,6 @@ def _ramp(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total) - starts
 
 
-def stable_argsort(keys: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable") for integer keys in random order (request or scheduler codes of rows taken in
-    the global order, say), as a least-significant-digit radix sort: one stable argsort of 16-bit digits per 16 bits
-    of the keys' range, which numpy runs as a counting sort, O(n). Keys over 48 bits of range fall back to numpy's
-    stable sort (timsort), which is also the better choice for keys that are nearly sorted already.
-    Measured on 660k request codes: 2-7 ms against 40 ms for the timsort, 9-34 ms for an unstable quicksort."""
-    keys = np.asarray(keys)
-    if len(keys) == 0:
-        return np.empty(0, np.intp)
-    low = int(keys.min())
-    top = int(keys.max()) - low
-    if top >= 2**48:
-        return np.argsort(keys, kind="stable")
-    if top < 2**16:  # one pass; the subtraction may wrap in the keys' own type, and only its low 16 bits count
-        return np.argsort((keys - keys.dtype.type(low)).astype(np.uint16), kind="stable")
-    rel = keys.astype(np.int64) - low
-    order = np.argsort((rel & 0xFFFF).astype(np.uint16), kind="stable")
-    shift = 16
-    while top >> shift:  # per further 16 bits of range (at most two)
-        step = np.argsort((rel[order] >> shift & 0xFFFF).astype(np.uint16), kind="stable")
-        order = order[step]
-        shift += 16
-    return order
-
-
 def order_by_pair(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray | None:
     """np.lexsort((secondary, primary)), or None when the rows are in that order already: one O(n) comparison
     first. Exec spans and busy intervals usually are (each writer's part file holds its rows in seq order, and

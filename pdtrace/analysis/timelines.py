@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import _ramp, columns, positions, request_keys, stable_argsort
+from pdtrace.analysis.columns import _ramp, columns, positions, request_keys
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import step_index
@@ -108,11 +108,12 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
         mask &= comp_codes == comp_names.index("scheduler")
     else:
         mask[:] = False
-    # per request, in the global event order: the rows taken in that order, then a stable radix sort by request key
+    # per request, in the global event order: the rows taken in that order, then a stable sort by request key alone
+    # (numpy's timsort: requests are scheduled in batches, so the keys come in runs)
     rows = cols.order[mask[cols.order]]
     if len(rows) == 0:
         return None
-    rows = rows[stable_argsort(cols.rk[rows])]
+    rows = rows[np.argsort(cols.rk[rows], kind="stable")]
     rk = cols.rk[rows]
     kind_codes, kind_names = cols.codes("kind")
     # small dtypes throughout: these arrays have a row per request event (600k at 1M events), and in a fresh
