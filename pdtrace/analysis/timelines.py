@@ -251,9 +251,8 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
         return _empty_usage()
     cols = columns(ctx)
     _, trace_end = trace_span(ctx)
-    names = cols.rk_names
     sk_names = cols.sk_names
-    sk_of_rk = names["sk"].to_numpy(dtype=np.int64)
+    sk_of_rk = cols.request_sk  # int32; the request keys' names are only built for leaks
     sk_instance = sk_names["instance"].to_numpy(dtype=object).astype(str)
     sk_dp = sk_names["dp_rank"].astype("Int64").fillna(-1).to_numpy(dtype=np.int64)
     # Schedulers ranked in (instance, dp_rank) order: the order the results are sorted in.
@@ -284,7 +283,7 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
     p_end = np.where(has_phase, p_end_all[pidx], trace_end)
     s = np.maximum(h_alloc[holding], p_start)
     e = np.minimum(h_free[holding], p_end)
-    state = np.where(has_phase & (p_code[pidx] >= _FINISHED_HOLDING), 1, 0)
+    state = np.where(has_phase & (p_code[pidx] >= _FINISHED_HOLDING), np.int8(1), np.int8(0))
     keep = e > s
     holding, s, e, state = holding[keep], s[keep], e[keep], state[keep]
 
@@ -293,6 +292,7 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
         seg_open = h_open[holding]
         open_ids = np.unique(holding[seg_open])
         open_rk = h_rk[open_ids]
+        names = cols.rk_names
         open_h = pd.DataFrame({"holding": open_ids,
                                "instance": names["instance"].to_numpy(dtype=object)[open_rk].astype(str),
                                "req": names["req"].to_numpy(dtype=object)[open_rk].astype(str),
@@ -352,21 +352,21 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
         change = block_state != prev_state
         c_sk = np.concatenate([c_sk, d_sk[change]])
         c_ts = np.concatenate([c_ts, d_ts[change]])
-        new = np.concatenate([new, block_state[change]])
-        old = np.concatenate([old, prev_state[change]])
+        new = np.concatenate([new, block_state[change].astype(np.int8)])
+        old = np.concatenate([old, prev_state[change].astype(np.int8)])
     # Per scheduler, in time order: +1 / -1 per state at each change, cumulated; the last row per instant; rows
-    # where no count changed (an owner changed phase) dropped. The order of the changes within an instant does
-    # not matter (only the counts after its last one are kept), so one unstable sort of a combined key does.
+    # where no count changed (an owner changed phase) dropped. Within an instant the order of the changes does not
+    # matter (only the counts after its last one are kept).
     order = _by_scheduler_and_time(sk_rank[c_sk], c_ts)
     c_sk, c_ts, new, old = c_sk[order], c_ts[order], new[order], old[order]
-    per_state = np.zeros((len(c_sk), len(BLOCK_STATES)), dtype=np.int32)  # counts of blocks: int32 is ample
-    rows = np.arange(len(c_sk))
-    per_state[rows[new >= 0], new[new >= 0]] += 1
-    per_state[rows[old >= 0], old[old >= 0]] -= 1
-    del rows, new, old, order
-    new_sched = np.ones(len(c_sk), dtype=bool)
-    new_sched[1:] = c_sk[1:] != c_sk[:-1]
-    per_state = _group_cumsum(per_state, new_sched)
+    del order
+    states = np.arange(len(BLOCK_STATES), dtype=np.int8)
+    per_state = (new[:, None] == states).astype(np.int32)  # counts of blocks: int32 is ample
+    per_state -= old[:, None] == states
+    del new, old
+    bounds = np.flatnonzero(np.r_[True, c_sk[1:] != c_sk[:-1], True])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # per scheduler (few), in place
+        np.cumsum(per_state[a:b], axis=0, out=per_state[a:b])
     last = np.ones(len(c_sk), dtype=bool)
     last[:-1] = (c_sk[1:] != c_sk[:-1]) | (c_ts[1:] != c_ts[:-1])
     c_sk, c_ts, per_state = c_sk[last], c_ts[last], per_state[last]
@@ -394,14 +394,15 @@ def _block_usage(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.Da
 
 
 def _by_scheduler_and_time(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    """An order by (scheduler rank, ts), ties in any order: one quicksort of a combined int64 key where the ranks
-    and the time span fit, else a lexsort."""
+    """An order by (scheduler rank, ts): one stable sort of a combined int64 key where the ranks and the time span
+    fit, else a lexsort. Stable (timsort): the changes come in runs (per request, in time), which it merges; at
+    10M events a quicksort of the same key took 0.2 s against 0.06 s."""
     if len(ts) == 0:
         return np.empty(0, np.int64)
     t0 = int(ts.min())
     span = int(ts.max()) - t0 + 1
     if int(rank.max()) < (2**62) // span:
-        return np.argsort(rank.astype(np.int64) * span + (ts - t0))
+        return np.argsort(rank.astype(np.int64) * span + (ts - t0), kind="stable")
     return np.lexsort((ts, rank))
 
 
@@ -411,8 +412,6 @@ def _group_cumsum(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
         return values
     total = np.cumsum(values, axis=0)
     first = np.flatnonzero(starts)
-    if len(first) == 1:  # one group (one scheduler, say)
-        return total
     before = np.zeros_like(values[: len(first)])
     before[1:] = total[first[1:] - 1]
     return total - np.repeat(before, np.diff(np.append(first, len(values))), axis=0)
