@@ -313,7 +313,7 @@ def child(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 def profile(directory: Path) -> None:
     """One process, one thread: the load, then every shared table the rules declare (in the order the scheduler
     would start them, each timed without the tables it builds on) and every rule."""
-    from pdtrace.analysis import _allocation_settings, available_rules
+    from pdtrace.analysis import allocation_settings, available_rules
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.analysis.parallel import _graph
     from pdtrace.malloc import single_arena
@@ -326,7 +326,7 @@ def profile(directory: Path) -> None:
     ctx = AnalysisContext(trace)
     rules, _ = available_rules()
     tables = [node for node in _graph(list(rules.values()))[0] if not isinstance(node, tuple)]
-    with _allocation_settings():  # as analyze() runs the rules: small pages, glibc keeps freed blocks
+    with allocation_settings():  # as analyze() runs the rules: small pages, glibc keeps freed blocks
         for table in tables:
             t0 = time.perf_counter()
             table(ctx)

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -240,3 +241,29 @@ def test_every_figure_declares_shared_tables() -> None:
     assert set(FIGURE_TABLES) == set(FIGURES) == set(KINDS)
     for kind, tables in FIGURE_TABLES.items():
         assert tables and all(hasattr(t, "needs") for t in tables), kind
+
+
+def test_allocation_settings_nest_and_are_restored_by_the_last_exit() -> None:
+    """analyze() enters them while a figure's table build holds them: the inner exit must not undo them."""
+    from pdtrace.analysis import allocation_settings
+
+    setter = getattr(np._core.multiarray, "_set_madvise_hugepage", None)
+    if setter is None:
+        pytest.skip("this numpy has no huge-page switch")
+
+    def huge_pages() -> bool:
+        value = setter(False)
+        setter(value)
+        return bool(value)
+
+    before = huge_pages()
+    setter(True)
+    try:
+        with allocation_settings():
+            assert not huge_pages()
+            with allocation_settings():
+                assert not huge_pages()
+            assert not huge_pages()
+        assert huge_pages()
+    finally:
+        setter(before)

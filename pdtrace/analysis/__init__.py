@@ -17,9 +17,10 @@ the bubble summary per rank from `pipeline_bubble` findings.
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -35,7 +36,8 @@ from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
 from pdtrace.trace.model import Trace
 
-__all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig"]
+__all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
+           "allocation_settings"]
 
 
 def available_rules() -> tuple[dict[str, Rule], list[str]]:
@@ -87,29 +89,53 @@ def window(trace: Trace, config: AnalysisConfig) -> Trace:
     return filtered
 
 
-@contextmanager
-def _allocation_settings() -> Iterator[None]:
-    """While the rules run: numpy does not ask for transparent huge pages, and glibc keeps freed large blocks.
+_SETTINGS_LOCK = threading.Lock()
+_settings_users = 0
+_settings_undo: list[Callable[[], None]] = []
 
-    Why: the rules allocate and free many short-lived 10M-row arrays. (1) Numpy madvises each for huge pages, and
-    with the kernel's default THP `defrag=madvise` a first touch may compact memory synchronously: 2-4 s of system
-    time at 10M events on a busy machine (user time is the same with 4 KiB pages). (2) glibc serves blocks over its
-    mmap threshold (at most 32 MiB) with fresh mmaps and unmaps them on free, so every array is page-faulted in
-    again; from the heap, freed memory is reused (600k -> 350k page faults at 10M events, same peak RSS). Both are
-    restored afterwards (glibc's thresholds to its defaults)."""
-    setter = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
-    previous = setter(False) if setter is not None else None
-    mallopt = glibc_mallopt()
-    tuned = mallopt is not None and mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and \
-        mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1
+
+@contextmanager
+def allocation_settings() -> Iterator[None]:
+    """While analyses run: numpy does not ask for transparent huge pages, and glibc keeps freed large blocks.
+
+    Why: the analyses allocate and free many short-lived 10M-row arrays. (1) Numpy madvises each for huge pages,
+    and with the kernel's default THP `defrag=madvise` a first touch may compact memory synchronously: 2-4 s of
+    system time at 10M events on a busy machine (user time is the same with 4 KiB pages). (2) glibc serves blocks
+    over its mmap threshold (at most 32 MiB) with fresh mmaps and unmaps them on free, so every array is
+    page-faulted in again; from the heap, freed memory is reused (600k -> 350k page faults at 10M events, same peak
+    RSS). Both are restored afterwards (glibc's thresholds to its defaults). Re-entrant and shared between threads
+    (the settings are process-wide): the first entry applies them, the last exit restores them, so `analyze`
+    running inside a figure's table build does not undo the figure's settings."""
+    global _settings_users
+    with _SETTINGS_LOCK:
+        if _settings_users == 0:
+            _settings_undo.extend(_apply_allocation_settings())
+        _settings_users += 1
     try:
         yield
     finally:
-        if setter is not None:
-            setter(previous)
-        if tuned:
+        with _SETTINGS_LOCK:
+            _settings_users -= 1
+            if _settings_users == 0:
+                while _settings_undo:
+                    _settings_undo.pop()()
+
+
+def _apply_allocation_settings() -> list[Callable[[], None]]:
+    """Apply the settings of `allocation_settings`; returns how to undo each."""
+    undo: list[Callable[[], None]] = []
+    setter = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
+    if setter is not None:
+        previous = setter(False)
+        undo.append(lambda: setter(previous))
+    mallopt = glibc_mallopt()
+    if mallopt is not None and mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(M_TRIM_THRESHOLD, 1 << 31) == 1:
+        def restore_thresholds() -> None:
             mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
             mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT_THRESHOLD)
+
+        undo.append(restore_thresholds)
+    return undo
 
 
 def _load(trace_or_path: Any) -> Trace:
@@ -152,7 +178,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
         ctx = AnalysisContext(trace=window(_load(trace_or_path), config), config=config)
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
-    with _allocation_settings():
+    with allocation_settings():
         frames = [f for f in (_check(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen))
                   if len(f)]
     if frames:

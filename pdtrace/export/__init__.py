@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdtrace.analysis import allocation_settings
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.errors import UsageError
 from pdtrace.export.model import ExportModel, build_model
@@ -24,8 +25,9 @@ def export(ctx: AnalysisContext, to: str, output: str | Path, window: Window | N
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # fail on a missing package before any work
-    sel = resolve(ctx, window or Window())
-    model = build_model(ctx, sel)
+    with allocation_settings():  # as analyze runs its rules
+        sel = resolve(ctx, window or Window())
+        model = build_model(ctx, sel)
     try:
         if to == "chrome":
             from pdtrace.export.chrome import write_chrome
