@@ -77,28 +77,33 @@ def perfetto_bytes(model: ExportModel) -> bytes:
         # ends (0) before begins (1); among ends, the later-begun (inner) first; among begins, the longer first
         tie = np.concatenate([-end, -begin])
         order = np.lexsort((tie, is_begin, ts))
-        index = np.concatenate([np.arange(n), np.arange(n)])
-        names = s["name"].to_numpy(dtype=object)
-        cats = s["cat"].to_numpy(dtype=object)
-        flow_out = dict(zip(map(int, np.flatnonzero((names == "kv send"))), model.flows["id"].astype(int), strict=True))
-        flow_in = dict(zip(map(int, np.flatnonzero((names == "kv recv"))), model.flows["id"].astype(int), strict=True))
-        for i in order:  # one packet per event (see the module docstring)
-            k = int(index[i])
+        index = np.concatenate([np.arange(n), np.arange(n)])[order]
+        names = [str(v) for v in s["name"].to_numpy(dtype=object)]  # per slice
+        cats = [str(v) for v in s["cat"].to_numpy(dtype=object)]
+        is_send = np.asarray([v == "kv send" for v in names], bool)
+        is_recv = np.asarray([v == "kv recv" for v in names], bool)
+        flow_out = dict(zip(np.flatnonzero(is_send).tolist(), model.flows["id"].astype(int), strict=True))
+        flow_in = dict(zip(np.flatnonzero(is_recv).tolist(), model.flows["id"].astype(int), strict=True))
+        begin_type, end_type = TrackEvent.TYPE_SLICE_BEGIN, TrackEvent.TYPE_SLICE_END
+        # Python ints and strs up front: indexing numpy arrays element by element costs more than the packet
+        events = zip(index.tolist(), ts[order].tolist(), tracks[index].tolist(), is_begin[order].tolist(),
+                     strict=True)
+        for k, when, track, opens in events:  # one packet per event (see the module docstring)
             packet = builder.add_packet()
             packet.trusted_packet_sequence_id = _SEQ
-            packet.timestamp = int(ts[i])
+            packet.timestamp = when
             event = packet.track_event
-            event.track_uuid = int(tracks[k])
-            if is_begin[i]:
-                event.type = TrackEvent.TYPE_SLICE_BEGIN
-                event.name = str(names[k])
-                event.categories.append(str(cats[k]))
+            event.track_uuid = track
+            if opens:
+                event.type = begin_type
+                event.name = names[k]
+                event.categories.append(cats[k])
                 if k in flow_out:
                     event.flow_ids.append(flow_out[k])
                 if k in flow_in:
                     event.terminating_flow_ids.append(flow_in[k])
             else:
-                event.type = TrackEvent.TYPE_SLICE_END
+                event.type = end_type
 
     # Counters: one track per (process, counter name, series).
     c = model.counters
@@ -111,13 +116,16 @@ def perfetto_bytes(model: ExportModel) -> bytes:
                 desc.parent_uuid = process_uuid[int(pid)]
                 desc.name = f"{name} {series.replace('_', ' ')}"
                 desc.counter.unit_name = "blocks"
-                for ts_i, value in zip(part["ts_ns"].to_numpy(np.int64), part[series].to_numpy(np.int64), strict=True):
+                samples = zip(part["ts_ns"].to_numpy(np.int64).tolist(), part[series].to_numpy(np.int64).tolist(),
+                              strict=True)
+                for when, value in samples:  # one packet per sample
                     packet = builder.add_packet()
                     packet.trusted_packet_sequence_id = _SEQ
-                    packet.timestamp = int(ts_i)
-                    packet.track_event.type = TrackEvent.TYPE_COUNTER
-                    packet.track_event.track_uuid = uuid
-                    packet.track_event.counter_value = int(value)
+                    packet.timestamp = when
+                    event = packet.track_event
+                    event.type = TrackEvent.TYPE_COUNTER
+                    event.track_uuid = uuid
+                    event.counter_value = value
     return builder.serialize()
 
 
