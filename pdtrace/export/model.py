@@ -83,8 +83,8 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     usage = block_usage(ctx, findings=findings)
     usage = usage[keep(usage)]
 
-    names = sorted(set(spans["instance"].astype("str")) | set(steps["instance"].astype("str"))
-                   | set(ph["instance"].astype("str")) | set(usage["instance"].astype("str")))
+    names = sorted({str(n) for frame in (spans, steps, ph, usage)
+                    for n in frame["instance"].astype("str").unique()})  # per instance of each table (few)
     if not names:
         raise sel.empty("exec spans, steps, request phases or block usage")
     roles = reqs.drop_duplicates("instance").set_index("instance")["role"].to_dict()
