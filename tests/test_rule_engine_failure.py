@@ -16,6 +16,14 @@ def crash(e: Engine, error: str = "AssertionError: ") -> None:
     e.ev("engine_error", component="engine", step=e._current_step(), detail={"error": error, "where": "step"})
 
 
+def decode_waiting_for_kv(b, **engine) -> Engine:
+    """Decode instance D, one step in, with r1 waiting for its KV (blocks 7 and 8) from P's r1."""
+    d = Engine(b, instance="D", role="decode", **engine)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
+    d.step({}, wait_kv={"r1": [7, 8]})
+    return d
+
+
 def one(df, rule: str, subrule: str):
     rows = df[(df["rule"] == rule) & (df["subrule"] == subrule)]
     assert len(rows) == 1, df[["rule", "subrule", "severity", "req"]]
@@ -108,9 +116,7 @@ def waiting_kv_then_crash(wait_before_crash_s: float, with_error: bool = True) -
     """D waits for remote KV, then its engine fails; P keeps going 600 s."""
     b = builder()
     p = Engine(b, instance="P", role="prefill", pid=1000)
-    d = Engine(b, instance="D", role="decode", pid=2000)
-    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
-    d.step({}, wait_kv={"r1": [7, 8]})
+    d = decode_waiting_for_kv(b, pid=2000)
     d.output()
     b.advance(int(wait_before_crash_s * S))
     d.step({})
@@ -230,9 +236,7 @@ def test_every_rank_reported_or_no_rank_rows_is_a_plain_leak():
 
 def test_receive_side_names_the_missing_rank():
     b = builder()
-    d = Engine(b, instance="D", role="decode", tp=2)
-    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
-    d.step({}, wait_kv={"r1": [7, 8]})
+    d = decode_waiting_for_kv(b, tp=2)
     d.ev("kv_recv_rank", component="worker", pid=2002, pp_rank=0, tp_rank=1, step=0, req="r1")
     d.output()
     b.advance(600 * S)
@@ -276,9 +280,7 @@ def test_a_peer_of_the_failed_engine_keeps_its_findings():
     """P fails; D, still waiting for P's KV 600 s later, is not excused: the policy is per scheduler."""
     b = builder()
     p = Engine(b, instance="P", role="prefill", pid=1000)
-    d = Engine(b, instance="D", role="decode", pid=2000)
-    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
-    d.step({}, wait_kv={"r1": [7, 8]})
+    d = decode_waiting_for_kv(b, pid=2000)
     d.output()
     p.step({})
     p._current = 0
@@ -300,9 +302,7 @@ def test_a_peer_of_the_failed_engine_keeps_its_findings():
 def test_a_wait_on_a_live_peer_does_not_cite_a_failure():
     b = builder()
     Engine(b, instance="P", role="prefill", pid=1000).step({})
-    d = Engine(b, instance="D", role="decode", pid=2000)
-    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1")
-    d.step({}, wait_kv={"r1": [7, 8]})
+    d = decode_waiting_for_kv(b, pid=2000)
     d.output()
     b.advance(600 * S)
     d.step({})
