@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from pdtrace.analysis.columns import (_CHECK_BLOCK, Columns, _numbered_by_first_seen, first_per_key, last_per_key,
-                                     order_by_pair)
+                                     order_by_key, order_by_pair)
 from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace
 
@@ -198,3 +198,14 @@ def test_order_by_pair_is_the_lexsort_or_none_when_already_in_order() -> None:
         else:
             np.testing.assert_array_equal(got, expected)
             assert not np.array_equal(expected, np.arange(n))
+
+
+def test_order_by_key_is_the_lexsort_of_key_then_value() -> None:
+    """The combined int64 key, and the lexsort it falls back to for negative keys or a span that would overflow."""
+    rng = np.random.default_rng(5)
+    for key_range, value_range in [((0, 5), (0, 9)), ((0, 3), (-(10**12), 10**12)), ((-3, 3), (0, 9)),
+                                   ((0, 2**40), (0, 2**30)), ((0, 1), (0, 1))]:
+        for n in (0, 1, 50, 3000):
+            key = rng.integers(*key_range, n, endpoint=True)
+            value = rng.integers(*value_range, n, endpoint=True)
+            np.testing.assert_array_equal(order_by_key(key, value), np.lexsort((value, key)))

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, Columns, block_lists, columns, positions, request_keys
+from pdtrace.analysis.columns import NO, Columns, block_lists, columns, order_by_key, positions, request_keys
 from pdtrace.analysis.parallel import shared_table
 
 OWNERSHIP_COLUMNS = (
@@ -123,7 +123,7 @@ class Ownership:
             ev_pos = np.concatenate([self.alloc_pos, self.free_pos[closed]])
             ev_delta = np.concatenate([np.ones(n_int, np.int64), -np.ones(int(closed.sum()), np.int64)])
             ev_id = np.concatenate([np.arange(n_int), np.flatnonzero(closed)])
-            order = _sort_by(ev_key, ev_pos)
+            order = order_by_key(ev_key, ev_pos)
             ev_key, ev_delta, ev_id = ev_key[order], ev_delta[order], ev_id[order]
             count_after = _running_count(ev_key, ev_delta)
             others = np.zeros(n_int, np.int64)
@@ -159,16 +159,6 @@ class Ownership:
         return self._shared
 
 
-def _sort_by(key: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Order by (key, pos); one argsort of a combined key when it fits in int64, else a lexsort."""
-    if len(key) == 0:
-        return np.empty(0, np.int64)
-    span = int(pos.max()) + 1
-    if int(key.max()) < (2**62) // max(span, 1):
-        return np.argsort(key.astype(np.int64) * span + pos, kind="stable")
-    return np.lexsort((pos, key))
-
-
 def _pool_block_key(sk: np.ndarray, block: np.ndarray, width: int) -> np.ndarray:
     return sk.astype(np.int64) * width + block.astype(np.int64)
 
@@ -186,7 +176,7 @@ def _build(cols: Columns) -> Ownership:
     pos = cols.pos[rows]
     width = int(cols.block_rows[1].max()) + 1 if len(cols.block_rows[1]) else 1
     key = rk.astype(np.int64) * width + block
-    order = _sort_by(key, pos)
+    order = order_by_key(key, pos)
     rows, block, is_alloc, rk, pos, key = (a[order] for a in (rows, block, is_alloc, rk, pos, key))
     del order
 
@@ -317,7 +307,7 @@ def _build_gaps(ctx: Any) -> ReleaseGaps:
     pos = np.concatenate([own.alloc_pos, own.free_pos[closed]])
     delta = np.concatenate([np.ones(len(own), np.int64), -np.ones(int(closed.sum()), np.int64)])
     row = np.concatenate([own.alloc_row, own.free_row[closed]])
-    order = _sort_by(key, pos)
+    order = order_by_key(key, pos)
     key, pos, delta, row = key[order], pos[order], delta[order], row[order]
     count = _running_count(key, delta)
     zero = np.flatnonzero((delta < 0) & (count == 0))

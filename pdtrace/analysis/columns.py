@@ -207,18 +207,32 @@ def _ramp(lengths: np.ndarray) -> np.ndarray:
     return np.arange(total) - starts
 
 
+def order_by_key(key: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """np.lexsort((value, key)), the stable order by key then value of two integer arrays, as one stable argsort
+    of the int64 `key * span + (value - min value)` where the keys are non-negative and that fits, else the
+    lexsort. Numpy's stable sort (timsort) merges the runs real traces have (a request's or a writer's rows in
+    time order); at 10M events it took 0.06 s where a quicksort of the same key took 0.2 s."""
+    if len(key) == 0:
+        return np.empty(0, np.intp)
+    low = int(value.min())
+    span = int(value.max()) - low + 1
+    if int(key.min()) >= 0 and int(key.max()) < (2**62) // span:
+        return np.argsort(key.astype(np.int64) * span + (value.astype(np.int64) - low), kind="stable")
+    return np.lexsort((value, key))
+
+
 def order_by_pair(primary: np.ndarray, secondary: np.ndarray) -> np.ndarray | None:
-    """np.lexsort((secondary, primary)), or None when the rows are in that order already: one O(n) comparison
+    """`order_by_key(primary, secondary)`, or None when the rows are in that order already: one O(n) comparison
     first. Exec spans and busy intervals usually are (each writer's part file holds its rows in seq order, and
-    the spans are built in lane order), and the lexsort (a merge sort per key) plus the gathers it implies cost
-    several ms per 100k rows in a fresh process."""
+    the spans are built in lane order), and the sort plus the gathers it implies cost several ms per 100k rows in
+    a fresh process."""
     if len(primary) < 2:
         return None
     ahead = primary[1:] > primary[:-1]
     tied = primary[1:] == primary[:-1]
     if bool((ahead | (tied & (secondary[1:] >= secondary[:-1]))).all()):
         return None
-    return np.lexsort((secondary, primary))
+    return order_by_key(primary, secondary)
 
 
 def int_column(table: pa.Table, name: str, dtype: Any = np.int64) -> np.ndarray:
