@@ -35,12 +35,6 @@ class OnceCache:
                 self._values[key] = build()
         return self._values[key]
 
-    def __contains__(self, key: Any) -> bool:
-        return key in self._values
-
-    def pop(self, key: Any, default: Any = None) -> Any:
-        return self._values.pop(key, default)
-
 
 class once_property(Generic[T]):
     """Like `functools.cached_property`, built at most once per instance even under threads (Python 3.12 dropped
