@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from pdtrace.analysis.once import OnceCache, once_property
 from pdtrace.analysis.parallel import shared_table
-from pdtrace.trace.model import Trace, parse_details
+from pdtrace.trace.model import Trace, parse_details, rows_by_chunk
 from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
 
 NO = -1  # the "absent" value of every code, key, step and position array
@@ -258,20 +258,8 @@ def gather(column: pa.ChunkedArray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     is_bool = pa.types.is_boolean(column.type)
     out = np.empty(len(rows), bool if is_bool else np.dtype(column.type.to_pandas_dtype()))
     valid = np.ones(len(rows), bool)
-    if len(rows) == 0:
-        return out, valid
-    ascending = bool((rows[1:] >= rows[:-1]).all())
-    order = None if ascending else np.argsort(rows, kind="stable")
-    sorted_rows = rows if order is None else rows[order]
-    starts = np.zeros(column.num_chunks + 1, np.int64)
-    np.cumsum([len(c) for c in column.chunks], out=starts[1:])
-    cuts = np.searchsorted(sorted_rows, starts)
-    for i, chunk in enumerate(column.chunks):
-        a, b = int(cuts[i]), int(cuts[i + 1])
-        if a == b:
-            continue
-        local = sorted_rows[a:b] - starts[i]
-        where = slice(a, b) if order is None else order[a:b]
+    for i, where, local in rows_by_chunk(column, rows):
+        chunk = column.chunk(i)
         if is_bool:
             out[where] = _bits_at(chunk.buffers()[1], chunk.offset, local)
         else:

@@ -130,6 +130,27 @@ class Trace:
         return Path(self.path).name if self.path else "<memory>"
 
 
+def rows_by_chunk(column: pa.ChunkedArray, rows: np.ndarray) -> list[tuple[int, slice | np.ndarray, np.ndarray]]:
+    """`rows` (in-bounds row indices, any order, repeats allowed) grouped by the chunk that holds them, chunks in
+    order: (chunk index, where those rows are in `rows` (a slice when `rows` ascend), their indices within the
+    chunk, ascending). One searchsorted of the chunk starts, and a stable argsort only when `rows` do not ascend;
+    nothing of the column is copied."""
+    rows = np.asarray(rows)
+    if len(rows) == 0:
+        return []
+    starts = np.zeros(column.num_chunks + 1, np.int64)
+    np.cumsum([len(c) for c in column.chunks], out=starts[1:])
+    order = None if bool((rows[1:] >= rows[:-1]).all()) else np.argsort(rows, kind="stable")
+    sorted_rows = rows if order is None else rows[order]
+    cuts = np.searchsorted(sorted_rows, starts)
+    parts = []
+    for i in range(column.num_chunks):  # per chunk (a few per file)
+        a, b = int(cuts[i]), int(cuts[i + 1])
+        if a < b:
+            parts.append((i, slice(a, b) if order is None else order[a:b], sorted_rows[a:b] - starts[i]))
+    return parts
+
+
 def take_rows(column: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
     """The column's values at `rows` (any order, repeats allowed), taken from the chunks that hold them:
     `ChunkedArray.take` concatenates every chunk first (a copy of a 10M-row string column for one row)."""
@@ -137,21 +158,12 @@ def take_rows(column: pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
     n = len(column)
     if column.num_chunks <= 1 or len(rows) == 0 or rows.min() < 0 or rows.max() >= n:
         return column.take(pa.array(rows))  # (also raises Arrow's own error for a row out of bounds)
-    starts = np.zeros(column.num_chunks + 1, np.int64)
-    np.cumsum([len(c) for c in column.chunks], out=starts[1:])
-    which = np.searchsorted(starts, rows, side="right") - 1
-    order = np.argsort(which, kind="stable")
-    w_sorted = which[order]
-    bounds = np.r_[np.flatnonzero(np.r_[True, w_sorted[1:] != w_sorted[:-1]]), len(order)]
-    pieces = []
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        chunk = int(w_sorted[a])
-        pieces.append(column.chunk(chunk).take(pa.array(rows[order[a:b]] - starts[chunk])))
-    got = pa.concat_arrays(pieces)
-    if np.array_equal(order, np.arange(len(order))):
+    parts = rows_by_chunk(column, rows)
+    got = pa.concat_arrays([column.chunk(i).take(pa.array(local)) for i, _, local in parts])
+    if all(isinstance(where, slice) for _, where, _ in parts):  # rows ascending: got is in their order
         return got
     inverse = np.empty(len(rows), np.int64)
-    inverse[order] = np.arange(len(rows))
+    inverse[np.concatenate([where for _, where, _ in parts])] = np.arange(len(rows))
     return got.take(pa.array(inverse))
 
 
