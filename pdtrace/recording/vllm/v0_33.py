@@ -762,6 +762,14 @@ def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
     executor.sample_tokens = wrapped_sample_tokens
 
 
+def _record_engine_error(st: Any, exc: BaseException, where: str, **more: Any) -> None:
+    """engine_error for what vLLM raised in `where`, flushed at once (the process is likely to die next)."""
+    st.eng.emit("engine_error", step=st.cur_step,
+                detail={"error": f"{type(exc).__name__}: {exc}", "where": where, **more})
+    st.cur_step = None
+    st.rec.flush()
+
+
 def _w_engine_step(where: str) -> Any:
     def factory(orig: Any) -> Any:
         def step(self: Any) -> Any:
@@ -776,10 +784,7 @@ def _w_engine_step(where: str) -> Any:
             except Exception as exc:
                 if st is not None and _RT.active:
                     try:
-                        st.eng.emit("engine_error", step=st.cur_step,
-                                    detail={"error": f"{type(exc).__name__}: {exc}", "where": where})
-                        st.cur_step = None
-                        st.rec.flush()
+                        _record_engine_error(st, exc, where)
                     except Exception as inner:
                         _RT.fail(where, inner)
                 raise
@@ -802,14 +807,9 @@ def _w_handle_client_request(orig: Any) -> Any:
             if _RT.active:
                 try:
                     st = self.__dict__.get(STATE_ATTR) or _sched_state(self.scheduler)
-                    detail: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}",
-                                              "where": "_handle_client_request",
-                                              "request": getattr(request_type, "name", str(request_type))}
-                    if detail["request"] == "ADD":
-                        detail["req"] = str(request[0].request_id)
-                    st.eng.emit("engine_error", step=st.cur_step, detail=detail)
-                    st.cur_step = None
-                    st.rec.flush()
+                    kind = getattr(request_type, "name", str(request_type))
+                    more = {"req": str(request[0].request_id)} if kind == "ADD" else {}
+                    _record_engine_error(st, exc, "_handle_client_request", request=kind, **more)
                 except Exception as inner:
                     _RT.fail("_handle_client_request", inner)
             raise
