@@ -20,6 +20,8 @@ class AnalysisConfig:
     starve_steps: int = 50
     #: Steps a running request may be neither scheduled nor finished before it is a `zombie`.
     zombie_steps: int = 50
+    #: Steps with preemptions and no token produced before a scheduler counts as livelocked (`no_progress`).
+    livelock_steps: int = 8
     #: Idle gaps on a PP rank shorter than this are not reported as bubbles (nanoseconds).
     bubble_min_ns: int = 1_000_000
     #: A rank whose idle fraction is at least this gets a warning-level pipeline_bubble finding.
