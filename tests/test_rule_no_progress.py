@@ -1,0 +1,143 @@
+"""no_progress: the livelocks of tests/scenarios_preemption.py, their thresholds and degraded inputs, and silence on
+busy-but-progressing controls, the healthy scenarios, random healthy runs and the shipped samples."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from pdtrace.analysis import analyze
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.registry import load_rules
+from pdtrace.analysis.rules.no_progress import RULE, run
+from pdtrace.trace.model import Trace, TraceFile
+from scenarios import HEALTHY, random_healthy
+from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
+from scenarios_preemption import CONTROLS, EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, recompute_thrash
+
+
+def findings(trace, **config):
+    return run(AnalysisContext(trace, AnalysisConfig().with_overrides(**config)))
+
+
+def rebuilt(trace: Trace, table: pa.Table) -> Trace:
+    return Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
+                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
+
+
+def without_kinds(trace: Trace, *kinds: str) -> Trace:
+    table = trace.table
+    keep = pc.invert(pc.is_in(pc.cast(table.column("kind"), pa.string()), pa.array(list(kinds))))
+    return rebuilt(trace, table.filter(keep))
+
+
+def without_sched_key(trace: Trace, key: str) -> Trace:
+    table = trace.table
+    kinds = pc.cast(table.column("kind"), pa.string()).to_pylist()
+    details = table.column("detail").to_pylist()
+    for i, (kind, detail) in enumerate(zip(kinds, details)):
+        if kind == "sched" and detail:
+            d = json.loads(detail)
+            d.pop(key, None)
+            details[i] = json.dumps(d)
+    at = table.schema.get_field_index("detail")
+    return rebuilt(trace, table.set_column(at, "detail", pa.array(details, pa.string())))
+
+
+def test_rule_object_is_registered():
+    assert RULE.id == "no_progress" and RULE.subrules == ("livelock",)
+    assert load_rules()["no_progress"] is RULE
+
+
+@pytest.mark.parametrize("name", sorted(LIVELOCKS))
+def test_each_livelock_is_one_warning(name):
+    rule, subrule, severity = EXPECTED[name]
+    f = findings(LIVELOCKS[name]())
+    assert list(zip(f["rule"], f["subrule"], f["severity"])) == [(rule, subrule, severity)]
+    extra = f.iloc[0]["extra"]
+    assert extra["tokens_produced"] == 0 and extra["open_at_end"] is True
+    assert extra["preemptions"] >= 2 and extra["queue"] >= 1
+    kinds = [e["kind"] for e in f.iloc[0]["evidence"]]
+    assert kinds[0] == "sched" and kinds[-1] == "sched" and "req_preempt" in kinds
+
+
+def test_the_cascade_reports_its_fenced_frees_and_counts():
+    f = findings(deferred_free_cascade(cycles=20))
+    extra = f.iloc[0]["extra"]
+    assert (extra["steps"], extra["preemptions"], extra["deferred_frees"], extra["queue"]) == (20, 19, 19, 2)
+    assert extra["requests"] == 3 and extra["min_free_blocks"] == 0
+    assert "19 of their frees deferred" in f.iloc[0]["message"]
+
+
+def test_the_thrash_has_no_deferred_free():
+    extra = findings(recompute_thrash(cycles=16)).iloc[0]["extra"]
+    assert (extra["steps"], extra["preemptions"], extra["deferred_frees"]) == (16, 15, 0)
+
+
+def test_the_window_closes_at_the_first_token():
+    f = findings(deferred_free_cascade(cycles=20, recover=True))
+    assert len(f) == 1
+    extra = f.iloc[0]["extra"]
+    assert extra["open_at_end"] is False and extra["last_step"] == 19
+
+
+def test_threshold_livelock_steps():
+    assert len(findings(recompute_thrash(cycles=6))) == 0
+    assert len(findings(recompute_thrash(cycles=6), livelock_steps=4)) == 1
+
+
+def test_without_step_outputs_the_steps_in_flight_come_from_engine_config():
+    for make in (deferred_free_cascade, recompute_thrash):
+        bare = without_kinds(make(), "step_output", "step_submit")
+        assert list(findings(bare)["subrule"]) == ["livelock"]
+
+
+def test_without_the_waiting_detail_the_victims_are_the_queue():
+    f = findings(without_sched_key(deferred_free_cascade(), "waiting"))
+    assert list(f["subrule"]) == ["livelock"] and f.iloc[0]["extra"]["queue"] == 3
+
+
+def test_a_recorder_gap_over_the_window_lowers_it_to_info():
+    trace = deferred_free_cascade()
+    table = trace.table
+    gap = table.slice(table.num_rows // 2, 1).to_pylist()[0]
+    gap.update(kind="recorder_gap", req=None, blocks=None, n=5, reason=None, deferred=None, detail=None)
+    from pdtrace.trace.builder import rows_to_table
+    f = findings(rebuilt(trace, pa.concat_tables([table, rows_to_table([gap])])))
+    assert list(f["severity"]) == ["info"] and f.iloc[0]["extra"]["downgraded"] == "recorder_gap"
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLS))
+def test_controls_give_nothing(name):
+    assert len(findings(CONTROLS[name]())) == 0
+
+
+@pytest.mark.parametrize("name", sorted(RACES))
+def test_races_are_not_livelocks(name):
+    assert len(findings(RACES[name]())) == 0
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_healthy_scenarios_give_nothing(name):
+    assert len(findings(HEALTHY[name]())) == 0
+
+
+@pytest.mark.parametrize("make", [healthy_pp4, few_requests_pp4, one_microbatch_pp4])
+def test_pipeline_runs_give_nothing(make):
+    assert len(findings(make())) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("pp", [1, 2])
+def test_random_healthy_runs_give_nothing(seed, pp):
+    """Random runs preempt 10% of the steps and recompute: busy, never stuck."""
+    assert len(findings(random_healthy(seed, pp=pp), livelock_steps=4)) == 0
+
+
+@pytest.mark.parametrize("name", sorted(LIVELOCKS))
+def test_livelocks_have_no_error_from_any_rule(name):
+    assert "error" not in set(analyze(LIVELOCKS[name]())["severity"])
