@@ -17,7 +17,8 @@ from pdtrace.analysis.rules.no_progress import RULE, run
 from pdtrace.trace.model import Trace, TraceFile
 from scenarios import HEALTHY, random_healthy
 from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
-from scenarios_preemption import CONTROLS, EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, recompute_thrash
+from scenarios_preemption import (CONTROLS, EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, recompute_thrash,
+                                  set_queue)
 
 
 def findings(trace, **config):
@@ -141,3 +142,37 @@ def test_random_healthy_runs_give_nothing(seed, pp):
 @pytest.mark.parametrize("name", sorted(LIVELOCKS))
 def test_livelocks_have_no_error_from_any_rule(name):
     assert "error" not in set(analyze(LIVELOCKS[name]())["severity"])
+
+
+def test_a_resumed_long_prefill_keeps_its_work_and_is_silent():
+    """The prefill's own request was preempted once before, so its schedules are not kept work by default: the
+    thrown-away share decides, and its chunks are not thrown away."""
+    from scenarios import Engine, builder
+
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=64)
+    e.add("d1", n=16)
+    e.add("d2", n=16)
+    e.add("big", n=384)
+    e.step({"d1": 16, "d2": 16, "big": 32}, alloc={"d1": [1], "d2": [2], "big": [3, 4]})
+    e.output()
+    e.step({"d1": 1, "d2": 1}, preempt={"big": [3, 4]})
+    e.output()
+    for i in range(12):
+        preempt = {"d1": [1], "d2": [2]} if i == 0 else None
+        k = e.step({"big": 32}, alloc={"big": [5 + 2 * i, 6 + 2 * i]}, preempt=preempt)
+        set_queue(e, k, waiting=2, free_blocks=2)
+        e.output()
+    trace = b.trace()
+    assert len(findings(trace)) == 0
+    # the same stretch with the prefill thrown away at every step is a livelock
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=64)
+    e.add("big", n=384)
+    e.add("d1", n=16)
+    for i in range(12):
+        cur, victim = ("big", "d1") if i % 2 == 0 else ("d1", "big")
+        k = e.step({cur: 32 if cur == "big" else 8}, alloc={cur: [1, 2]}, preempt={victim: [1, 2]} if i else None)
+        set_queue(e, k, waiting=1, free_blocks=0)
+        e.output()
+    assert list(findings(b.trace())["subrule"]) == ["livelock"]
