@@ -66,29 +66,45 @@ def _finish_all(e: Engine) -> None:
     e.finish("b", reason="stop")
 
 
+def hand_over(e: Engine, hits: int = 0) -> None:
+    """c arrives; a needs a block, so b, the last running, is preempted and c gets b's blocks 3, 4 in the same
+    schedule() (a prefill: it writes them; `hits` of them as prefix-cache hits, which only read)."""
+    e.add("c", n=32)
+    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]}, hits={"c": hits})
+
+
+def late_report(connector: str, kind: str = "kv_send_rank", tp: int = 1, early_rank: int | None = None,
+                late_rank: int | None = 0, report_step: int = 3, hits: int = 0) -> Trace:
+    """b's KV is being stored (or loaded, `kind` kv_recv_rank) by `connector` when b is preempted and c takes its
+    blocks: rank `early_rank` reports it before the preemption (step 1), rank `late_rank` at `report_step` (2: in
+    the step of c's first write, 3: the step after); None: no report."""
+    b = builder()
+    e = store_engine(b, connector, tp=tp)
+    _pressure(e)
+    if early_rank is not None:
+        rank_report(e, kind, "b", step=1, tp_rank=early_rank)
+    e.output()
+    hand_over(e, hits)
+    if late_rank is not None and report_step == 2:
+        rank_report(e, kind, "b", step=2, tp_rank=late_rank)
+    e.output()
+    e.step({"a": 1, "c": 1})
+    if late_rank is not None and report_step == 3:
+        rank_report(e, kind, "b", step=3, tp_rank=late_rank)
+    e.output()
+    _finish_all(e)
+    return b.trace()
+
+
 # -- preemption races ---------------------------------------------------------------------------------------------
 def store_outlives_preemption(report_step: int = 3, hits: int = 0) -> Trace:
     """MooncakeStoreConnector: the store job of b's KV, queued on the sending thread, completes (b's
-    `kv_send_rank`) two steps after b was preempted and c's prefill began writing b's old blocks: c's KV is stored
+    `kv_send_rank`) a step after b was preempted and c's prefill began writing b's old blocks: c's KV is stored
     under b's keys. vllm #52360 (the bug), #52470 (abort the store jobs on preemption), LMCache #4955 (the same
     block-lifetime race for LMCache's MP STORE), DingoCache #76 (fence the saves before the next forward).
     `report_step` moves the completion (2: in the step of c's first write), `hits` makes c's allocation of the
     blocks prefix-cache hits."""
-    b = builder()
-    e = store_engine(b, "MooncakeStoreConnector")
-    _pressure(e)
-    e.output()
-    e.add("c", n=32)
-    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]}, hits={"c": hits})
-    if report_step == 2:
-        rank_report(e, "kv_send_rank", "b", step=2)
-    e.output()
-    e.step({"a": 1, "c": 1})
-    if report_step == 3:
-        rank_report(e, "kv_send_rank", "b", step=3)
-    e.output()
-    _finish_all(e)
-    return b.trace()
+    return late_report("MooncakeStoreConnector", report_step=report_step, hits=hits)
 
 
 def straggler_rank_after_preemption() -> Trace:
@@ -97,19 +113,7 @@ def straggler_rank_after_preemption() -> Trace:
     preempted requests, `handle_preemptions` waits for the pending jobs), vllm-ascend #10820 (preempt-offload
     stores aggregated over every rank before the request may resume), vllm #51637 (MooncakeStore async store job
     accounting across preemption)."""
-    b = builder()
-    e = store_engine(b, "OffloadingConnector", tp=2)
-    _pressure(e)
-    rank_report(e, "kv_send_rank", "b", step=1, tp_rank=0)
-    e.output()
-    e.add("c", n=32)
-    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]})
-    e.output()
-    e.step({"a": 1, "c": 1})
-    rank_report(e, "kv_send_rank", "b", step=3, tp_rank=1)
-    e.output()
-    _finish_all(e)
-    return b.trace()
+    return late_report("OffloadingConnector", tp=2, early_rank=0, late_rank=1)
 
 
 def preempted_under_step_in_flight() -> Trace:
@@ -121,8 +125,7 @@ def preempted_under_step_in_flight() -> Trace:
     b = builder()
     e = store_engine(b, "LMCacheConnectorV1", async_scheduling=True)
     _pressure(e)  # step 1 submitted, step 0 done
-    e.add("c", n=32)
-    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]})
+    hand_over(e)
     e.output()  # step 1, after c's write was scheduled
     _finish_all(e)
     return b.trace()
@@ -132,16 +135,7 @@ def preempted_under_step_in_flight() -> Trace:
 def store_done_before_preemption() -> Trace:
     """The store_outlives_preemption order with the store finished on every rank before b is preempted: the
     hand-over is safe (vllm #52470's intended order)."""
-    b = builder()
-    e = store_engine(b, "MooncakeStoreConnector")
-    _pressure(e)
-    rank_report(e, "kv_send_rank", "b", step=1)
-    e.output()
-    e.add("c", n=32)
-    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]})
-    e.output()
-    _finish_all(e)
-    return b.trace()
+    return late_report("MooncakeStoreConnector", early_rank=0, late_rank=None)
 
 
 def store_done_before_reuse() -> Trace:
@@ -185,8 +179,7 @@ def in_flight_plain_compute() -> Trace:
     b = builder()
     e = Engine(b, instance="E", role="both", num_blocks=16)
     _pressure(e)
-    e.add("c", n=32)
-    e.step({"a": 1, "c": 32}, alloc={"a": [5], "c": [3, 4]}, preempt={"b": [3, 4]})
+    hand_over(e)
     e.output()
     _finish_all(e)
     return b.trace()
@@ -338,3 +331,13 @@ EXPECTED: dict[str, tuple[str, str, str]] = {
 
 def all_scenarios() -> dict[str, Callable[[], Any]]:
     return {**RACES, **LIVELOCKS, **CONTROLS}
+
+
+def quiet_scenarios() -> dict[str, Callable[[], Trace]]:
+    """Every trace neither preemption rule may report: the controls above, the healthy lifecycles of
+    tests/scenarios.py and the PP runs of tests/scenarios_pipeline.py."""
+    from scenarios import HEALTHY
+    from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
+
+    pipeline = {f.__name__: f for f in (healthy_pp4, few_requests_pp4, one_microbatch_pp4)}
+    return {**CONTROLS, **{f"healthy_{k}": v for k, v in HEALTHY.items()}, **pipeline}

@@ -15,10 +15,9 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import load_rules
 from pdtrace.analysis.rules.no_progress import RULE, run
 from pdtrace.trace.model import Trace, TraceFile
-from scenarios import HEALTHY, random_healthy
-from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
-from scenarios_preemption import (CONTROLS, EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, recompute_thrash,
-                                  set_queue)
+from scenarios import random_healthy
+from scenarios_preemption import (EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, quiet_scenarios,
+                                  recompute_thrash, set_queue)
 
 
 def findings(trace, **config):
@@ -112,24 +111,14 @@ def test_a_recorder_gap_over_the_window_lowers_it_to_info():
     assert list(f["severity"]) == ["info"] and f.iloc[0]["extra"]["downgraded"] == "recorder_gap"
 
 
-@pytest.mark.parametrize("name", sorted(CONTROLS))
-def test_controls_give_nothing(name):
-    assert len(findings(CONTROLS[name]())) == 0
+@pytest.mark.parametrize("name", sorted(quiet_scenarios()))
+def test_controls_and_healthy_runs_give_nothing(name):
+    assert len(findings(quiet_scenarios()[name]())) == 0
 
 
 @pytest.mark.parametrize("name", sorted(RACES))
 def test_races_are_not_livelocks(name):
     assert len(findings(RACES[name]())) == 0
-
-
-@pytest.mark.parametrize("name", sorted(HEALTHY))
-def test_healthy_scenarios_give_nothing(name):
-    assert len(findings(HEALTHY[name]())) == 0
-
-
-@pytest.mark.parametrize("make", [healthy_pp4, few_requests_pp4, one_microbatch_pp4])
-def test_pipeline_runs_give_nothing(make):
-    assert len(findings(make())) == 0
 
 
 @pytest.mark.parametrize("seed", range(12))
