@@ -26,7 +26,7 @@ rows of the kinds involved, one sort each):
    `sched` row counts its `empty_run`), tokens scheduled, the distinct requests scheduled, the largest `waiting`
    of the `sched` detail and the lowest `free_blocks`; and, searchsorted the same way, its `req_preempt` rows and
    how many of the preemptions' `blocks_free` rows were deferred (a fence).
-3. `livelock` (warning): a window of at least `livelock_steps` steps (AnalysisConfig, default 8) with at least two
+3. `livelock` (warning): a window of at least `livelock_steps` steps (AnalysisConfig, default 4) with at least two
    preemptions, no progress, at least half of its `req_sched` rows thrown away (the request's next event is a
    `req_preempt`), and
    requests waiting (`waiting` > 0 on some step, or, where the detail lacks it, the preempted victims).
