@@ -176,3 +176,22 @@ def test_without_engine_config_only_the_connector_guess_is_lost(name):
     else:
         assert list(zip(stripped["subrule"], stripped["severity"], stripped["req"])) == \
             list(zip(full["subrule"], full["severity"], full["req"]))
+
+
+def test_a_hand_made_trace_without_the_new_owners_schedules_still_counts_its_allocation():
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pdtrace.trace.model import Trace, TraceFile
+
+    trace = store_outlives_preemption()
+    table = trace.table
+    c_sched = pc.and_(pc.equal(pc.cast(table.column("kind"), pa.string()), "req_sched"),
+                      pc.equal(pc.cast(table.column("req"), pa.string()), "c"))
+    table = table.filter(pc.invert(pc.fill_null(c_sched, False)))
+    bare = Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
+                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
+    f = findings(bare)
+    assert list(zip(f["subrule"], f["severity"])) == [("async_store", "error")]
+    notes = [e.get("note") for e in f.iloc[0]["evidence"] if e["kind"] == "blocks_alloc"]
+    assert notes == ["handed to c, which writes them from here"]

@@ -68,6 +68,7 @@ class Produced:
     sk: np.ndarray
     pos: np.ndarray
     wasted_rows: np.ndarray
+    busy: np.ndarray         # per scheduler key: at least two preemptions (the only schedulers looked at)
 
 
 def _steps_in_flight(ctx: Any) -> np.ndarray:
@@ -109,7 +110,7 @@ def _build(ctx: Any) -> Produced:
     preempts = np.bincount(cols.sk[cols.req_rows("req_preempt")], minlength=len(cols.sk_names))
     busy = preempts >= 2
     if not busy.any():
-        return Produced(empty, empty, empty, empty)
+        return Produced(empty, empty, empty, empty, busy)
     has_outputs = si.has_outputs if len(si.has_outputs) else np.zeros(len(cols.sk_names), bool)
     # requests never preempted keep all their work: each of their schedules is progress once its step's output came
     kept = cols.req_rows("req_sched")
@@ -157,7 +158,7 @@ def _build(ctx: Any) -> Produced:
     # the token exists once the step's output is processed
     placed = np.where(produced[keep] & has_out[keep], out_pos[keep], pos[keep])
     return Produced(np.concatenate([kept, rows[keep]]), np.concatenate([kept_sk, sk[keep]]).astype(np.int64),
-                    np.concatenate([kept_pos, placed]).astype(np.int64), rows[is_sched & next_preempt])
+                    np.concatenate([kept_pos, placed]).astype(np.int64), rows[is_sched & next_preempt], busy)
 
 
 @shared_table(request_state, step_index, cost=0.1)
@@ -169,11 +170,14 @@ def produced_tokens(ctx: Any) -> Produced:
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     prod = produced_tokens(ctx)
+    if not prod.busy.any():
+        return findings_frame([])
     frame = _step_frame(ctx)
-    frame = frame[frame["row"] >= 0]
+    frame = frame[frame["row"].to_numpy() >= 0]
+    frame = frame[prod.busy[cols.sk[frame["row"].to_numpy()]]]
     sched_rows = frame["row"].to_numpy()
     preempt_rows = cols.req_rows("req_preempt")
-    if len(sched_rows) == 0 or len(preempt_rows) == 0:
+    if len(sched_rows) == 0:
         return findings_frame([])
     span = int(cols.n) + 2
     prod_key = np.sort(prod.sk * span + prod.pos)

@@ -14,7 +14,8 @@ Algorithm (positions are the global time order of `pdtrace.analysis.columns`):
    `blocks_free` with reason `preempted` whose block went back to the pool (no other holder right after the free)
    and whose next holder is another request Q, not as a prefix-cache hit (the block's index in Q's `blocks_alloc`
    list is at or past the row's detail `hit`: a hit reads the victim's KV, it does not write). For each: Q's
-   allocation, Q's first write (its first `req_sched` or `req_wait_kv` at or after the allocation), the victim's
+   allocation, Q's first write (its first `req_sched` or `req_wait_kv` at or after the allocation; the allocation
+   itself where neither was recorded: allocate_slots runs for a request being scheduled), the victim's
    resume (its next `blocks_alloc` after the free) and its last `req_sched` before the free (the step that used the
    blocks). One searchsorted join per lookup, over all hand-overs at once.
 2. Work of the victim still open at Q's first write, in this order (one subrule per hand-over):
@@ -100,10 +101,12 @@ def _index_in_row(cols: Columns, rows: np.ndarray, blocks: np.ndarray) -> np.nda
     if len(rows) == 0 or len(flat_rows) == 0:
         return out
     wanted = np.unique(rows)
-    mine = np.flatnonzero(np.isin(flat_rows, wanted))
+    # a row's entries are contiguous and in list order (flat_rows ascends): one range per wanted row
+    lo = np.searchsorted(flat_rows, wanted, "left")
+    length = np.searchsorted(flat_rows, wanted, "right") - lo
+    index = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+    mine = np.repeat(lo, length) + index
     entry_rows = flat_rows[mine].astype(np.int64)
-    first = np.searchsorted(entry_rows, entry_rows, "left")  # entries of one row are contiguous, in list order
-    index = np.arange(len(mine)) - first
     width = int(max(int(flat_ids.max()), int(blocks.max()))) + 1
     key = entry_rows * width + flat_ids[mine]
     order = np.argsort(key, kind="stable")
@@ -141,6 +144,9 @@ def _build(ctx: Any) -> Handovers:
     w_rows = cols.req_rows("req_sched", "req_wait_kv")
     w_idx = next_at_or_after(owner, own.alloc_pos[nxt].astype(np.int64), cols.rk[w_rows], cols.pos[w_rows])
     write_row = np.where(w_idx >= 0, w_rows[np.maximum(w_idx, 0)] if len(w_rows) else NO, NO).astype(np.int64)
+    # no req_sched / req_wait_kv recorded after it (a hand-made trace): allocate_slots runs for a request being
+    # scheduled, so the allocation stands for the write
+    write_row = np.where(write_row >= 0, write_row, alloc_row)
     write_pos = np.where(write_row >= 0, cols.pos[np.maximum(write_row, 0)], NO).astype(np.int64)
     write_is_load = (write_row >= 0) & (cols.codes("kind")[0][np.maximum(write_row, 0)]
                                         == cols.code_of("kind", "req_wait_kv"))
@@ -266,8 +272,11 @@ def run(ctx: Any) -> pd.DataFrame:
         evidence.append(free_ref)
         if h.sched_row[i] >= 0:
             evidence.append(ev.ref(int(h.sched_row[i]), f"step {int(step[i])} used the blocks"))
-        evidence.append(ev.ref(int(h.alloc_row[i]), f"handed to {owner}"))
-        evidence.append(ev.ref(int(h.write_row[i]), f"{owner} writes them from here"))
+        if h.write_row[i] != h.alloc_row[i]:
+            evidence.append(ev.ref(int(h.alloc_row[i]), f"handed to {owner}"))
+            evidence.append(ev.ref(int(h.write_row[i]), f"{owner} writes them from here"))
+        else:
+            evidence.append(ev.ref(int(h.alloc_row[i]), f"handed to {owner}, which writes them from here"))
         severity = "error"
         extra: dict[str, Any] = {"new_owner": owner, "victim_step": int(step[i]) if step[i] >= 0 else None}
         what = verb = ""
