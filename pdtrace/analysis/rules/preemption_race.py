@@ -43,7 +43,8 @@ reports for `late_rank_report`).
 Not seen by the vLLM 0.33 hooks: connectors report a store job's completion (`finished_sending`) only for finished
 requests, so a store of a running request that a preemption interrupts leaves no row; those traces show
 `step_in_flight` at most. A `computed_tokens` check (a resumed request's `num_computed_tokens` against its block
-table) needs the computed-token count, which no kind records.
+table) needs the computed-token count, which no kind records: `blocks_alloc` has `external` only for asynchronous
+loads, so a prefix a connector loads synchronously on the resume looks the same as a count that went wrong.
 """
 
 from __future__ import annotations
