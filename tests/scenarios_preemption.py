@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from pdtrace.trace.builder import EventBuilder
-from pdtrace.trace.model import Trace
+from pdtrace.trace.model import Trace, TraceFile
 from scenarios import Engine, builder
 
 
@@ -40,6 +43,21 @@ def set_queue(e: Engine, step: int, waiting: int, free_blocks: int) -> None:
             detail = json.loads(row["detail"])
             detail.update(waiting=waiting, free_blocks=free_blocks)
             row["detail"] = json.dumps(detail, separators=(",", ":"))
+
+
+def retable(table: pa.Table) -> Trace:
+    """A Trace of an edited event table (as EventBuilder.trace makes one)."""
+    return Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
+                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
+
+
+def without(trace: Trace, kinds: tuple[str, ...] = (), req: str | None = None) -> Trace:
+    """The trace without the rows of these kinds (only those of request `req` when given)."""
+    table = trace.table
+    drop = pc.is_in(pc.cast(table.column("kind"), pa.string()), pa.array(list(kinds), pa.string()))
+    if req is not None:
+        drop = pc.and_(drop, pc.fill_null(pc.equal(pc.cast(table.column("req"), pa.string()), req), False))
+    return retable(table.filter(pc.invert(drop)))
 
 
 def _pressure(e: Engine) -> None:
@@ -190,8 +208,9 @@ def deferred_free_cascade(cycles: int = 20, recover: bool = False) -> Trace:
     """Async KV consumer with two batches in flight and deferred frees (MooncakeStore kv pool): each schedule()
     preempts the request the step before re-admitted (its free is fenced behind that step, so the pool does not
     grow) and re-admits the next victim; every schedule is thrown away before its output, no token comes out while
-    two requests wait; the trace ends with the last step in flight. vllm #49674 (zero-progress preemption cascades with deferred frees), #49675 (the fix: stop
-    the retry when the victim is fenced), vllm-ascend #16315 (0 tok/s with async scheduling + kv pool).
+    two requests wait; the trace ends with the last step in flight. vllm #49674 (zero-progress preemption cascades
+    with deferred frees), #49675 (the fix: stop the retry when the victim is fenced), vllm-ascend #16315 (0 tok/s
+    with async scheduling + kv pool).
     `recover`: afterwards the last admitted request runs alone and produces (the fix's behaviour)."""
     b = builder()
     e = store_engine(b, "MooncakeStoreConnector", pp=2, defer_block_free=True, num_blocks=4)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 
 from pdtrace.analysis import analyze
@@ -14,30 +13,19 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import load_rules
 from pdtrace.analysis.rules.no_progress import RULE, run
-from pdtrace.trace.model import Trace, TraceFile
+from pdtrace.trace.model import Trace
 from scenarios import random_healthy
 from scenarios_preemption import (EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, quiet_scenarios,
-                                  recompute_thrash, set_queue)
+                                  recompute_thrash, retable, set_queue, without)
 
 
 def findings(trace, **config):
     return run(AnalysisContext(trace, AnalysisConfig().with_overrides(**config)))
 
 
-def rebuilt(trace: Trace, table: pa.Table) -> Trace:
-    return Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
-                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
-
-
-def without_kinds(trace: Trace, *kinds: str) -> Trace:
-    table = trace.table
-    keep = pc.invert(pc.is_in(pc.cast(table.column("kind"), pa.string()), pa.array(list(kinds))))
-    return rebuilt(trace, table.filter(keep))
-
-
 def without_sched_key(trace: Trace, key: str) -> Trace:
     table = trace.table
-    kinds = pc.cast(table.column("kind"), pa.string()).to_pylist()
+    kinds = [str(k) for k in table.column("kind").to_pylist()]
     details = table.column("detail").to_pylist()
     for i, (kind, detail) in enumerate(zip(kinds, details)):
         if kind == "sched" and detail:
@@ -45,7 +33,7 @@ def without_sched_key(trace: Trace, key: str) -> Trace:
             d.pop(key, None)
             details[i] = json.dumps(d)
     at = table.schema.get_field_index("detail")
-    return rebuilt(trace, table.set_column(at, "detail", pa.array(details, pa.string())))
+    return retable(table.set_column(at, "detail", pa.array(details, pa.string())))
 
 
 def test_rule_object_is_registered():
@@ -92,7 +80,7 @@ def test_threshold_livelock_steps():
 
 def test_without_step_outputs_the_steps_in_flight_come_from_engine_config():
     for make in (deferred_free_cascade, recompute_thrash):
-        bare = without_kinds(make(), "step_output", "step_submit")
+        bare = without(make(), ("step_output", "step_submit"))
         assert list(findings(bare)["subrule"]) == ["livelock"]
 
 
@@ -107,7 +95,7 @@ def test_a_recorder_gap_over_the_window_lowers_it_to_info():
     gap = table.slice(table.num_rows // 2, 1).to_pylist()[0]
     gap.update(kind="recorder_gap", req=None, blocks=None, n=5, reason=None, deferred=None, detail=None)
     from pdtrace.trace.builder import rows_to_table
-    f = findings(rebuilt(trace, pa.concat_tables([table, rows_to_table([gap])])))
+    f = findings(retable(pa.concat_tables([table, rows_to_table([gap])])))
     assert list(f["severity"]) == ["info"] and f.iloc[0]["extra"]["downgraded"] == "recorder_gap"
 
 

@@ -13,7 +13,8 @@ from pdtrace.analysis.registry import load_rules
 from pdtrace.analysis.rules.preemption_race import RULE, preempt_handovers, run
 from scenarios import Engine, builder, random_healthy
 from scenarios_preemption import (CONTROLS, EXPECTED, LIVELOCKS, RACES, _finish_all, _pressure, hand_over,
-                                  late_report, quiet_scenarios, rank_report, store_engine, store_outlives_preemption)
+                                  late_report, quiet_scenarios, rank_report, store_engine, store_outlives_preemption,
+                                  without)
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 
@@ -161,15 +162,8 @@ def test_controls_have_no_error_from_any_rule(name):
 def test_without_engine_config_only_the_connector_guess_is_lost(name):
     """Stripped of engine_config, the completion-based subrules stand as they were; step_in_flight, which needs to
     know that the connector saves in the background, goes silent (no store completion in the trace says so)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from pdtrace.trace.model import Trace, TraceFile
-
     trace = RACES[name]()
-    table = trace.table.filter(pc.not_equal(pc.cast(trace.table.column("kind"), pa.string()), "engine_config"))
-    bare = Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
-                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
+    bare = without(trace, ("engine_config",))
     full, stripped = findings(trace), findings(bare)
     if EXPECTED[name][1] == "step_in_flight":
         assert len(stripped) == 0
@@ -179,18 +173,7 @@ def test_without_engine_config_only_the_connector_guess_is_lost(name):
 
 
 def test_a_hand_made_trace_without_the_new_owners_schedules_still_counts_its_allocation():
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from pdtrace.trace.model import Trace, TraceFile
-
-    trace = store_outlives_preemption()
-    table = trace.table
-    c_sched = pc.and_(pc.equal(pc.cast(table.column("kind"), pa.string()), "req_sched"),
-                      pc.equal(pc.cast(table.column("req"), pa.string()), "c"))
-    table = table.filter(pc.invert(pc.fill_null(c_sched, False)))
-    bare = Trace.from_table(table, files=[TraceFile(path="<memory>", rows=table.num_rows, schema_version="1",
-                                                    pdtrace_version="test", source="synthetic", dropped_events=0)])
+    bare = without(store_outlives_preemption(), ("req_sched",), req="c")
     f = findings(bare)
     assert list(zip(f["subrule"], f["severity"])) == [("async_store", "error")]
     notes = [e.get("note") for e in f.iloc[0]["evidence"] if e["kind"] == "blocks_alloc"]
