@@ -354,9 +354,10 @@ def all_scenarios() -> dict[str, Callable[[], Any]]:
 
 def quiet_scenarios() -> dict[str, Callable[[], Trace]]:
     """Every trace neither preemption rule may report: the controls above, the healthy lifecycles of
-    tests/scenarios.py and the PP runs of tests/scenarios_pipeline.py."""
+    tests/scenarios.py and every PP run of tests/scenarios_pipeline.py (bubbles, no preemption)."""
+    import scenarios_pipeline as sp
     from scenarios import HEALTHY
-    from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
 
-    pipeline = {f.__name__: f for f in (healthy_pp4, few_requests_pp4, one_microbatch_pp4)}
+    pipeline = {f.__name__: f for f in (sp.healthy_pp4, sp.few_requests_pp4, sp.one_microbatch_pp4, sp.slow_stage_pp4,
+                                        sp.slow_scheduler_pp4, sp.two_waves_pp4)}
     return {**CONTROLS, **{f"healthy_{k}": v for k, v in HEALTHY.items()}, **pipeline}
