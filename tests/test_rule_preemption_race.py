@@ -178,3 +178,21 @@ def test_a_hand_made_trace_without_the_new_owners_schedules_still_counts_its_all
     assert list(zip(f["subrule"], f["severity"])) == [("async_store", "error")]
     notes = [e.get("note") for e in f.iloc[0]["evidence"] if e["kind"] == "blocks_alloc"]
     assert notes == ["handed to c, which writes them from here"]
+
+
+@pytest.mark.parametrize("how", ["external", "remote_prefill"])
+def test_an_asynchronous_load_without_its_wait_kv_row_under_a_step_in_flight_is_an_error(how):
+    """vllm #45357 / vllm-ascend #14055: a KV consumer's load into the blocks is not ordered after the in-flight
+    step; a trace that shows the load only by the allocation's `external` count or the request's remote_prefill."""
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=16)
+    _pressure(e)
+    e.add("c", n=32, **({"remote_prefill": True} if how == "remote_prefill" else {}))
+    e.step({"a": 1}, alloc={"a": [5]}, preempt={"b": [3, 4]})
+    e.ev("blocks_alloc", step=2, req="c", blocks=[3, 4], detail={"hit": 0, "external": 2} if how == "external"
+         else None)
+    e.output()
+    _finish_all(e)
+    f = findings(b.trace())
+    assert list(zip(f["subrule"], f["severity"])) == [("step_in_flight", "error")]
+    assert f.iloc[0]["extra"]["async_load"] is True and "asynchronous load" in f.iloc[0]["message"]

@@ -15,7 +15,8 @@ Algorithm (positions are the global time order of `pdtrace.analysis.columns`):
    and whose next holder is another request Q, not as a prefix-cache hit (the block's index in Q's `blocks_alloc`
    list is at or past the row's detail `hit`: a hit reads the victim's KV, it does not write). For each: Q's
    allocation, Q's first write (its first `req_sched` or `req_wait_kv` at or after the allocation; the allocation
-   itself where neither was recorded: allocate_slots runs for a request being scheduled), the victim's
+   itself where neither was recorded, allocate_slots runs for a request being scheduled, or where the allocation is
+   an asynchronous load's destination that no `req_wait_kv` shows, see `step_in_flight`), the victim's
    resume (its next `blocks_alloc` after the free) and its last `req_sched` before the free (the step that used the
    blocks). One searchsorted join per lookup, over all hand-overs at once.
 2. Work of the victim still open at Q's first write, in this order (one subrule per hand-over):
@@ -29,13 +30,16 @@ Algorithm (positions are the global time order of `pdtrace.analysis.columns`):
      pass, `handle_preemptions`): warning.
    - `async_load` (error): the same for a receive (`kv_recv_done`, or `kv_recv_rank` with no earlier rank): a load
      for the victim wrote blocks Q owned.
-   - `step_in_flight` (warning): none of the above, the victim's last step before the free had no `step_output` yet
-     when Q began writing, Q's write is not an asynchronous load (`req_wait_kv`: premature_free's
-     `async_load_reuse` reports those), and the scheduler's connector saves running requests' KV in the background:
-     engine_config `connector` names a store or offload connector (`STORE_CONNECTOR_WORDS`), or the trace has a
-     `kv_send_rank` / `kv_send_done` of this scheduler for a request not finished at the time. The step's save job
-     may read the blocks after Q's write unless the connector flushes it on preemption: a warning, not an error
-     (the trace cannot show the flush). Without either signal it is silent: plain compute on one stream is ordered.
+   - `step_in_flight`: none of the above, the victim's last step before the free had no `step_output` yet when Q
+     began writing, Q's write is not a `req_wait_kv` (premature_free's `async_load_reuse` reports those), and
+     either Q's allocation is still an asynchronous load's destination (`blocks_alloc` detail `external` > 0, or
+     Q's first allocation with `req_add` detail `remote_prefill`: a trace without the `req_wait_kv` row): error,
+     the load is not ordered after the step's writes (vllm #45357); or the scheduler's connector saves running
+     requests' KV in the background (engine_config `connector` names a store or offload connector,
+     `STORE_CONNECTOR_WORDS`, or the trace has a `kv_send_rank` / `kv_send_done` of this scheduler for a request
+     not finished at the time): warning, the step's save job may read the blocks after Q's write unless the
+     connector flushes it on preemption (the trace cannot show the flush). Otherwise silent: plain compute on one
+     stream is ordered.
 One finding per (free row, new owner, subrule), the blocks grouped; evidence: the preemption, the free, the step
 that used the blocks, the hand-over allocation, Q's first write, and the late completion (plus the earlier rank
 reports for `late_rank_report`).
@@ -56,7 +60,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import NO, Columns, columns, last_before, next_at_or_after
+from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_before, next_at_or_after
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.registry import Rule
@@ -64,7 +68,7 @@ from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import (Evidence, engine_configs, fmt_blocks, groups, int_column_at, sk_instance,
                                       step_index)
 from pdtrace.analysis.rules.premature_free import last_sched_before
-from pdtrace.analysis.steps import detail_int
+from pdtrace.analysis.steps import detail_int, detail_numbers
 
 #: Words of an engine_config `connector` name that mark a connector saving running requests' KV in the background.
 STORE_CONNECTOR_WORDS = ("offload", "lmcache", "store", "flexkv", "3fs")
@@ -87,7 +91,8 @@ class Handovers:
     alloc_row: np.ndarray    # the new owner's allocation
     write_row: np.ndarray    # the new owner's first req_sched / req_wait_kv at or after its allocation
     write_pos: np.ndarray
-    write_is_load: np.ndarray
+    write_is_load: np.ndarray   # the first write is a req_wait_kv (an asynchronous load the trace shows)
+    load_unseen: np.ndarray     # the allocation is an asynchronous load's destination with no req_wait_kv row
     resume_pos: np.ndarray   # the victim's next blocks_alloc after the free (NO: never)
     sched_row: np.ndarray    # the victim's last req_sched before the free
 
@@ -119,6 +124,28 @@ def _index_in_row(cols: Columns, rows: np.ndarray, blocks: np.ndarray) -> np.nda
     return out
 
 
+def _loads_without_wait_kv(ctx: Any, alloc_row: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """Per hand-over: the new owner's allocation is an asynchronous load's destination although no `req_wait_kv`
+    row shows it: its `blocks_alloc` detail has `external` > 0, or, on a scheduler with no `req_wait_kv` row at all
+    (a trace written without the kind), it is the first allocation of a request whose `req_add` says
+    `remote_prefill` (where the kind is recorded, such a request with no wait had its prefix locally)."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    if len(alloc_row) == 0:
+        return np.zeros(0, bool)
+    rows, which = np.unique(alloc_row, return_inverse=True)
+    external = detail_int(ctx, rows, "external", fill=0)[which] > 0
+    add_pos = st.add_pos[owner]
+    add_rows, at = np.unique(np.where(add_pos >= 0, cols.order[np.maximum(add_pos, 0)], NO), return_inverse=True)
+    remote = (detail_numbers(ctx, add_rows, ["remote_prefill"], optional=["remote_prefill"])["remote_prefill"]
+              == 1)[at] & (add_pos >= 0)
+    a_rows = cols.req_rows("blocks_alloc")
+    first = first_per_key(cols.rk[a_rows], cols.pos[a_rows], cols.n_requests)[owner]
+    waits = np.bincount(cols.sk[cols.req_rows("req_wait_kv")], minlength=len(cols.sk_names)) > 0
+    unrecorded = ~waits[cols.request_sk[owner]]
+    return external | (remote & unrecorded & (first == cols.pos[alloc_row]))
+
+
 def _build(ctx: Any) -> Handovers:
     cols = columns(ctx)
     own = ownership(ctx)
@@ -148,16 +175,19 @@ def _build(ctx: Any) -> Handovers:
     # no req_sched / req_wait_kv recorded after it (a hand-made trace): allocate_slots runs for a request being
     # scheduled, so the allocation stands for the write
     write_row = np.where(write_row >= 0, write_row, alloc_row)
-    write_pos = np.where(write_row >= 0, cols.pos[np.maximum(write_row, 0)], NO).astype(np.int64)
     write_is_load = (write_row >= 0) & (cols.codes("kind")[0][np.maximum(write_row, 0)]
                                         == cols.code_of("kind", "req_wait_kv"))
+    # a load the trace shows only by its destination starts writing at the allocation
+    load_unseen = _loads_without_wait_kv(ctx, alloc_row, owner) & ~write_is_load
+    write_row = np.where(load_unseen, alloc_row, write_row)
+    write_pos = np.where(write_row >= 0, cols.pos[np.maximum(write_row, 0)], NO).astype(np.int64)
     a_rows = cols.req_rows("blocks_alloc")
     r_idx = next_at_or_after(victim, free_pos, cols.rk[a_rows], cols.pos[a_rows], strict=True)
     resume_pos = np.where(r_idx >= 0, cols.pos[a_rows[np.maximum(r_idx, 0)]] if len(a_rows) else NO, NO)
     sched_row = last_sched_before(ctx, victim, free_pos).astype(np.int64)
     return Handovers(freed, nxt, victim, owner, own.sk[freed].astype(np.int64), own.block[freed].astype(np.int64),
                      own.free_row[freed].astype(np.int64), free_pos, alloc_row, write_row, write_pos,
-                     write_is_load, resume_pos.astype(np.int64), sched_row)
+                     write_is_load, load_unseen, resume_pos.astype(np.int64), sched_row)
 
 
 @shared_table(ownership, request_state, cost=0.02)
@@ -192,6 +222,9 @@ _TEXT = {
     "step_in_flight": "step {step}, which used them for {victim}, was still in flight when {owner} began writing "
                       "them, and this instance's connector saves KV in the background: unless it flushed that "
                       "step's save on the preemption, the save read {owner}'s KV",
+    "step_in_flight_load": "step {step}, which used them for {victim}, was still in flight when {owner}'s "
+                           "asynchronous load (remote or offloaded KV) began writing them: the load is not ordered "
+                           "after the step's writes",
 }
 
 
@@ -243,7 +276,8 @@ def run(ctx: Any) -> pd.DataFrame:
     out_pos = si.output_pos_of(h.sk, step)
     flying = (h.sched_row >= 0) & ((out_pos > h.write_pos) | ((out_pos < 0) & si.has_outputs[h.sk]))
     storing = _storing_schedulers(ctx)
-    subrule[ok & (subrule == "") & flying & ~h.write_is_load & storing[h.sk]] = "step_in_flight"
+    async_write = h.load_unseen
+    subrule[ok & (subrule == "") & flying & ~h.write_is_load & (storing[h.sk] | async_write)] = "step_in_flight"
 
     hit = np.flatnonzero(subrule != "")
     if len(hit) == 0:
@@ -295,12 +329,14 @@ def run(ctx: Any) -> pd.DataFrame:
                 severity = "warning"
                 extra["same_step"] = True
         elif sub == "step_in_flight":
-            severity = "warning"
+            severity = "error" if async_write[i] else "warning"
+            extra["async_load"] = bool(async_write[i])
             out_row = si.output_row_of(np.array([h.sk[i]]), np.array([step[i]]))[0]
             if out_row >= 0:
                 evidence.append(ev.ref(int(out_row), f"step {int(step[i])}'s output came only here"))
+        text = _TEXT["step_in_flight_load" if sub == "step_in_flight" and async_write[i] else sub]
         message = (f"blocks {fmt_blocks(blocks)} of preempted {victim} went to {owner}, and "
-                   + _TEXT[sub].format(victim=victim, owner=owner, what=what, verb=verb, step=int(step[i])))
+                   + text.format(victim=victim, owner=owner, what=what, verb=verb, step=int(step[i])))
         if severity == "warning" and sub == "async_store":
             message += (" (reported in the step of that write: the connector may have flushed the job before the "
                         "forward pass)")
