@@ -153,3 +153,16 @@ def test_a_resumed_long_prefill_keeps_its_work_and_is_silent():
         set_queue(e, k, waiting=1, free_blocks=0)
         e.output()
     assert list(findings(b.trace())["subrule"]) == ["livelock"]
+
+
+@pytest.mark.parametrize("name", sorted(LIVELOCKS))
+def test_a_trace_without_sched_rows_counts_the_steps_of_its_request_rows(name):
+    f = findings(without(LIVELOCKS[name](), ("sched",)))
+    assert list(f["subrule"]) == ["livelock"]
+    extra = f.iloc[0]["extra"]
+    assert extra["steps"] >= 15 and extra["queue"] >= 2 and extra["min_free_blocks"] is None
+
+
+@pytest.mark.parametrize("name", sorted(quiet_scenarios()))
+def test_controls_without_sched_rows_stay_silent(name):
+    assert len(findings(without(quiet_scenarios()[name](), ("sched",)))) == 0

@@ -25,7 +25,8 @@ rows of the kinds involved, one sort each):
    among the production positions, keyed by scheduler). Per window (one pandas groupby): steps (a coalesced
    `sched` row counts its `empty_run`), tokens scheduled, the distinct requests scheduled, the largest `waiting`
    of the `sched` detail and the lowest `free_blocks`; and, searchsorted the same way, its `req_preempt` rows and
-   how many of the preemptions' `blocks_free` rows were deferred (a fence).
+   how many of the preemptions' `blocks_free` rows were deferred (a fence). A scheduler with no `sched` row at all
+   (a trace written without the kind) counts the distinct steps of its `req_sched` / `req_preempt` rows instead.
 3. `livelock` (warning): a window of at least `livelock_steps` steps (AnalysisConfig, default 4) with at least two
    preemptions, no progress, at least half of its `req_sched` rows thrown away (the request's next event is a
    `req_preempt`), and
@@ -167,6 +168,29 @@ def produced_tokens(ctx: Any) -> Produced:
     return ctx.cached("no_progress.produced", lambda: _build(ctx))
 
 
+def _steps_without_sched(ctx: Any, busy: np.ndarray, window: Any) -> pd.DataFrame:
+    """The steps of busy schedulers that recorded no `sched` row at all (a trace written without the kind): one
+    per distinct step id of their `req_sched` / `req_preempt` rows, at its first row, tokens from the `req_sched`
+    counts, queue and free pool unknown."""
+    cols = columns(ctx)
+    has_sched = np.bincount(cols.sk[cols.rows_of("sched")], minlength=len(cols.sk_names)) > 0
+    lacking = busy & ~has_sched
+    if not lacking.any():
+        return pd.DataFrame()
+    rows = cols.req_rows("req_sched", "req_preempt")
+    rows = rows[lacking[cols.sk[rows]] & (cols.step[rows] >= 0)]
+    tokens = np.where(cols.codes("kind")[0][rows] == cols.code_of("kind", "req_sched"),
+                      np.maximum(cols.ints_at("n", rows, fill=0), 0), 0)
+    per = pd.DataFrame({"sk": cols.sk[rows].astype(np.int64), "step": cols.step[rows].astype(np.int64),
+                        "pos": cols.pos[rows], "row": rows, "tokens": tokens})
+    per = per.sort_values("pos").groupby(["sk", "step"], sort=False).agg(
+        row=("row", "first"), pos=("pos", "first"), tokens=("tokens", "sum")).reset_index()
+    first = per["row"].to_numpy()
+    return pd.DataFrame({"win": window(first), "sk": per["sk"].to_numpy(), "row": first, "pos": per["pos"].to_numpy(),
+                         "weight": 1.0, "tokens": per["tokens"].to_numpy().astype(float), "waiting": np.nan,
+                         "free": np.nan})
+
+
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     prod = produced_tokens(ctx)
@@ -177,8 +201,6 @@ def run(ctx: Any) -> pd.DataFrame:
     frame = frame[prod.busy[cols.sk[frame["row"].to_numpy()]]]
     sched_rows = frame["row"].to_numpy()
     preempt_rows = cols.req_rows("req_preempt")
-    if len(sched_rows) == 0:
-        return findings_frame([])
     span = int(cols.n) + 2
     prod_key = np.sort(prod.sk * span + prod.pos)
 
@@ -192,6 +214,9 @@ def run(ctx: Any) -> pd.DataFrame:
                           "row": sched_rows, "pos": cols.pos[sched_rows], "weight": frame["empty_run"].to_numpy(),
                           "tokens": frame["tokens"].fillna(0).to_numpy(), "waiting": waiting,
                           "free": frame["free_blocks"].to_numpy()})
+    steps = pd.concat([steps, _steps_without_sched(ctx, prod.busy, window)], ignore_index=True)
+    if steps.empty:
+        return findings_frame([])
     per = steps.groupby("win").agg(sk=("sk", "first"), steps=("weight", "sum"), tokens=("tokens", "sum"),
                                    queue=("waiting", "max"), min_free=("free", "min"), first_pos=("pos", "min"),
                                    last_pos=("pos", "max"))
