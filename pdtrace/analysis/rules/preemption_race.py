@@ -146,11 +146,27 @@ def _loads_without_wait_kv(ctx: Any, alloc_row: np.ndarray, owner: np.ndarray) -
     return external | (remote & unrecorded & (first == cols.pos[alloc_row]))
 
 
+def _first_at_or_after(cols: Columns, kind: str, rk: np.ndarray, pos: np.ndarray, strict: bool = False) -> np.ndarray:
+    """Row of each request's first `kind` row at (or strictly after) pos, NO if none; only the rows of the requests
+    asked about are searched (the searched side is sorted per call)."""
+    rows, keys = cols.req_rows(kind), cols.req_keys(kind)
+    wanted = np.zeros(cols.n_requests, bool)
+    wanted[rk] = True
+    mine = wanted[keys]
+    rows, keys = rows[mine], keys[mine]
+    idx = next_at_or_after(rk, pos, keys, cols.pos[rows], strict=strict)
+    return np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO).astype(np.int64)
+
+
 def _build(ctx: Any) -> Handovers:
     cols = columns(ctx)
     own = ownership(ctx)
     reason, _ = cols.codes("reason")
     preempted = cols.code_of("reason", "preempted")
+    free_rows = cols.req_rows("blocks_free")
+    if not (reason[free_rows] == preempted).any():  # no preemption free: nothing to hand over
+        empty = np.empty(0, np.int64)
+        return Handovers(*([empty] * 11), np.empty(0, bool), np.empty(0, bool), empty, empty)
     freed = np.flatnonzero(own.free_row >= 0)
     freed = freed[reason[own.free_row[freed]] == preempted]
     nxt = own.next_alloc_after(freed)
@@ -169,9 +185,12 @@ def _build(ctx: Any) -> Handovers:
     owner = own.rk[nxt].astype(np.int64)
     free_pos = own.free_pos[freed].astype(np.int64)
     # the new owner's first write
-    w_rows = cols.req_rows("req_sched", "req_wait_kv")
-    w_idx = next_at_or_after(owner, own.alloc_pos[nxt].astype(np.int64), cols.rk[w_rows], cols.pos[w_rows])
-    write_row = np.where(w_idx >= 0, w_rows[np.maximum(w_idx, 0)] if len(w_rows) else NO, NO).astype(np.int64)
+    got = own.alloc_pos[nxt].astype(np.int64)
+    sched = _first_at_or_after(cols, "req_sched", owner, got)
+    wait = _first_at_or_after(cols, "req_wait_kv", owner, got)
+    sched_pos = np.where(sched >= 0, cols.pos[np.maximum(sched, 0)], np.iinfo(np.int64).max)
+    wait_pos = np.where(wait >= 0, cols.pos[np.maximum(wait, 0)], np.iinfo(np.int64).max)
+    write_row = np.where(wait_pos < sched_pos, wait, sched)
     # no req_sched / req_wait_kv recorded after it (a hand-made trace): allocate_slots runs for a request being
     # scheduled, so the allocation stands for the write
     write_row = np.where(write_row >= 0, write_row, alloc_row)
@@ -181,9 +200,8 @@ def _build(ctx: Any) -> Handovers:
     load_unseen = _loads_without_wait_kv(ctx, alloc_row, owner) & ~write_is_load
     write_row = np.where(load_unseen, alloc_row, write_row)
     write_pos = np.where(write_row >= 0, cols.pos[np.maximum(write_row, 0)], NO).astype(np.int64)
-    a_rows = cols.req_rows("blocks_alloc")
-    r_idx = next_at_or_after(victim, free_pos, cols.rk[a_rows], cols.pos[a_rows], strict=True)
-    resume_pos = np.where(r_idx >= 0, cols.pos[a_rows[np.maximum(r_idx, 0)]] if len(a_rows) else NO, NO)
+    resume = _first_at_or_after(cols, "blocks_alloc", victim, free_pos, strict=True)
+    resume_pos = np.where(resume >= 0, cols.pos[np.maximum(resume, 0)], NO)
     sched_row = last_sched_before(ctx, victim, free_pos).astype(np.int64)
     return Handovers(freed, nxt, victim, owner, own.sk[freed].astype(np.int64), own.block[freed].astype(np.int64),
                      own.free_row[freed].astype(np.int64), free_pos, alloc_row, write_row, write_pos,
