@@ -20,6 +20,9 @@ class AnalysisConfig:
     starve_steps: int = 50
     #: Steps a running request may be neither scheduled nor finished before it is a `zombie`.
     zombie_steps: int = 50
+    #: Steps with preemptions and no progress before a scheduler counts as livelocked (`no_progress`): vLLM 0.33's
+    #: own dry runs under heavy preemption stay silent down to 1.
+    livelock_steps: int = 4
     #: Idle gaps on a PP rank shorter than this are not reported as bubbles (nanoseconds).
     bubble_min_ns: int = 1_000_000
     #: A rank whose idle fraction is at least this gets a warning-level pipeline_bubble finding.
