@@ -44,6 +44,7 @@ import json
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -124,6 +125,24 @@ def _resolve_instances(instances: str | Iterable[str] | None) -> list[str] | Non
     if isinstance(instances, str):
         return [instances]
     return [str(i) for i in instances]
+
+
+def column_stats(metadata: pq.FileMetaData, name: str) -> list[tuple[Any, Any]] | None:
+    """(min, max) of a column in each row group of a file, from its footer; None when the file has no such column
+    or a row group has no statistics for it (an all-null row group has none: its (None, None) is left out)."""
+    try:
+        index = metadata.schema.names.index(name)
+    except ValueError:
+        return None
+    out = []
+    for group in range(metadata.num_row_groups):
+        stats = metadata.row_group(group).column(index).statistics
+        if stats is not None and not stats.has_min_max and stats.null_count == metadata.row_group(group).num_rows:
+            continue
+        if stats is None or not stats.has_min_max:
+            return None
+        out.append((stats.min, stats.max))
+    return out
 
 
 def _instance_stats_exclude(metadata: pq.FileMetaData, wanted: set[str]) -> bool:
@@ -233,7 +252,8 @@ def _system_memory_pool() -> Iterator[None]:
 
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
                instances: str | Iterable[str] | None = None, since_ns: int | None = None,
-               until_ns: int | None = None, validate: bool = True, warn: bool = True) -> Trace:
+               until_ns: int | None = None, validate: bool = True, warn: bool = True,
+               only_files: Iterable[str] | None = None) -> Trace:
     """Load a trace directory (or one Parquet part file) as a `Trace` (see the module docstring).
 
     columns: format columns to load (default all); the table has them in format order.
@@ -244,22 +264,41 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         increasing within a writer's part file). Footers (column types, schema version) are always checked.
     warn: also issue the warnings (skipped files, unknown kinds, bad manifest) as Python `TraceWarning`s; they
         are always in `Trace.warnings`.
+    only_files: read just these part files of the trace directory (one partition's, see
+        `pdtrace.analysis.partitions`); the trace's path stays `path`.
     """
     with _system_memory_pool():
-        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn)
+        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files)
 
 
-def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
-                since_ns: int | None, until_ns: int | None, validate: bool, warn: bool) -> Trace:
+@dataclass
+class TraceFooters:
+    """What the footers of a trace's part files say, without reading a row: steps 1-2 of the module docstring."""
+
+    root: Path
+    manifest: dict[str, Any] | None
+    #: readable files in path order, with their pdtrace metadata
+    files: list[TraceFile]
+    #: the footer of each readable file (row counts, row-group statistics), by path
+    metadata: dict[str, pq.FileMetaData]
+    #: the Arrow schema of each readable file (without its key-value metadata), by path
+    schemas: dict[str, pa.Schema]
+    skipped: list[SkippedFile]
+    #: tolerated problems found so far (a bad manifest, notes on the files' metadata), one line each
+    notes: list[str]
+
+
+def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None = None) -> TraceFooters:
+    """List the part files of a trace (a directory, or one file) and read and check their footers (see the module
+    docstring, steps 1-2). `only_files`: just these files of the trace (paths as listed), e.g. one partition's.
+    Raises TraceError when nothing is readable, or a readable file has a wrong schema or schema version."""
     root = Path(path)
-    selected = _resolve_columns(columns)
-    wanted_instances = _resolve_instances(instances)
     notes: list[str] = []
     manifest = None
     if not root.exists():
         raise TraceError(f"{root}: no such file or directory")
     if root.is_dir():
-        candidates = find_part_files(root)
+        candidates = find_part_files(root) if only_files is None else [Path(f) for f in only_files]
         manifest = _read_manifest(root, notes)
         if not candidates:
             raise TraceError(f"{root}: no Parquet files in this directory (a trace is a directory of *.parquet "
@@ -270,9 +309,10 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         raise TraceError(f"{root}: not a file or directory")
 
     files: list[TraceFile] = []
+    metadata_of: dict[str, pq.FileMetaData] = {}
+    schemas: dict[str, pa.Schema] = {}
     skipped: list[SkippedFile] = []
     file_notes_seen: dict[str, list[str]] = {}  # a note's text without its file -> the files it applies to
-    runs: list[tuple[pa.Schema, list[str]]] = []  # consecutive files with one schema: one dataset each
     for candidate in candidates:
         name = str(candidate)
         try:
@@ -287,13 +327,8 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         for note in file_notes:
             file_notes_seen.setdefault(note.removeprefix(f"{name}: "), []).append(name)
         files.append(TraceFile(path=name, rows=metadata.num_rows, **info))
-        if wanted_instances is not None and _instance_stats_exclude(metadata, set(wanted_instances)):
-            continue
-        plain = schema.remove_metadata()
-        if runs and runs[-1][0].equals(plain):
-            runs[-1][1].append(name)
-        else:
-            runs.append((plain, [name]))
+        metadata_of[name] = metadata
+        schemas[name] = schema.remove_metadata()
 
     # The same note on every part file (say, a column this pdtrace does not know) is said once.
     for text, names in file_notes_seen.items():
@@ -305,6 +340,27 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             raise TraceError(f"{skipped[0].path}: {skipped[0].reason}")
         raise TraceError(f"{root}: none of the {len(skipped)} Parquet files could be read (first: "
                          f"{skipped[0].path}: {skipped[0].reason})")
+    return TraceFooters(root, manifest, files, metadata_of, schemas, skipped, notes)
+
+
+def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
+                since_ns: int | None, until_ns: int | None, validate: bool, warn: bool,
+                only_files: Iterable[str] | None = None) -> Trace:
+    root = Path(path)
+    selected = _resolve_columns(columns)
+    wanted_instances = _resolve_instances(instances)
+    footers = read_footers(path, only_files)
+    manifest, files, skipped, notes = footers.manifest, list(footers.files), list(footers.skipped), footers.notes
+    runs: list[tuple[pa.Schema, list[str]]] = []  # consecutive files with one schema: one dataset each
+    for file in files:
+        name = file.path
+        if wanted_instances is not None and _instance_stats_exclude(footers.metadata[name], set(wanted_instances)):
+            continue
+        plain = footers.schemas[name]
+        if runs and runs[-1][0].equals(plain):
+            runs[-1][1].append(name)
+        else:
+            runs.append((plain, [name]))
 
     expression = _filter_expression(wanted_instances, since_ns, until_ns)
     tables = []
@@ -382,4 +438,4 @@ def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> N
         check_values(table, file.path)
 
 
-__all__ = ["open_trace", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]
+__all__ = ["open_trace", "read_footers", "TraceFooters", "column_stats", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]
