@@ -38,6 +38,9 @@ def test_dask_gives_the_whole_trace_report(client, trace_dir: Path) -> None:
     assert report(on_cluster, trace_dir) == report(whole, trace_dir)
     assert set(on_cluster["subrule"]) >= {"remote_read", "stuck_waiting_kv"}  # phase 2 ran on the cluster too
     assert sorted(on_cluster.attrs["partitions"]) == ["D0", "D1", "E", "P0", "P1"]
+    # a URL: the workers open it through pyarrow's filesystems (file:// here, s3:// or any fsspec protocol there)
+    by_url = analyze(trace_dir.resolve().as_uri(), dask=client)
+    assert report(by_url, trace_dir) == report(whole, trace_dir)
 
 
 def test_cli_dask_address(client, trace_dir: Path, cli) -> None:
@@ -61,6 +64,13 @@ def test_a_bad_partition_in_a_dask_task_is_one_line(client, trace_dir: Path, cli
     assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
     errors = [line for line in res.stderr.splitlines() if line.startswith("pdtrace: error:")]
     assert len(errors) == 1 and "seq" in errors[0] and "D1" in errors[0], res.stderr
+
+
+def test_a_url_nothing_can_open_is_one_line(cli) -> None:
+    res = cli("analyze", "nosuchscheme://bucket/trace")
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("pdtrace: error: nosuchscheme://bucket/trace: cannot open this URL")
+    assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_without_the_extra_dask_is_a_hint(trace_dir: Path, cli, monkeypatch: pytest.MonkeyPatch) -> None:

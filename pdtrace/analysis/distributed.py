@@ -39,6 +39,8 @@ class DaskRunner:
 
     #: each task runs its rules on one thread: the cluster's worker threads are the parallelism
     threads_per_task = 1
+    #: tasks run on other machines: the trace is named by an absolute path (or a URL)
+    remote = True
 
     def __init__(self, client: Any, owned: bool) -> None:
         self.client = client

@@ -63,13 +63,13 @@ from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace
-from pdtrace.trace.reader import TraceFooters, column_stats, read_footers
+from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
 
 #: Below this many events (footer rows) a multi-instance trace is analysed whole, in this process: partitions
 #: would only add the start of the worker processes (about 1 s).
 PARTITION_MIN_EVENTS = 2_000_000
 
-#: The cross-instance subrules: (rule, subrule) whose findings phase 2 recomputes for linked partitions.
+#: The rules with a cross-instance part, and that part (subrule): phase 2 re-runs these on linked groups.
 CROSS_SUBRULES = {"use_after_free": "remote_read", "unscheduled_request": "stuck_waiting_kv"}
 
 _OPEN_END = np.iinfo(np.int64).max
@@ -123,7 +123,7 @@ def file_instances(path: str, metadata: pq.FileMetaData) -> list[str]:
             return [name.decode() if isinstance(name, bytes) else str(name)]
     if metadata.num_rows == 0:
         return []
-    column = pq.read_table(path, columns=["instance"]).column("instance")
+    column = read_columns(path, ["instance"]).column("instance")
     if pa.types.is_dictionary(column.type):
         column = column.cast(column.type.value_type)
     return sorted(str(v) for v in pc.unique(column).drop_null().to_pylist())
@@ -156,6 +156,16 @@ def plan_partitions(path: str | os.PathLike[str]) -> PartitionPlan:
     return PartitionPlan(str(path), partitions, footers, stats_span)
 
 
+def is_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether a trace location (local path or URL) is a directory of part files rather than one file."""
+    import pyarrow.fs as pafs
+
+    fs, inner = location(path)
+    if fs is None:
+        return Path(path).is_dir()
+    return fs.get_file_info(inner).type == pafs.FileType.Directory
+
+
 def analysed_span(plan: PartitionPlan, partitions: Sequence[Partition], config: AnalysisConfig) -> tuple[int, int]:
     """(first, last) ts_ns of the rows the analysis reads: the statistics when they are exact for it (no time
     window, no file shared with an instance left out), else one pass over the `ts_ns` column (and `instance` where
@@ -181,7 +191,7 @@ def analysed_span(plan: PartitionPlan, partitions: Sequence[Partition], config: 
         expression = part if expression is None else expression & part
     low, high = None, None
     try:
-        for batch in ds.dataset(files, format="parquet").to_batches(columns=["ts_ns"], filter=expression):
+        for batch in dataset(files).to_batches(columns=["ts_ns"], filter=expression):
             if batch.num_rows:
                 bounds = pc.min_max(batch.column(0)).as_py()
                 low = bounds["min"] if low is None else min(low, bounds["min"])
@@ -500,6 +510,9 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         base = dict(path=source.path, files=None, filter_instances=True, trace=source)
         warnings: list[str] = list(source.warnings)
     else:
+        if getattr(runner, "remote", False) and not is_url(source):
+            source = os.path.abspath(source)  # the workers resolve paths in their own working directory
+            plan = None
         plan = plan or plan_partitions(source)
         parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
         span = analysed_span(plan, parts, config)
@@ -541,7 +554,7 @@ def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig) -> 
     """The plan when the trace at `path` is worth analysing by partitions by default: several instances, at least
     PARTITION_MIN_EVENTS events, and no instance with more than three quarters of them (else the largest partition
     costs about what the whole does, and one process with threads is faster). None otherwise."""
-    if not Path(path).is_dir():
+    if not is_directory(path):
         return None
     plan = plan_partitions(path)
     parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]

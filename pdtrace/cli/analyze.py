@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import typer
 
-from pdtrace.cli.app import TraceArgument, app, err_console, load_trace, out_console
+from pdtrace.cli.app import TraceLocation, app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -87,7 +87,7 @@ def _split(values: Optional[list[str]]) -> list[str]:
 
 @app.command()
 def analyze(
-    trace: TraceArgument,
+    trace: TraceLocation,
     format: AnalyzeFormat = typer.Option(AnalyzeFormat.text, "--format", "-f", help="text (default) or json."),
     rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
                                               help="Rules to run, comma-separated or repeated (default: all)."),

@@ -31,6 +31,10 @@ app = typer.Typer(
 # Arguments and options that several verbs share, declared once.
 TraceArgument = Annotated[Path, typer.Argument(help="Trace directory (or one Parquet part file).",
                                                show_default=False)]
+#: A trace that may also be a URL (`s3://bucket/trace`, `file:///data/trace`): a plain string, which Path would mangle.
+TraceLocation = Annotated[str, typer.Argument(help="Trace directory, one Parquet part file, or a URL pyarrow or "
+                                              "fsspec reads (s3://bucket/trace, file:///data/trace).",
+                                              show_default=False)]
 InstanceOption = Annotated[Optional[list[str]], typer.Option("--instance", "-i",
                                                              help="Only this instance (repeat for several).")]
 SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -131,7 +130,7 @@ def info(
                               "(default there: the Parquet footers only)."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
-    from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, plan_partitions
+    from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
     from pdtrace.format import COLUMNS
     from pdtrace.trace.summary import merge_summaries, summarize, summarize_footers
 
@@ -141,7 +140,7 @@ def info(
     plan = plan_partitions(trace)  # footers only
     if instance:
         summary = summarize(load_instances(trace, instance, columns=columns)[0])
-    elif plan.events < PARTITION_MIN_EVENTS or not Path(trace).is_dir():
+    elif plan.events < PARTITION_MIN_EVENTS or not is_directory(trace):
         summary = summarize(load_trace(trace, columns=columns))
     elif rows:
         parts = []
