@@ -7,7 +7,10 @@ This is the one code path behind both the notebook API and `pdtrace analyze`:
    entry-point group) on one shared AnalysisContext, so derived tables (columns, request and ownership tables,
    step index) are computed once; rules and the tables they declare run side by side on `config.jobs` threads
    (`pdtrace.analysis.parallel`), with the same findings as one after the other;
-4. concatenate their findings and sort them by severity (errors first), then time, then rule.
+4. concatenate their findings and sort them by severity (errors first), then time, rule and instance
+   (`ordered_findings`).
+A path to a large trace of several instances takes the partitioned path instead (`pdtrace.analysis.partitions`):
+steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings.
 
 `summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
 severity and rule, "N errors from M contexts", the leak summary in blocks per instance (and % of the pool), and
