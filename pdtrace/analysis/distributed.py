@@ -60,17 +60,11 @@ class DaskRunner:
                                f"{' '.join(str(exc).split())[:160]}") from None
         return cls(client, owned=True)
 
-    @property
-    def workers(self) -> int:
-        try:
-            return max(1, sum(self.client.nthreads().values()))
-        except Exception:  # noqa: BLE001 - only a hint for the caller
-            return 1
-
     def run(self, tasks: Sequence[PartitionTask]) -> Iterator[tuple[int, PartitionResult]]:
         distributed = _distributed()
         run_id = uuid.uuid4().hex[:8]
-        futures = {self.client.submit(run_partition, task, pure=False, key=f"pdtrace-{run_id}-{i}-{task.name}"): i
+        futures = {self.client.submit(run_partition, task, pure=False, key=f"pdtrace-{run_id}-{i}-{task.name}",
+                                      priority=task.rows): i  # the largest partitions first
                    for i, task in enumerate(tasks)}
         try:
             for future in distributed.as_completed(list(futures)):

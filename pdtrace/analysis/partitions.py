@@ -245,6 +245,8 @@ class PartitionTask:
     config: AnalysisConfig
     span_ns: tuple[int, int]
     summaries: bool = True
+    #: rows of its files per the footers: the runners start the largest tasks first (shorter makespan)
+    rows: int = 0
     #: an in-memory trace (LocalRunner only): the partition is its rows of `instances`
     trace: Trace | None = field(default=None, compare=False)
 
@@ -441,7 +443,6 @@ class LocalRunner:
     """Tasks one after the other in this process: memory bounded by the largest partition. Each runs its rules on
     `AnalysisConfig.jobs` threads (`pdtrace.analysis.parallel`)."""
 
-    workers = 1
     threads_per_task = None
 
     def run(self, tasks: Sequence[PartitionTask]) -> Iterator[tuple[int, PartitionResult]]:
@@ -469,7 +470,8 @@ class ProcessRunner:
         context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)) or 1, mp_context=context,
                                  initializer=_worker_start) as pool:
-            futures: dict[Future, int] = {pool.submit(run_partition, task): i for i, task in enumerate(tasks)}
+            largest_first = sorted(range(len(tasks)), key=lambda i: -tasks[i].rows)
+            futures: dict[Future, int] = {pool.submit(run_partition, tasks[i]): i for i in largest_first}
             try:
                 pending = set(futures)
                 while pending:
@@ -518,7 +520,7 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         span = analysed_span(plan, parts, config)
         base = dict(path=str(source), trace=None)
         warnings = plan.warnings
-    tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span,
+    tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
                            **_files_of([p], base)) for p in parts]
     results: list[PartitionResult | None] = [None] * len(tasks)
     for index, result in runner.run(tasks):
@@ -536,7 +538,8 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
             members = [p for p in parts if p.instance in group]
             rerun_tasks.append(PartitionTask(instances=tuple(p.instance for p in members),
                                              rules=(_portable(by_rule[rule_id]),), config=task_config,
-                                             span_ns=span, summaries=False, **_files_of(members, base)))
+                                             span_ns=span, summaries=False, rows=sum(p.rows for p in members),
+                                             **_files_of(members, base)))
             rerun_keys.append((rule_id, tuple(p.instance for p in members)))
     reruns = []
     for index, result in runner.run(rerun_tasks) if rerun_tasks else ():
