@@ -553,13 +553,15 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
     return frames, sum(r.events for r in done), warnings, [p.instance for p in parts]
 
 
-def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig) -> PartitionPlan | None:
+def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
+                       plan: PartitionPlan | None = None) -> PartitionPlan | None:
     """The plan when the trace at `path` is worth analysing by partitions by default: several instances, at least
     PARTITION_MIN_EVENTS events, and no instance with more than three quarters of them (else the largest partition
-    costs about what the whole does, and one process with threads is faster). None otherwise."""
+    costs about what the whole does, and one process with threads is faster). None otherwise. `plan`: the trace's,
+    when the caller has it already."""
     if not is_directory(path):
         return None
-    plan = plan_partitions(path)
+    plan = plan or plan_partitions(path)
     parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
     events = sum(p.rows for p in parts)
     if len(parts) < 2 or events < PARTITION_MIN_EVENTS or max(p.rows for p in parts) > 0.75 * events:

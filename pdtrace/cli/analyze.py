@@ -168,7 +168,7 @@ def analyze(
     if instances:
         settings = settings.__class__(**{**settings.__dict__, "instances": tuple(instances)})
 
-    if dask is None and partitions is None and worth_partitioning(trace, settings) is None:
+    if dask is None and partitions is None and worth_partitioning(trace, settings, plan) is None:
         partitions = False
     if dask is None and partitions is False:
         findings = run_analysis(load_trace(trace), rules=chosen, config=settings, partitioned=False)
