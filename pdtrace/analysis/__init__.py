@@ -7,7 +7,10 @@ This is the one code path behind both the notebook API and `pdtrace analyze`:
    entry-point group) on one shared AnalysisContext, so derived tables (columns, request and ownership tables,
    step index) are computed once; rules and the tables they declare run side by side on `config.jobs` threads
    (`pdtrace.analysis.parallel`), with the same findings as one after the other;
-4. concatenate their findings and sort them by severity (errors first), then time, then rule.
+4. concatenate their findings and sort them by severity (errors first), then time, rule and instance
+   (`ordered_findings`).
+A path to a large trace of several instances takes the partitioned path instead (`pdtrace.analysis.partitions`):
+steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings.
 
 `summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
 severity and rule, "N errors from M contexts", the leak summary in blocks per instance (and % of the pool), and
@@ -37,7 +40,7 @@ from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THR
 from pdtrace.trace.model import Trace
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
-           "allocation_settings"]
+           "allocation_settings", "checked_findings", "ordered_findings"]
 
 
 def available_rules() -> tuple[dict[str, Rule], list[str]]:
@@ -148,7 +151,8 @@ def _load(trace_or_path: Any) -> Trace:
     raise UsageError(f"analyze() takes a Trace or a path, not {type(trace_or_path).__name__}")
 
 
-def _check(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
+def checked_findings(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
+    """A rule's findings with exactly the finding columns (none: an empty frame); missing columns: UsageError."""
     if frame is None or len(frame) == 0:
         return empty_findings()
     missing = [c for c in FINDING_COLUMNS if c not in frame.columns]
@@ -158,15 +162,32 @@ def _check(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
 
 
 def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
-            config: AnalysisConfig | None = None) -> pd.DataFrame:
+            config: AnalysisConfig | None = None, *, dask: Any = None, partitioned: bool | None = None,
+            progress: Callable[[Any, Any], None] | None = None) -> pd.DataFrame:
     """Run the rules on a trace (or a trace path, or an AnalysisContext whose derived tables are then shared) and
     return the findings, errors first, then by time.
 
+    A path to a trace of several instances is analysed partition by partition (`pdtrace.analysis.partitions`): on
+    `config.jobs` worker processes (0: one per CPU; 1: one after the other in this process) when it has at least
+    PARTITION_MIN_EVENTS events and no instance holds more than three quarters of them, or on a Dask cluster with
+    `dask=` (a `distributed.Client` or a scheduler address; needs `pdtrace[dask]`). `partitioned=True` forces
+    partitions (also for an in-memory Trace, one after the other), False forbids them. `progress(task, result)` is
+    called as each partition finishes. The findings are the same either way.
+
     The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
-    that ran), `events` (rows analysed), `trace` (its path) and `warnings` (rule plugins that failed to load).
+    that ran), `events` (rows analysed), `trace` (its path), `warnings` (rule plugins that failed to load) and,
+    when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each) and `partitions`.
     """
     registered, notes = available_rules()
     chosen = select_rules(rules, registered)
+    if dask is not None or partitioned:
+        return _analyze_partitioned(trace_or_path, chosen, config, notes, dask, progress)
+    if partitioned is None and isinstance(trace_or_path, (str, os.PathLike)):
+        from pdtrace.analysis.partitions import worth_partitioning
+
+        plan = worth_partitioning(trace_or_path, config or AnalysisConfig())
+        if plan is not None:
+            return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress, plan)
     if isinstance(trace_or_path, AnalysisContext) and config is None and window(
             trace_or_path.trace, trace_or_path.config) is trace_or_path.trace:
         ctx = trace_or_path  # reuse the caller's derived tables (plots and exports analyse the same context)
@@ -179,19 +200,57 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
     with allocation_settings():
-        frames = [f for f in (_check(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen))
-                  if len(f)]
-    if frames:
-        findings = pd.concat(frames, ignore_index=True)
-        rank = findings["severity"].map(SEVERITY_ORDER).fillna(-1).to_numpy()
-        ts = pd.to_numeric(findings["ts_ns"], errors="coerce").fillna(0).to_numpy(np.float64)
-        order = np.lexsort((findings["rule"].astype(str).to_numpy(), ts, -rank))
-        findings = findings.iloc[order].reset_index(drop=True)
-    else:
-        findings = empty_findings()
+        frames = [checked_findings(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
+    findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
                       "warnings": notes}
     return findings
+
+
+def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig | None, notes: list[str],
+                         dask: Any, progress: Any, plan: Any = None) -> pd.DataFrame:
+    from pdtrace.analysis.partitions import LocalRunner, ProcessRunner, analyze_partitioned, default_workers
+
+    config = config or AnalysisConfig()
+    if isinstance(source, AnalysisContext):
+        source = source.trace
+    if dask is not None:
+        if isinstance(source, Trace):
+            raise UsageError("analyze(dask=...) takes a trace path (the cluster reads the trace where it lives), "
+                             "not a loaded Trace")
+        from pdtrace.analysis.distributed import DaskRunner
+
+        runner: Any = DaskRunner.connect(dask)
+    elif isinstance(source, Trace) or int(config.jobs) == 1:
+        runner = LocalRunner()
+    else:
+        runner = ProcessRunner(int(config.jobs) or default_workers())
+    if not isinstance(source, (Trace, str, os.PathLike)):
+        raise UsageError(f"analyze() takes a Trace or a path, not {type(source).__name__}")
+    try:
+        frames, events, trace_notes, parts = analyze_partitioned(source, chosen, config, runner, plan, progress)
+    finally:
+        getattr(runner, "close", lambda: None)()
+    findings = ordered_findings(frames)
+    findings.attrs = {"rules": [r.id for r in chosen], "events": events,
+                      "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
+                      "trace_warnings": trace_notes, "partitions": parts}
+    return findings
+
+
+def ordered_findings(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
+    """The rules' findings in one frame: errors first, then by time, rule and instance; ties keep the order the
+    rules returned them in (rules in the given order). One function for the whole-trace and partitioned paths, so
+    both order a report the same way."""
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return empty_findings()
+    findings = pd.concat(frames, ignore_index=True)
+    rank = findings["severity"].map(SEVERITY_ORDER).fillna(-1).to_numpy()
+    ts = pd.to_numeric(findings["ts_ns"], errors="coerce").fillna(0).to_numpy(np.float64)
+    instance = findings["instance"].astype(str).to_numpy()
+    order = np.lexsort((instance, findings["rule"].astype(str).to_numpy(), ts, -rank))
+    return findings.iloc[order].reset_index(drop=True)
 
 
 def _leak_summary(leaks: pd.DataFrame) -> list[dict[str, Any]]:

@@ -33,7 +33,9 @@ class AnalysisConfig:
     #: Only these instances (None: all).
     instances: tuple[str, ...] | None = None
     #: Threads for the rules and their shared tables (`pdtrace.analysis.parallel`): 0 = one per CPU, at most 4;
-    #: 1 = one after the other on the caller's thread. The findings are the same for every value.
+    #: 1 = one after the other on the caller's thread. On a partitioned trace (`pdtrace.analysis.partitions`), the
+    #: worker processes (0 = one per CPU; 1 = the partitions one after the other in this process). The findings
+    #: are the same for every value.
     jobs: int = 0
 
     def with_overrides(self, **values: Any) -> "AnalysisConfig":

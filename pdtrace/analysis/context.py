@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+import pyarrow.compute as pc
+
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.once import OnceCache
 from pdtrace.trace.model import Trace
@@ -17,8 +19,23 @@ class AnalysisContext:
     trace: Trace
     config: AnalysisConfig = field(default_factory=AnalysisConfig)
     _cache: OnceCache = field(default_factory=OnceCache, repr=False)
+    #: (first, last) `ts_ns` of the whole analysed trace when `trace` is one partition of it
+    #: (`pdtrace.analysis.partitions`); None: `trace` is the whole trace.
+    span_ns: tuple[int, int] | None = None
 
     def cached(self, key: str, build: Callable[[], T]) -> T:
         """Compute a derived table once per analysis run (e.g. the sorted event order, block ownership), also when
         rules running on several threads ask for it at the same time."""
         return self._cache.get(key, build)
+
+
+def trace_span(ctx: AnalysisContext) -> tuple[int, int]:
+    """(first, last) `ts_ns` of the whole analysed trace; (0, 0) for an empty trace. On a partition, the whole
+    trace's (`AnalysisContext.span_ns`), so "open at the end of the trace" means the same in every partition."""
+    if ctx.span_ns is not None:
+        return ctx.span_ns
+    ts = ctx.trace.table.column("ts_ns")
+    if len(ts) == 0:
+        return 0, 0
+    bounds = pc.min_max(ts).as_py()
+    return int(bounds["min"]), int(bounds["max"])

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 
 from pdtrace.analysis.blocks import ownership
 from pdtrace.analysis.columns import _ramp, columns, order_by_key, positions, request_keys
+from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import step_index
@@ -36,15 +37,6 @@ USAGE_COLUMNS = ("instance", "dp_rank", "ts_ns", *BLOCK_STATES, "in_use", "pool_
 
 _STATE_KINDS = ("req_add", "req_wait_kv", "kv_recv_done", "kv_recv_fail", "req_sched", "req_preempt",
                 "req_finish", "blocks_free")
-
-
-def trace_span(ctx: "AnalysisContext") -> tuple[int, int]:
-    """(first, last) `ts_ns` of the whole trace; (0, 0) for an empty trace."""
-    ts = ctx.trace.table.column("ts_ns")
-    if len(ts) == 0:
-        return 0, 0
-    bounds = pc.min_max(ts).as_py()
-    return int(bounds["min"]), int(bounds["max"])
 
 
 def _empty_phases() -> pd.DataFrame:

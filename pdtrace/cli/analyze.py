@@ -9,13 +9,14 @@ the flags. The analysis itself is `pdtrace.analysis.analyze`, the same code path
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 
-from pdtrace.cli.app import TraceArgument, app, err_console, load_trace, out_console
+from pdtrace.cli.app import TraceLocation, app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -49,6 +50,34 @@ def parse_time(value: str, start_ns: int, option: str) -> int:
     return start_ns + int(round(ns))
 
 
+@contextmanager
+def _partition_progress(total: int) -> Iterator[Callable[[Any, Any], None]]:
+    """A callback for analyze(progress=...): a rich progress bar over the partitions on a terminal, else one line
+    per finished partition; always on stderr (stdout holds the report)."""
+    if not err_console.is_terminal:
+        def line(task: Any, result: Any) -> None:
+            what = "linked " if not task.summaries else ""
+            err_console.print(f"pdtrace: {what}{task.name}: {result.events:,} events in {result.seconds:.1f} s",
+                              markup=False, soft_wrap=True)
+
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=False) as bar:
+        job = bar.add_task("instances", total=total)
+        events = [0]
+
+        def advance(task: Any, result: Any) -> None:
+            events[0] += result.events
+            if task.summaries:
+                bar.advance(job)
+            bar.update(job, description=f"{task.name} done ({events[0]:,} events)")
+
+        yield advance
+
+
 def _split(values: Optional[list[str]]) -> list[str]:
     out: list[str] = []
     for value in values or []:
@@ -58,7 +87,7 @@ def _split(values: Optional[list[str]]) -> list[str]:
 
 @app.command()
 def analyze(
-    trace: TraceArgument,
+    trace: TraceLocation,
     format: AnalyzeFormat = typer.Option(AnalyzeFormat.text, "--format", "-f", help="text (default) or json."),
     rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
                                               help="Rules to run, comma-separated or repeated (default: all)."),
@@ -84,13 +113,19 @@ def analyze(
     config: Optional[Path] = typer.Option(None, "--config", help="A pyproject.toml whose [tool.pdtrace] table "
                                           "holds thresholds (default: the nearest one from the current directory)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Text: show every finding of a context in full."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Threads for the rules (default: one per CPU, "
-                                       "at most 4; 1 runs them one after the other). Same findings either way."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", help="Worker processes for the instances of a large "
+                                       "multi-instance trace (default: one per CPU; 1: one instance after the other "
+                                       "in this process); for a trace analysed whole, threads for the rules. Same "
+                                       "findings either way."),
+    dask: Optional[str] = typer.Option(None, "--dask", help="Run the instances as tasks on this Dask cluster "
+                                       "(scheduler address, e.g. tcp://dask-scheduler:8786); the workers read TRACE "
+                                       "at the same path. Needs pdtrace[dask]."),
+    partitions: Optional[bool] = typer.Option(None, "--partitions/--whole", help="Analyse instance by instance "
+                                              "(default: when the trace is large and no instance dominates) or the "
+                                              "whole trace in one process. Same findings either way."),
 ) -> None:
     """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
     unscheduled requests and pipeline bubbles, with the events that prove them."""
-    import pyarrow.compute as pc
-
     from pdtrace.analysis import analyze as run_analysis
     from pdtrace.analysis import available_rules, select_rules, summarize_findings
     from pdtrace.analysis.config import config_from_table, find_pyproject, load_pyproject_table
@@ -116,13 +151,13 @@ def analyze(
     for note in notes:
         err_console.print(f"pdtrace: warning: {note}", markup=False)
 
-    loaded = load_trace(trace)
-    start_ns = int(pc.min(loaded.table.column("ts_ns")).as_py()) if len(loaded) else 0
+    from pdtrace.analysis.partitions import analysed_span, plan_partitions, worth_partitioning
+
+    plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
+    start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
     instances = _split(instance) or None
     if instances:
-        col = loaded.table.column("instance")
-        known = set(pc.unique(col.cast(col.type.value_type) if hasattr(col.type, "value_type") else col)
-                    .to_pylist())
+        known = set(plan.instances)
         unknown = [name for name in instances if name not in known]
         if unknown:
             raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: {', '.join(sorted(known))})")
@@ -133,7 +168,16 @@ def analyze(
     if instances:
         settings = settings.__class__(**{**settings.__dict__, "instances": tuple(instances)})
 
-    findings = run_analysis(loaded, rules=chosen, config=settings)
+    if dask is None and partitions is None and worth_partitioning(trace, settings, plan) is None:
+        partitions = False
+    if dask is None and partitions is False:
+        findings = run_analysis(load_trace(trace), rules=chosen, config=settings, partitioned=False)
+    else:
+        with _partition_progress(len(plan.partitions)) as progress:
+            findings = run_analysis(str(trace), rules=chosen, config=settings, dask=dask, partitioned=True,
+                                    progress=progress)
+        for note in findings.attrs.get("trace_warnings", []):
+            err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     summary = summarize_findings(findings)
     if format is AnalyzeFormat.json:
         from pdtrace.report.json_report import render_json

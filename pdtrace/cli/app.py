@@ -31,6 +31,10 @@ app = typer.Typer(
 # Arguments and options that several verbs share, declared once.
 TraceArgument = Annotated[Path, typer.Argument(help="Trace directory (or one Parquet part file).",
                                                show_default=False)]
+#: A trace that may also be a URL (`s3://bucket/trace`, `file:///data/trace`): a plain string, which Path would mangle.
+TraceLocation = Annotated[str, typer.Argument(help="Trace directory, one Parquet part file, or a URL pyarrow or "
+                                              "fsspec reads (s3://bucket/trace, file:///data/trace).",
+                                              show_default=False)]
 InstanceOption = Annotated[Optional[list[str]], typer.Option("--instance", "-i",
                                                              help="Only this instance (repeat for several).")]
 SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",
@@ -68,6 +72,26 @@ def _root(
                                  help="Print pdtrace's version and exit."),
 ) -> None:
     """memcheck for the KV cache of vLLM: `record` a run, `analyze` it, `show` one request or step, `plot` it."""
+
+
+def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterable[str] | None = None,
+                   ) -> tuple["Trace", tuple[int, int] | None]:
+    """(trace, span) for a verb that shows only `instances` (--instance): only their partitions are read
+    (`pdtrace.analysis.partitions.open_instances`) and span is the whole trace's (first, last) ts, for an
+    AnalysisContext's `span_ns`; without instances, the whole trace and None. Warnings as load_trace's."""
+    names = list(instances or ())
+    if not names:
+        return load_trace(path, columns=columns), None
+    from pdtrace.analysis.partitions import open_instances
+    from pdtrace.plot.window import EmptySelection
+
+    trace, span, plan = open_instances(path, names, columns=columns)
+    if trace is None:
+        raise EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
+                             f"{', '.join(sorted(plan.instances))})")
+    for note in trace.warnings:
+        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+    return trace, span
 
 
 def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
-                             app, err_console, load_trace, out_console)
+                             app, err_console, load_instances, out_console)
 
 
 class ExportFormat(str, Enum):
@@ -47,12 +47,13 @@ def export(
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read
-    loaded = load_trace(trace)
+    loaded, span = load_instances(trace, instance)  # --instance: only those instances' partitions are read
     stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
     err_console.print(f"pdtrace: exporting {len(loaded):,} events to {to.value} ...", markup=False)
-    model = run_export(AnalysisContext(loaded), to.value, target, window=window, trace_name=str(trace))
+    model = run_export(AnalysisContext(loaded, span_ns=span), to.value, target, window=window,
+                       trace_name=str(trace))
     counts = model.counts()
     out_console.print(f"{target}: {counts['processes']} processes, {counts['threads']} threads, "
                       f"{counts['slices']:,} slices, {counts['counters']:,} counter samples, "

@@ -7,6 +7,13 @@ time {start_ns, end_ns, duration_ns, start, end}, instances [{instance, roles, p
 events, requests}], schedulers [{instance, dp_rank, steps, sched_events, first_step, last_step}], kinds {kind: rows},
 requests, manifest {command, vllm_version, created} or null, warnings.
 
+Which rows are read: a trace under PARTITION_MIN_EVENTS events (or one file) is loaded whole, as always. A larger
+trace is summarised from its Parquet footers alone (`summarize_footers`: row counts, statistics, metadata;
+`rows_read` false): `kinds`, `requests`, `schedulers` and per-instance `requests` are then null, and the table
+says "-" for them and how to get them. `--rows` reads the rows, one instance at a time (each instance's summary,
+merged: the memory of the largest instance). `--instance NAME` (repeatable) summarises only those instances,
+reading only their part files.
+
 Warnings found while loading (skipped part files, unknown kinds, a bad manifest) go to stderr, one line each;
 unreadable input is a one-line error and exit status 2.
 """
@@ -20,7 +27,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from pdtrace.cli.app import TraceArgument, app, load_trace, out_console
+from pdtrace.cli.app import (InstanceOption, TraceArgument, app, err_console, load_instances, load_trace,
+                             out_console)
 
 
 class InfoFormat(str, Enum):
@@ -46,6 +54,10 @@ def _dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
 def _render(summary: dict[str, Any]) -> None:
     span = summary["time"]
     overview = Table(title=f"pdtrace trace {summary['trace'] or '<memory>'}", show_header=False, box=None)
@@ -54,7 +66,7 @@ def _render(summary: dict[str, Any]) -> None:
     overview.add_row("events", f"{summary['events']:,}")
     overview.add_row("files", f"{summary['files']} loaded, {len(summary['skipped_files'])} skipped")
     overview.add_row("dropped events", f"{summary['dropped_events']:,}")
-    overview.add_row("requests", f"{summary['requests']:,}")
+    overview.add_row("requests", _count(summary["requests"]))
     overview.add_row("start", _dash(span["start"]))
     overview.add_row("end", _dash(span["end"]))
     overview.add_row("duration", _ns_duration(span["duration_ns"]))
@@ -75,9 +87,9 @@ def _render(summary: dict[str, Any]) -> None:
     instances.add_column("events", justify="right")
     instances.add_column("requests", justify="right")
     for row in summary["instances"]:
-        instances.add_row(row["instance"], _join(row["roles"]), _join(row["pids"]), _join(row["dp_ranks"]),
-                          _join(row["pp_ranks"]), _join(row["tp_ranks"]), f"{row['events']:,}",
-                          f"{row['requests']:,}")
+        instances.add_row(row["instance"], *(_join(row[k]) if row[k] is not None else "?" for k in
+                                             ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks")),
+                          _count(row["events"]), _count(row["requests"]))
     out_console.print(instances)
 
     if summary["schedulers"]:
@@ -89,12 +101,16 @@ def _render(summary: dict[str, Any]) -> None:
                                f"{row['sched_events']:,}", _dash(row["first_step"]), _dash(row["last_step"]))
         out_console.print(schedulers)
 
-    kinds = Table(title="events per kind")
-    kinds.add_column("kind")
-    kinds.add_column("events", justify="right")
-    for kind, count in summary["kinds"].items():
-        kinds.add_row(kind, f"{count:,}")
-    out_console.print(kinds)
+    if summary["kinds"] is not None:
+        kinds = Table(title="events per kind")
+        kinds.add_column("kind")
+        kinds.add_column("events", justify="right")
+        for kind, count in summary["kinds"].items():
+            kinds.add_row(kind, f"{count:,}")
+        out_console.print(kinds)
+    if not summary.get("rows_read", True):
+        out_console.print("from the Parquet footers only: events per kind, requests and scheduler steps need the "
+                          "rows (--rows reads them, one instance at a time)", markup=False)
 
     if summary["skipped_files"]:
         skipped = Table(title="skipped files")
@@ -109,14 +125,35 @@ def _render(summary: dict[str, Any]) -> None:
 def info(
     trace: TraceArgument,
     output_format: InfoFormat = typer.Option(InfoFormat.table, "--format", "-f", help="table (default) or json."),
+    instance: InstanceOption = None,
+    rows: bool = typer.Option(False, "--rows", help="Read every row, one instance at a time, also on a large trace "
+                              "(default there: the Parquet footers only)."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
+    from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
     from pdtrace.format import COLUMNS
-    from pdtrace.trace.summary import summarize
+    from pdtrace.trace.summary import merge_summaries, summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
     # a trace, so every value the validator knows how to check is loaded and checked.
-    summary = summarize(load_trace(trace, columns=[c for c in COLUMNS if c != "blocks"]))
+    columns = [c for c in COLUMNS if c != "blocks"]
+    plan = plan_partitions(trace)  # footers only
+    if instance:
+        summary = summarize(load_instances(trace, instance, columns=columns)[0])
+    elif plan.events < PARTITION_MIN_EVENTS or not is_directory(trace):
+        summary = summarize(load_trace(trace, columns=columns))
+    elif rows:
+        parts = []
+        for part in plan.partitions:
+            loaded = load_trace(trace, columns=columns, instances=[part.instance] if part.shared else None,
+                                only_files=part.files)
+            parts.append(summarize(loaded))
+            del loaded
+        summary = merge_summaries(parts, plan.footers)
+    else:
+        for note in plan.warnings:
+            err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+        summary = summarize_footers(plan.footers, {p.instance: list(p.files) for p in plan.partitions})
     if output_format is InfoFormat.json:
         typer.echo(json.dumps(summary, indent=2))
     else:

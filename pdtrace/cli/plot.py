@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
-                             app, err_console, load_trace, out_console)
+                             app, err_console, load_instances, out_console)
 
 
 class PlotKind(str, Enum):
@@ -45,9 +45,9 @@ def plot(
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.plot import Window, default_output, render
 
-    loaded = load_trace(trace)
+    loaded, span = load_instances(trace, instance)  # --instance: only those instances' partitions are read
     target = output or default_output(str(trace), kind.value)
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
     err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
-    result = render(AnalysisContext(loaded), kind.value, target, window=window, dpi=dpi)
+    result = render(AnalysisContext(loaded, span_ns=span), kind.value, target, window=window, dpi=dpi)
     out_console.print(f"{result.path} ({result.width_px}x{result.height_px} px, {kind.value})", markup=False)

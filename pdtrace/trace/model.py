@@ -102,13 +102,8 @@ class Trace:
 
     @property
     def dropped_events(self) -> int:
-        """Events the recorders dropped. A file's `pdtrace.dropped_events` is its writer's running total, so this
-        is the sum over writers (a writer's files share one folder) of the largest count among its files."""
-        per_writer: dict[str, int] = {}
-        for f in self.files:
-            writer = str(Path(f.path).parent)
-            per_writer[writer] = max(per_writer.get(writer, 0), f.dropped_events)
-        return sum(per_writer.values())
+        """Events the recorders dropped (`dropped_events` of its files)."""
+        return dropped_events(self.files)
 
     @property
     def sources(self) -> list[str]:
@@ -128,6 +123,17 @@ class Trace:
     @property
     def name(self) -> str:
         return Path(self.path).name if self.path else "<memory>"
+
+
+def dropped_events(files: list[TraceFile]) -> int:
+    """Events the recorders of these files dropped. A file's `pdtrace.dropped_events` is its writer's running
+    total, so this is the sum over writers (a writer's files share one folder) of the largest count among its
+    files."""
+    per_writer: dict[str, int] = {}
+    for f in files:
+        writer = str(Path(f.path).parent)
+        per_writer[writer] = max(per_writer.get(writer, 0), f.dropped_events)
+    return sum(per_writer.values())
 
 
 def rows_by_chunk(column: pa.ChunkedArray, rows: np.ndarray) -> list[tuple[int, slice | np.ndarray, np.ndarray]]:

@@ -44,11 +44,13 @@ import json
 import os
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pdtrace.errors import TraceError, UsageError
@@ -58,6 +60,69 @@ from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, 
                                     first_seq_violation)
 
 _PARQUET_MAGIC = b"PAR1"
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether a trace location is a URL (`s3://bucket/trace`, `file:///data/trace`) rather than a local path."""
+    return "://" in str(path)
+
+
+def location(path: str | os.PathLike[str]) -> tuple[pafs.FileSystem | None, str]:
+    """(filesystem, path within it) of a trace location: (None, path) for a local path; for a URL, pyarrow's
+    filesystem for its scheme (`FileSystem.from_uri`: file, s3, gs, hdfs, ...), else fsspec's when installed (any
+    protocol it knows). A URL nothing can open is a TraceError."""
+    text = str(path)
+    if not is_url(text):
+        return None, text
+    try:
+        return pafs.FileSystem.from_uri(text)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        why = " ".join(str(exc).split())[:160]
+    try:
+        import fsspec
+
+        protocol, inner = text.split("://", 1)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(protocol))), inner
+    except ImportError:
+        raise TraceError(f"{text}: cannot open this URL ({why}; fsspec is not installed)") from None
+    except (ValueError, OSError) as exc:
+        raise TraceError(f"{text}: cannot open this URL ({' '.join(str(exc).split())[:160]})") from None
+
+
+def _url_of(root: str, inner: str) -> str:
+    """The URL of a file found under the URL `root` (its scheme, then its path within the filesystem)."""
+    return root.split("://", 1)[0] + "://" + inner
+
+
+def _open_parquet(name: str) -> pq.ParquetFile:
+    fs, inner = location(name)
+    return pq.ParquetFile(fs.open_input_file(inner)) if fs is not None else pq.ParquetFile(name)
+
+
+def read_columns(name: str, columns: list[str]) -> pa.Table:
+    """Some columns of one part file (a local path or a URL), as stored."""
+    fs, inner = location(name)
+    return pq.read_table(inner, columns=columns, filesystem=fs)
+
+
+def dataset(paths: list[str], format: Any = "parquet") -> ds.Dataset:
+    """A pyarrow dataset over part files (local paths, or URLs of one filesystem), in the given order."""
+    fs, _ = location(paths[0]) if paths else (None, "")
+    return ds.dataset([location(p)[1] for p in paths] if fs is not None else paths, format=format, filesystem=fs)
+
+
+def _find_remote_part_files(fs: pafs.FileSystem, root: str, inner: str) -> list[str]:
+    """find_part_files for a directory on a (remote) filesystem: URLs of its `*.parquet`, pruned the same way."""
+    base = inner.rstrip("/")
+    found = []
+    for info in fs.get_file_info(pafs.FileSelector(base, recursive=True)):
+        if info.type != pafs.FileType.File or not info.path.endswith(".parquet"):
+            continue
+        parts = info.path[len(base):].strip("/").split("/")
+        if any(part.startswith(("_", ".")) for part in parts):
+            continue
+        found.append(_url_of(root, info.path))
+    return sorted(found)
 
 
 def find_part_files(directory: Path) -> list[Path]:
@@ -73,13 +138,19 @@ def find_part_files(directory: Path) -> list[Path]:
 def describe_unreadable(path: str | Path, exc: BaseException) -> str:
     """Why a file could not be read as Parquet, in words (not Parquet, empty, truncated or corrupt)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
+        fs, inner = location(path)
+        if fs is None:
+            size = os.path.getsize(path)
+            opened: Any = open(path, "rb")
+        else:
+            size = fs.get_file_info(inner).size or 0
+            opened = fs.open_input_file(inner)
+        with opened as handle:
             head = handle.read(4)
             handle.seek(max(size - 4, 0))
             tail = handle.read(4)
-    except OSError as os_exc:
-        return f"cannot be read ({os_exc.strerror or os_exc})"
+    except (OSError, pa.ArrowException) as os_exc:
+        return f"cannot be read ({getattr(os_exc, 'strerror', None) or os_exc})"
     detail = " ".join(str(exc).split())[:160]
     if size == 0:
         return "empty file (0 bytes), not a Parquet file"
@@ -90,17 +161,32 @@ def describe_unreadable(path: str | Path, exc: BaseException) -> str:
     return f"corrupt Parquet file ({detail})"
 
 
-def _read_manifest(directory: Path, notes: list[str]) -> dict[str, Any] | None:
-    path = directory / MANIFEST_NAME
-    if not path.is_file():
+def _read_manifest(directory: Path | str, notes: list[str], fs: pafs.FileSystem | None = None,
+                   inner: str = "") -> dict[str, Any] | None:
+    """`_manifest.json` of a trace directory (local; or `inner` on the filesystem `fs` of the URL `directory`),
+    or None; bad JSON is a note, not an error."""
+    if fs is None:
+        local = Path(directory) / MANIFEST_NAME
+        shown, exists = str(local), local.is_file()
+
+        def read() -> str:
+            return local.read_text(encoding="utf-8")
+    else:
+        name = inner.rstrip("/") + "/" + MANIFEST_NAME
+        shown, exists = _url_of(str(directory), name), fs.get_file_info(name).type == pafs.FileType.File
+
+        def read() -> str:
+            with fs.open_input_stream(name) as handle:
+                return handle.read().decode("utf-8")
+    if not exists:
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        notes.append(f"{path}: not valid JSON, manifest ignored ({' '.join(str(exc).split())})")
+        manifest = json.loads(read())
+    except (OSError, pa.ArrowException, UnicodeDecodeError, ValueError) as exc:
+        notes.append(f"{shown}: not valid JSON, manifest ignored ({' '.join(str(exc).split())})")
         return None
     if not isinstance(manifest, dict):
-        notes.append(f"{path}: not a JSON object, manifest ignored")
+        notes.append(f"{shown}: not a JSON object, manifest ignored")
         return None
     return manifest
 
@@ -124,6 +210,24 @@ def _resolve_instances(instances: str | Iterable[str] | None) -> list[str] | Non
     if isinstance(instances, str):
         return [instances]
     return [str(i) for i in instances]
+
+
+def column_stats(metadata: pq.FileMetaData, name: str) -> list[tuple[Any, Any]] | None:
+    """(min, max) of a column in each row group of a file, from its footer; None when the file has no such column
+    or a row group has no statistics for it (an all-null row group has none: its (None, None) is left out)."""
+    try:
+        index = metadata.schema.names.index(name)
+    except ValueError:
+        return None
+    out = []
+    for group in range(metadata.num_row_groups):
+        stats = metadata.row_group(group).column(index).statistics
+        if stats is not None and not stats.has_min_max and stats.null_count == metadata.row_group(group).num_rows:
+            continue
+        if stats is None or not stats.has_min_max:
+            return None
+        out.append((stats.min, stats.max))
+    return out
 
 
 def _instance_stats_exclude(metadata: pq.FileMetaData, wanted: set[str]) -> bool:
@@ -202,8 +306,8 @@ REQ_DICTIONARY_ATTR = "_req_dictionary"
 
 
 def _read_files(paths: list[str], columns: list[str], expression: ds.Expression | None) -> pa.Table:
-    dataset = ds.dataset(paths, format=_DICTIONARY_READ if "req" in columns else "parquet")
-    return dataset.to_table(columns=columns, filter=expression)
+    return dataset(paths, format=_DICTIONARY_READ if "req" in columns else "parquet").to_table(columns=columns,
+                                                                                          filter=expression)
 
 
 def _req_dictionary(table: pa.Table) -> pa.ChunkedArray | None:
@@ -233,7 +337,8 @@ def _system_memory_pool() -> Iterator[None]:
 
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
                instances: str | Iterable[str] | None = None, since_ns: int | None = None,
-               until_ns: int | None = None, validate: bool = True, warn: bool = True) -> Trace:
+               until_ns: int | None = None, validate: bool = True, warn: bool = True,
+               only_files: Iterable[str] | None = None) -> Trace:
     """Load a trace directory (or one Parquet part file) as a `Trace` (see the module docstring).
 
     columns: format columns to load (default all); the table has them in format order.
@@ -244,22 +349,57 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         increasing within a writer's part file). Footers (column types, schema version) are always checked.
     warn: also issue the warnings (skipped files, unknown kinds, bad manifest) as Python `TraceWarning`s; they
         are always in `Trace.warnings`.
+    only_files: read just these part files of the trace directory (one partition's, see
+        `pdtrace.analysis.partitions`); the trace's path stays `path`.
     """
     with _system_memory_pool():
-        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn)
+        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files)
 
 
-def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
-                since_ns: int | None, until_ns: int | None, validate: bool, warn: bool) -> Trace:
+@dataclass
+class TraceFooters:
+    """What the footers of a trace's part files say, without reading a row: steps 1-2 of the module docstring."""
+
+    #: the trace's location: a local Path, or the URL as given
+    root: Any
+    manifest: dict[str, Any] | None
+    #: readable files in path order, with their pdtrace metadata
+    files: list[TraceFile]
+    #: the footer of each readable file (row counts, row-group statistics), by path
+    metadata: dict[str, pq.FileMetaData]
+    #: the Arrow schema of each readable file (without its key-value metadata), by path
+    schemas: dict[str, pa.Schema]
+    skipped: list[SkippedFile]
+    #: tolerated problems found so far (a bad manifest, notes on the files' metadata), one line each
+    notes: list[str]
+
+
+def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None = None) -> TraceFooters:
+    """List the part files of a trace (a directory, or one file) and read and check their footers (see the module
+    docstring, steps 1-2). `only_files`: just these files of the trace (paths as listed), e.g. one partition's.
+    Raises TraceError when nothing is readable, or a readable file has a wrong schema or schema version."""
     root = Path(path)
-    selected = _resolve_columns(columns)
-    wanted_instances = _resolve_instances(instances)
     notes: list[str] = []
     manifest = None
-    if not root.exists():
+    fs, inner = location(path)
+    if fs is not None:
+        root_url = str(path)
+        kind = fs.get_file_info(inner).type
+        if kind == pafs.FileType.NotFound:
+            raise TraceError(f"{root_url}: no such file or directory")
+        if kind == pafs.FileType.Directory:
+            candidates: list[Any] = (_find_remote_part_files(fs, root_url, inner) if only_files is None
+                                     else list(only_files))
+            manifest = _read_manifest(root_url, notes, fs, inner)
+            if not candidates:
+                raise TraceError(f"{root_url}: no Parquet files in this directory (a trace is a directory of "
+                                 "*.parquet event files)")
+        else:
+            candidates = [root_url]
+    elif not root.exists():
         raise TraceError(f"{root}: no such file or directory")
-    if root.is_dir():
-        candidates = find_part_files(root)
+    elif root.is_dir():
+        candidates = find_part_files(root) if only_files is None else [Path(f) for f in only_files]
         manifest = _read_manifest(root, notes)
         if not candidates:
             raise TraceError(f"{root}: no Parquet files in this directory (a trace is a directory of *.parquet "
@@ -270,13 +410,14 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         raise TraceError(f"{root}: not a file or directory")
 
     files: list[TraceFile] = []
+    metadata_of: dict[str, pq.FileMetaData] = {}
+    schemas: dict[str, pa.Schema] = {}
     skipped: list[SkippedFile] = []
     file_notes_seen: dict[str, list[str]] = {}  # a note's text without its file -> the files it applies to
-    runs: list[tuple[pa.Schema, list[str]]] = []  # consecutive files with one schema: one dataset each
     for candidate in candidates:
         name = str(candidate)
         try:
-            with pq.ParquetFile(name) as parquet:
+            with _open_parquet(name) as parquet:
                 metadata = parquet.metadata
                 schema = parquet.schema_arrow
         except (OSError, pa.ArrowException) as exc:
@@ -287,13 +428,8 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         for note in file_notes:
             file_notes_seen.setdefault(note.removeprefix(f"{name}: "), []).append(name)
         files.append(TraceFile(path=name, rows=metadata.num_rows, **info))
-        if wanted_instances is not None and _instance_stats_exclude(metadata, set(wanted_instances)):
-            continue
-        plain = schema.remove_metadata()
-        if runs and runs[-1][0].equals(plain):
-            runs[-1][1].append(name)
-        else:
-            runs.append((plain, [name]))
+        metadata_of[name] = metadata
+        schemas[name] = schema.remove_metadata()
 
     # The same note on every part file (say, a column this pdtrace does not know) is said once.
     for text, names in file_notes_seen.items():
@@ -305,6 +441,28 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             raise TraceError(f"{skipped[0].path}: {skipped[0].reason}")
         raise TraceError(f"{root}: none of the {len(skipped)} Parquet files could be read (first: "
                          f"{skipped[0].path}: {skipped[0].reason})")
+    return TraceFooters(str(path) if fs is not None else root, manifest, files, metadata_of, schemas, skipped,
+                        notes)
+
+
+def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
+                since_ns: int | None, until_ns: int | None, validate: bool, warn: bool,
+                only_files: Iterable[str] | None = None) -> Trace:
+    root: Any = str(path) if is_url(path) else Path(path)
+    selected = _resolve_columns(columns)
+    wanted_instances = _resolve_instances(instances)
+    footers = read_footers(path, only_files)
+    manifest, files, skipped, notes = footers.manifest, list(footers.files), list(footers.skipped), footers.notes
+    runs: list[tuple[pa.Schema, list[str]]] = []  # consecutive files with one schema: one dataset each
+    for file in files:
+        name = file.path
+        if wanted_instances is not None and _instance_stats_exclude(footers.metadata[name], set(wanted_instances)):
+            continue
+        plain = footers.schemas[name]
+        if runs and runs[-1][0].equals(plain):
+            runs[-1][1].append(name)
+        else:
+            runs.append((plain, [name]))
 
     expression = _filter_expression(wanted_instances, since_ns, until_ns)
     tables = []
@@ -376,10 +534,11 @@ def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> N
     Only runs after the whole-table check found something, so its cost does not matter."""
     for file in files:
         try:
-            table = normalize_table(pq.read_table(file.path, columns=columns), columns, file.path)
+            table = normalize_table(read_columns(file.path, columns), columns, file.path)
         except (OSError, pa.ArrowException):
             continue
         check_values(table, file.path)
 
 
-__all__ = ["open_trace", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]
+__all__ = ["open_trace", "read_footers", "TraceFooters", "column_stats", "location", "is_url", "dataset",
+           "read_columns", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]

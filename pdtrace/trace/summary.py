@@ -19,6 +19,14 @@
     manifest         {command, vllm_version, created} from _manifest.json (null values where absent), or null
     warnings         the loader's warnings (skipped files, unknown kinds, a bad manifest)
 
+`summarize_footers(footers, instances_of)` gives the same keys from the part files' footers alone (row counts,
+row-group statistics, pdtrace metadata), for `pdtrace info` on a large trace: exact for trace, events, files,
+skipped_files, dropped_events, sources, versions, time, manifest and the instance names; per instance, `events` when
+its files hold no other instance, and roles / pids / ranks when every row group of its files holds one value of
+them (the recorder writes one file per process), else null; `schedulers`, `kinds`, `requests` and per-instance
+`requests` need the rows and are null. `rows_read` (added key, also in `summarize`) says which it is.
+`merge_summaries(parts, footers)` folds summaries of disjoint instance partitions into the whole trace's.
+
 Algorithm: a few Arrow hash group-bys over the whole table (per instance; per scheduler on the `sched` rows),
 `value_counts` of `kind`, `min_max` of `ts_ns`, and a regex extraction of `empty_run` from the `detail` of `sched`
 rows; no Python loop over events.
@@ -27,13 +35,17 @@ rows; no Python loop over events.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.format import KINDS
-from pdtrace.trace.model import Trace
+from pdtrace.trace.model import Trace, dropped_events
+from pdtrace.trace.reader import column_stats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.trace.reader import TraceFooters
 
 #: The columns `summarize` reads: load only these (`open_trace(path, columns=SUMMARY_COLUMNS)`) to save time.
 SUMMARY_COLUMNS = ("ts_ns", "instance", "role", "pid", "component", "dp_rank", "pp_rank", "tp_rank", "kind",
@@ -175,4 +187,99 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "requests": sum(i["requests"] for i in instances),
         "manifest": _manifest_summary(trace.manifest),
         "warnings": list(trace.warnings),
+        "rows_read": True,
     }
+
+
+def _file_keys(footers: "TraceFooters") -> dict[str, Any]:
+    """The keys that come from the file list alone, as `summarize` computes them from a loaded trace's."""
+    files = footers.files
+    return {
+        "trace": str(footers.root),
+        "files": len(files),
+        "skipped_files": [{"path": s.path, "reason": s.reason} for s in footers.skipped],
+        "dropped_events": dropped_events(files),
+        "sources": sorted({f.source for f in files}),
+        "schema_versions": sorted({f.schema_version for f in files}),
+        "pdtrace_versions": sorted({f.pdtrace_version for f in files}),
+        "manifest": _manifest_summary(footers.manifest),
+    }
+
+
+def _exact_values(metadatas: list[Any], name: str) -> list[Any] | None:
+    """The distinct values of a column over the files' row groups when each row group holds one value (min ==
+    max), sorted; None when a row group holds several or has no statistics."""
+    values = set()
+    for metadata in metadatas:
+        stats = column_stats(metadata, name)
+        if stats is None:
+            return None
+        for low, high in stats:
+            if low != high:
+                return None
+            values.add(low.decode() if isinstance(low, bytes) else low)
+    return sorted(values)
+
+
+def summarize_footers(footers: "TraceFooters", instances_of: dict[str, list[str]]) -> dict[str, Any]:
+    """The summary from the footers only (see the module docstring); `instances_of`: instance -> its files."""
+    files = footers.files
+    lows, highs = [], []
+    for f in files:
+        for low, high in column_stats(footers.metadata[f.path], "ts_ns") or []:
+            lows.append(low)
+            highs.append(high)
+    start, end = (min(lows), max(highs)) if lows else (None, None)
+    time_span = {"start_ns": start, "end_ns": end, "duration_ns": None if start is None else end - start,
+                 "start": _iso(start), "end": _iso(end)}
+    owners: dict[str, int] = {}
+    for paths in instances_of.values():
+        for path in paths:
+            owners[path] = owners.get(path, 0) + 1
+    rows_of = {f.path: f.rows for f in files}
+    instances = []
+    for name in sorted(instances_of):
+        paths = instances_of[name]
+        metadatas = [footers.metadata[p] for p in paths]
+        own = all(owners[p] == 1 for p in paths)
+        instances.append({
+            "instance": name,
+            "roles": _exact_values(metadatas, "role"),
+            "pids": _exact_values(metadatas, "pid"),
+            "dp_ranks": _exact_values(metadatas, "dp_rank"),
+            "pp_ranks": _exact_values(metadatas, "pp_rank"),
+            "tp_ranks": _exact_values(metadatas, "tp_rank"),
+            "events": sum(rows_of[p] for p in paths) if own else None,
+            "requests": None,
+        })
+    return {**_file_keys(footers), "events": sum(f.rows for f in files), "time": time_span,
+            "instances": instances, "schedulers": None, "kinds": None, "requests": None,
+            "warnings": list(footers.notes) + [f"{s.path}: skipped: {s.reason}" for s in footers.skipped],
+            "rows_read": False}
+
+
+def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters") -> dict[str, Any]:
+    """The whole trace's summary from `summarize` of disjoint instance partitions (each read alone): sums, unions
+    and extremes of theirs; the file-level keys from the footers (every file, as one load would list them)."""
+    starts = [p["time"]["start_ns"] for p in parts if p["time"]["start_ns"] is not None]
+    ends = [p["time"]["end_ns"] for p in parts if p["time"]["end_ns"] is not None]
+    start, end = (min(starts), max(ends)) if starts else (None, None)
+    counted: dict[str, int] = {}
+    for part in parts:
+        for kind, n in part["kinds"].items():
+            counted[kind] = counted.get(kind, 0) + n
+    ordered = [k for k in KINDS if k in counted] + sorted(k for k in counted if k not in KINDS)
+    instances = sorted((i for p in parts for i in p["instances"]), key=lambda i: i["instance"])
+    skipped = [f"{s.path}: skipped: {s.reason}" for s in footers.skipped]
+    warnings = list(footers.notes)
+    for part in parts:
+        warnings.extend(w for w in part["warnings"] if w not in warnings and w not in skipped)
+    return {**_file_keys(footers), "events": sum(p["events"] for p in parts),
+            "time": {"start_ns": start, "end_ns": end, "duration_ns": None if start is None else end - start,
+                     "start": _iso(start), "end": _iso(end)},
+            "instances": instances,
+            "schedulers": sorted((s for p in parts for s in p["schedulers"]),
+                                 key=lambda r: (r["instance"], -1 if r["dp_rank"] is None else r["dp_rank"])),
+            "kinds": {k: counted[k] for k in ordered},
+            "requests": sum(i["requests"] for i in instances),
+            "warnings": warnings + skipped, "rows_read": True}

@@ -41,6 +41,7 @@ import pandas as pd
 
 from pdtrace.analysis.blocks import ownership
 from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
+from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
@@ -59,7 +60,7 @@ def run(ctx: Any) -> pd.DataFrame:
     own = ownership(ctx)
     grace_ns = int(ctx.config.grace_s * 1e9)
     end_pos = cols.n
-    end_ts = int(cols.ts.max())
+    end_ts = trace_span(ctx)[1]  # the whole trace's end, also on one partition of it
     gp = gaps(ctx)
     ev = Evidence(cols)
     cfgs = engine_configs(ctx)

@@ -59,7 +59,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.columns import NO, Columns, columns
-from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.context import AnalysisContext, trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import RequestState, request_state
@@ -374,7 +374,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     room = np.zeros(len(start_rows), np.int64)
     if len(cand):
         room[cand] = sc.room_between(sk[cand], pos[cand], end_pos[cand], need[rk[cand]], threshold)
-    ts_end = cols.ts[cols.order[-1]]
+    ts_end = trace_span(ctx)[1]  # the whole trace's end, also on one partition of it
     reported = np.zeros(st.n, bool)
     # candidate findings, chosen vectorised: room enough (starved), or still open at the end after a preemption
     # or after an add never followed by a schedule (preempted_not_resumed / never_scheduled)

@@ -34,21 +34,29 @@ from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance
 COMPLETION_FREE_REASONS = ("sent", "received")
 
 
-def _remote_read_rk(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, owner's request key) of remote_read rows whose detail names a known owner instance."""
+def remote_read_targets(ctx: Any) -> pd.DataFrame:
+    """The remote_read rows and the request each names as the owner of the blocks it read: row, instance (detail
+    `remote_instance`), req (detail `remote_req`, else the row's own req); rows naming no instance are left out.
+    Also read by the cross-instance step of `pdtrace.analysis.partitions` (a read of another partition's blocks)."""
     cols = columns(ctx)
     rows = cols.rows_of("remote_read")
-    if len(rows) == 0:
-        return rows, np.empty(0, np.int64)
-    details = cols.details(rows)
+    details = cols.details(rows) if len(rows) else []
     req_codes, req_names = cols.codes("req")
-    reads = pd.DataFrame({
+    return pd.DataFrame({
         "row": rows,
         "instance": [str(d.get("remote_instance")) if d.get("remote_instance") is not None else None
                      for d in details],
         "req": [str(d.get("remote_req")) if d.get("remote_req") is not None
                 else (req_names[c] if c >= 0 else None) for d, c in zip(details, req_codes[rows])],
-    }).dropna()
+    }, columns=["row", "instance", "req"]).dropna()
+
+
+def _remote_read_rk(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, owner's request key) of remote_read rows whose detail names a known owner instance."""
+    cols = columns(ctx)
+    reads = remote_read_targets(ctx)
+    if len(reads) == 0:
+        return reads["row"].to_numpy(np.int64), np.empty(0, np.int64)
     names = cols.rk_names.reset_index().rename(columns={"index": "rk"})[["rk", "instance", "req"]]
     names = names.astype({"instance": object, "req": object})
     joined = reads.merge(names, on=["instance", "req"], how="inner").drop_duplicates("row")

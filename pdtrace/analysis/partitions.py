@@ -1,0 +1,598 @@
+"""Partitioned analysis: a multi-instance trace analysed one instance at a time, then joined across instances.
+
+Nearly every rule works per scheduler (instance, dp_rank), so a trace splits by instance. A *partition* is one
+instance's rows: its own part files (the recorder writes `TRACE/<instance>/<pid>/part-*.parquet`), or its rows of
+files it shares with other instances (read with an instance filter). `plan_partitions` finds them from the footers
+alone (the `instance` column's row-group statistics; a file whose statistics span several names has its
+`instance` column read to list them).
+
+Phase 1 (`run_partition`, one task per partition, in any order, anywhere): open the partition, run the rules on it
+exactly as on a whole trace, and return its findings plus a `LinkSummary`, the little each cross-instance rule
+needs from it. Two facts of the whole trace are handed to every partition: the analysed span (first and last
+`ts_ns`, so "open at the end of the trace" means the same everywhere; `AnalysisContext.span_ns`) and the rules'
+configuration.
+
+What crosses instances in the rules today (grep `remote_instance`, `remote_req`, peer) and what it needs:
+- use_after_free `remote_read`: a `remote_read` on the reader (D) names the owner's instance and request (detail
+  `remote_instance` / `remote_req`); the finding is a read inside one of the owner's (P's) release gaps. Summary:
+  D's reads naming an instance outside D (owner, req, ts), and P's release gaps (req, first and last ts).
+- unscheduled_request `stuck_waiting_kv` open at the end of the trace: the decode request's prefill side (req_add
+  detail `remote_instance` / `remote_req`) decides severity and evidence (the sender expired the transfer or saw
+  the send finish, counted in D's steps after it) and cites the sender's engine failure. Summary: the instances
+  outside D that D's open waits name.
+- (`pdtrace.analysis.story` follows the same links for `show`, not for analyze; no rule estimates clock skew today.)
+
+Phase 2 (`link_groups`): join the summaries. A read whose (owner, req, ts) falls inside a gap of another partition
+(compared on ts, inclusive: a superset of the rule's exact test on global positions), or an open wait naming another
+partition, links the two partitions for that rule; linked partitions form groups (connected components). For each
+group the one rule runs again on the group's rows together, which is the whole-trace computation for those
+instances (the rule consults only the reader and the owner), and its findings for the group's instances replace
+the phase-1 ones. A healthy trace has no links; a buggy one re-reads only the instances involved.
+
+Combining: per rule, the partitions' findings in partition order; then the order of `pdtrace.analysis.analyze`
+(errors first, then time, rule and instance; ties keep each rule's own order, which is the same on a partition as
+on the whole trace since request and scheduler codes are numbered by first appearance). The report is that of the
+whole-trace analysis (tests/test_partitions.py checks every sample, every scenario and the bench trace).
+
+Where tasks run is a *runner*: in this process one after the other (`LocalRunner`, bounded by the largest
+partition), in a pool of worker processes (`ProcessRunner`, bounded by the partitions in flight), or as Dask tasks
+(`pdtrace.analysis.distributed.DaskRunner`). Memory of phase 2 is bounded by the largest linked group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.parallel import default_jobs
+from pdtrace.analysis.registry import Rule
+from pdtrace.errors import PdtraceError, TraceError
+from pdtrace.trace.model import Trace
+from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
+
+#: Below this many events (footer rows) a multi-instance trace is analysed whole, in this process: partitions
+#: would only add the start of the worker processes (about 1 s).
+PARTITION_MIN_EVENTS = 2_000_000
+
+#: The rules with a cross-instance part, and that part (subrule): phase 2 re-runs these on linked groups.
+CROSS_SUBRULES = {"use_after_free": "remote_read", "unscheduled_request": "stuck_waiting_kv"}
+
+_OPEN_END = np.iinfo(np.int64).max
+
+
+# ----------------------------------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Partition:
+    """One instance's part of a trace: the files holding its rows (`shared`: they hold other instances' too)."""
+
+    instance: str
+    files: tuple[str, ...]
+    #: rows of its files per their footers (of every instance in them when shared)
+    rows: int
+    shared: bool
+
+
+@dataclass
+class PartitionPlan:
+    """The partitions of a trace and the whole trace's facts, from the footers only."""
+
+    path: str
+    partitions: list[Partition]
+    footers: TraceFooters
+    #: (first, last) ts_ns of the whole trace per the row-group statistics; None when a file has none
+    stats_span: tuple[int, int] | None
+
+    @property
+    def instances(self) -> list[str]:
+        return [p.instance for p in self.partitions]
+
+    @property
+    def events(self) -> int:
+        return sum(f.rows for f in self.footers.files)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The footers' notes and skipped files, one line each (as `Trace.warnings` starts)."""
+        return list(self.footers.notes) + [f"{s.path}: skipped: {s.reason}" for s in self.footers.skipped]
+
+
+def file_instances(path: str, metadata: pq.FileMetaData) -> list[str]:
+    """The instances a part file holds: its `instance` statistics when every row group names one and the same
+    instance (the recorder's layout), else the distinct values of its `instance` column (one column read)."""
+    stats = column_stats(metadata, "instance")
+    if stats is not None and stats:
+        names = {v for pair in stats for v in pair}
+        if len(names) == 1:
+            name = names.pop()
+            return [name.decode() if isinstance(name, bytes) else str(name)]
+    if metadata.num_rows == 0:
+        return []
+    column = read_columns(path, ["instance"]).column("instance")
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    return sorted(str(v) for v in pc.unique(column).drop_null().to_pylist())
+
+
+def plan_partitions(path: str | os.PathLike[str]) -> PartitionPlan:
+    """Read and check the trace's footers (`pdtrace.trace.reader.read_footers`: bad schema, unknown version or
+    nothing readable raise TraceError) and list its partitions in the order their first rows load."""
+    footers = read_footers(path)
+    by_instance: dict[str, list[str]] = {}
+    rows: dict[str, int] = {}
+    shared: set[str] = set()
+    lows, highs = [], []
+    for file in footers.files:
+        metadata = footers.metadata[file.path]
+        names = file_instances(file.path, metadata)
+        for name in names:
+            by_instance.setdefault(name, []).append(file.path)
+            rows[name] = rows.get(name, 0) + file.rows
+            if len(names) > 1:
+                shared.add(name)
+        ts = column_stats(metadata, "ts_ns")
+        if ts is None and metadata.num_rows:
+            lows.append(None)
+        for low, high in ts or []:
+            lows.append(low)
+            highs.append(high)
+    stats_span = None if not lows or None in lows else (int(min(lows)), int(max(highs)))
+    partitions = [Partition(name, tuple(files), rows[name], name in shared) for name, files in by_instance.items()]
+    return PartitionPlan(str(path), partitions, footers, stats_span)
+
+
+def is_directory(path: str | os.PathLike[str]) -> bool:
+    """Whether a trace location (local path or URL) is a directory of part files rather than one file."""
+    import pyarrow.fs as pafs
+
+    fs, inner = location(path)
+    if fs is None:
+        return Path(path).is_dir()
+    return fs.get_file_info(inner).type == pafs.FileType.Directory
+
+
+def analysed_span(plan: PartitionPlan, partitions: Sequence[Partition], config: AnalysisConfig) -> tuple[int, int]:
+    """(first, last) ts_ns of the rows the analysis reads: the statistics when they are exact for it (no time
+    window, no file shared with an instance left out), else one pass over the `ts_ns` column (and `instance` where
+    files are shared) of those files, with the window pushed down."""
+    everything = len(partitions) == len(plan.partitions)
+    if (config.since_ns is None and config.until_ns is None and plan.stats_span is not None
+            and (everything or not any(p.shared for p in partitions))):
+        lows, highs = [], []
+        for name in sorted({f for p in partitions for f in p.files}):
+            for low, high in column_stats(plan.footers.metadata[name], "ts_ns") or []:
+                lows.append(low)
+                highs.append(high)
+        return (int(min(lows)), int(max(highs))) if lows else (0, 0)
+    files = sorted({f for p in partitions for f in p.files})
+    expression = None
+    if not everything and any(p.shared for p in partitions):
+        expression = ds.field("instance").isin([p.instance for p in partitions])
+    if config.since_ns is not None:
+        part = ds.field("ts_ns") >= int(config.since_ns)
+        expression = part if expression is None else expression & part
+    if config.until_ns is not None:
+        part = ds.field("ts_ns") < int(config.until_ns)
+        expression = part if expression is None else expression & part
+    low, high = None, None
+    try:
+        for batch in dataset(files).to_batches(columns=["ts_ns"], filter=expression):
+            if batch.num_rows:
+                bounds = pc.min_max(batch.column(0)).as_py()
+                low = bounds["min"] if low is None else min(low, bounds["min"])
+                high = bounds["max"] if high is None else max(high, bounds["max"])
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(f"{plan.path}: cannot read the ts_ns column ({' '.join(str(exc).split())[:160]})") from None
+    return (int(low), int(high)) if low is not None else (0, 0)
+
+
+def open_instances(path: str | os.PathLike[str], instances: Sequence[str], columns: Iterable[str] | None = None,
+                   ) -> tuple[Trace | None, tuple[int, int] | None, PartitionPlan]:
+    """(the rows of `instances` only, read from their partitions' files; the whole trace's span per the footers,
+    so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace."""
+    from pdtrace.trace.reader import open_trace
+
+    plan = plan_partitions(path)
+    wanted = [p for p in plan.partitions if p.instance in set(instances)]
+    if not wanted:
+        return None, plan.stats_span, plan
+    files = sorted({f for p in wanted for f in p.files})
+    trace = open_trace(path, columns=columns, instances=[p.instance for p in wanted] if any(p.shared for p in wanted)
+                       else None, warn=False, only_files=files)
+    span = plan.stats_span or analysed_span(plan, plan.partitions, AnalysisConfig())
+    return trace, span, plan
+
+
+# ----------------------------------------------------------------------------------------------------- phase 1
+
+@dataclass
+class LinkSummary:
+    """What phase 2 needs from one partition (see the module docstring)."""
+
+    instances: tuple[str, ...]
+    #: remote_read rows naming an owner instance outside the partition: owner, req, ts_ns
+    remote_reads: pd.DataFrame
+    #: release gaps of the partition's requests: instance, req, start_ts, end_ts (int64 max while open)
+    gaps: pd.DataFrame
+    #: instances outside the partition named by its stuck_waiting_kv findings open at the end of the trace
+    waits_on: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PartitionTask:
+    """One unit of work: the rows of `instances` (from `files`, or a whole in-memory `trace`), the rules to run."""
+
+    path: str | None
+    instances: tuple[str, ...]
+    files: tuple[str, ...] | None
+    filter_instances: bool
+    rules: tuple[str | Rule, ...]
+    config: AnalysisConfig
+    span_ns: tuple[int, int]
+    summaries: bool = True
+    #: rows of its files per the footers: the runners start the largest tasks first (shorter makespan)
+    rows: int = 0
+    #: an in-memory trace (LocalRunner only): the partition is its rows of `instances`
+    trace: Trace | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.instances)
+
+
+@dataclass
+class PartitionResult:
+    instances: tuple[str, ...]
+    events: int
+    #: per rule of the task, its checked findings
+    frames: list[pd.DataFrame]
+    warnings: list[str]
+    summary: LinkSummary | None
+    seconds: float
+
+
+def _resolve(rules: Iterable[str | Rule]) -> list[Rule]:
+    from pdtrace.analysis.registry import load_rules
+
+    registered: dict[str, Rule] | None = None
+    out = []
+    for rule in rules:
+        if isinstance(rule, Rule):
+            out.append(rule)
+            continue
+        if registered is None:
+            registered = load_rules(errors=[])
+        out.append(registered[rule])
+    return out
+
+
+def _load_partition(task: PartitionTask) -> Trace:
+    if task.trace is not None:
+        from pdtrace.analysis import window
+
+        return window(task.trace, replace(task.config, instances=task.instances))
+    from pdtrace.trace.reader import open_trace
+
+    return open_trace(task.path, instances=list(task.instances) if task.filter_instances else None,  # type: ignore
+                      since_ns=task.config.since_ns, until_ns=task.config.until_ns, warn=False,
+                      only_files=task.files)
+
+
+def run_partition(task: PartitionTask) -> PartitionResult:
+    """Phase 1 (or a phase-2 group): load the task's rows, run its rules as on a whole trace, summarise."""
+    from pdtrace.analysis import allocation_settings, checked_findings
+    from pdtrace.analysis.parallel import run_rules
+
+    start = time.perf_counter()
+    trace = _load_partition(task)
+    ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
+    rules = _resolve(task.rules)
+    with allocation_settings():
+        frames = [checked_findings(frame, rule) for frame, rule in
+                  zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
+        summary = link_summary(ctx, rules, frames, task.instances) if task.summaries else None
+    return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,
+                           time.perf_counter() - start)
+
+
+def link_summary(ctx: AnalysisContext, rules: Sequence[Rule], frames: Sequence[pd.DataFrame],
+                 instances: Sequence[str]) -> LinkSummary:
+    """The partition's `LinkSummary`: vectorised over its remote reads and release gaps; open waits are few."""
+    from pdtrace.analysis.blocks import release_gaps
+    from pdtrace.analysis.columns import columns
+
+    ids = [r.id for r in rules]
+    mine = set(instances)
+    cols = columns(ctx)
+    reads = pd.DataFrame({"owner": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                          "ts_ns": pd.Series(dtype=np.int64)})
+    gaps = pd.DataFrame({"instance": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                         "start_ts": pd.Series(dtype=np.int64), "end_ts": pd.Series(dtype=np.int64)})
+    if "use_after_free" in ids and cols.n:
+        from pdtrace.analysis.rules.use_after_free import remote_read_targets
+
+        targets = remote_read_targets(ctx)
+        targets = targets[~targets["instance"].isin(mine)]
+        if len(targets):
+            reads = pd.DataFrame({"owner": targets["instance"].to_numpy(object),
+                                  "req": targets["req"].to_numpy(object),
+                                  "ts_ns": cols.ts[targets["row"].to_numpy(np.int64)].astype(np.int64)})
+        g = release_gaps(ctx)
+        if len(g):
+            names = cols.rk_names
+            end = np.where(g.end_pos >= 0, cols.ts[cols.order[np.maximum(g.end_pos, 0)]], _OPEN_END)
+            gaps = pd.DataFrame({"instance": names["instance"].to_numpy(object)[g.rk],
+                                 "req": names["req"].to_numpy(object)[g.rk],
+                                 "start_ts": cols.ts[cols.order[g.start_pos]].astype(np.int64),
+                                 "end_ts": end.astype(np.int64)})
+    waits: set[str] = set()
+    if "unscheduled_request" in ids and cols.n:
+        frame = frames[ids.index("unscheduled_request")]
+        open_waits = frame[(frame["subrule"] == "stuck_waiting_kv")
+                           & frame["extra"].map(lambda e: bool((e or {}).get("open_at_end")))]
+        if len(open_waits):
+            waits = _waited_on(ctx, open_waits) - mine
+    return LinkSummary(tuple(instances), reads, gaps, tuple(sorted(waits)))
+
+
+def _waited_on(ctx: AnalysisContext, waits: pd.DataFrame) -> set[str]:
+    """The `remote_instance` of the req_add of each waiting request (the instances its KV comes from)."""
+    from pdtrace.analysis.columns import columns
+    from pdtrace.analysis.requests import request_state
+    from pdtrace.analysis.steps import detail_text
+
+    cols = columns(ctx)
+    st = request_state(ctx)
+    names = cols.rk_names.reset_index().rename(columns={"index": "rk"})
+    names = names.astype({"instance": object, "req": object})
+    keys = waits[["instance", "req"]].astype(object).merge(names[["rk", "instance", "req"]], how="inner")
+    add = st.add_pos[keys["rk"].to_numpy(np.int64)]
+    rows = cols.order[add[add >= 0]].astype(np.int64)
+    return {str(v) for v in detail_text(ctx, rows, "remote_instance") if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------------- phase 2
+
+def link_groups(summaries: Sequence[LinkSummary]) -> dict[str, list[tuple[str, ...]]]:
+    """Per cross-instance rule, the groups of partitions whose findings of that rule depend on each other
+    (connected components of the links; only groups of two or more). See the module docstring."""
+    owner_of = {inst: i for i, s in enumerate(summaries) for inst in s.instances}
+    links: dict[str, set[tuple[int, int]]] = {rule: set() for rule in CROSS_SUBRULES}
+    gaps = pd.concat([s.gaps.assign(part=i) for i, s in enumerate(summaries) if len(s.gaps)], ignore_index=True) \
+        if any(len(s.gaps) for s in summaries) else None
+    for i, s in enumerate(summaries):
+        for name in s.waits_on:
+            if name in owner_of:
+                links["unscheduled_request"].add((i, owner_of[name]))
+        if len(s.remote_reads) and gaps is not None:
+            hit = s.remote_reads.merge(gaps, left_on=["owner", "req"], right_on=["instance", "req"], how="inner")
+            hit = hit[(hit["start_ts"] <= hit["ts_ns"]) & (hit["ts_ns"] <= hit["end_ts"])]
+            for part in set(hit["part"].tolist()):
+                links["use_after_free"].add((i, int(part)))
+    out: dict[str, list[tuple[str, ...]]] = {}
+    for rule, pairs in links.items():
+        parent = list(range(len(summaries)))
+
+        def root(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for a, b in pairs:
+            parent[root(a)] = root(b)
+        members: dict[int, list[int]] = {}
+        for a, b in pairs:
+            for x in (a, b):
+                members.setdefault(root(x), [])
+                if x not in members[root(x)]:
+                    members[root(x)].append(x)
+        groups = [tuple(inst for x in sorted(m) for inst in summaries[x].instances) for m in members.values()
+                  if len(m) > 1]
+        if groups:
+            out[rule] = sorted(groups)
+    return out
+
+
+def combine(rule_ids: Sequence[str], results: Sequence[PartitionResult],
+            reruns: Sequence[tuple[str, tuple[str, ...], PartitionResult]]) -> list[pd.DataFrame]:
+    """Per rule, the partitions' findings in partition order; a linked group's findings of the rule are those of
+    its re-run (the whole-trace computation for the group's instances), in the group's place."""
+    out = []
+    for index, rule in enumerate(rule_ids):
+        frames = [r.frames[index] for r in results]
+        for rerun_rule, group, result in reruns:
+            if rerun_rule != rule:
+                continue
+            members = set(group)
+            at = next(i for i, r in enumerate(results) if set(r.instances) & members)
+            frames = [f[~f["instance"].isin(members)] for f in frames]
+            frames.insert(at, result.frames[0])
+        frames = [f for f in frames if len(f)]
+        out.append(pd.concat(frames, ignore_index=True) if frames else _empty())
+    return out
+
+
+def _empty() -> pd.DataFrame:
+    from pdtrace.analysis.findings import empty_findings
+
+    return empty_findings()
+
+
+# ----------------------------------------------------------------------------------------------------- runners
+
+Progress = Callable[[PartitionTask, PartitionResult], None]
+
+
+class LocalRunner:
+    """Tasks one after the other in this process: memory bounded by the largest partition. Each runs its rules on
+    `AnalysisConfig.jobs` threads (`pdtrace.analysis.parallel`)."""
+
+    threads_per_task = None
+
+    def run(self, tasks: Sequence[PartitionTask]) -> Iterator[tuple[int, PartitionResult]]:
+        for index, task in enumerate(tasks):
+            yield index, run_partition(task)
+
+
+def _worker_start() -> None:
+    from pdtrace.malloc import single_arena
+
+    single_arena()  # as the CLI does for its own process (see pdtrace.malloc)
+
+
+class ProcessRunner:
+    """Tasks in a pool of `workers` processes (forkserver: a clean interpreter, not a copy of this one); at most
+    `workers` partitions in flight, so memory is bounded by the largest `workers` of them."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, int(workers))
+        #: the CPUs shared out between the workers (threads for each one's rules)
+        self.threads_per_task = max(1, default_workers() // self.workers)
+
+    def run(self, tasks: Sequence[PartitionTask]) -> Iterator[tuple[int, PartitionResult]]:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)) or 1, mp_context=context,
+                                 initializer=_worker_start) as pool:
+            largest_first = sorted(range(len(tasks)), key=lambda i: -tasks[i].rows)
+            futures: dict[Future, int] = {pool.submit(run_partition, tasks[i]): i for i in largest_first}
+            try:
+                pending = set(futures)
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for future in sorted(finished, key=futures.__getitem__):
+                        index = futures[future]
+                        try:
+                            yield index, future.result()
+                        except BrokenProcessPool:
+                            raise PdtraceError(f"a worker process died while analysing {tasks[index].name} (out "
+                                               "of memory? try fewer --jobs)") from None
+            finally:
+                for future in futures:
+                    future.cancel()
+
+
+def default_workers() -> int:
+    """One worker process per CPU this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------------------------------- driver
+
+def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[Rule], config: AnalysisConfig,
+                        runner: Any, plan: PartitionPlan | None = None,
+                        progress: Progress | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str]]:
+    """(findings per rule, events analysed, trace warnings, partitions) of `rules` on the trace, partition by
+    partition on the runner (see the module docstring)."""
+    rule_refs: tuple[str | Rule, ...] = tuple(_portable(rule) for rule in rules)
+    threads = getattr(runner, "threads_per_task", None) or int(config.jobs) or default_jobs()
+    task_config = replace(config, jobs=int(threads))
+    if isinstance(source, Trace):
+        parts = _memory_partitions(source, config)
+        span = _memory_span(source, config)
+        base = dict(path=source.path, files=None, filter_instances=True, trace=source)
+        warnings: list[str] = list(source.warnings)
+    else:
+        if getattr(runner, "remote", False) and not is_url(source):
+            source = os.path.abspath(source)  # the workers resolve paths in their own working directory
+            plan = None
+        plan = plan or plan_partitions(source)
+        parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
+        span = analysed_span(plan, parts, config)
+        base = dict(path=str(source), trace=None)
+        warnings = plan.warnings
+    tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
+                           **_files_of([p], base)) for p in parts]
+    results: list[PartitionResult | None] = [None] * len(tasks)
+    for index, result in runner.run(tasks):
+        results[index] = result
+        if progress is not None:
+            progress(tasks[index], result)
+    done = [r for r in results if r is not None]
+    groups = link_groups([r.summary for r in done])  # type: ignore[misc]
+    by_rule = {rule.id: rule for rule in rules}
+    rerun_tasks, rerun_keys = [], []
+    for rule_id, rule_groups in groups.items():
+        if rule_id not in by_rule:
+            continue
+        for group in rule_groups:
+            members = [p for p in parts if p.instance in group]
+            rerun_tasks.append(PartitionTask(instances=tuple(p.instance for p in members),
+                                             rules=(_portable(by_rule[rule_id]),), config=task_config,
+                                             span_ns=span, summaries=False, rows=sum(p.rows for p in members),
+                                             **_files_of(members, base)))
+            rerun_keys.append((rule_id, tuple(p.instance for p in members)))
+    reruns = []
+    for index, result in runner.run(rerun_tasks) if rerun_tasks else ():
+        reruns.append((rerun_keys[index][0], rerun_keys[index][1], result))
+        if progress is not None:
+            progress(rerun_tasks[index], result)
+    reruns.sort(key=lambda item: rerun_keys.index((item[0], item[1])))
+    for result in done:
+        warnings.extend(w for w in result.warnings if w not in warnings)
+    frames = combine([rule.id for rule in rules], done, reruns)
+    return frames, sum(r.events for r in done), warnings, [p.instance for p in parts]
+
+
+def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
+                       plan: PartitionPlan | None = None) -> PartitionPlan | None:
+    """The plan when the trace at `path` is worth analysing by partitions by default: several instances, at least
+    PARTITION_MIN_EVENTS events, and no instance with more than three quarters of them (else the largest partition
+    costs about what the whole does, and one process with threads is faster). None otherwise. `plan`: the trace's,
+    when the caller has it already."""
+    if not is_directory(path):
+        return None
+    plan = plan or plan_partitions(path)
+    parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
+    events = sum(p.rows for p in parts)
+    if len(parts) < 2 or events < PARTITION_MIN_EVENTS or max(p.rows for p in parts) > 0.75 * events:
+        return None
+    return plan
+
+
+def _portable(rule: Rule) -> str | Rule:
+    """A registered rule travels by id (workers load it from the registry), any other Rule object as itself."""
+    from pdtrace.analysis.registry import load_rules
+
+    return rule.id if load_rules(errors=[]).get(rule.id) is rule else rule
+
+
+def _files_of(parts: Sequence[Partition], base: dict[str, Any]) -> dict[str, Any]:
+    if base.get("trace") is not None:
+        return dict(base)
+    files = tuple(sorted({f for p in parts for f in p.files}))
+    return dict(base, files=files, filter_instances=any(p.shared for p in parts))
+
+
+def _memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
+    column = trace.table.column("instance")
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    names = [str(v) for v in pc.unique(column).drop_null().to_pylist()]  # in order of first appearance
+    return [Partition(name, (), 0, True) for name in names if not config.instances or name in config.instances]
+
+
+def _memory_span(trace: Trace, config: AnalysisConfig) -> tuple[int, int]:
+    from pdtrace.analysis import window
+    from pdtrace.analysis.context import trace_span
+
+    return trace_span(AnalysisContext(trace=window(trace, config)))

@@ -1,0 +1,76 @@
+"""info, plot and export on a multi-instance trace read only what they need: `info` of a large trace from the
+footers (the same values where the footers hold them), `info --rows` one instance at a time (the same summary as
+one load), and `--instance` only that instance's part files (the same figure or export as a whole load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.trace.builder import write_table
+from pdtrace.trace.reader import open_trace
+from test_partitions import cross_instance_trace
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path) -> Path:
+    return write_table(cross_instance_trace().table, tmp_path / "trace")
+
+
+def info_json(cli, *args) -> dict:
+    res = cli("info", *args, "--format", "json")
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_info_of_a_large_trace_reads_only_footers(trace_dir: Path, cli) -> None:
+    full = info_json(cli, trace_dir)  # small: every row, as before
+    assert full["rows_read"] is True
+    # (mock.patch, not monkeypatch: the cli fixture undoes monkeypatch after each call)
+    with mock.patch("pdtrace.analysis.partitions.PARTITION_MIN_EVENTS", 0):  # now it counts as large
+        with mock.patch("pdtrace.trace.reader._read_files", side_effect=AssertionError("info read rows")):
+            footers = info_json(cli, trace_dir)
+            table = cli("info", trace_dir)
+        rows = info_json(cli, trace_dir, "--rows")
+    assert footers["rows_read"] is False
+    for key in ("trace", "events", "files", "skipped_files", "dropped_events", "sources", "schema_versions",
+                "pdtrace_versions", "time", "manifest"):
+        assert footers[key] == full[key], key
+    assert footers["kinds"] is None and footers["requests"] is None and footers["schedulers"] is None
+    # one writer per file: names, roles, pids, ranks and events per instance are exact
+    for mine, theirs in zip(footers["instances"], full["instances"], strict=True):
+        assert {**mine, "requests": theirs["requests"]} == theirs
+    assert table.exit_code == 0 and "from the Parquet footers only" in table.stdout
+    # --rows: every row, one instance at a time, merged into exactly the one-load summary
+    assert rows == full
+
+
+def test_info_of_one_instance(trace_dir: Path, cli) -> None:
+    full = info_json(cli, trace_dir)
+    one = info_json(cli, trace_dir, "--instance", "D1")
+    assert [i["instance"] for i in one["instances"]] == ["D1"]
+    assert one["instances"][0] == next(i for i in full["instances"] if i["instance"] == "D1")
+    assert one["events"] == one["instances"][0]["events"]
+
+
+def test_export_of_one_instance_reads_only_its_files(trace_dir: Path, tmp_path: Path, cli) -> None:
+    from pdtrace.export import export as run_export
+    from pdtrace.plot import Window
+
+    victim = next((trace_dir / "P1").rglob("*.parquet"))
+    victim.write_bytes(victim.read_bytes()[:-20])  # truncated: whoever reads it warns
+    whole = cli("export", trace_dir, "-o", tmp_path / "all.json")
+    assert whole.exit_code == 0 and "skipped" in whole.stderr
+    res = cli("export", trace_dir, "--instance", "D1", "-o", tmp_path / "d1.json")
+    assert res.exit_code == 0, res.stderr
+    assert "skipped" not in res.stderr  # P1's files were not opened for their rows
+    # the same document as exporting D1 from the whole trace
+    run_export(AnalysisContext(open_trace(trace_dir, warn=False)), "chrome", tmp_path / "ref.json",
+               window=Window(instances=("D1",)), trace_name=str(trace_dir))
+    assert json.loads((tmp_path / "d1.json").read_text()) == json.loads((tmp_path / "ref.json").read_text())
+    res = cli("plot", trace_dir, "--kind", "steps", "--instance", "nope", "-o", tmp_path / "x.png")
+    assert res.exit_code == 2 and "nothing to show" in res.stderr
