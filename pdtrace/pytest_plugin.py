@@ -121,13 +121,15 @@ class Recording:
         self._current: RecordedTest | None = None
         self._env_before: str | None = None
         self._hooks: bool | None = None  # whether vLLM's hook table is installed (decided at the first test)
+        self._owns_hooks = False  # installed by this run (then put back at its end)
 
     # ------------------------------------------------------------------------------------------ recording
 
     def _install_hooks(self) -> bool:
         if self._hooks is None:
-            from pdtrace.recording.vllm import install_hooks, installed_vllm_version
+            from pdtrace.recording.vllm import hooks_installed, install_hooks, installed_vllm_version
 
+            self._owns_hooks = not hooks_installed()
             self._hooks = installed_vllm_version() is not None and install_hooks()
         return self._hooks
 
@@ -239,6 +241,10 @@ class Recording:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self._stop()
+        if self._hooks and self._owns_hooks:
+            from pdtrace.recording.vllm import uninstall_hooks
+
+            uninstall_hooks()
         (self.root / SUMMARY_FILE).write_text(json.dumps([asdict(r) for r in self.records], indent=1))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
