@@ -22,8 +22,8 @@ Per test, while switched on (the model is pytest-memray):
    A test that already failed keeps its own failure; the findings are added as a section.
 
 Recording never changes a test's outcome by itself: a hook that fails switches recording off for the rest of that
-test (counted, as `RUNTIME.fail` does in production), and a trace that cannot be analysed is counted and reported,
-never turned into a failure. `@pytest.mark.pdtrace_skip` leaves a test unrecorded. The terminal summary lists the
+test (counted, as `RUNTIME.fail` does in production), and a recording that cannot start or a trace that cannot be
+analysed is counted and reported, never turned into a failure. `@pytest.mark.pdtrace_skip` leaves a test unrecorded. The terminal summary lists the
 tests with findings, and `<pdtrace-dir>/summary.json` holds one record per recorded test (its trace directory,
 events, findings per severity, the rules of the failing ones, hook errors) for scripts such as the CI tier.
 """
@@ -101,7 +101,7 @@ class RecordedTest:
     allowed: list[str] = field(default_factory=list)  # rule/subrule reaching the level but allowed by marker
     hook_errors: int = 0
     first_hook_error: str | None = None
-    analysis_error: str | None = None
+    pdtrace_error: str | None = None  # pdtrace's own failure: recording could not start, or no analysis
     failed_test: bool = False  # the plugin turned a passing call into a failure
 
 
@@ -192,7 +192,7 @@ class Recording:
             start = pc.min(loaded.table.column("ts_ns")).as_py() if len(loaded) else None
             findings = pdtrace.analyze(loaded)
         except (PdtraceError, OSError) as exc:
-            rec.analysis_error = f"{type(exc).__name__}: {exc}"
+            rec.pdtrace_error = f"trace not analysed: {type(exc).__name__}: {exc}"
             return None, None
         rec.findings = {str(k): int(v) for k, v in findings["severity"].value_counts().items()}
         for row in findings[["rule", "subrule", "severity"]].itertuples(index=False):
@@ -208,8 +208,14 @@ class Recording:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if item.get_closest_marker(SKIP_MARKER) is None:
+        if item.get_closest_marker(SKIP_MARKER) is not None:
+            return
+        try:
             self._start(item)
+        except Exception as exc:  # recording that cannot start must not fail the test
+            self._current = self._current or RecordedTest(nodeid=item.nodeid, trace="")
+            rec = self._stop()  # the session and PDTRACE_TRACE_DIR as they were
+            rec.pdtrace_error = f"recording not started: {type(exc).__name__}: {exc}"
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -220,7 +226,7 @@ class Recording:
         try:
             findings, start = self._analyze(rec, allowed_rules(item))
         except Exception as exc:  # an analysis bug must not change the test's outcome
-            rec.analysis_error = f"{type(exc).__name__}: {exc}"
+            rec.pdtrace_error = f"trace not analysed: {type(exc).__name__}: {exc}"
             findings = start = None
         if findings is not None and len(findings):
             text = _render(findings, rec.trace, start)
@@ -251,11 +257,11 @@ class Recording:
         records = self.records
         with_events = sum(1 for r in records if r.events)
         off = [r for r in records if r.hook_errors]
-        broken = [r for r in records if r.analysis_error]
+        broken = [r for r in records if r.pdtrace_error]
         tr = terminalreporter
         tr.write_sep("=", "pdtrace")
         tr.write_line(f"{len(records)} tests recorded, {with_events} with events, {len(off)} with recording "
-                      f"switched off by a hook error, {len(broken)} traces not analysed; traces in {self.root}")
+                      f"switched off by a hook error, {len(broken)} with a pdtrace error; traces in {self.root}")
         for r in records:
             if r.findings:
                 counts = ", ".join(f"{n} {sev}" for sev, n in sorted(r.findings.items()))
@@ -265,7 +271,7 @@ class Recording:
         for r in off:
             tr.write_line(f"{r.nodeid}: recording off after {r.hook_errors} hook error(s): {r.first_hook_error}")
         for r in broken:
-            tr.write_line(f"{r.nodeid}: trace not analysed: {r.analysis_error}")
+            tr.write_line(f"{r.nodeid}: {r.pdtrace_error}")
 
 
 def _render(findings: Any, trace: str, start_ns: int | None) -> str:

@@ -242,7 +242,27 @@ def test_writes_garbage():
 ''')
     result = pytester.runpytest("--pdtrace", "--pdtrace-dir", str(tmp_path))
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["*1 traces not analysed*", "*test_writes_garbage: trace not analysed: TraceError*"])
+    result.stdout.fnmatch_lines(["*1 with a pdtrace error*", "*test_writes_garbage: trace not analysed: TraceError*"])
+
+
+def test_recording_that_cannot_start_changes_nothing(pytester: pytest.Pytester, tmp_path: Path):
+    pytester.makeconftest('''
+from pdtrace.recording import session
+
+
+def fail(*args, **kwargs):
+    raise OSError("disk full")
+
+
+session.configure = fail
+''')
+    pytester.makepyfile(HELPERS + '''
+def test_runs_unrecorded():
+    assert not session.is_configured() and "PDTRACE_TRACE_DIR" not in os.environ
+''')
+    result = pytester.runpytest_subprocess("--pdtrace", "--pdtrace-dir", str(tmp_path), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_runs_unrecorded: recording not started: OSError: disk full"])
 
 
 def test_inert_unless_asked_for(pytester: pytest.Pytester):
