@@ -615,6 +615,14 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
     return _set_kv_fetch_stage
 
 
+def _record_pool_return(st: SchedulerState, req_id: str, given_up: list[Any]) -> None:
+    """blocks_pool_free for the blocks a request just gave up whose ref count reached 0 (shared prefix blocks stay
+    referenced by their other owners), tail first as vLLM frees them."""
+    ids = [b.block_id for b in reversed(given_up) if b.ref_cnt == 0]
+    if ids:
+        st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
+
+
 def _w_kvm_free(orig: Any) -> Any:
     # Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
     # 0 in this call (shared prefix blocks stay referenced by their other owners).
@@ -648,9 +656,7 @@ def _w_kvm_free(orig: Any) -> Any:
         out = orig(self, request)
         if blocks and _RT.active:
             try:
-                ids = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]  # vLLM frees tail first
-                if ids:
-                    st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
+                _record_pool_return(st, req_id, blocks)
             except Exception as exc:
                 _RT.fail("KVCacheManager.free", exc)
         return out
@@ -737,9 +743,7 @@ def _w_remove_skipped_blocks(orig: Any) -> Any:
                 if freed:
                     st.ch.emit("blocks_free", st.cur_step, request_id, [b.block_id for b in freed], None,
                                "skipped", None, None, False)
-                    ids = [b.block_id for b in reversed(freed) if b.ref_cnt == 0]
-                    if ids:
-                        st.ch.emit("blocks_pool_free", st.cur_step, request_id, ids)
+                    _record_pool_return(st, request_id, freed)
             except Exception as exc:
                 _RT.fail("remove_skipped_blocks", exc)
         return out
