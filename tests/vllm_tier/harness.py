@@ -64,22 +64,33 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
     return vc
 
 
-def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> Any:
+def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE, spec: Any = None) -> Any:
+    """One KV cache group of `spec` (default: full attention) over `num_blocks` blocks."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+    if spec is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
+        KVCacheGroupSpec(["layer"], spec)])
 
 
-def make_scheduler(vllm_config: Any, num_blocks: int = 100) -> Any:
-    """vLLM's real Scheduler over `num_blocks` blocks (block 0 is the null block)."""
+def sliding_window_spec(window: int, block_size: int = BLOCK_SIZE) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                             sliding_window=window)
+
+
+def make_scheduler(vllm_config: Any, num_blocks: int = 100, kv_spec: Any = None) -> Any:
+    """vLLM's real Scheduler over `num_blocks` blocks (block 0 is the null block), one group of `kv_spec`."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config(num_blocks), log_stats=True,
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config(num_blocks, spec=kv_spec),
+                     log_stats=True,
                      structured_output_manager=StructuredOutputManager(vllm_config),
                      block_size=vllm_config.cache_config.block_size)
 

@@ -18,8 +18,10 @@ vllm-0.33-corrections.md) give the reasoning; in short:
   prefix hit comes from `_get_local_prefix_cache_hit`. `KVCacheManager.free` -> blocks_free, then
   blocks_pool_free for the blocks whose ref count reached 0; `pop_blocks_for_free` -> blocks_free deferred with
   its fence, and `_drain_deferred_frees` -> blocks_pool_free when the fence step is processed;
-  `_free_cow_retained_blocks` -> blocks_pool_free of copy-on-write retentions. Not covered: sliding-window
-  trimming inside allocate_slots (blocks_free reason `skipped`) and connectors that free pool blocks directly.
+  `_free_cow_retained_blocks` -> blocks_pool_free of copy-on-write retentions;
+  `KVCacheCoordinator.remove_skipped_blocks` (sliding-window / chunked-local / Mamba trimming, from allocate_slots
+  and `_connector_finished`) -> blocks_free reason `skipped`, then blocks_pool_free. Not covered: connectors that
+  free pool blocks directly.
 * Engine loop: `EngineCore.step` / `step_with_batch_queue` (class wraps: `step_fn` is bound after the plugin ran)
   -> engine_error; at the first step the executor *instance* is wrapped -> step_submit, and the futures' wait
   (`dur_ns` and `wait_ns` on the session's duration clock: the dry run's virtual clock, else perf_counter_ns).
@@ -58,6 +60,7 @@ _RT = RUNTIME
 
 _SCHED = "vllm.v1.core.sched.scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager"
+_COORD = "vllm.v1.core.kv_cache_coordinator"
 _CORE = "vllm.v1.engine.core"
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
@@ -111,6 +114,8 @@ def _new_sched_state(sched: Any) -> SchedulerState:
     st.tbl0 = st.tables[0] if len(st.tables) == 1 else None
     setattr(kvm, STATE_ATTR, st)
     setattr(kvm.block_pool, STATE_ATTR, st)
+    if any(_trims_blocks(m) for m in kvm.coordinator.single_type_managers):
+        setattr(kvm.coordinator, STATE_ATTR, st)  # only then does the remove_skipped_blocks hook look
     setattr(sched, STATE_ATTR, st)
     pc, sc, kv = vc.parallel_config, vc.scheduler_config, vc.kv_transfer_config
     st.ch.emit(
@@ -470,7 +475,9 @@ def _w_connector_finished(orig: Any) -> Any:
     # without a connector too: req_finish lands before the request's blocks_free.
     def _connector_finished(self: Any, request: Any) -> Any:
         out = orig(self, request)
-        if _RT.active:
+        # Only a finished request finishes here: vLLM's tests also call it on a running one, for its
+        # sliding-window prune (test_swa_inflight_window_free), which the remove_skipped_blocks hook records.
+        if _RT.active and request.is_finished():
             try:
                 st = _sched_state(self)
                 req_id = request.request_id
@@ -608,6 +615,14 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
     return _set_kv_fetch_stage
 
 
+def _record_pool_return(st: SchedulerState, req_id: str, given_up: list[Any]) -> None:
+    """blocks_pool_free for the blocks a request just gave up whose ref count reached 0 (shared prefix blocks stay
+    referenced by their other owners), tail first as vLLM frees them."""
+    ids = [b.block_id for b in reversed(given_up) if b.ref_cnt == 0]
+    if ids:
+        st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
+
+
 def _w_kvm_free(orig: Any) -> Any:
     # Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
     # 0 in this call (shared prefix blocks stay referenced by their other owners).
@@ -641,9 +656,7 @@ def _w_kvm_free(orig: Any) -> Any:
         out = orig(self, request)
         if blocks and _RT.active:
             try:
-                ids = [b.block_id for b in reversed(blocks) if b.ref_cnt == 0]  # vLLM frees tail first
-                if ids:
-                    st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
+                _record_pool_return(st, req_id, blocks)
             except Exception as exc:
                 _RT.fail("KVCacheManager.free", exc)
         return out
@@ -693,6 +706,49 @@ def _w_free_cow_retained_blocks(orig: Any) -> Any:
         return out
 
     return _free_cow_retained_blocks
+
+
+def _trims_blocks(manager: Any) -> bool:
+    """Whether a KV cache group's manager can give blocks up while the request runs (sliding window, chunked
+    local attention, Mamba): it overrides the base class's no-op trimming."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as Base
+
+    cls = type(manager)
+    return (cls.get_num_skipped_tokens is not Base.get_num_skipped_tokens
+            or cls.remove_skipped_blocks is not Base.remove_skipped_blocks)
+
+
+def _w_remove_skipped_blocks(orig: Any) -> Any:
+    # Trimming while the request runs: KVCacheManager.allocate_slots and Scheduler._connector_finished call it
+    # through the coordinator; the managers put the null block in place of each out-of-window block and give it
+    # back to the pool. Recorded as blocks_free reason `skipped` (table order), then blocks_pool_free for those
+    # whose ref count reached 0. No growth is pending at these calls (allocate_slots trims before it allocates;
+    # a finish comes after the step's growth was recorded). Coordinators of full attention only carry no state:
+    # one dict lookup per allocate_slots.
+    def remove_skipped_blocks(self: Any, request_id: Any, *args: Any, **kwargs: Any) -> Any:
+        st = self.__dict__.get(STATE_ATTR)
+        if st is None or not _RT.active:
+            return orig(self, request_id, *args, **kwargs)
+        try:
+            tables = [m.req_to_blocks.get(request_id) for m in self.single_type_managers]
+            before = [list(t) if t else None for t in tables]
+        except Exception as exc:
+            _RT.fail("remove_skipped_blocks", exc)
+            return orig(self, request_id, *args, **kwargs)
+        out = orig(self, request_id, *args, **kwargs)
+        if _RT.active:
+            try:
+                freed = [b for table, old in zip(tables, before) if old
+                         for b, now in zip(old, table) if now is not b and not b.is_null]
+                if freed:
+                    st.ch.emit("blocks_free", st.cur_step, request_id, [b.block_id for b in freed], None,
+                               "skipped", None, None, False)
+                    _record_pool_return(st, request_id, freed)
+            except Exception as exc:
+                _RT.fail("remove_skipped_blocks", exc)
+        return out
+
+    return remove_skipped_blocks
 
 
 # ------------------------------------------------------------------------------------------------ engine loop
@@ -963,6 +1019,8 @@ TABLE: tuple[Hook, ...] = (
     Hook(_SCHED, "Scheduler", "_set_kv_fetch_stage", _w_set_kv_fetch_stage, ("request", "stage")),
     Hook(_KVM, "KVCacheManager", "free", _w_kvm_free, ("request",)),
     Hook(_KVM, "KVCacheManager", "pop_blocks_for_free", _w_pop_blocks_for_free, ("request",)),
+    Hook(_COORD, "KVCacheCoordinator", "remove_skipped_blocks", _w_remove_skipped_blocks,
+         ("request_id", "processed_computed_tokens")),
     Hook(_SCHED, "Scheduler", "_free_cow_retained_blocks", _w_free_cow_retained_blocks, ("blocks", "fence_seq")),
     Hook(_CORE, "EngineCore", "step", _w_engine_step("step"), ()),
     Hook(_CORE, "EngineCore", "step_with_batch_queue", _w_engine_step("step_with_batch_queue"), ()),
