@@ -28,8 +28,11 @@ def install() -> None:
         if install_hooks(version):
             # The recorder (and pyarrow) loaded now, while vLLM starts, rather than by the first event, inside the
             # engine loop's first step: that import was ~70 ms of the loop thread's time, 60 % of all the
-            # recording added to a 600-step run of bench/engine_overhead.py.
-            import pdtrace.recording.recorder  # noqa: F401
+            # recording added to a 600-step run of bench/engine_overhead.py. pyarrow's first conversion and
+            # Parquet write are warmed up here too (~30 ms off the first part file; see warm_up).
+            from pdtrace.recording.recorder import warm_up
+
+            warm_up()
     except Exception as exc:  # the plugin must never stop vLLM from starting
         from pdtrace.recording.vllm._runtime import RUNTIME
 

@@ -213,13 +213,34 @@ def _write_part_default(table: pa.Table, path: Path) -> None:
     write_part(table, path)  # looked up per call, so that tests can monkeypatch the module's write_part
 
 
+def _write_parquet(table: pa.Table, where: Any) -> None:
+    """The part files' Parquet settings: zstd, dictionary pages for the dictionary columns and `req`."""
+    pq.write_table(table, where, compression="zstd", use_dictionary=PARQUET_DICTIONARY_COLUMNS)
+
+
+def warm_up() -> None:
+    """Convert and write (to memory) a few rows of every column shape once, so that pyarrow's one-time costs (the
+    compute kernels' first dispatch, the Parquet writer and zstd set-up) are paid while vLLM starts rather than by
+    the first part file, which in bench/engine_overhead.py cost the writer ~30 ms more than the next ones (35 ->
+    8 ms to write 21 600 rows; the warm-up itself takes ~4 ms). Never raises."""
+    try:
+        rows: list[tuple] = [(0, 0, "blocks_free", 1, "r0", [1, 2], 2, "finished", "RUNNING", False, True, {"fence": 1}),
+                             (0, 0, "req_sched", 1, ["r0", "r1"], _BATCH, [1, 2], None, None, None, None, None)]
+        rows += [(i, 0, "sched", i, None, None, None, None, None, None, None, None) for i in range(70)]
+        table = rows_to_table(rows, 0, [("scheduler", 0, None, None)], "warm-up", "both", 0)
+        _write_parquet(table.replace_schema_metadata(file_metadata(__version__, "warm-up", 0)),
+                       pa.BufferOutputStream())
+    except Exception:  # only a speed-up: the first part file pays instead
+        pass
+
+
 def write_part(table: pa.Table, path: Path) -> None:
     """Write one part file atomically: to `.<name>.tmp` beside it (skipped by Parquet readers), then give it its
     name. A hard link never replaces an existing file: a name already taken raises FileExistsError (the recorder
     then takes the next number); on filesystems without hard links it falls back to a rename."""
     temporary = path.with_name(f".{path.name}.tmp")
     try:
-        pq.write_table(table, temporary, compression="zstd", use_dictionary=PARQUET_DICTIONARY_COLUMNS)
+        _write_parquet(table, temporary)
         try:
             os.link(temporary, path)
         except FileExistsError:
@@ -818,12 +839,6 @@ def _int_buffer_column(arrow_type: pa.DataType, data: array.array) -> pa.Array:
     return pa.Array.from_buffers(arrow_type, len(data), [None, pa.py_buffer(data)])
 
 
-def _sequence(start: int, length: int) -> pa.Array:
-    """start, start + 1, ... as int64: a cumulative sum of ones (no Python int per row)."""
-    ones = _repeat(pa.int64(), "q", 1, length)
-    return pc.add(pc.cumulative_sum(ones), _repeat(pa.int64(), "q", start - 1, length))
-
-
 def _spread_batches(req: tuple, n: tuple, blocks: tuple) -> tuple[tuple, tuple, tuple, pa.Array | None]:
     """The `emit_many` batch entries among the buffered entries, spread into one row per request without building
     a tuple per row: (req and n per row, blocks per entry with the markers nulled, and the entry index of each
@@ -876,9 +891,6 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
         if count == 0:
             return SCHEMA.empty_table()
 
-        def per_row(column: pa.Array) -> pa.Array:  # a column built per entry, as one value per row
-            return column if spread is None else column.take(spread)
-
         if detail.count(None) != entries:  # JSON-encode dict details: a Python loop over those rows only
             texts = list(detail)
             for index in itertools.compress(range(entries), map(operator.is_not, detail, _NONES)):
@@ -891,31 +903,45 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
         except (TypeError, ValueError, OverflowError):  # a clock returning floats
             ts_data = array.array("q", [_as_int(t) or 0 for t in ts])
 
-        channel_ids = per_row(_int_buffer_column(pa.int32(), array.array("i", chan)))
+        # The channel columns by one take of the per-channel table, the per-entry columns spread to rows by one
+        # take of their table: each pyarrow compute call lets the GIL go, and every time it does the writer
+        # hands it to the engine loop and must wait to get it back (a forced switch, at least 5 ms of the
+        # writer's time and a scheduling delay for the loop on a busy machine).
+        channel_ids = _int_buffer_column(pa.int32(), array.array("i", chan))
         component = _dictionary_column(tuple(key[0] for key in channels))
-        component = pa.DictionaryArray.from_arrays(component.indices.take(channel_ids), component.dictionary)
-        ranks = [_int_column(tuple(key[i] for key in channels), pa.int16(), "h").take(channel_ids) for i in (1, 2, 3)]
-
+        by_channel = pa.Table.from_arrays(
+            [component.indices, *(_int_column(tuple(key[i] for key in channels), pa.int16(), "h") for i in (1, 2, 3))],
+            names=["component", "dp_rank", "pp_rank", "tp_rank"]).take(channel_ids)
+        per_entry = pa.Table.from_arrays(
+            [_int_buffer_column(pa.int64(), ts_data), *by_channel.columns, _dictionary_column(kind),
+             _int_column(step, pa.int64(), "q"), _blocks_column(blocks), _dictionary_column(reason),
+             _dictionary_column(status), _bool_column(delay_free), _bool_column(deferred), _string_column(detail)],
+            names=["ts_ns", "component", "dp_rank", "pp_rank", "tp_rank", "kind", "step", "blocks", "reason",
+                   "status", "delay_free", "deferred", "detail"])
+        if spread is not None:
+            per_entry = per_entry.take(spread)
+        column = per_entry.column
         arrays = [
-            per_row(_int_buffer_column(pa.int64(), ts_data)),
-            _sequence(seq_start, count),
+            column("ts_ns"),
+            _int_buffer_column(pa.int64(), array.array("q", range(seq_start, seq_start + count))),
             _constant_dictionary(instance, count),
             _constant_dictionary(role, count),
             _int_buffer_column(pa.int32(), array.array("i", [pid]) * count),
-            component,
-            ranks[0],
-            ranks[1],
-            ranks[2],
-            per_row(_dictionary_column(kind)),
-            per_row(_int_column(step, pa.int64(), "q")),
+            pa.chunked_array([pa.DictionaryArray.from_arrays(chunk, component.dictionary)
+                              for chunk in column("component").chunks], _DICT_TYPE),
+            column("dp_rank"),
+            column("pp_rank"),
+            column("tp_rank"),
+            column("kind"),
+            column("step"),
             _string_column(req),
-            per_row(_blocks_column(blocks)),
+            column("blocks"),
             _int_column(n, pa.int64(), "q"),
-            per_row(_dictionary_column(reason)),
-            per_row(_dictionary_column(status)),
-            per_row(_bool_column(delay_free)),
-            per_row(_bool_column(deferred)),
-            per_row(_string_column(detail)),
+            column("reason"),
+            column("status"),
+            column("delay_free"),
+            column("deferred"),
+            column("detail"),
         ]
         return pa.Table.from_arrays(arrays, schema=SCHEMA)
     finally:
