@@ -19,7 +19,8 @@ Rounds alternate (with/without first in turn) so drift on a shared machine cance
 over the rounds, with the spread of the rounds' paired ratios. Measured in the child around the loop only
 (engine construction and the vLLM import excluded): wall time, the loop thread's CPU time, the process's CPU
 time (the writer thread included), and that plus the final flush at exit (`session.close_all()`: the writer's
-remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop).
+remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop),
+and the writer thread's own CPU time during the loop.
 Events are counted from the trace written.
 """
 
@@ -110,6 +111,7 @@ def child(args: argparse.Namespace) -> dict:
             raise RuntimeError("workload did not drain")
     wall, thread, proc = (time.perf_counter_ns() - wall0, time.thread_time_ns() - thread0,
                           time.process_time_ns() - proc0)
+    writer = _writer_cpu_ns()  # the recorder's writer thread started with the loop's first event
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -119,8 +121,23 @@ def child(args: argparse.Namespace) -> dict:
     proc0 = time.process_time_ns()
     session.close_all()
     close = time.process_time_ns() - proc0
-    return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "steps": steps,
+    return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "writer_ns": writer,
+            "steps": steps,
             "recording": recording, "sent": len(sent)}
+
+
+def _writer_cpu_ns() -> int:
+    """CPU time of this process's recorder writer threads so far."""
+    import threading
+
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith("pdtrace-recorder") and thread.ident is not None:
+            try:
+                total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended, or no per-thread clocks here
+                pass
+    return total
 
 
 def count_events(trace: Path) -> int:
@@ -191,8 +208,13 @@ def main() -> None:
           f"rounds, separate processes, {os.cpu_count()} CPUs (shared machine: medians, spread of paired ratios)")
     print(f"{'':22s}{'without':>12s}{'with':>12s}{'added':>9s}  {'rounds':>17s}{'ns/event':>10s}")
     for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
-                       ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+flush)")):
+                       ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+flush)"),
+                       ("writer_ns", "writer thread (loop)")):
         a, b = med(off, key), med(on, key)
+        if key == "writer_ns":  # no writer without recording: its share of the plain run's process CPU
+            a = med(off, "process_ns")
+            print(f"{label:22s}{'':12s}{b / 1e6:10.1f}ms{b / a * 100:+8.1f}%  {'':>17s}{b / events:10.0f}")
+            continue
         paired = [(y[key] - x[key]) / x[key] for x, y in zip(off, on)]
         print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
               f"{(b - a) / events:10.0f}")
