@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -40,19 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_tier"))
 
-
-def workload(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(2, 50000) for _ in range(128)]
-    reqs = []
-    for i in range(n):
-        length = rng.randrange(64, 513)
-        prompt = [rng.randrange(2, 50000) for _ in range(length)]
-        if i % 4 == 0:
-            prompt[:128] = shared
-        reqs.append({"id": f"req-{i}", "prompt": prompt, "remote_decode": i % 2 == 0,
-                     "max_tokens": rng.randrange(16, 49)})
-    return reqs
+from record_overhead import workload  # noqa: E402  (the scheduler-only bench's workload, the same requests)
 
 
 def child(args: argparse.Namespace) -> dict:
