@@ -7,7 +7,8 @@ Workload: one P/D prefill-side scheduler (NixlConnector, kv_producer, prefix cac
 local (16-48 output tokens); prompts 64-512 tokens (a quarter share a 128-token prefix). Each run drives
 schedule() -> fake ModelRunnerOutput -> update_from_output() until the scheduler is empty. Runs alternate without
 and with the hooks (installed and removed in the same process: install_hooks / uninstall_hooks); the figures are
-medians over the rounds.
+medians over the rounds. This is the scheduler-only view; bench/engine_overhead.py measures the whole engine loop
+(EngineCore, executor wrappers, the writer thread) in separate processes, as users run it.
 
 Reported: the scheduler's CPU time (thread CPU inside schedule() + update_from_output(); building the fake outputs
 is excluded) without and with hooks, the overhead in %, events per step and ns per event (the added scheduler

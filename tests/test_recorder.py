@@ -321,6 +321,48 @@ def test_drop_path_bounds_memory_counts_and_marks_the_gap(tmp_path: Path) -> Non
     assert dropped_meta[0] == 0 and dropped_meta[-1] == 1100 == rec.dropped_events
 
 
+def test_emit_many_counts_its_events_in_the_bound_and_drops_them_whole(tmp_path: Path) -> None:
+    # A step's emit_many is one buffered entry for several events: the bound, the drop counter, the gap row and
+    # the seq numbers count the events, whether single emits or batches came first.
+    sink = SlowSink()
+    ticks = itertools.count()
+    rec = make(tmp_path, clock=lambda: next(ticks), flush_events=100, max_buffered_events=1000, part_writer=sink)
+    for i in range(10):  # 100 events: the writer takes them and blocks in the sink
+        rec.emit_many("req_sched", step=i, reqs=[f"r{j}" for j in range(10)], ns=list(range(10)))
+    assert sink.entered.wait(30)
+    assert rec.buffered_events == 100
+    for i in range(10, 40):
+        rec.emit_many("req_sched", step=i, reqs=[f"r{j}" for j in range(40)], ns=[i] * 40)
+        rec.emit("sched", step=i, n=40)
+        assert rec.buffered_events <= 1000
+    # 900 places beside the 100 in flight: 21 steps of 40 + 1 fit, then a batch of 40 no longer does while the
+    # single sched rows still may (each after a gap row).
+    assert rec.dropped_events >= 8 * 40
+    sink.release.set()
+    rec.close()
+    rows = rows_of(tmp_path)
+    assert [r["seq"] for r in rows] == list(range(len(rows)))
+    gaps = [r for r in rows if r["kind"] == "recorder_gap"]
+    assert gaps and sum(g["n"] for g in gaps) == rec.dropped_events
+    assert len(rows) - len(gaps) == 100 + 30 * 41 - rec.dropped_events
+    by_step: dict[int, list[dict]] = {}
+    for r in rows:
+        if r["kind"] == "req_sched":
+            by_step.setdefault(r["step"], []).append(r)
+    for step, step_rows in by_step.items():  # a batch is written whole or dropped whole, in request order
+        assert len(step_rows) == (10 if step < 10 else 40)
+        assert [r["req"] for r in step_rows] == [f"r{j}" for j in range(len(step_rows))]
+        assert len({r["ts_ns"] for r in step_rows}) == 1
+
+
+def test_emit_many_pairs_requests_and_ns_as_zip_does(tmp_path: Path) -> None:
+    rec = make(tmp_path, clock=counter_clock())
+    rec.emit_many("req_sched", step=1, reqs=["a", "b", "c"], ns=[1, 2])
+    rec.emit_many("req_sched", step=2, reqs=iter(["d"]), ns=(n for n in [4, 5]))
+    rec.close()
+    assert [(r["step"], r["req"], r["n"]) for r in rows_of(tmp_path)] == [(1, "a", 1), (1, "b", 2), (2, "d", 4)]
+
+
 def test_a_part_that_cannot_be_written_is_counted_as_a_gap(tmp_path: Path, capfd) -> None:
     sink = SlowSink(fail_first=True)
     sink.release.set()
@@ -490,6 +532,41 @@ def test_rows_to_table_matches_pyarrows_converter(rows: list[tuple], seq_start: 
             "req": req, "blocks": blocks, "n": n, "reason": reason, "status": status, "delay_free": delay_free,
             "deferred": deferred, "detail": detail,
         }
+
+
+_batch = st.tuples(
+    st.integers(0, 2**63 - 1),
+    st.integers(0, len(_CHANNELS) - 1),
+    st.sampled_from(["req_sched", "batch_add"]),
+    _maybe(st.integers(-(2**63), 2**63 - 1), 1),
+    st.lists(_maybe(st.text(max_size=8), 3), min_size=1, max_size=70),
+    _maybe(st.lists(_maybe(st.integers(-(2**63) + 1, 2**63 - 1), 3), min_size=70, max_size=70), 1),
+    _maybe(st.sampled_from(["new", "resumed"]), 1),
+    _maybe(st.sampled_from(["RUNNING"]), 3),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries=st.lists(st.one_of(_row, _batch), max_size=80), seq_start=st.integers(0, 2**40))
+def test_rows_to_table_spreads_emit_many_batches_into_their_rows(entries: list[tuple], seq_start: int) -> None:
+    # A batch entry (as Channel.emit_many buffers it) must give exactly the rows of one emit per request.
+    from pdtrace.recording.recorder import _BATCH
+
+    buffered, expanded = [], []
+    for entry in entries:
+        if len(entry) == 12:
+            buffered.append(entry)
+            expanded.append(entry)
+            continue
+        ts, chan, kind, step, reqs, ns, reason, status = entry
+        ns = None if ns is None else ns[:len(reqs)]
+        buffered.append((ts, chan, kind, step, reqs, _BATCH, ns, reason, status, None, None, None))
+        expanded += [(ts, chan, kind, step, req, None, None if ns is None else ns[i], reason, status, None, None, None)
+                     for i, req in enumerate(reqs)]
+    table = rows_to_table(buffered, seq_start, _CHANNELS, "inst", "both", 7)
+    table.validate(full=True)
+    assert table.schema.equals(SCHEMA)
+    assert table.to_pylist() == rows_to_table(expanded, seq_start, _CHANNELS, "inst", "both", 7).to_pylist()
 
 
 def test_rows_to_table_mostly_null_and_dense_columns_agree() -> None:

@@ -308,6 +308,9 @@ def test_atexit_flushes_an_unclosed_recorder(tmp_path: Path) -> None:
 def test_recording_imports_neither_pandas_nor_anything_outside_the_recording_path(tmp_path: Path) -> None:
     # pa.array() on Python lists would import pandas through pyarrow's pandas shim; the writer must not.
     result = run_child("""
+        from pdtrace.recording.recorder import warm_up
+        warm_up()  # what the plugin runs at vLLM's start-up: in memory, nothing on disk
+        assert not os.listdir(directory)
         rec = Recorder(directory, instance="light", role="both", source="test", flush_interval_s=3600)
         chan = rec.channel("worker", pp_rank=0, tp_rank=1)
         rec.emit("blocks_free", step=1, req="r1", blocks=[1, 2], reason="finished", status="RUNNING",

@@ -8,7 +8,8 @@
 
 How it stays cheap on the caller's thread: `emit` builds ONE tuple (timestamp, channel id, the event's fields) and
 appends it to a list with a pre-bound `list.append`, after one length check against a threshold that the slow path
-and the writer maintain. Nothing else happens there: no locks, no I/O, no JSON. `seq` is not taken on the caller's
+and the writer maintain. Nothing else happens there: no locks, no I/O, no JSON. `emit_many` (one event per
+request of a step) appends one batch entry for all of them, under the state lock, and the writer expands it. `seq` is not taken on the caller's
 thread either: appends to a list are atomic, so the list order IS the writer's exact event order, and the writer
 numbers rows by their position in that stream (strictly increasing per writer, across part files too; rows lost to
 a drop or a failed write leave a hole). Within one thread, seq order is call order; across threads, `ts_ns` can be
@@ -18,12 +19,14 @@ The writer thread (a daemon, started lazily on the first event of each process) 
 when `flush_events` rows are waiting, takes the rows out of the list with one slice copy and one slice delete (each
 atomic, so an append that races the take simply stays for the next part), converts them column by column
 (`zip(*rows)`, then Arrow buffers filled by C-level iteration, with the garbage collector paused, since that creates
-many short-lived objects; never `pa.array` on Python lists, which would import pandas), JSON-encodes dict details
+many short-lived objects; never `pa.array` on Python lists, which would import pandas; a batch entry's columns
+are built once and repeated per request by an Arrow `take`), JSON-encodes dict details
 there, maps channel ids to component/dp/pp/tp, and writes `<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd,
 Parquet dictionary encoding for the dictionary columns and `req`) under a temporary name starting with `.`, then
 links it to its name: a crash leaves only whole part files (and perhaps a hidden temporary file).
 
-Memory is bounded: rows waiting plus rows being written never exceed `max_buffered_events`. Past that, new events
+Memory is bounded: events waiting plus events being written never exceed `max_buffered_events` (a batch entry
+counts for its events). Past that, new events
 are dropped and counted (the caller never waits for the writer); when there is room again a `recorder_gap` row
 (n = events dropped, ts_ns = when the drop began) is put into the stream where the gap was. Every file carries
 `pdtrace.dropped_events` = drops so far in this writer (so the last file of a writer holds its total).
@@ -74,6 +77,20 @@ PARQUET_DICTIONARY_COLUMNS: list[str] = [*DICTIONARY_COLUMNS, "req"]
 # One buffered row, as `Channel.emit` appends it: (ts_ns, channel id, kind, step, req, blocks, n, reason, status,
 # delay_free, deferred, detail).
 _TS = 0
+_BLOCKS = 5
+
+
+class _Batch:
+    """The marker of a batch entry (`Channel.emit_many`): in the blocks slot, with a list of requests in req and a
+    list of n (or None) in n; it stands for one row per request."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<emit_many batch>"
+
+
+_BATCH = _Batch()
 
 # Recorder states.
 _NEW = "new"  # no writer in this process yet: the first event starts it (again after a fork)
@@ -121,7 +138,7 @@ def _encode_detail(detail: Any) -> str:
 class Channel:
     """A bound emitter: one (component, dp_rank, pp_rank, tp_rank) of one recorder. Get it from `Recorder.channel`."""
 
-    __slots__ = ("_rec", "_rows", "_append", "_extend", "_clock", "_id", "component", "dp_rank", "pp_rank",
+    __slots__ = ("_rec", "_rows", "_append", "_clock", "_id", "component", "dp_rank", "pp_rank",
                  "tp_rank")
 
     def __init__(self, recorder: "Recorder", channel_id: int, component: str, dp_rank: int | None,
@@ -129,7 +146,6 @@ class Channel:
         self._rec = recorder
         self._rows = recorder._rows
         self._append = recorder._rows.append
-        self._extend = recorder._rows.extend
         self._clock = recorder._clock
         self._id = channel_id
         self.component = component
@@ -166,19 +182,25 @@ class Channel:
     def emit_many(self, kind: str, step: int | None = None, reqs: Iterable[str] = (), ns: Iterable[int] | None = None,
                   reason: str | None = None, status: str | None = None) -> None:
         """Record one event per request in one call: same kind, step, timestamp, reason and status; `n` from `ns`
-        (paired with `reqs` in order) or null. Never raises, never blocks."""
+        (paired with `reqs` in order) or null. Never raises, never blocks. Lists are kept as they are (do not
+        mutate them afterwards); other iterables are read once, now.
+
+        The events are buffered as ONE batch entry (`_BATCH` in its blocks slot, the lists in req and n) that the
+        writer expands into one row per request: a step's req_sched rows cost the scheduler's thread one tuple
+        instead of one per request, and the garbage collector one young object instead of dozens (measured
+        with bench/engine_overhead.py, 27 requests per step: the loop's young collections 41 -> 19, 16 230 fewer
+        tuples on the loop thread)."""
         try:
             ts = self._clock()
-            cid = self._id
-            if ns is None:
-                rows = [(ts, cid, kind, step, req, None, None, reason, status, None, None, None) for req in reqs]
-            else:
-                rows = [(ts, cid, kind, step, req, None, n, reason, status, None, None, None)
-                        for req, n in zip(reqs, ns)]
-            if len(self._rows) + len(rows) <= self._rec._accept_below:
-                self._extend(rows)
-            elif rows:
-                self._rec._slow_add(self, rows)
+            reqs = reqs if reqs.__class__ is list else list(reqs)
+            if ns is not None:
+                ns = ns if ns.__class__ is list else list(ns)
+                if len(ns) != len(reqs):  # paired as zip() pairs them: the shorter one decides
+                    count = min(len(ns), len(reqs))
+                    reqs, ns = reqs[:count], ns[:count]
+            if reqs:
+                self._rec._slow_add(self, [(ts, self._id, kind, step, reqs, _BATCH, ns, reason, status, None, None,
+                                            None)], len(reqs))
         except Exception:  # a bad iterable or clock from a hook: counted, never raised
             self._rec._count_error()
 
@@ -191,13 +213,34 @@ def _write_part_default(table: pa.Table, path: Path) -> None:
     write_part(table, path)  # looked up per call, so that tests can monkeypatch the module's write_part
 
 
+def _write_parquet(table: pa.Table, where: Any) -> None:
+    """The part files' Parquet settings: zstd, dictionary pages for the dictionary columns and `req`."""
+    pq.write_table(table, where, compression="zstd", use_dictionary=PARQUET_DICTIONARY_COLUMNS)
+
+
+def warm_up() -> None:
+    """Convert and write (to memory) a few rows of every column shape once, so that pyarrow's one-time costs (the
+    compute kernels' first dispatch, the Parquet writer and zstd set-up) are paid while vLLM starts rather than by
+    the first part file, which in bench/engine_overhead.py cost the writer ~30 ms more than the next ones (35 ->
+    8 ms to write 21 600 rows; the warm-up itself takes ~4 ms). Never raises."""
+    try:
+        rows: list[tuple] = [(0, 0, "blocks_free", 1, "r0", [1, 2], 2, "finished", "RUNNING", False, True, {"fence": 1}),
+                             (0, 0, "req_sched", 1, ["r0", "r1"], _BATCH, [1, 2], None, None, None, None, None)]
+        rows += [(i, 0, "sched", i, None, None, None, None, None, None, None, None) for i in range(70)]
+        table = rows_to_table(rows, 0, [("scheduler", 0, None, None)], "warm-up", "both", 0)
+        _write_parquet(table.replace_schema_metadata(file_metadata(__version__, "warm-up", 0)),
+                       pa.BufferOutputStream())
+    except Exception:  # only a speed-up: the first part file pays instead
+        pass
+
+
 def write_part(table: pa.Table, path: Path) -> None:
     """Write one part file atomically: to `.<name>.tmp` beside it (skipped by Parquet readers), then give it its
     name. A hard link never replaces an existing file: a name already taken raises FileExistsError (the recorder
     then takes the next number); on filesystems without hard links it falls back to a rename."""
     temporary = path.with_name(f".{path.name}.tmp")
     try:
-        pq.write_table(table, temporary, compression="zstd", use_dictionary=PARQUET_DICTIONARY_COLUMNS)
+        _write_parquet(table, temporary)
         try:
             os.link(temporary, path)
         except FileExistsError:
@@ -282,6 +325,7 @@ class Recorder:
         # dp ranks, or one reopened after a close) share its seq and part numbers through this key.
         self._writer_key = (os.path.abspath(self.directory), self.instance, self._pid)
         self._in_flight = 0
+        self._batched = 0  # events that batch entries in the buffer stand for beyond their one tuple each
         self._wake_pending = False
         self._dropped = 0
         self._gap_count = 0
@@ -307,7 +351,7 @@ class Recorder:
     @property
     def buffered_events(self) -> int:
         """Rows in memory: waiting in the buffer plus being written now (bounded by `max_buffered_events`)."""
-        return len(self._rows) + self._in_flight
+        return len(self._rows) + self._batched + self._in_flight
 
     @property
     def folder(self) -> Path:
@@ -363,7 +407,8 @@ class Recorder:
         """Call `edit(rows)` on the events not yet taken by the writer (oldest first), under the lock the writer
         takes them with, and return its result. For a hook that rewrites its own latest rows (the vLLM hooks
         coalesce runs of empty steps): `edit` may replace or delete rows, never reorder them, and must be quick.
-        Row layout: (ts_ns, channel id, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail)."""
+        Row layout: (ts_ns, channel id, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail);
+        an `emit_many` batch entry has the `_BATCH` marker as blocks and must be left in place."""
         with self._state_lock:
             return edit(self._rows)
 
@@ -408,45 +453,50 @@ class Recorder:
 
     # ---- slow path (caller's thread) ----------------------------------------------------------------------------
 
-    def _slow_add(self, chan: Channel, rows: list[tuple]) -> None:
-        """Everything behind the threshold: start the writer, wake it, drop when full, ignore when off/closed."""
+    def _slow_add(self, chan: Channel, rows: list[tuple], events: int | None = None) -> None:
+        """Everything behind the threshold: start the writer, wake it, drop when full, ignore when off/closed.
+        `events`: how many events `rows` stand for (a batch entry is one tuple for several), default len(rows)."""
         try:
             with self._state_lock:
                 if self._state == _NEW:
                     self._start()
                 if self._state != _ON:
                     return
+                count = len(rows) if events is None else events
                 room = self.max_buffered_events - self._in_flight
                 self._end_gap_locked(room)
-                buffered = len(self._rows)
-                if self._gap_count == 0 and buffered + len(rows) <= room:
+                buffered = len(self._rows) + self._batched
+                if self._gap_count == 0 and buffered + count <= room:
                     self._rows.extend(rows)
-                    if buffered + len(rows) >= self.flush_events and not self._wake_pending:
+                    self._batched += count - len(rows)
+                    if buffered + count >= self.flush_events and not self._wake_pending:
                         self._wake_pending = True
                         self._wake.set()
                 else:
                     if self._gap_count == 0:
                         self._gap_start = rows[0][_TS]
-                    self._gap_count += len(rows)
-                    self._dropped += len(rows)
+                    self._gap_count += count
+                    self._dropped += count
                 self._set_threshold()
         except Exception:
             self._count_error()
 
     def _set_threshold(self) -> None:
-        """Recompute what the hot path accepts without the slow path (call with the state lock held)."""
+        """Recompute what the hot path accepts without the slow path (call with the state lock held). The hot path
+        compares the buffer's length (tuples) with it, so the events batch entries stand for beyond their one tuple
+        each (`_batched`) are taken off here."""
         if self._state != _ON or self._gap_count:
             self._accept_below = -1
             return
         room = self.max_buffered_events - self._in_flight
         if self._wake_pending:
-            self._accept_below = room
+            self._accept_below = room - self._batched
         else:
-            self._accept_below = min(room, self.flush_events - 1)
+            self._accept_below = min(room, self.flush_events - 1) - self._batched
 
     def _end_gap_locked(self, room: int) -> None:
         """If events were dropped and there is room again, put the `recorder_gap` row into the stream now."""
-        if self._gap_count and len(self._rows) < room:
+        if self._gap_count and len(self._rows) + self._batched < room:
             self._rows.append((self._gap_start, self._default._id, "recorder_gap", None, None, None,
                                self._gap_count, None, None, None, None, None))
             self._gap_count = 0
@@ -503,9 +553,12 @@ class Recorder:
                 count = len(self._rows)
                 if count == 0:
                     return False
-            # Slice copy then slice delete: an append racing between them lands after index `count` and stays.
+            # Slice copy then slice delete: an append racing between them lands after index `count` and stays (a
+            # batch entry is added under this lock, so every one of them is in the slice).
             batch = self._rows[:count]
             del self._rows[:count]
+            count += self._batched
+            self._batched = 0
             seq_start = _claim_seq(self._writer_key, count)
             self._in_flight = count
             self._wake_pending = False
@@ -786,30 +839,61 @@ def _int_buffer_column(arrow_type: pa.DataType, data: array.array) -> pa.Array:
     return pa.Array.from_buffers(arrow_type, len(data), [None, pa.py_buffer(data)])
 
 
-def _sequence(start: int, length: int) -> pa.Array:
-    """start, start + 1, ... as int64: a cumulative sum of ones (no Python int per row)."""
-    ones = _repeat(pa.int64(), "q", 1, length)
-    return pc.add(pc.cumulative_sum(ones), _repeat(pa.int64(), "q", start - 1, length))
+def _spread_batches(req: tuple, n: tuple, blocks: tuple) -> tuple[tuple, tuple, tuple, pa.Array | None]:
+    """The `emit_many` batch entries among the buffered entries, spread into one row per request without building
+    a tuple per row: (req and n per row, blocks per entry with the markers nulled, and the entry index of each
+    row, by which every other column, built per entry, is taken). The last is None when there is no batch."""
+    at = list(itertools.compress(range(len(blocks)), map(operator.is_, blocks, itertools.repeat(_BATCH))))
+    if not at:
+        return req, n, blocks, None
+    copies = [1] * len(blocks)
+    req_parts: list[Iterable[Any]] = []
+    n_parts: list[Iterable[Any]] = []
+    previous = 0
+    for i in at:
+        reqs, ns = req[i], n[i]
+        copies[i] = len(reqs)
+        req_parts += (req[previous:i], reqs)
+        n_parts += (n[previous:i], itertools.repeat(None, len(reqs)) if ns is None else ns)
+        previous = i + 1
+    req_parts.append(req[previous:])
+    n_parts.append(n[previous:])
+    blocks_list = list(blocks)
+    for i in at:
+        blocks_list[i] = None
+    offsets = array.array("i", itertools.accumulate(copies, initial=0))
+    rows = pa.ListArray.from_arrays(_int_buffer_column(pa.int32(), offsets), pa.nulls(offsets[-1]))
+    return (tuple(itertools.chain.from_iterable(req_parts)), tuple(itertools.chain.from_iterable(n_parts)),
+            tuple(blocks_list), rows.value_parent_indices())
 
 
 def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
                   role: str, pid: int) -> pa.Table:
-    """Buffered rows (as `Channel.emit` appends them) to a table with exactly `pdtrace.format.SCHEMA`.
+    """Buffered rows (as `Channel.emit` and `Channel.emit_many` append them) to a table with exactly
+    `pdtrace.format.SCHEMA`.
 
     seq_start: the seq of the first row (rows are numbered in order); channels: id -> (component, dp, pp, tp).
     Values of the wrong type are coerced (a numeric string, a numpy integer) or nulled; a row is never lost.
+    A batch entry of `emit_many` becomes its rows in its place: `req` and `n` are read from its lists, every
+    other column is built once per entry and repeated by one Arrow `take` (bench/engine_overhead.py's mix, 2/3
+    req_sched rows: conversion 900 -> 510 ns of CPU per row, 21 600 rows).
     """
     gc_was_enabled = gc.isenabled()
     gc.disable()  # zip(*rows) and the conversions make many objects the GC would scan for nothing
     try:
-        count = len(rows)
-        if count == 0:
+        entries = len(rows)
+        if entries == 0:
             return SCHEMA.empty_table()
         (ts, chan, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail) = zip(*rows)
         del rows
-        if detail.count(None) != count:  # JSON-encode dict details: a Python loop over those rows only
+        req, n, blocks, spread = _spread_batches(req, n, blocks)
+        count = entries if spread is None else len(spread)
+        if count == 0:
+            return SCHEMA.empty_table()
+
+        if detail.count(None) != entries:  # JSON-encode dict details: a Python loop over those rows only
             texts = list(detail)
-            for index in itertools.compress(range(count), map(operator.is_not, detail, _NONES)):
+            for index in itertools.compress(range(entries), map(operator.is_not, detail, _NONES)):
                 value = texts[index]
                 if value.__class__ is not str:
                     texts[index] = _encode_detail(value)
@@ -819,31 +903,45 @@ def rows_to_table(rows: list[tuple], seq_start: int, channels: list[tuple[str, A
         except (TypeError, ValueError, OverflowError):  # a clock returning floats
             ts_data = array.array("q", [_as_int(t) or 0 for t in ts])
 
+        # The channel columns by one take of the per-channel table, the per-entry columns spread to rows by one
+        # take of their table: each pyarrow compute call lets the GIL go, and every time it does the writer
+        # hands it to the engine loop and must wait to get it back (a forced switch, at least 5 ms of the
+        # writer's time and a scheduling delay for the loop on a busy machine).
         channel_ids = _int_buffer_column(pa.int32(), array.array("i", chan))
         component = _dictionary_column(tuple(key[0] for key in channels))
-        component = pa.DictionaryArray.from_arrays(component.indices.take(channel_ids), component.dictionary)
-        ranks = [_int_column(tuple(key[i] for key in channels), pa.int16(), "h").take(channel_ids) for i in (1, 2, 3)]
-
+        by_channel = pa.Table.from_arrays(
+            [component.indices, *(_int_column(tuple(key[i] for key in channels), pa.int16(), "h") for i in (1, 2, 3))],
+            names=["component", "dp_rank", "pp_rank", "tp_rank"]).take(channel_ids)
+        per_entry = pa.Table.from_arrays(
+            [_int_buffer_column(pa.int64(), ts_data), *by_channel.columns, _dictionary_column(kind),
+             _int_column(step, pa.int64(), "q"), _blocks_column(blocks), _dictionary_column(reason),
+             _dictionary_column(status), _bool_column(delay_free), _bool_column(deferred), _string_column(detail)],
+            names=["ts_ns", "component", "dp_rank", "pp_rank", "tp_rank", "kind", "step", "blocks", "reason",
+                   "status", "delay_free", "deferred", "detail"])
+        if spread is not None:
+            per_entry = per_entry.take(spread)
+        column = per_entry.column
         arrays = [
-            _int_buffer_column(pa.int64(), ts_data),
-            _sequence(seq_start, count),
+            column("ts_ns"),
+            _int_buffer_column(pa.int64(), array.array("q", range(seq_start, seq_start + count))),
             _constant_dictionary(instance, count),
             _constant_dictionary(role, count),
             _int_buffer_column(pa.int32(), array.array("i", [pid]) * count),
-            component,
-            ranks[0],
-            ranks[1],
-            ranks[2],
-            _dictionary_column(kind),
-            _int_column(step, pa.int64(), "q"),
+            pa.chunked_array([pa.DictionaryArray.from_arrays(chunk, component.dictionary)
+                              for chunk in column("component").chunks], _DICT_TYPE),
+            column("dp_rank"),
+            column("pp_rank"),
+            column("tp_rank"),
+            column("kind"),
+            column("step"),
             _string_column(req),
-            _blocks_column(blocks),
+            column("blocks"),
             _int_column(n, pa.int64(), "q"),
-            _dictionary_column(reason),
-            _dictionary_column(status),
-            _bool_column(delay_free),
-            _bool_column(deferred),
-            _string_column(detail),
+            column("reason"),
+            column("status"),
+            column("delay_free"),
+            column("deferred"),
+            column("detail"),
         ]
         return pa.Table.from_arrays(arrays, schema=SCHEMA)
     finally:

@@ -1,0 +1,212 @@
+"""Overhead of `pdtrace record` on vLLM 0.33.0's real engine loop, measured as users run it (by hand, vLLM venv).
+
+    PYTHONPATH=. .venv-vllm/bin/python bench/engine_overhead.py [--requests 1000] [--rounds 7]
+
+Each run is a separate process: vLLM's real `EngineCore` (PP=2, so `step_with_batch_queue` and a batch queue of
+2; the NixlConnector's scheduler side, kv_producer, prefix caching on) on the vLLM tier's fake executor
+(tests/vllm_tier/harness.py: resolved futures carrying real `ModelRunnerOutput`s, no token for a partial
+prefill), driven as `EngineCoreProc._process_engine_step` does (`step_fn()` then `post_step()`, without the 1 ms
+sleep after an empty step). With recording, the process only differs by `PDTRACE_TRACE_DIR`: EngineCore's own
+`load_general_plugins()` finds pdtrace's `vllm.general_plugins` entry point, which installs the hooks, and the
+recorder's writer thread runs in the same process, as in a live run.
+
+Workload: `--requests` requests, half `do_remote_decode` (one token, then their blocks stay held until a
+`finished_sending` that the next executor output carries), half local (16-48 output tokens); prompts of 64-512
+tokens, a quarter sharing a 128-token prefix; `--arrivals` new requests handed to the scheduler before each step
+(as the busy loop's input queue does) until all are in.
+
+Rounds alternate (with/without first in turn) so drift on a shared machine cancels; each figure is the median
+over the rounds, with the spread of the rounds' paired ratios. Measured in the child around the loop only
+(engine construction and the vLLM import excluded): wall time, the loop thread's CPU time, the process's CPU
+time (the writer thread included), and that plus the final flush at exit (`session.close_all()`: the writer's
+remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop),
+and the writer thread's own CPU time during the loop.
+Events are counted from the trace written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vllm_tier"))
+
+from record_overhead import workload  # noqa: E402  (the scheduler-only bench's workload, the same requests)
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One run in this process: build the engine, drive it until empty, return the measurements."""
+    import logging
+
+    import harness as H
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    model_dir = H.tiny_model_dir(tempfile.mkdtemp(prefix="pdtrace-bench-model-"))
+    vc = H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="bench-p", max_num_seqs=64,
+                            max_num_batched_tokens=2048, num_blocks=4000, pp=2)
+    from vllm.v1.engine.core import EngineCore
+
+    class Executor(H.fake_executor_class(pp=2)):  # type: ignore[misc, valid-type]
+        """The tier's fake executor, keeping no SchedulerOutputs: `to_send` goes into the next output."""
+
+        to_send: set[str] = set()
+
+        def _output(self, so):  # type: ignore[no-untyped-def]
+            sending, Executor.to_send = Executor.to_send, set()
+            return self.faker.output(so, finished_sending=sending)
+
+    # EngineCore.__init__ runs vLLM's plugin loading: pdtrace's entry point when PDTRACE_TRACE_DIR is set.
+    engine = EngineCore(vc, executor_class=Executor, log_stats=False)
+    reqs = [H.make_request(r["id"], len(r["prompt"]), prompt=r["prompt"], max_tokens=r["max_tokens"],
+                           remote_decode=r["remote_decode"]) for r in workload(args.requests, args.seed)]
+    remote = {r.request_id for r in reqs if r.kv_transfer_params}
+    sched = engine.scheduler
+    pending = list(reversed(reqs))
+    sent: set[str] = set()
+    steps = 0
+    step_fn, post_step = engine.step_fn, engine.post_step
+
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: the machine may be shared
+        profiler.enable()
+    wall0, thread0, proc0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
+    while pending or sched.has_requests() or engine.batch_queue:
+        for _ in range(min(args.arrivals, len(pending))):
+            H.engine_add(engine, pending.pop())
+        outputs, executed = step_fn()
+        post_step(executed)
+        steps += 1
+        # P side: the decode instance reads a finished remote-decode request's blocks at once; the completion
+        # comes with the next executor output.
+        for eco in outputs.values() if outputs else ():
+            for out in eco.outputs:
+                if out.finish_reason is not None and out.request_id in remote:
+                    sent.add(out.request_id)
+                    Executor.to_send.add(out.request_id)
+        if steps > 200_000:
+            raise RuntimeError("workload did not drain")
+    wall, thread, proc = (time.perf_counter_ns() - wall0, time.thread_time_ns() - thread0,
+                          time.process_time_ns() - proc0)
+    writer = _writer_cpu_ns()  # the recorder's writer thread started with the loop's first event
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    from pdtrace.recording import session
+
+    recording = session.is_configured()
+    proc0 = time.process_time_ns()
+    session.close_all()
+    close = time.process_time_ns() - proc0
+    return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "writer_ns": writer,
+            "steps": steps,
+            "recording": recording, "sent": len(sent)}
+
+
+def _writer_cpu_ns() -> int:
+    """CPU time of this process's recorder writer threads so far."""
+    import threading
+
+    total = 0
+    for thread in threading.enumerate():
+        if thread.name.startswith("pdtrace-recorder") and thread.ident is not None:
+            try:
+                total += time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, AttributeError):  # the thread just ended, or no per-thread clocks here
+                pass
+    return total
+
+
+def count_events(trace: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in trace.rglob("part-*.parquet"))
+
+
+def run_child(args: argparse.Namespace, trace: Path | None) -> dict:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "ERROR",
+           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env.pop("PDTRACE_TRACE_DIR", None)
+    if trace is not None:
+        env["PDTRACE_TRACE_DIR"] = str(trace)
+    cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests), "--seed", str(args.seed),
+           "--arrivals", str(args.arrivals)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if result["recording"] != (trace is not None):
+        raise SystemExit("the child's recording state is not what was asked (is pdtrace's entry point installed "
+                         "in this venv?)")
+    result["events"] = count_events(trace) if trace is not None else 0
+    return result
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values) * 100:+.1f} .. {max(values) * 100:+.1f} %"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--arrivals", type=int, default=4, help="requests handed to the scheduler before each step")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep", help="keep the traces under this directory")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", help="with --child: cProfile the loop into this pstats file")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+
+    tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
+    off, on = [], []
+    for i in range(args.rounds):
+        order = [False, True] if i % 2 == 0 else [True, False]
+        for recording in order:
+            res = run_child(args, tmp / f"trace-{i}" if recording else None)
+            (on if recording else off).append(res)
+        a, b = off[-1], on[-1]
+        print(f"round {i}: wall {a['wall_ns'] / 1e6:7.1f} -> {b['wall_ns'] / 1e6:7.1f} ms "
+              f"({(b['wall_ns'] - a['wall_ns']) / a['wall_ns'] * 100:+5.1f} %)  process CPU "
+              f"{a['process_ns'] / 1e6:7.1f} -> {b['process_ns'] / 1e6:7.1f} ms "
+              f"({(b['process_ns'] - a['process_ns']) / a['process_ns'] * 100:+5.1f} %)  "
+              f"{b['events']} events, {b['steps']} steps", file=sys.stderr, flush=True)
+        if a["steps"] != b["steps"]:
+            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    events, steps = med(on, "events"), med(on, "steps")
+    print(f"workload: {args.requests} requests (half do_remote_decode), {steps:.0f} steps, vLLM 0.33.0 EngineCore "
+          f"step_with_batch_queue PP=2 + NixlConnector (scheduler side), fake executor; {args.rounds} alternating "
+          f"rounds, separate processes, {os.cpu_count()} CPUs (shared machine: medians, spread of paired ratios)")
+    print(f"{'':22s}{'without':>12s}{'with':>12s}{'added':>9s}  {'rounds':>17s}{'ns/event':>10s}")
+    for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
+                       ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+flush)"),
+                       ("writer_ns", "writer thread (loop)")):
+        a, b = med(off, key), med(on, key)
+        if key == "writer_ns":  # no writer without recording: its share of the plain run's process CPU
+            a = med(off, "process_ns")
+            print(f"{label:22s}{'':12s}{b / 1e6:10.1f}ms{b / a * 100:+8.1f}%  {'':>17s}{b / events:10.0f}")
+            continue
+        paired = [(y[key] - x[key]) / x[key] for x, y in zip(off, on)]
+        print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
+              f"{(b - a) / events:10.0f}")
+    print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
+
+
+if __name__ == "__main__":
+    main()
