@@ -4,13 +4,19 @@ Algorithm: every scheduler row that names a request gets its request key (`rk`, 
 first or last position per key is one `np.minimum.at` / `np.maximum.at` over that kind's rows (positions in the
 global time order, reduced in int32), turned back into rows, timestamps and steps by indexing. Counts are
 `np.add.at` (req_sched) or `np.bincount`. Transfer closes are searched after the moment they belong to: a send closes
-at the first `kv_send_done` or `kv_expire` after the finish, a receive at the first `kv_recv_done` or per-request
-`kv_recv_fail` after `req_wait_kv`. Only `req_add` rows with a `detail` are JSON-parsed (one per request, never per
-event).
+at the first `kv_send_done` or `kv_expire` after the finish, a receive at the first `kv_recv_done` after
+`req_wait_kv`, else (no `kv_recv_done` follows) at the first per-request `kv_recv_fail` after it: vLLM 0.33 keeps a
+failed load's blocks until the worker reports the receive finished (`_update_waiting_for_remote_kv`,
+`finish_requests` delaying the free), so a failure closes the receive only where no completion comes.
+`delay_free` is the first `req_finish`'s column; where the recorder left it null it follows from the request's
+`req_add` detail as the connector decides it (NIXL's `request_finished`: a `remote_decode` request finished by its
+length cap keeps its blocks for the peer's read). Only `req_add` rows with a `detail` are JSON-parsed (one per
+request, never per event; for delay_free only when a finish lacks it).
 
 `request_state(ctx)` holds the same facts as numpy arrays of positions indexed by `rk` (what the rules use);
 `request_table(ctx)` is the DataFrame of timestamps for notebooks, `show`, plots and the scheduling rules.
-A request id reused within one scheduler is one row (its first add, first finish, last schedule).
+A request id reused within one scheduler after its request finished is one row per lifetime (columns.py's request
+keys; `lifetime` 0, 1, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ REQUEST_COLUMNS = (
     "instance", "dp_rank", "req", "role", "add_ts", "first_sched_ts", "first_sched_step", "last_sched_ts",
     "last_sched_step", "n_sched_steps", "wait_kv_ts", "recv_done_ts", "recv_fail_ts", "finish_ts", "finish_step",
     "finish_reason", "finish_status", "delay_free", "send_done_ts", "expire_ts", "last_free_ts", "n_preempt",
-    "last_preempt_ts", "remote_prefill", "remote_decode", "remote_instance", "remote_req",
+    "last_preempt_ts", "remote_prefill", "remote_decode", "remote_instance", "remote_req", "lifetime",
 )
 
 
@@ -71,6 +77,27 @@ class RequestState:
         close = self.recv_close_pos[rk]
         return (wait >= 0) & (wait < pos) & ((close < 0) | (close > pos))
 
+    def recv_open_until(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """`recv_open_at`, counting the event at pos as still inside the receive: what a completion at pos
+        completes (the receive its own `kv_recv_done` closes was open when it arrived)."""
+        wait = self.wait_kv_pos[rk]
+        close = self.recv_close_pos[rk]
+        return (wait >= 0) & (wait < pos) & ((close < 0) | (close >= pos))
+
+    def finished_by(self, cols: Columns, rows: np.ndarray) -> np.ndarray:
+        """For free rows: the request had finished when it gave these blocks up, the free being its final one (a
+        `req_finish` before the free, or the free `_free_request` itself makes: the recorder writes it just before
+        `req_finish`, in the same step, with no `req_sched` between). After such a free vLLM forgets the request
+        (`_free_blocks` deletes it from `self.requests`)."""
+        rk = cols.rk[rows]
+        pos = cols.pos[rows]
+        fin = self.finish_pos[rk]
+        fin_row = cols.order[np.maximum(fin, 0)] if cols.n else fin
+        same_step = cols.step[fin_row] == cols.step[rows]
+        last_sched = self.last_sched_pos[rk]
+        at_finish = (fin > pos) & same_step & ~((last_sched > pos) & (last_sched < fin))
+        return ((fin >= 0) & (fin < pos)) | at_finish
+
     def send_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Whether a send is open at pos: finished with delay_free (not for a pending receive), not yet sent."""
         fin = self.finish_pos[rk]
@@ -99,6 +126,37 @@ def _first_after(cols: Columns, kinds: tuple[str, ...], after: np.ndarray, n: in
     return first_per_key(rk[keep], pos[keep], n)
 
 
+def remote_flags(cols: Columns, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(remote_prefill, remote_decode, remote_instance, remote_req) per request key, from the detail of its
+    `req_add` rows (one JSON parse per request that has one)."""
+    prefill = np.zeros(n, bool)
+    decode = np.zeros(n, bool)
+    instance = np.full(n, None, object)
+    remote_req = np.full(n, None, object)
+    detail = cols.table.column("detail")
+    import pyarrow.compute as pc
+
+    rows = cols.req_rows("req_add")
+    rows = rows[pc.is_valid(detail.take(pa.array(rows))).to_numpy(zero_copy_only=False)] if len(rows) else rows
+    for row, d in zip(rows.tolist(), cols.details(rows)):  # one per request
+        key = int(cols.rk[row])
+        prefill[key] |= bool(d.get("remote_prefill") or d.get("do_remote_prefill"))
+        decode[key] |= bool(d.get("remote_decode") or d.get("do_remote_decode"))
+        if d.get("remote_instance") is not None:
+            instance[key] = str(d["remote_instance"])
+        if d.get("remote_req") is not None:
+            remote_req[key] = str(d["remote_req"])
+    return prefill, decode, instance, remote_req
+
+
+def _implied_delay_free(cols: Columns, finish_rows: np.ndarray) -> np.ndarray:
+    """delay_free as the connector decides it, for finish rows whose column is null: the request's req_add says
+    `remote_decode` and it finished by its length cap (NIXL keeps the blocks for the peer's read only then)."""
+    _, decode, _, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, cols.n_requests))
+    reason = cols.codes("reason")[0][finish_rows]
+    return decode[cols.rk[finish_rows]] & (reason == cols.code_of("reason", "length"))
+
+
 def _count_per_key(keys: np.ndarray, n: int) -> np.ndarray:
     """`np.bincount(keys, minlength=n)` as one `np.add.at` (bincount first copies int32 keys to int64)."""
     counts = np.zeros(n, np.int64)
@@ -118,9 +176,13 @@ def _build_state(cols: Columns) -> RequestState:
     delay_free = np.zeros(n, bool)
     firsts = finish_pos[rk[finish_rows]] == pos[finish_rows]
     delay_value, delay_valid = cols.bools_at("delay_free", finish_rows[firsts])
-    delay_free[rk[finish_rows[firsts]]] = delay_value & delay_valid
+    if not delay_valid.all():
+        delay_value = np.where(delay_valid, delay_value, _implied_delay_free(cols, finish_rows[firsts]))
+    delay_free[rk[finish_rows[firsts]]] = delay_value
     wait_kv_pos = _first(cols, ("req_wait_kv",), n)
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
+    recv_done_after_wait = _first_after(cols, ("kv_recv_done",), wait_kv_pos, n)
+    recv_fail_after_wait = _first_after(cols, ("kv_recv_fail",), wait_kv_pos, n)
     preempt_rows = cols.req_rows("req_preempt")
     free_rows = cols.req_rows("blocks_free")
     state = RequestState(
@@ -133,7 +195,7 @@ def _build_state(cols: Columns) -> RequestState:
         wait_kv_pos=wait_kv_pos,
         recv_done_pos=_first(cols, ("kv_recv_done",), n),
         recv_fail_pos=recv_fail_pos,
-        recv_close_pos=_first_after(cols, ("kv_recv_done", "kv_recv_fail"), wait_kv_pos, n),
+        recv_close_pos=np.where(recv_done_after_wait >= 0, recv_done_after_wait, recv_fail_after_wait),
         finish_pos=finish_pos,
         delay_free=delay_free,
         send_done_pos=_first(cols, ("kv_send_done",), n),
@@ -184,24 +246,7 @@ def _code_names(cols: Columns, name: str, pos: np.ndarray) -> Any:
 
 
 def _remote_fields(cols: Columns, n: int) -> dict[str, Any]:
-    prefill = np.zeros(n, bool)
-    decode = np.zeros(n, bool)
-    instance = np.full(n, None, object)
-    remote_req = np.full(n, None, object)
-    detail = cols.table.column("detail")
-    import pyarrow.compute as pc
-
-    rows = cols.req_rows("req_add")
-    rows = rows[pc.is_valid(detail.take(pa.array(rows))).to_numpy(zero_copy_only=False)] if len(rows) else rows
-    if len(rows):
-        for row, d in zip(rows.tolist(), cols.details(rows)):  # one per request
-            key = int(cols.rk[row])
-            prefill[key] |= bool(d.get("remote_prefill") or d.get("do_remote_prefill"))
-            decode[key] |= bool(d.get("remote_decode") or d.get("do_remote_decode"))
-            if d.get("remote_instance") is not None:
-                instance[key] = str(d["remote_instance"])
-            if d.get("remote_req") is not None:
-                remote_req[key] = str(d["remote_req"])
+    prefill, decode, instance, remote_req = cols.once("requests.remote_flags", lambda: remote_flags(cols, n))
     return {
         "remote_prefill": pd.array(prefill, dtype="boolean"),
         "remote_decode": pd.array(decode, dtype="boolean"),
@@ -242,10 +287,11 @@ def _build_table(ctx: Any) -> pd.DataFrame:
     out["last_preempt_ts"] = _ts(cols, st.last_preempt_pos)
     for key, value in _remote_fields(cols, n).items():
         out[key] = value
+    out["lifetime"] = cols.request_lifetime.astype(np.int64)
     return out[list(REQUEST_COLUMNS)]
 
 
 def request_table(ctx: Any) -> pd.DataFrame:
-    """One row per (instance, dp_rank, req): the lifecycle moments listed in REQUEST_COLUMNS (NA where they never
-    happened). Row i is request key i of columns.py, so `request_state(ctx)` arrays index it directly."""
+    """One row per request (instance, dp_rank, req, lifetime): the lifecycle moments listed in REQUEST_COLUMNS (NA
+    where they never happened). Row i is request key i of columns.py, so `request_state(ctx)` arrays index it directly."""
     return ctx.cached("request_table", lambda: _build_table(ctx))
