@@ -33,7 +33,7 @@ def scenario_traces(out: Path) -> dict[str, Path]:
     from pdtrace.trace.builder import write_table
 
     makers = {f"scenario:{k}": v for k, v in scenarios.HEALTHY.items()}
-    makers.update({f"scenario:{k}": v for k, v in getattr(scenarios, "FAULTY", {}).items()})
+    makers.update({f"faulty:{k}": v for k, v in getattr(scenarios, "FAULTY", {}).items()})
     makers.update({f"pipeline:{k}": getattr(scenarios_pipeline, k) for k in dir(scenarios_pipeline)
                    if k.endswith("_pp4") and callable(getattr(scenarios_pipeline, k))})
     for seed in range(3):
@@ -81,18 +81,18 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     traces = {f"sample:{p.parent.name}": p for p in sorted((HERE / "sample_traces").glob("*/trace"))}
     traces.update(scenario_traces(args.out))
-    print(f"{'trace':38} {'before e/w/i':>12} {'after e/w/i':>12}  same-json  gained | lost")
+    print(f"{'trace':46} {'before e/w/i':>12} {'after e/w/i':>12}  same-json  gained | lost")
     for name, path in traces.items():
         before, after = analyze(args.before.resolve(), path), analyze(args.after.resolve(), path)
         for label, rep in (("before", before), ("after", after)):
             (args.out / f"{name.replace(':', '_')}.{label}.json").write_text(json.dumps(rep, indent=1))
         if "error" in before or "error" in after:
-            print(f"{name:38} failed: {before.get('error') or after.get('error')}")
+            print(f"{name:46} failed: {before.get('error') or after.get('error')}")
             continue
         gained = keys(after) - keys(before)
         lost = keys(before) - keys(after)
         same = "yes" if comparable(before) == comparable(after) else "no"
-        print(f"{name:38} {'%d/%d/%d' % counts(before):>12} {'%d/%d/%d' % counts(after):>12}  {same:9}  "
+        print(f"{name:46} {'%d/%d/%d' % counts(before):>12} {'%d/%d/%d' % counts(after):>12}  {same:9}  "
               f"{' '.join(sorted(gained.elements())) or '-'} | {' '.join(sorted(lost.elements())) or '-'}")
     return 0
 

@@ -19,6 +19,7 @@ from pdtrace.analysis.rulekit import engine_configs, expected_ranks
 from pdtrace.analysis.steps import engine_configs as engine_config_table
 from pdtrace.analysis.story import request_story
 from pdtrace.trace.builder import write_table
+from pdtrace.trace.model import Trace
 
 
 def kinds(df, severity: str | None = None) -> set[tuple[str, str]]:
@@ -201,4 +202,40 @@ def test_abort_of_a_deferred_load_that_never_started_is_clean():
 
 def test_abort_after_the_deferred_load_started_is_recv_open():
     df = analyze(scenarios.FAULTY["abort_started_load"]())
+    assert ("premature_free", "recv_open") in kinds(df, "error")
+
+
+def unit_test_abort_of_deferred_load(load_started: bool) -> Trace:
+    """The events vLLM 0.33's test_deferred_block_free::test_abort_deferred_async_load_frees_after_inflight_step
+    records, written by hand (the scheduler driven without an engine loop: no step_submit rows): request 0 runs
+    steps 0-2 (defer_block_free), `imp`'s remote load is allocated in step 2 while steps 0 and 1 are in flight,
+    the client aborts it (delay_free false: its deferred load never started), the free is deferred, and step 2's
+    update drains it. `load_started`: step 0's output (non-empty) comes before the abort, so the load started."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="e", role="both", start_ns=scenarios.START_NS)
+    b.add("engine_config", n=10000, detail={"pp": 1, "tp": 1, "defer_block_free": True, "block_size": 16})
+    b.add("req_add", req="0", n=33, detail={"remote_prefill": False, "remote_decode": False})
+    b.add("blocks_alloc", step=0, req="0", blocks=[1, 2, 3])
+    for k, n in ((0, 33), (1, 1)):
+        b.add("sched", step=k, n=n, detail={"running": 1, "waiting": 0, "free_blocks": 9996})
+        b.add("req_sched", step=k, req="0", n=n)
+    b.add("req_add", req="imp", n=33, detail={"remote_prefill": False, "remote_decode": False})
+    b.add("blocks_alloc", step=2, req="imp", blocks=[4, 5], detail={"hit": 0, "external": 2})
+    b.add("req_wait_kv", step=2, req="imp", blocks=[4, 5], n=32)
+    b.add("sched", step=2, n=1, detail={"running": 1, "waiting": 1, "waiting_kv": 1, "free_blocks": 9994})
+    b.add("req_sched", step=2, req="0", n=1)
+    if load_started:
+        b.add("step_output", component="engine", step=0)
+    b.add("req_finish", req="imp", reason="abort", status="FINISHED_ABORTED", delay_free=False)
+    b.add("blocks_free", req="imp", blocks=[4, 5], reason="aborted", deferred=True, detail={"fence": 3})
+    for k in ((1, 2) if load_started else (0, 1, 2)):
+        b.add("step_output", component="engine", step=k)
+    b.add("blocks_pool_free", step=2, blocks=[4, 5], detail={"fence": 3})
+    return b.trace()
+
+
+def test_vllm_unit_test_abort_of_a_deferred_load_is_clean():
+    assert len(analyze(unit_test_abort_of_deferred_load(load_started=False))) == 0
+    df = analyze(unit_test_abort_of_deferred_load(load_started=True))
     assert ("premature_free", "recv_open") in kinds(df, "error")

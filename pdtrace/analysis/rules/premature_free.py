@@ -92,8 +92,8 @@ def _load_never_started(ctx: Any, free_rows: np.ndarray) -> np.ndarray:
     frees, a load allocated while a step is in flight starts only in the update of a later non-empty step, when
     `_drain_deferred_loads` runs; `finish_requests` frees an aborted request whose load is still deferred at once).
     True where the free is the request's final one at a finish with delay_free false (vLLM decided no receive
-    was pending), its scheduler defers frees, a step was in flight at the `req_wait_kv`, and no non-empty step
-    had its `step_output` between the `req_wait_kv` and the free."""
+    was pending), its scheduler defers frees, a step was in flight at the `req_wait_kv` (scheduled before it, no
+    `step_output` yet), and no non-empty step had its `step_output` between the `req_wait_kv` and the free."""
     cols = columns(ctx)
     st = request_state(ctx)
     rk = cols.rk[free_rows]
@@ -110,8 +110,13 @@ def _load_never_started(ctx: Any, free_rows: np.ndarray) -> np.ndarray:
     drain = next_at_or_after(sk, wait, cols.sk[busy], cols.pos[busy], strict=True)
     drain_pos = np.where(drain >= 0, cols.pos[busy[np.maximum(drain, 0)]] if len(busy) else NO, NO)
     ok &= (drain_pos < 0) | (drain_pos > pos)
+    # a step in flight at the req_wait_kv: scheduled (its `sched` row) before it, its step_output after it or never
+    # (sched rows, not step_submit: a scheduler driven without an engine loop, as vLLM's unit tests do, has none)
+    sched = cols.rows_of("sched")
     for i in np.flatnonzero(ok).tolist():  # a few frees: those flagged recv_open that could be deferred loads
-        ok[i] = bool(si.in_flight_rows(int(sk[i]), int(wait[i])))
+        earlier = sched[(cols.sk[sched] == sk[i]) & (cols.pos[sched] < wait[i])]
+        out_pos = si.output_pos_of(cols.sk[earlier], cols.step[earlier])
+        ok[i] = bool(((out_pos < 0) | (out_pos > wait[i])).any())
     return ok
 
 
