@@ -433,6 +433,35 @@ def id_reuse() -> Trace:
     return b.trace()
 
 
+def receive_again_after_preemption(free_during_second_wait: bool = False) -> Trace:
+    """vLLM 0.33's test_kv_connector_handles_preemption: a D request receives its KV, runs, is preempted, and waits
+    for remote KV a second time (a second req_wait_kv and kv_recv_done) before it resumes and finishes.
+    `free_during_second_wait`: it is aborted and freed at once while the second receive is open (recv_open)."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode")
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=1)
+    d.step({}, wait_kv={"r1": [2]})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 3}, alloc={"r1": [5, 6]})
+    d.output()
+    d.step({}, preempt={"r1": [2, 5, 6]})
+    d.output()
+    d.step({}, wait_kv={"r1": [2, 5, 6]})
+    d.output()
+    if free_during_second_wait:
+        d._current = None
+        d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS")
+        return b.trace()
+    d.step({})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 1}, alloc={"r1": [4]})
+    d.output()
+    d.finish("r1", reason="length")
+    return b.trace()
+
+
 HEALTHY: dict[str, Callable[[], Trace]] = {
     "prefill": healthy_prefill,
     "decode": healthy_decode,
@@ -446,6 +475,7 @@ HEALTHY: dict[str, Callable[[], Trace]] = {
     "failed_load_waits_for_receive": failed_load_waits_for_receive,
     "abort_deferred_load": abort_deferred_load,
     "id_reuse": id_reuse,
+    "receive_again_after_preemption": receive_again_after_preemption,
 }
 
 
@@ -670,4 +700,5 @@ FAULTY: dict[str, Callable[[], Trace]] = {
     "id_reuse_leak": id_reuse_leak,
     "failed_load_freed_before_receive": lambda: failed_load(freed_at_failure=True),
     "abort_started_load": abort_started_load,
+    "freed_during_second_receive": lambda: receive_again_after_preemption(free_during_second_wait=True),
 }

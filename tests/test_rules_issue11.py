@@ -239,3 +239,17 @@ def test_vllm_unit_test_abort_of_a_deferred_load_is_clean():
     assert len(analyze(unit_test_abort_of_deferred_load(load_started=False))) == 0
     df = analyze(unit_test_abort_of_deferred_load(load_started=True))
     assert ("premature_free", "recv_open") in kinds(df, "error")
+
+
+def test_a_second_receive_after_preemption_is_its_own_window():
+    # each req_wait_kv opens a receive window: the second kv_recv_done completes the second wait
+    trace = scenarios.receive_again_after_preemption()
+    assert len(analyze(trace)) == 0
+    from stripped import strip
+
+    assert len(analyze(Trace.from_table(strip(trace.table, ["status"])))) == 0
+    df = analyze(scenarios.FAULTY["freed_during_second_receive"]())
+    assert ("premature_free", "recv_open") in kinds(df, "error")
+    f = df[df["subrule"] == "recv_open"].iloc[0]
+    wait = [e for e in f["evidence"] if e.get("note") == "waiting for remote KV since"][0]
+    assert wait["kind"] == "req_wait_kv" and wait["step"] == 3   # the second wait, not the first

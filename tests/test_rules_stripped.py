@@ -34,6 +34,9 @@ EXCEPTIONS: dict[tuple[str, str, str | None], str] = {
     ("worker", "unscheduled_request", "dropped_from_batch"): "batch_add / batch_remove are worker rows",
     ("worker", "use_after_free", "remote_read"): "remote_read is a connector row",
     ("remote_read", "use_after_free", "remote_read"): "the peer's read is the finding's only evidence",
+    ("status", "double_free", "unknown_id"):
+        "a completion for an id the trace never saw: only its status said the scheduler knows it; without one the "
+        "rule reports a warning that says so (`downgraded` = no_status)",
 }
 
 
@@ -151,3 +154,19 @@ def test_status_free_completions_on_healthy_decode_are_clean() -> None:
     for name in ("scenario:decode", "scenario:pd", "sample:healthy_pd_pp1", "sample:abort_while_waiting_kv"):
         got = findings_of(name, frozenset({"status"}))
         assert not (got["severity"] == "error").any(), name
+
+
+def test_a_completion_the_trace_never_saw_needs_its_status() -> None:
+    # vLLM 0.33's test_delayed_kv_connector_free_keeps_scheduler_active puts a finished request into
+    # scheduler.requests by hand: its kv_send_done (status FINISHED_STOPPED) is the only event of that id
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="e", start_ns=scenarios.START_NS)
+    b.add("req_add", req="queued", n=10)
+    b.add("step_output", component="engine")
+    b.add("kv_send_done", req="finished", status="FINISHED_STOPPED")
+    assert len(analyze(b.trace())) == 0
+    got = analyze(Trace.from_table(strip(b.table(), ["status"])))
+    assert list(zip(got["subrule"], got["severity"])) == [("unknown_id", "warning")]
+    assert got.iloc[0]["extra"]["downgraded"] == "no_status" and "may predate the recording" in got.iloc[0]["message"]
+    assert _excepted(frozenset({"status"}), "double_free", "unknown_id")

@@ -7,7 +7,10 @@ global time order, reduced in int32), turned back into rows, timestamps and step
 at the first `kv_send_done` or `kv_expire` after the finish, a receive at the first `kv_recv_done` after
 `req_wait_kv`, else (no `kv_recv_done` follows) at the first per-request `kv_recv_fail` after it: vLLM 0.33 keeps a
 failed load's blocks until the worker reports the receive finished (`_update_waiting_for_remote_kv`,
-`finish_requests` delaying the free), so a failure closes the receive only where no completion comes.
+`finish_requests` delaying the free), so a failure closes the receive only where no completion comes. A request
+preempted while it waits may wait again: the block rules ask whether a receive is open at a moment through the
+receive *windows* (one per `req_wait_kv`, closed the same way; `recv_window_at`, `recv_open_at`), the first-wait
+columns stay what the request table shows.
 `delay_free` is the first `req_finish`'s column; where the recorder left it null it follows from the request's
 `req_add` detail as the connector decides it (NIXL's `request_finished`: a `remote_decode` request finished by its
 length cap keeps its blocks for the peer's read). Only `req_add` rows with a `detail` are JSON-parsed (one per
@@ -28,7 +31,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_per_key, positions, request_keys
+from pdtrace.analysis.columns import (NO, Columns, columns, first_per_key, last_before, last_per_key, next_at_or_after,
+                                     positions, request_keys)
 from pdtrace.analysis.parallel import shared_table
 
 REQUEST_COLUMNS = (
@@ -62,6 +66,11 @@ class RequestState:
     n_preempt: np.ndarray
     last_preempt_pos: np.ndarray
     last_pos: np.ndarray           # the request's last scheduler event
+    # receive windows, one per req_wait_kv (a preempted request may wait again), sorted by (rk, position): the
+    # req_wait_kv and the position that closed it (NO while open)
+    window_rk: np.ndarray = None  # type: ignore[assignment]
+    window_start: np.ndarray = None  # type: ignore[assignment]
+    window_close: np.ndarray = None  # type: ignore[assignment]
 
     @property
     def first_known_pos(self) -> np.ndarray:
@@ -71,18 +80,27 @@ class RequestState:
         first = np.where(stacked >= 0, stacked, big).min(axis=0) if self.n else np.empty(0, np.int64)
         return np.where(first == big, NO, first)
 
+    def recv_window_at(self, rk: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, close) of the request's receive window begun last before pos (its latest `req_wait_kv`), NO
+        where it has none; close is NO while the window is open."""
+        idx = last_before(np.asarray(rk), np.asarray(pos), self.window_rk, self.window_start, strict=True)
+        ok = idx >= 0
+        at = np.maximum(idx, 0)
+        start = np.where(ok, self.window_start[at] if len(self.window_start) else NO, NO)
+        close = np.where(ok, self.window_close[at] if len(self.window_close) else NO, NO)
+        return start, close
+
     def recv_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Whether a receive is open at pos: after req_wait_kv and before it closed."""
-        wait = self.wait_kv_pos[rk]
-        close = self.recv_close_pos[rk]
-        return (wait >= 0) & (wait < pos) & ((close < 0) | (close > pos))
+        """Whether a receive is open at pos: after the request's latest req_wait_kv before pos, before that
+        window closed."""
+        start, close = self.recv_window_at(rk, pos)
+        return (start >= 0) & ((close < 0) | (close > pos))
 
     def recv_open_until(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """`recv_open_at`, counting the event at pos as still inside the receive: what a completion at pos
         completes (the receive its own `kv_recv_done` closes was open when it arrived)."""
-        wait = self.wait_kv_pos[rk]
-        close = self.recv_close_pos[rk]
-        return (wait >= 0) & (wait < pos) & ((close < 0) | (close >= pos))
+        start, close = self.recv_window_at(rk, pos)
+        return (start >= 0) & ((close < 0) | (close >= pos))
 
     def finished_by(self, cols: Columns, rows: np.ndarray) -> np.ndarray:
         """For free rows: the request had finished when it gave these blocks up, the free being its final one (a
@@ -157,6 +175,24 @@ def _implied_delay_free(cols: Columns, finish_rows: np.ndarray) -> np.ndarray:
     return decode[cols.rk[finish_rows]] & (reason == cols.code_of("reason", "length"))
 
 
+def _receive_windows(cols: Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One receive window per req_wait_kv row, sorted by (rk, position): it closes at the request's first
+    kv_recv_done after it, else (none follows) at its first per-request kv_recv_fail after it."""
+    rows = cols.req_rows("req_wait_kv")
+    rk = cols.rk[rows].astype(np.int64)
+    start = cols.pos[rows].astype(np.int64)
+    order = np.lexsort((start, rk))
+    rk, start = rk[order], start[order]
+
+    def first_after(kind: str) -> np.ndarray:
+        other = cols.req_rows(kind)
+        idx = next_at_or_after(rk, start, cols.rk[other], cols.pos[other], strict=True)
+        return np.where(idx >= 0, cols.pos[other][np.maximum(idx, 0)] if len(other) else NO, NO)
+
+    done, fail = first_after("kv_recv_done"), first_after("kv_recv_fail")
+    return rk, start, np.where(done >= 0, done, fail)
+
+
 def _count_per_key(keys: np.ndarray, n: int) -> np.ndarray:
     """`np.bincount(keys, minlength=n)` as one `np.add.at` (bincount first copies int32 keys to int64)."""
     counts = np.zeros(n, np.int64)
@@ -181,6 +217,7 @@ def _build_state(cols: Columns) -> RequestState:
     delay_free[rk[finish_rows[firsts]]] = delay_value
     wait_kv_pos = _first(cols, ("req_wait_kv",), n)
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
+    window_rk, window_start, window_close = _receive_windows(cols)
     recv_done_after_wait = _first_after(cols, ("kv_recv_done",), wait_kv_pos, n)
     recv_fail_after_wait = _first_after(cols, ("kv_recv_fail",), wait_kv_pos, n)
     preempt_rows = cols.req_rows("req_preempt")
@@ -205,6 +242,7 @@ def _build_state(cols: Columns) -> RequestState:
         n_preempt=np.bincount(rk[preempt_rows], minlength=n) if n else np.empty(0, np.int64),
         last_preempt_pos=last_per_key(rk[preempt_rows], pos[preempt_rows], n),
         last_pos=np.zeros(0, np.int64),
+        window_rk=window_rk, window_start=window_start, window_close=window_close,
     )
     # the request's last lifecycle event, from the moments above (no extra pass over the rows)
     state.last_pos = np.max(np.stack([state.add_pos, state.last_sched_pos, state.wait_kv_pos, state.recv_done_pos,

@@ -16,7 +16,8 @@ Algorithm:
   `status` gives the same finding.
 - `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id) that
   no final free in the trace explains, or with no status and no earlier event of the request in the trace (a
-  warning then: it may predate the recording).
+  warning then, `extra.downgraded = "no_status"`: it may predate the recording, and only a status would say
+  whether the scheduler knows it).
 Rule of thumb (shared with use_after_free): a completion after the final free is a double free; a completion after
 a free that left a still-alive request (preempted, waiting) without blocks is a use after free.
 """
@@ -139,7 +140,8 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
             msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): vLLM asserts "
                    "req_id in self.requests" if is_unknown[i] else
-                   f"{kind} for {req}, which has no earlier event in the trace")
+                   f"{kind} for {req}, which has no earlier event in the trace (no status says whether the "
+                   "scheduler knows it: it may predate the recording)")
         evidence += _completion_evidence(ctx, ev, row)
         sk = int(cols.sk[row])
         flying = si.in_flight_rows(sk, int(pos[i]))
@@ -148,7 +150,8 @@ def run(ctx: Any) -> pd.DataFrame:
             "rule": "double_free", "subrule": sub, "severity": sev, "instance": instance, "dp_rank": dp,
             "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]), "message": msg,
             "evidence": evidence, "context": f"double_free:{sub}:{kind}",
-            "extra": {"steps_in_flight": len(flying)},
+            "extra": {"steps_in_flight": len(flying),
+                      **({"downgraded": "no_status"} if sub == "unknown_id" and not is_unknown[i] else {})},
         })
     return findings_frame(records)
 

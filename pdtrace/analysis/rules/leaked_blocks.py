@@ -114,8 +114,9 @@ def run(ctx: Any) -> pd.DataFrame:
             failure = failures.get(sk)
             crash: EngineFailure | None = None
             extra_more: dict[str, Any] = {}
+            wait_start, wait_close = (int(x[0]) for x in st.recv_window_at(np.array([rk]), np.array([end_pos])))
             if send_open or recv_open:
-                since = fin if send_open else int(st.wait_kv_pos[rk])
+                since = fin if send_open else wait_start
                 if end_ts - ts_at(since) <= grace_ns:
                     if fin >= 0:  # finished (or aborted) and still waiting: still held, within the grace period
                         _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open)
@@ -143,7 +144,7 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[fin]), "request finished"))
                 why = "finished and has no open transfer, but never gave them up"
                 context = "leaked_blocks:definitely:finished"
-                due = max(fin, int(st.send_close_pos[rk]), int(st.recv_close_pos[rk]))
+                due = max(fin, int(st.send_close_pos[rk]), wait_close)
                 if failure is not None and failure.cut_off(due):
                     crash = failure
             else:
@@ -182,7 +183,7 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
     ev.refs([alloc_row, fin_row])
     evidence = [ev.ref(alloc_row, "allocated here"), ev.ref(fin_row, f"request {how} here")]
     if not send_open:
-        evidence.append(ev.ref(int(cols.order[st.wait_kv_pos[rk]]), "waiting for remote KV since"))
+        evidence.append(ev.ref(int(cols.order[since]), "waiting for remote KV since"))
     instance, dp = sk_instance(cols, sk)
     req = ev.ref(alloc_row).get("req")
     grace_s = float(ctx.config.grace_s)

@@ -99,7 +99,7 @@ def _load_never_started(ctx: Any, free_rows: np.ndarray) -> np.ndarray:
     rk = cols.rk[free_rows]
     sk = cols.sk[free_rows]
     pos = cols.pos[free_rows]
-    wait = st.wait_kv_pos[rk]
+    wait = st.recv_window_at(rk, pos)[0]  # the req_wait_kv of the receive open at the free
     ok = st.finished_by(cols, free_rows) & ~st.delay_free[rk] & (st.finish_pos[rk] >= 0) & (wait >= 0)
     ok &= defer_block_free(ctx)[sk]
     if not ok.any():
@@ -251,7 +251,8 @@ def run(ctx: Any) -> pd.DataFrame:
             if sub == "send_open":
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished with delay_free: send open"))
             elif sub == "recv_open":
-                evidence.append(ev.ref(int(cols.order[st.wait_kv_pos[rk]]), "waiting for remote KV since"))
+                wait = int(st.recv_window_at(np.array([rk]), np.array([pos]))[0][0])
+                evidence.append(ev.ref(int(cols.order[wait]), "waiting for remote KV since"))
             elif sub == "unfinished" and st.finish_pos[rk] > pos:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished only later"))
             if sched_row >= 0:

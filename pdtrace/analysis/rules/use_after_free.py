@@ -142,7 +142,8 @@ def run(ctx: Any) -> pd.DataFrame:
     cand = freed[opened]  # freed while a transfer was open: only these look up the block's next holder
     if len(cand):
         send, recv, rk = send[opened], recv[opened], rk[opened]
-        close = np.where(send, st.send_close_pos[rk], np.where(recv, st.recv_close_pos[rk], NO))
+        recv_close = st.recv_window_at(rk, fpos[opened])[1]  # the close of the receive open at the free
+        close = np.where(send, st.send_close_pos[rk], np.where(recv, recv_close, NO))
         nxt = own.next_alloc_after(cand)
         npos = np.where(nxt >= 0, own.alloc_pos[np.maximum(nxt, 0)], NO)
         bad = (nxt >= 0) & ((close < 0) | (npos < close))
