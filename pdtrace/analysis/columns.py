@@ -649,7 +649,9 @@ def _split_lifetimes(rk: np.ndarray, key_sk: np.ndarray, key_req: np.ndarray,
     are, and nothing else is computed): their rows are sorted by (key, position) and the finishes counted with one
     cumulative sum; the new keys number each id's lifetimes in order (key_sk and key_req repeated per lifetime)."""
     n_ids = len(key_sk)
-    adds = cols.rows_of("req_add")
+    # one comparison of the kind codes (not `rows_of`: its kind split would then sit on the path of every table
+    # that waits for the request keys)
+    adds = np.flatnonzero(cols.codes("kind")[0] == cols.code_of("kind", "req_add"))
     adds = adds[rk[adds] >= 0]
     per_id = np.bincount(rk[adds], minlength=n_ids) if len(adds) else np.zeros(n_ids, np.int64)
     reused = per_id > 1

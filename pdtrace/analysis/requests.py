@@ -71,6 +71,7 @@ class RequestState:
     window_rk: np.ndarray = None  # type: ignore[assignment]
     window_start: np.ndarray = None  # type: ignore[assignment]
     window_close: np.ndarray = None  # type: ignore[assignment]
+    n_windows: np.ndarray = None  # type: ignore[assignment]  # per rk
 
     @property
     def first_known_pos(self) -> np.ndarray:
@@ -82,12 +83,23 @@ class RequestState:
 
     def recv_window_at(self, rk: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(start, close) of the request's receive window begun last before pos (its latest `req_wait_kv`), NO
-        where it has none; close is NO while the window is open."""
-        idx = last_before(np.asarray(rk), np.asarray(pos), self.window_rk, self.window_start, strict=True)
-        ok = idx >= 0
-        at = np.maximum(idx, 0)
-        start = np.where(ok, self.window_start[at] if len(self.window_start) else NO, NO)
-        close = np.where(ok, self.window_close[at] if len(self.window_close) else NO, NO)
+        where it has none; close is NO while the window is open.
+
+        A request with one window at most (nearly all) is answered from its first-wait columns by indexing; only
+        the requests that waited again are searched (a searchsorted over their windows): asked for every freed
+        block, the search for all took 0.14 s of use_after_free's 0.25 s at 10M events."""
+        rk = np.asarray(rk)
+        pos = np.asarray(pos)
+        first = self.wait_kv_pos[rk]
+        start = np.where((first >= 0) & (first < pos), first, NO)
+        close = np.where(start >= 0, self.recv_close_pos[rk], NO)
+        again = np.flatnonzero(self.n_windows[rk] > 1) if len(rk) else np.empty(0, np.int64)
+        if len(again):
+            idx = last_before(rk[again], pos[again], self.window_rk, self.window_start, strict=True)
+            ok = idx >= 0
+            at = np.maximum(idx, 0)
+            start[again] = np.where(ok, self.window_start[at], NO)
+            close[again] = np.where(ok, self.window_close[at], NO)
         return start, close
 
     def recv_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -243,6 +255,7 @@ def _build_state(cols: Columns) -> RequestState:
         last_preempt_pos=last_per_key(rk[preempt_rows], pos[preempt_rows], n),
         last_pos=np.zeros(0, np.int64),
         window_rk=window_rk, window_start=window_start, window_close=window_close,
+        n_windows=np.bincount(window_rk, minlength=n) if n else np.zeros(0, np.int64),
     )
     # the request's last lifecycle event, from the moments above (no extra pass over the rows)
     state.last_pos = np.max(np.stack([state.add_pos, state.last_sched_pos, state.wait_kv_pos, state.recv_done_pos,
