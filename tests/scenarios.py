@@ -346,6 +346,122 @@ def pp4_pipeline(n_steps: int = 12) -> Trace:
     return b.trace()
 
 
+def failed_load(freed_at_failure: bool = False) -> Trace:
+    """vLLM 0.33, kv_load_failure_policy "fail" (test_kv_load_failure_recovery::
+    test_failed_receive_completion_honors_failure_policy[fail]): a D request's async load fails (`failed_recving`),
+    the scheduler finishes it with an error while it still waits for remote KV; `finish_requests` delays the free
+    (the load started and has not reported done), and the worker's `finished_recving` later frees the blocks
+    (reason `received`). No send anywhere: the delay_free is the receive's. `freed_at_failure`: the blocks are
+    freed at the error finish instead, while the worker still writes them (kv_recv_done only later): a
+    premature_free/recv_open."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode")
+    d.add("r1", n=32, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=2)
+    d.step({}, wait_kv={"r1": [11, 12]})
+    d.output()
+    d.step({})
+    d.output()
+    d.ev("kv_recv_fail", step=d._current_step(), req="r1")
+    d.finish("r1", reason="error", status="WAITING_FOR_REMOTE_KVS", delay_free=not freed_at_failure)
+    d.step({})
+    d.output()
+    d.recv_done("r1", status="unknown" if freed_at_failure else "FINISHED_ERROR")
+    if not freed_at_failure:
+        d.free("r1", reason="received")
+        d.step({})
+        d.output()
+    return b.trace()
+
+
+def failed_load_waits_for_receive() -> Trace:
+    """`failed_load`: the healthy order (freed when the receive reports done)."""
+    return failed_load()
+
+
+def abort_deferred_load() -> Trace:
+    """vLLM 0.33 with deferred frees and deferred async loads (test_deferred_block_free::
+    test_abort_deferred_async_load_frees_after_inflight_step): a KV consumer with two steps in flight allocates for a
+    request's remote KV while step 0 is still running, so its load is deferred until that step's update; the client
+    aborts it first. The load never started, so `finish_requests` frees at once (delay_free false), deferred behind
+    the step in flight; the next non-empty update drains the blocks to the pool."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode", pp=2, defer_block_free=True)
+    d.add("a", n=16)
+    d.step({"a": 16}, alloc={"a": [1]})                     # step 0 in flight
+    d.add("r1", n=32, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=2)
+    d.step({"a": 1}, wait_kv={"r1": [5, 6]})                 # step 1: r1's load deferred behind step 0
+    d._current = None
+    d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS", deferred=True)  # abort between steps
+    d.output()                                                # step 0's update: drains the deferred free
+    d.drain([5, 6])
+    d.output()                                                # step 1
+    d.finish("a", reason="length", deferred=True)
+    d.add("c", n=16)
+    d.step({"c": 16}, alloc={"c": [7]})
+    d.output()
+    d.drain([1])
+    d.finish("c", reason="length", deferred=True)
+    d.step({})
+    d.output()
+    return b.trace()
+
+
+def id_reuse() -> Trace:
+    """Request ids reused after the earlier requests with those ids finished and were freed (vLLM's own tests call
+    `create_requests` twice; clients that send their own ids do it in production): r1 and r2 allocate, finish and
+    free; then new requests r1 and r2 arrive, allocate other blocks, and the trace ends while the new r1 still runs
+    (it holds its blocks legitimately: it is alive, not the finished r1)."""
+    b = builder()
+    e = Engine(b, instance="E", role="both")
+    e.add("r1", n=32)
+    e.add("r2", n=16)
+    e.step({"r1": 32, "r2": 16}, alloc={"r1": [1, 2], "r2": [3]})
+    e.output()
+    e.step({"r1": 1, "r2": 1})
+    e.output()
+    e.finish("r1", reason="length")
+    e.finish("r2", reason="stop")
+    e.add("r1", n=16)
+    e.add("r2", n=16)
+    e.step({"r1": 16, "r2": 16}, alloc={"r1": [4], "r2": [5, 6]})
+    e.output()
+    e.step({"r1": 1, "r2": 1})
+    e.output()
+    e.finish("r2", reason="stop")
+    e.step({"r1": 1})
+    e.output()
+    return b.trace()
+
+
+def receive_again_after_preemption(free_during_second_wait: bool = False) -> Trace:
+    """vLLM 0.33's test_kv_connector_handles_preemption: a D request receives its KV, runs, is preempted, and waits
+    for remote KV a second time (a second req_wait_kv and kv_recv_done) before it resumes and finishes.
+    `free_during_second_wait`: it is aborted and freed at once while the second receive is open (recv_open)."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode")
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=1)
+    d.step({}, wait_kv={"r1": [2]})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 3}, alloc={"r1": [5, 6]})
+    d.output()
+    d.step({}, preempt={"r1": [2, 5, 6]})
+    d.output()
+    d.step({}, wait_kv={"r1": [2, 5, 6]})
+    d.output()
+    if free_during_second_wait:
+        d._current = None
+        d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS")
+        return b.trace()
+    d.step({})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 1}, alloc={"r1": [4]})
+    d.output()
+    d.finish("r1", reason="length")
+    return b.trace()
+
+
 HEALTHY: dict[str, Callable[[], Trace]] = {
     "prefill": healthy_prefill,
     "decode": healthy_decode,
@@ -356,6 +472,10 @@ HEALTHY: dict[str, Callable[[], Trace]] = {
     "chunked_prefill": chunked_prefill,
     "abort_immediate": abort_immediate,
     "pp4_pipeline": pp4_pipeline,
+    "failed_load_waits_for_receive": failed_load_waits_for_receive,
+    "abort_deferred_load": abort_deferred_load,
+    "id_reuse": id_reuse,
+    "receive_again_after_preemption": receive_again_after_preemption,
 }
 
 
@@ -467,3 +587,118 @@ def random_healthy(seed: int, n_requests: int = 12, num_blocks: int = 48, pp: in
                 e.send_done(r)
     e.run_out()
     return b.trace()
+
+
+# -- faulty lifecycles (named, for the stripped-field property and the before/after table) ------------------------
+def quorum_tp2(config: bool = True, declared: bool = False) -> Trace:
+    """TP=2 P instance: r1's send is reported by both ranks before its aggregated kv_send_done; r2's by tp0 only
+    (the aggregated completion came after one of two ranks: premature_free/quorum). `config=False`: no
+    engine_config (recording started late), the expected count comes from the ranks that reported for r1;
+    `declared`: the completions carry detail `expected_ranks`."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", tp=2, config=config)
+    for req, blocks in (("r1", [1, 2]), ("r2", [3, 4])):
+        p.add(req, n=32, remote_decode=True)
+        p.step({req: 32}, alloc={req: blocks})
+        p.output()
+        p.finish(req, reason="length", delay_free=True)
+        k = p.step({})
+        for tp in ((0, 1) if req == "r1" else (0,)):
+            p.ev("kv_send_rank", component="worker", pid=p.pid + 1 + tp, pp_rank=0, tp_rank=tp, step=k, req=req)
+        p.output()
+        p.send_done(req, **({"detail": {"expected_ranks": 2}} if declared else {}))
+    return b.trace()
+
+
+def abort_while_waiting_kv(receive: bool = True, delay_free: bool = True) -> tuple[EventBuilder, Engine]:
+    """D aborts r1 while its KV is being received; vLLM 0.33 keeps the blocks (delay_free) and frees them once the
+    receive completes (healthy). `receive=False`: the trace ends before the receive's completion;
+    `delay_free=False`: the blocks are freed at the abort (what vLLM 0.10 does while the read still writes)."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode")
+    d.add("r1", n=32, remote_prefill=True)
+    d.step({}, wait_kv={"r1": [50, 51]})
+    d.output()
+    d._current = None
+    d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS", delay_free=delay_free)
+    d.step({})
+    d.output()
+    if receive:
+        d.recv_done("r1", status="FINISHED_ABORTED")
+        d.free("r1", reason="received")
+    return b, d
+
+
+def abort_received_then_second_completion() -> Trace:
+    """abort_while_waiting_kv; the receive's completion freed the blocks (the final free: vLLM forgets r1), then a
+    send completion for r1 arrives in the same update: double_free/completion_after_free."""
+    b, d = abort_while_waiting_kv()
+    d.ev("kv_send_done", step=d._current_step(), req="r1", status="unknown")
+    return b.trace()
+
+
+def send_never_completes(hold_s: float) -> Trace:
+    """P finishes r1 with delay_free and the peer's read never completes; the trace ends hold_s later (a lost
+    completion past the 480 s grace period: leaked_blocks/indirectly; within it: leaked_blocks/still_held, info)."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill")
+    p.add("r1", n=32, remote_decode=True)
+    p.step({"r1": 32}, alloc={"r1": [7, 8]})
+    p.output()
+    p.finish("r1", reason="length", delay_free=True)
+    b.advance(int(hold_s * 1e9))
+    p.step({})
+    p.output()
+    return b.trace()
+
+
+def id_reuse_leak() -> Trace:
+    """r1 finishes and frees; a new r1 (the id reused) finishes and never frees: the leak is the second lifetime's,
+    its blocks only."""
+    b = builder()
+    e = Engine(b, instance="E", role="both")
+    e.add("r1", n=32)
+    e.step({"r1": 32}, alloc={"r1": [1, 2]})
+    e.output()
+    e.finish("r1", reason="length")
+    e.add("r1", n=16)
+    e.step({"r1": 16}, alloc={"r1": [3]})
+    e.output()
+    e.finish("r1", reason="length", free=False)
+    e.step({})
+    e.output()
+    return b.trace()
+
+
+def abort_started_load() -> Trace:
+    """abort_deferred_load, but the step in flight had its (non-empty) update before the abort, so the deferred
+    load started: freeing at the abort races the KV write (premature_free/recv_open)."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode", pp=2, defer_block_free=True)
+    d.add("a", n=16)
+    d.step({"a": 16}, alloc={"a": [1]})
+    d.add("r1", n=32, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=2)
+    d.step({"a": 1}, wait_kv={"r1": [5, 6]})
+    d.output()                                                # step 0's update: the deferred load starts
+    d._current = None
+    d.finish("r1", reason="abort", status="WAITING_FOR_REMOTE_KVS", deferred=True)
+    d.output()
+    d.drain([5, 6])
+    d.finish("a", reason="length", deferred=True)
+    d.step({})
+    d.output()
+    return b.trace()
+
+
+FAULTY: dict[str, Callable[[], Trace]] = {
+    "quorum_tp2": quorum_tp2,
+    "quorum_tp2_no_config": lambda: quorum_tp2(config=False),
+    "quorum_tp2_declared": lambda: quorum_tp2(config=False, declared=True),
+    "abort_received_then_second_completion": abort_received_then_second_completion,
+    "send_lost": lambda: send_never_completes(600),
+    "send_still_held": lambda: send_never_completes(60),
+    "id_reuse_leak": id_reuse_leak,
+    "failed_load_freed_before_receive": lambda: failed_load(freed_at_failure=True),
+    "abort_started_load": abort_started_load,
+    "freed_during_second_receive": lambda: receive_again_after_preemption(free_during_second_wait=True),
+}

@@ -256,7 +256,9 @@ def ordered_findings(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
 def _leak_summary(leaks: pd.DataFrame) -> list[dict[str, Any]]:
     """Leaked blocks per (instance, dp_rank), by class, with their share of the pool. Leaks that are consequences of
     an engine failure (extra `downgraded` == "engine_error", the crash policy of rulekit) are left out: the blocks
-    were still in use when the engine died, not lost by a bug."""
+    were still in use when the engine died, not lost by a bug. Blocks `still_held` at the end of the trace (a
+    transfer within its grace period: valgrind's "still reachable") are counted apart, in `still_held` and
+    `still_held_requests`, not in the lost `blocks` or the pool share."""
     rows: dict[tuple[str, Any], dict[str, Any]] = {}
     for rec in leaks.to_dict("records"):  # one per leak finding
         extra = rec.get("extra") or {}
@@ -267,12 +269,16 @@ def _leak_summary(leaks: pd.DataFrame) -> list[dict[str, Any]]:
                                       "indirectly": 0, "possibly": 0, "requests": 0, "pool_blocks": None})
         n = int(extra.get("n_blocks") or len(rec.get("blocks") or []))
         cls = str(extra.get("class") or rec.get("subrule"))
+        if extra.get("pool_blocks"):
+            entry["pool_blocks"] = int(extra["pool_blocks"])
+        if cls == "still_held":
+            entry["still_held"] = entry.get("still_held", 0) + n
+            entry["still_held_requests"] = entry.get("still_held_requests", 0) + 1
+            continue
         entry["blocks"] += n
         if cls in ("definitely", "indirectly", "possibly"):
             entry[cls] += n
         entry["requests"] += 1
-        if extra.get("pool_blocks"):
-            entry["pool_blocks"] = int(extra["pool_blocks"])
     out = []
     for entry in rows.values():
         pool = entry["pool_blocks"]

@@ -7,7 +7,9 @@ row at a rank.
 
 Keys:
 - `sk` (scheduler key): one dense id per (instance, dp_rank); a null dp_rank is its own value.
-- `rk` (request key): one dense id per (instance, dp_rank, req) on rows that carry a req, -1 elsewhere.
+- `rk` (request key): one dense id per request (instance, dp_rank, req, lifetime) on rows that carry a req, -1
+  elsewhere. The lifetime is 0 unless the id is reused: a `req_add` after the id's request finished starts a new
+  request (`_split_lifetimes`); `request_lifetime` gives each key's ordinal.
 Dictionary columns become small integer codes (`code_of(column, value)` gives the code of one value, -1 if absent),
 so no rule compares strings per event.
 """
@@ -309,6 +311,10 @@ class Columns:
             return codes
         return dictionary_codes(self.table.column(name))
 
+    def once(self, key: Any, build: Any) -> Any:
+        """A value derived from these columns, built once (by the first caller, on any thread) and kept."""
+        return self._once.get(("derived", key), build)
+
     def code_of(self, name: str, value: str) -> int:
         """The code of one value; ABSENT (never equal to any code, nor to NO for null) if the column lacks it."""
         names = self.codes(name)[1]
@@ -500,8 +506,14 @@ class Columns:
         })
 
     @once_property
-    def _request_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rk per row, scheduler key per request key, req code per request key)."""
+    def _request_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rk per row, scheduler key per request key, req code per request key, lifetime per request key)."""
+        rk, key_sk, key_req = self._id_keys()
+        return (rk, key_sk, key_req, np.zeros(len(key_sk), np.int64)) if self.n == 0 else \
+            _split_lifetimes(rk, key_sk, key_req, self)
+
+    def _id_keys(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key per row, scheduler key per key, req code per key) of the (instance, dp_rank, req) ids."""
         req, _ = self.codes("req")
         if self.n == 0:
             return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
@@ -548,6 +560,12 @@ class Columns:
         return self._request_keys[2]
 
     @property
+    def request_lifetime(self) -> np.ndarray:
+        """The lifetime ordinal of each request key: 0 for an id's first lifetime, 1 for the request that reused the
+        id after it, ..."""
+        return self._request_keys[3]
+
+    @property
     def n_requests(self) -> int:
         return len(self._request_keys[1])
 
@@ -563,8 +581,8 @@ class Columns:
 
     @once_property
     def rk_names(self) -> pd.DataFrame:
-        """One row per request key: instance, dp_rank, req, role (its scheduler's), sk."""
-        _, key_sk, key_req = self._request_keys
+        """One row per request key: instance, dp_rank, req, role (its scheduler's), sk, lifetime."""
+        _, key_sk, key_req, key_life = self._request_keys
         _, req_names = self.codes("req")
         out = self.sk_names.iloc[key_sk].reset_index(drop=True)
         names = np.asarray(req_names, dtype=object)
@@ -572,6 +590,7 @@ class Columns:
         roles = np.asarray(self.sk_role, dtype=object)
         out["role"] = roles[key_sk] if len(key_sk) else np.empty(0, object)
         out["sk"] = self.request_sk
+        out["lifetime"] = key_life
         return out
 
     @once_property
@@ -615,6 +634,57 @@ class Columns:
     def details(self, rows: np.ndarray) -> list[dict[str, Any]]:
         """`Trace.details`: the parsed `detail` JSON of these rows ({} where null or not an object)."""
         return parse_details(self.table.column("detail"), rows)
+
+
+def _split_lifetimes(rk: np.ndarray, key_sk: np.ndarray, key_req: np.ndarray,
+                     cols: Columns) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Request keys per lifetime: a request's lifetime ends with it (its final free follows its `req_finish`), and a
+    later `req_add` of the same id on the same scheduler starts a new request (clients reuse ids; vLLM's own tests
+    call `create_requests` twice). Rule: an id's `req_add` starts a new lifetime when a `req_finish` of that id came
+    after its previous `req_add` (or, for its first `req_add`, anywhere before it). Each row goes to the lifetime
+    that had begun at its position, so a late event of the old request after the new `req_add` counts for the new
+    one (the trace cannot tell them apart).
+
+    Only ids with two or more `req_add` rows are looked at (none in most traces: then the keys are returned as they
+    are, and nothing else is computed): their rows are sorted by (key, position) and the finishes counted with one
+    cumulative sum; the new keys number each id's lifetimes in order (key_sk and key_req repeated per lifetime)."""
+    n_ids = len(key_sk)
+    # one comparison of the kind codes (not `rows_of`: its kind split would then sit on the path of every table
+    # that waits for the request keys)
+    adds = np.flatnonzero(cols.codes("kind")[0] == cols.code_of("kind", "req_add"))
+    adds = adds[rk[adds] >= 0]
+    per_id = np.bincount(rk[adds], minlength=n_ids) if len(adds) else np.zeros(n_ids, np.int64)
+    reused = per_id > 1
+    if not reused.any():
+        return rk, key_sk, key_req, np.zeros(n_ids, np.int64)
+    # the rows of the ids added more than once, in (id, position) order
+    rows = np.flatnonzero(reused[np.maximum(rk, 0)] & (rk >= 0))
+    pos = cols.pos[rows]
+    order = order_by_key(rk[rows], pos)
+    rows = rows[order]
+    ids = rk[rows].astype(np.int64)
+    kind_codes, _ = cols.codes("kind")
+    is_add = kind_codes[rows] == cols.code_of("kind", "req_add")
+    finishes = np.cumsum(kind_codes[rows] == cols.code_of("kind", "req_finish"))  # inclusive, over all ids
+    first_of_id = np.r_[True, ids[1:] != ids[:-1]]
+    # finishes before each id's first row (the cumulative count is global: subtract it per id)
+    before_id = np.maximum.accumulate(np.where(first_of_id, np.arange(len(rows)), 0))
+    base = finishes[before_id] - (kind_codes[rows[before_id]] == cols.code_of("kind", "req_finish"))
+    add_idx = np.flatnonzero(is_add)
+    seen = finishes[add_idx] - base[add_idx]  # finishes of the id before this add (an add is no finish)
+    prev = np.r_[0, seen[:-1]]
+    prev[np.r_[True, ids[add_idx][1:] != ids[add_idx][:-1]]] = 0  # an id's first add compares with its start
+    starts = np.zeros(len(rows), np.int64)
+    starts[add_idx[seen > prev]] = 1
+    running = np.cumsum(starts)
+    life = running - (running[before_id] - starts[before_id])  # lifetime ordinal of each row within its id
+    n_life = np.ones(n_ids, np.int64)
+    np.maximum.at(n_life, ids, life + 1)
+    first_key = np.r_[0, np.cumsum(n_life)[:-1]]
+    new_rk = np.where(rk >= 0, first_key[np.maximum(rk, 0)], NO).astype(np.int32)
+    new_rk[rows] += life.astype(np.int32)
+    lifetime = np.arange(int(n_life.sum()), dtype=np.int64) - np.repeat(first_key, n_life)
+    return new_rk, np.repeat(key_sk, n_life), np.repeat(key_req, n_life), lifetime
 
 
 def columns(ctx: Any) -> Columns:

@@ -16,6 +16,8 @@ from pdtrace.analysis.columns import NO, Columns, columns, positions, request_ke
 from pdtrace.analysis.parallel import shared_table
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
+#: free reasons a transfer completion causes (`_update_from_kv_xfer_finished` freeing the blocks)
+COMPLETION_FREE_REASONS = ("sent", "received")
 
 
 @dataclass
@@ -95,28 +97,53 @@ def step_index(ctx: Any) -> StepIndex:
 
 
 def engine_configs(ctx: Any) -> dict[int, dict[str, Any]]:
-    """engine_config detail (plus `num_blocks` from n) per scheduler key."""
-    def build() -> dict[int, dict[str, Any]]:
+    """engine_config detail (plus `num_blocks` from n) per scheduler key: the scheduler's first `engine_config` in
+    time order. The one reading of engine_config: `steps.engine_configs` (the table of the scheduling analyses)
+    and `timelines.pool_sizes` are built from it."""
+    return _engine_config_rows(ctx)[0]
+
+
+def engine_config_rows(ctx: Any) -> dict[int, int]:
+    """The row of the engine_config `engine_configs` read, per scheduler key."""
+    return _engine_config_rows(ctx)[1]
+
+
+def _engine_config_rows(ctx: Any) -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
+    def build() -> tuple[dict[int, dict[str, Any]], dict[int, int]]:
         cols = columns(ctx)
         rows = cols.rows_of("engine_config")
+        rows = rows[np.argsort(cols.pos[rows], kind="stable")]
         out: dict[int, dict[str, Any]] = {}
+        where: dict[int, int] = {}
         for row, detail, n in zip(rows.tolist(), cols.details(rows), cols.ints_at("n", rows).tolist()):
             cfg = dict(detail)
             if n >= 0:
                 cfg["num_blocks"] = int(n)
-            out.setdefault(int(cols.sk[row]), cfg)
-        return out
+            sk = int(cols.sk[row])
+            if sk not in out:
+                out[sk], where[sk] = cfg, row
+        return out, where
     return ctx.cached("rulekit.engine_configs", build)
 
 
 def defer_block_free(ctx: Any) -> np.ndarray:
-    """Per scheduler key: engine_config says frees are deferred."""
-    cols = columns(ctx)
-    n_sk = len(cols.sk_names)
-    out = np.zeros(n_sk, bool)
-    for sk, cfg in engine_configs(ctx).items():
-        out[sk] = bool(cfg.get("defer_block_free"))
-    return out
+    """Per scheduler key: the scheduler defers frees (vLLM's `defer_block_free`): engine_config says so, or, where
+    the scheduler has no engine_config with the key, one of its `blocks_free` rows is `deferred=true` (only such a
+    scheduler parks frees)."""
+    def build() -> np.ndarray:
+        cols = columns(ctx)
+        out = np.zeros(len(cols.sk_names), bool)
+        said = np.zeros(len(out), bool)
+        for sk, cfg in engine_configs(ctx).items():
+            if "defer_block_free" in cfg:
+                out[sk] = bool(cfg.get("defer_block_free"))
+                said[sk] = True
+        frees = cols.rows_of("blocks_free")
+        value, valid = cols.bools_at("deferred", frees)
+        seen = np.zeros(len(out), bool)
+        seen[cols.sk[frees[value & valid]]] = True
+        return np.where(said, out, seen)
+    return ctx.cached("rulekit.defer_block_free", build)
 
 
 @dataclass
@@ -362,8 +389,7 @@ class _RankIndex:
 
 
 def _expected_values(cols: Columns, rows: np.ndarray) -> list[int]:
-    values = [d.get("expected_ranks") for d in cols.details(rows)]
-    return [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return declared_ranks(cols.details(rows))
 
 
 def _rank_index(ctx: Any, direction: str) -> _RankIndex:
@@ -402,16 +428,54 @@ def int_column_at(cols: Columns, name: str, rows: np.ndarray) -> np.ndarray:
     return cols.ints_at(name, rows)
 
 
+def declared_ranks(details: list[dict[str, Any]]) -> list[int]:
+    """The `expected_ranks` values declared in these completions' details (ints only)."""
+    values = [d.get("expected_ranks") for d in details]
+    return [int(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _engine_grid(cfg: dict[str, Any]) -> tuple[int, int] | None:
+    """(pp, tp) of an engine_config detail, None without either key or with a value that is not a number."""
+    if "tp" not in cfg and "pp" not in cfg:
+        return None
+    try:
+        return int(cfg.get("pp", 1)), int(cfg.get("tp", 1))
+    except (TypeError, ValueError):
+        return None
+
+
+def expected_ranks(ctx: Any, sk: int, direction: str, declared: list[int]) -> tuple[int | None, str]:
+    """How many ranks must report a transfer in `direction` ("send" / "recv") before its aggregated completion, on
+    scheduler sk, and where that comes from: the one definition every rule uses (premature_free's `quorum`,
+    leaked_blocks' missing ranks). The fallback chain:
+    1. `declared`: the `expected_ranks` of the request's own aggregated completion(s) (their largest);
+    2. the largest `expected_ranks` declared by the scheduler's other completions of that direction;
+    3. engine_config tp * pp;
+    4. the number of distinct ranks that reported that direction (`kv_<direction>_rank`) for any request of the
+       scheduler.
+    (None, "") only where none applies (no rank row of that direction on the scheduler at all)."""
+    if declared:
+        return max(declared), "expected_ranks of its completion"
+    idx = _rank_index(ctx, direction)
+    if sk in idx.instance_expected:
+        return idx.instance_expected[sk], "expected_ranks of the instance's completions"
+    grid = _engine_grid(engine_configs(ctx).get(sk, {}))
+    if grid is not None:
+        return grid[0] * grid[1], "engine_config tp*pp"
+    if idx.known.get(sk):
+        return len(idx.known[sk]), "the ranks that reported for other requests"
+    return None, ""
+
+
 def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
     """The ranks that reported request key rk's transfer in `direction`, and the expected ones that did not.
 
     None when the request has no rank row of that direction (nothing says ranks report here) or every expected rank
-    reported. Expected ranks: the count is the detail `expected_ranks` of the request's own aggregated
-    `kv_<direction>_done` rows (or, when it has none, the largest one of its scheduler's completions), else
-    engine_config tp*pp, else the number of distinct ranks that reported that direction for any request of the same
-    scheduler; the ranks named missing are those of the scheduler-wide set (ranks that reported for any request, plus
-    the engine_config pp x tp grid) absent for this request. The rank rows are indexed once per direction (sorted by
-    request key); each call is a searchsorted, so call it per finding."""
+    reported. The expected count is `expected_ranks` (its fallback chain: the request's own completions, the
+    scheduler's completions, engine_config tp*pp, the ranks seen); the ranks named missing are those of the
+    scheduler-wide set (ranks that reported for any request, plus the engine_config pp x tp grid) absent for this
+    request. The rank rows are indexed once per direction (sorted by request key); each call is a searchsorted, so
+    call it per finding."""
     cols = columns(ctx)
     idx = _rank_index(ctx, direction)
     mine = idx.of(rk)
@@ -419,26 +483,10 @@ def rank_report(ctx: Any, rk: int, direction: str) -> RankReport | None:
         return None
     sk = int(cols.sk[idx.rows[mine[0]]])
     reported_codes = set(idx.code[mine].tolist())
-    cfg = engine_configs(ctx).get(sk, {})
-    expected: int | None = None
-    source = ""
-    own = _expected_values(cols, idx.done_of(rk))
-    if own:
-        expected, source = max(own), "expected_ranks of its completion"
-    elif sk in idx.instance_expected:
-        expected, source = idx.instance_expected[sk], "expected_ranks of the instance's completions"
-    grid: set[int] = set()
-    try:
-        if "tp" in cfg or "pp" in cfg:
-            n_pp, n_tp = int(cfg.get("pp", 1)), int(cfg.get("tp", 1))
-            grid = {p * _RANK_SPAN + t for p in range(n_pp) for t in range(n_tp)}
-            if expected is None:
-                expected, source = n_pp * n_tp, "engine_config tp*pp"
-    except (TypeError, ValueError):
-        grid = set()
+    expected, source = expected_ranks(ctx, sk, direction, _expected_values(cols, idx.done_of(rk)))
+    pp_tp = _engine_grid(engine_configs(ctx).get(sk, {}))
+    grid = {p * _RANK_SPAN + t for p in range(pp_tp[0]) for t in range(pp_tp[1])} if pp_tp else set()
     known = idx.known.get(sk, set()) | grid
-    if expected is None:
-        expected, source = len(known), "the ranks that reported for other requests"
 
     def labels(codes: set[int]) -> list[str]:
         return [_rank_label(c // _RANK_SPAN, c % _RANK_SPAN) for c in sorted(codes)]

@@ -206,21 +206,36 @@ def detail_text(ctx: AnalysisContext, rows: np.ndarray, key: str) -> np.ndarray:
 
 def engine_configs(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per scheduler (inst, dp) that wrote `engine_config`: n_blocks, pp, tp, batch_queue_size, block_size,
-    max_num_seqs, max_num_batched_tokens, runner (NaN / None where the recorder did not know)."""
+    max_num_seqs, max_num_batched_tokens, runner (NaN / None where the recorder did not know). The table form of
+    `rulekit.engine_configs` (the one reading of engine_config: the first per scheduler, in time order)."""
+    from pdtrace.analysis.rulekit import engine_config_rows
+    from pdtrace.analysis.rulekit import engine_configs as configs_by_scheduler
 
     def build() -> pd.DataFrame:
-        # a few rows (a scheduler's start): numpy on the cached columns and one detail read, no pandas per key
         cols = columns(ctx)
-        rows = kind_rows(ctx, ["engine_config"])
-        rows = rows[np.argsort(cols.ts[rows], kind="stable")]
-        inst_codes, _ = dict_codes(ctx, "instance")
-        inst, dp = inst_codes[rows], cols.dp[rows].astype(np.int64)
-        _, first = np.unique(inst.astype(np.int64) * (int(dp.max(initial=0)) + 2) + dp + 1, return_index=True)
-        rows = rows[np.sort(first)]  # the first per (inst, dp), in time order
+        configs = configs_by_scheduler(ctx)
+        where = engine_config_rows(ctx)
+        sks = np.array(sorted(configs, key=lambda k: int(cols.pos[where[k]])), np.int64)
+        inst_of = {name: code for code, name in enumerate(dict_codes(ctx, "instance")[1])}
+        names = cols.sk_names
         keys = ("pp", "tp", "batch_queue_size", "block_size", "max_num_seqs", "max_num_batched_tokens")
-        return pd.DataFrame({"inst": inst_codes[rows], "dp": cols.dp[rows].astype(np.int64), "ts_ns": cols.ts[rows],
-                             "n_blocks": cols.numbers_at("n", rows), **detail_numbers(ctx, rows, keys),
-                             "runner": detail_text(ctx, rows, "runner")})
+
+        def number(value: object) -> float:
+            try:
+                return float(value)  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return np.nan
+
+        rows = [configs[int(k)] for k in sks]
+        return pd.DataFrame({
+            "inst": np.array([inst_of[str(names["instance"].iloc[k])] for k in sks], np.int64),
+            "dp": np.array([-1 if pd.isna(names["dp_rank"].iloc[k]) else int(names["dp_rank"].iloc[k])
+                            for k in sks], np.int64),
+            "ts_ns": np.array([int(cols.ts[where[int(k)]]) for k in sks], np.int64),
+            "n_blocks": np.array([number(c.get("num_blocks")) for c in rows], np.float64),
+            **{key: np.array([number(c.get(key)) for c in rows], np.float64) for key in keys},
+            "runner": np.array([c.get("runner") if isinstance(c.get("runner"), str) else None for c in rows],
+                               dtype=object)})
 
     return ctx.cached("steps:engine_configs", build)
 

@@ -1,7 +1,8 @@
 """The chronological story of one request or one step: what `pdtrace show` prints, and where a finding's evidence
 points.
 
-`request_story(trace, req, instance=None)`  every event of the request on every instance. Algorithm: start from the
+`request_story(trace, req, instance=None)`  every event of the request on every instance (of every lifetime of a
+    reused id: then a `lifetime` column, 1-based, says which request each row belongs to). Algorithm: start from the
     (instance, req) pairs that name `req` (only `instance` when given); follow the P/D links in `req_add` details
     (a decode-side request names its prefill side in `remote_instance` / `remote_req`; a prefill-side request is
     named by the decode-side adds that point at it) until no new pair appears; take every row of those pairs (one
@@ -18,7 +19,7 @@ points.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -36,13 +37,15 @@ RANK_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "rpc", "exec_begin_
                 "relation")
 
 
-def _frame(trace: Trace, rows: np.ndarray) -> pd.DataFrame:
+def _frame(trace: Trace, rows: np.ndarray, extra: dict[str, Any] | None = None) -> pd.DataFrame:
     names = [c for c in STORY_COLUMNS if c in trace.table.column_names]
     if len(rows) == 0:
         return pd.DataFrame({c: pd.Series(dtype=object) for c in names})
     sub = trace.table.select(names).take(pa.array(np.asarray(rows, dtype=np.int64)))
     frame = sub.to_pandas(types_mapper={pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
                                         pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}.get)
+    for name, values in (extra or {}).items():  # per-row columns computed by the caller, in `rows` order
+        frame[name] = values
     for col in ("instance", "role", "component", "kind", "reason", "status"):
         if col in frame and isinstance(frame[col].dtype, pd.CategoricalDtype):
             frame[col] = frame[col].astype(object)
@@ -116,7 +119,15 @@ def request_story(trace: Trace, req: str, instance: str | None = None) -> pd.Dat
             cand = drains & (inst_codes == inst) & (cols.ts >= since)
             hit = np.unique(block_row[cand[block_row] & np.isin(block_id, freed)])
             mask[hit] = True
-    return _frame(trace, np.flatnonzero(mask))
+    rows = np.flatnonzero(mask)
+    # a reused id (columns.py: a req_add after the id's finish starts a new request): each row's lifetime, 1-based,
+    # as a column only when the story holds more than one
+    rk = cols.rk[rows]
+    life = np.where(rk >= 0, cols.request_lifetime[np.maximum(rk, 0)] if cols.n_requests else 0, -1)
+    extra = {"lifetime": pd.array(np.where(life >= 0, life + 1, 0), dtype="Int64")} if (life > 0).any() else None
+    if extra is not None:
+        extra["lifetime"][life < 0] = pd.NA
+    return _frame(trace, rows, extra)
 
 
 def step_story(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:

@@ -120,9 +120,9 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
 
     new_group = np.ones(len(rows), dtype=bool)
     new_group[1:] = rk[1:] != rk[:-1]
-    # A lifecycle runs from a request's first row or a req_add to the next; "finished" once it had a req_finish
-    # (a running maximum of 2*lifecycle + finished: lifecycles only grow along the sorted rows).
-    lifecycle = np.cumsum(new_group | is_add, dtype=np.int32)
+    # A request key is one lifetime of a request (columns.py: a req_add after the id's finish starts a new one);
+    # "finished" once it had a req_finish (a running maximum of 2*key index + finished along the sorted rows).
+    lifecycle = np.cumsum(new_group, dtype=np.int32)
     finished = (np.maximum.accumulate(2 * lifecycle + is_finish) - 2 * lifecycle) == 1
 
     phase = np.full(len(rows), -1, dtype=np.int8)
@@ -131,7 +131,7 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
     phase[is_wait_kv & active] = _WAITING_KV
     phase[(is_recv_done | is_recv_fail | is_preempt) & active] = _WAITING
     phase[is_sched] = _RUNNING
-    delay_free = cols.bools_at("delay_free", rows[is_finish])[0]
+    delay_free = request_state(ctx).delay_free[rk[is_finish]]  # the request table's, inferred where null
     phase[is_finish] = np.where(delay_free, _FINISHED_HOLDING, _FREED)
     phase[is_free & finished & ~is_finish] = _FREED
 
@@ -143,9 +143,18 @@ def _compute_phase_arrays(ctx: "AnalysisContext") -> tuple[np.ndarray, np.ndarra
 
     _, trace_end = trace_span(ctx)
     start = cols.ts[rows]
-    end = np.full(len(rows), trace_end, dtype=np.int64)
+    # a request's last phase lasts to the end of the trace, or to the start of the next lifetime of its id (the
+    # next request key, when that is the same id's lifetime after it)
+    life = cols.request_lifetime
+    first_start = np.full(cols.n_requests, trace_end, dtype=np.int64)
+    firsts = np.r_[True, rk[1:] != rk[:-1]]  # rows are sorted by request key, then time
+    first_start[rk[firsts]] = start[firsts]
+    until = np.full(cols.n_requests, trace_end, dtype=np.int64)
+    followed = np.flatnonzero(life[1:] > 0)
+    until[followed] = first_start[followed + 1]
+    end = until[rk]
     same_next = rk[1:] == rk[:-1]
-    end[:-1] = np.where(same_next, start[1:], trace_end)
+    end[:-1] = np.where(same_next, start[1:], end[:-1])
     keep = end > start
     return rk[keep], phase[keep], start[keep], end[keep]
 
@@ -154,19 +163,17 @@ request_phases = shared_table(_phase_arrays, cost=0.3)(request_phases)
 
 
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
-    """KV blocks in the pool per scheduler (instance, dp_rank), from the last `engine_config` row's `n`."""
-    # The engine_config rows from the analyses' cached kind split (a few rows, no pass over the trace), then
-    # only those become pandas.
-    config_rows = columns(ctx).rows_of("engine_config")
-    rows = ctx.trace.table.select(["instance", "dp_rank", "n"]).take(pa.array(config_rows, pa.int64()))
-    rows = rows.filter(pc.is_valid(rows.column("n")))
-    instance = rows.column("instance")
-    if pa.types.is_dictionary(instance.type):
-        instance = instance.cast(instance.type.value_type)
-    out = pd.DataFrame({"instance": instance.to_numpy(zero_copy_only=False).astype(object),
-                        "dp_rank": pc.fill_null(rows.column("dp_rank"), -1).to_numpy().astype(np.int64),
-                        "pool_blocks": rows.column("n").to_numpy().astype(np.int64)})
-    return out.drop_duplicates(["instance", "dp_rank"], keep="last").reset_index(drop=True)
+    """KV blocks in the pool per scheduler (instance, dp_rank): `n` of its engine_config as `rulekit.engine_configs`
+    reads it (the first per scheduler), the one reading every analysis shares."""
+    from pdtrace.analysis.rulekit import engine_configs
+
+    names = columns(ctx).sk_names
+    found = [(sk, cfg["num_blocks"]) for sk, cfg in engine_configs(ctx).items() if "num_blocks" in cfg]
+    return pd.DataFrame({
+        "instance": np.array([str(names["instance"].iloc[sk]) for sk, _ in found], dtype=object),
+        "dp_rank": np.array([-1 if pd.isna(names["dp_rank"].iloc[sk]) else int(names["dp_rank"].iloc[sk])
+                             for sk, _ in found], np.int64),
+        "pool_blocks": np.array([n for _, n in found], np.int64)})
 
 
 def _empty_usage() -> pd.DataFrame:
@@ -196,9 +203,10 @@ def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.
     if findings is None or len(findings) == 0 or not (findings["rule"] == "leaked_blocks").any():
         return pd.DataFrame({c: pd.Series(dtype="int64" if c in ("block", "leak_ts") else "str") for c in cols})
     leaks = findings[findings["rule"] == "leaked_blocks"]
-    # `possibly` leaked (an owner still alive, only quiet) is not counted as leaked; definitely / indirectly are.
+    # `possibly` leaked (an owner still alive, only quiet) and `still_held` (a transfer within its grace period) are
+    # not counted as leaked; definitely / indirectly are.
     leak_class = [e.get("class") if isinstance(e, dict) else None for e in leaks["extra"]]  # per finding
-    leaks = leaks[[c != "possibly" for c in leak_class]]
+    leaks = leaks[[c not in ("possibly", "still_held") for c in leak_class]]
     # One row per finding (few): their blocks lists become rows; an empty or missing list means all blocks.
     blocks = [list(b) if isinstance(b, (list, tuple, np.ndarray)) and len(b) else [-1] for b in leaks["blocks"]]
     lengths = [len(b) for b in blocks]

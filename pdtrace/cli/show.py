@@ -93,8 +93,16 @@ def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame,
     shown = story if full else collapse_runs(story)
     span = int(story["t_ns"].iloc[-1]) if len(story) else 0
     names = ", ".join(f"{inst}:{r}" for inst, r in pairs)
-    out_console.print(f"request {req} ({names}): {len(story)} events over {span / 1e6:.3f} ms", markup=False)
+    lifetimes = int(story["lifetime"].max()) if "lifetime" in story and story["lifetime"].notna().any() else 1
+    reused = f"; the id was reused: {lifetimes} lifetimes" if lifetimes > 1 else ""
+    out_console.print(f"request {req} ({names}): {len(story)} events over {span / 1e6:.3f} ms{reused}",
+                      markup=False)
+    current: dict[str, Any] = {}
     for rec in _records(shown):
+        life = rec.get("lifetime")
+        if life is not None and current.get(str(rec["instance"])) != life:  # a lifetime begins on this instance
+            current[str(rec["instance"])] = life
+            out_console.print(f"  -- {rec['instance']}:{rec['req']} lifetime {life} of {lifetimes}", markup=False)
         out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
 
 

@@ -113,14 +113,20 @@ def _one_line(rec: dict[str, Any], start_ns: int | None) -> str:
 
 
 def _leak_table(leaks: list[dict[str, Any]]) -> Table:
+    held = any("still_held" in row for row in leaks)  # the column only where some blocks are still held
     table = Table(title="LEAK SUMMARY (KV blocks)", title_justify="left")
-    for name in ("instance", "dp", "definitely", "indirectly", "possibly", "total", "requests", "% of pool"):
+    for name in ("instance", "dp", "definitely", "indirectly", "possibly", "total", "requests", "% of pool") + \
+            (("still held",) if held else ()):
         table.add_column(name, justify="left" if name == "instance" else "right", no_wrap=True, min_width=len(name))
     for row in leaks:
         pct = row.get("pool_percent")
-        table.add_row(str(row["instance"]), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
-                      str(row["definitely"]), str(row["indirectly"]), str(row["possibly"]), str(row["blocks"]),
-                      str(row["requests"]), "-" if pct is None else f"{pct:.1f}%")
+        cells = [str(row["instance"]), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
+                 str(row["definitely"]), str(row["indirectly"]), str(row["possibly"]), str(row["blocks"]),
+                 str(row["requests"]), "-" if pct is None else f"{pct:.1f}%"]
+        if held:
+            n = row.get("still_held")
+            cells.append("-" if not n else f"{n} ({row.get('still_held_requests', 0)} req)")
+        table.add_row(*cells)
     return table
 
 

@@ -5,8 +5,10 @@ What trips vLLM's `assert request.is_finished()` in `_free_blocks` (`scheduler.p
 
 Algorithm, per aggregated completion row (`kv_send_done` / `kv_recv_done` with a req):
 - The request's state at that moment is the event's `status` where the recorder gave it; otherwise the history: a
-  `req_finish` before the completion means finished; a `req_wait_kv` before it with no `kv_recv_done` /
-  `kv_recv_fail` in between means waiting for remote KV.
+  `req_finish` before the completion means finished; a `req_wait_kv` before it whose receive is still open up to
+  and including this completion (the receive a `kv_recv_done` closes is the one it completes: requests.py's
+  `recv_open_until`) means waiting for remote KV. Both give the same findings (the stripped-field property of
+  tests/test_rules_stripped.py).
 - `send`: a `kv_send_done` whose request is not finished.
 - `recv`: a `kv_recv_done` whose request is neither waiting for remote KV nor finished.
 Status `unknown` and completions for requests the trace never saw are double_free's. Evidence: the completion, the
@@ -50,7 +52,7 @@ def run(ctx: Any) -> pd.DataFrame:
     st_waiting = status == waiting_code
     fin = st.finish_pos[rk]
     hist_finished = (fin >= 0) & (fin < pos)
-    hist_waiting = st.recv_open_at(rk, pos)
+    hist_waiting = st.recv_open_until(rk, pos)  # the receive this kv_recv_done itself completes
     first = st.first_known_pos[rk]
     seen = (first >= 0) & (first < pos)
     finished = np.where(has_status, st_finished, hist_finished)

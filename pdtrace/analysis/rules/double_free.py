@@ -6,12 +6,20 @@ Algorithm:
   the earlier free that released the block (last interval of the same request and block freed before), and its
   allocation. Downgraded to a warning when the request has no allocation and no `req_add` in the trace at all (it
   may predate the recording).
-- `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id:
-  vLLM 0.33 asserts `req_id in self.requests` at `scheduler.py:3571` / `:3581`; 0.10 raises KeyError), or with no
-  status and no earlier event of the request in the trace (a warning then: it may predate the recording).
-- `completion_after_free`: a completion inside a request's release gap (blocks.release_gaps) whose emptying free
-  was caused by a completion (reason `sent` / `received`): a second completion for blocks already freed (C09: an
-  aborted request with a receive and a send pending).
+- `completion_after_free`: a completion inside a request's release gap (blocks.release_gaps) whose emptying free was
+  the request's *final* one: it came with or after its `req_finish` (`RequestState.finished_by`), or was caused by
+  a completion (reason `sent` / `received`). Whatever the reason of that free (`aborted`, `finished`, `received`,
+  `sent`), vLLM forgot the request there (`_free_blocks` deletes it from `self.requests`), so the completion hits
+  `self.requests[req_id]`: 0.33 asserts `req_id in self.requests` (`scheduler.py:3571` / `:3581`), 0.10 raises
+  KeyError (C09: an aborted request with a receive and a send pending). The trace's own history decides, so a
+  status `unknown` on the completion (what the recorder writes then) only corroborates it, and a trace without
+  `status` gives the same finding.
+- `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id) that
+  no final free in the trace explains, or with no status and no earlier event of the request in the trace (a
+  warning then, `extra.downgraded = "no_status"`: it may predate the recording, and only a status would say
+  whether the scheduler knows it).
+Rule of thumb (shared with use_after_free): a completion after the final free is a double free; a completion after
+a free that left a still-alive request (preempted, waiting) without blocks is a use after free.
 """
 
 from __future__ import annotations
@@ -26,9 +34,9 @@ from pdtrace.analysis.columns import NO, columns, last_before
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance, step_index
+from pdtrace.analysis.rulekit import (COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance,
+                                      step_index)
 
-COMPLETION_FREE_REASONS = ("sent", "received")
 
 
 def _completion_evidence(ctx: Any, ev: Evidence, row: int) -> list[dict[str, Any]]:
@@ -99,8 +107,12 @@ def run(ctx: Any) -> pd.DataFrame:
     reason_codes, reason_names = cols.codes("reason")
     completion_reasons = [reason_names.index(r) for r in COMPLETION_FREE_REASONS if r in reason_names]
     gap_free_row = np.where(g >= 0, gaps.free_row[np.maximum(g, 0)] if len(gaps) else NO, NO)
-    after = (g >= 0) & ~is_unknown & np.isin(np.where(gap_free_row >= 0, reason_codes[np.maximum(gap_free_row, 0)],
-                                                       -9), completion_reasons)
+    by_completion = np.isin(np.where(gap_free_row >= 0, reason_codes[np.maximum(gap_free_row, 0)], -9),
+                            completion_reasons)
+    final = st.finished_by(cols, np.maximum(gap_free_row, 0)) if len(comp) else np.zeros(0, bool)
+    after = (g >= 0) & (by_completion | final)
+    is_unknown &= ~after
+    never_seen &= ~after
     si = step_index(ctx)
     for i in np.flatnonzero(is_unknown | never_seen | after).tolist():
         row = int(comp[i])
@@ -112,8 +124,13 @@ def run(ctx: Any) -> pd.DataFrame:
         evidence = [ref]
         if after[i]:
             sub, sev = "completion_after_free", "error"
-            evidence.append(ev.ref(int(gap_free_row[i]), "blocks already freed here by an earlier completion"))
-            msg = f"a second transfer completion ({kind}) for {req} after a completion already freed its blocks"
+            free_row = int(gap_free_row[i])
+            reason = reason_names[reason_codes[free_row]] if reason_codes[free_row] >= 0 else None
+            evidence.append(ev.ref(free_row, f"final free (reason {reason}): the scheduler forgot {req} here"))
+            if st.finish_pos[r] >= 0:
+                evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
+            msg = (f"{kind} for {req} after its final free (reason {reason}) released it: vLLM no longer knows the "
+                   "id (0.33 asserts req_id in self.requests, 0.10 raises KeyError)")
         else:
             sub = "unknown_id"
             sev = "error" if is_unknown[i] else "warning"
@@ -123,7 +140,8 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
             msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): vLLM asserts "
                    "req_id in self.requests" if is_unknown[i] else
-                   f"{kind} for {req}, which has no earlier event in the trace")
+                   f"{kind} for {req}, which has no earlier event in the trace (no status says whether the "
+                   "scheduler knows it: it may predate the recording)")
         evidence += _completion_evidence(ctx, ev, row)
         sk = int(cols.sk[row])
         flying = si.in_flight_rows(sk, int(pos[i]))
@@ -132,7 +150,8 @@ def run(ctx: Any) -> pd.DataFrame:
             "rule": "double_free", "subrule": sub, "severity": sev, "instance": instance, "dp_rank": dp,
             "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]), "message": msg,
             "evidence": evidence, "context": f"double_free:{sub}:{kind}",
-            "extra": {"steps_in_flight": len(flying)},
+            "extra": {"steps_in_flight": len(flying),
+                      **({"downgraded": "no_status"} if sub == "unknown_id" and not is_unknown[i] else {})},
         })
     return findings_frame(records)
 

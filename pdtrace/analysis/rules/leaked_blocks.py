@@ -13,8 +13,8 @@ Algorithm, over the ownership intervals never closed by a free (one finding per 
   step has had its update (deferred frees drain there), is `definitely` (context `deferred_never_drained`) unless
   the block was allocated again (the pool got it back unrecorded).
 Per-rank reports: where the owner's open transfer (`indirectly`) has `kv_send_rank` / `kv_recv_rank` rows of its
-direction and some expected rank never reported (`rulekit.rank_report`: expected = detail `expected_ranks`, else
-engine_config tp*pp, else the ranks that reported for other requests of the scheduler), the message names the
+direction and some expected rank never reported (`rulekit.rank_report`, with the expected count of
+`rulekit.expected_ranks`, the one definition premature_free's `quorum` uses too), the message names the
 silent ranks, the rank rows are evidence, the context ends in `:missing_rank` and `extra` gets `missing_ranks`,
 `ranks_reported` and `ranks_expected`: the aggregator waits for a rank that will never report. It stays a leak
 (same class and severity): the blocks are what is lost, the silent rank is why.
@@ -30,6 +30,11 @@ Engine failures (the crash policy of `rulekit`, "engine failures"): on a schedul
   trace, was not yet longer than the grace period.
 Leaks already overdue before the failure keep their severity. `extra` carries `class`, `n_blocks`, `held_s` and
 `pool_blocks` (engine_config n), which the leak summary adds up per instance (crash consequences left out).
+- `still_held` (info; valgrind's "still reachable" at exit): blocks still held at the end of the trace by a request
+  that finished (or was aborted) and waits, within the grace period, for its transfer's completion (`kv_send_done`
+  for a send, `kv_recv_done` for a receive). Not a leak yet: the message and `extra` say how long they were held
+  (`held_s`, from the finish for a send, from `req_wait_kv` for a receive) and which completion has not come
+  (`awaiting`); `extra.class` is `still_held`, which the leak summary lists apart from the lost blocks.
 """
 
 from __future__ import annotations
@@ -110,9 +115,12 @@ def run(ctx: Any) -> pd.DataFrame:
             failure = failures.get(sk)
             crash: EngineFailure | None = None
             extra_more: dict[str, Any] = {}
+            wait_start, wait_close = (int(x[0]) for x in st.recv_window_at(np.array([rk]), np.array([end_pos])))
             if send_open or recv_open:
-                since = fin if send_open else int(st.wait_kv_pos[rk])
+                since = fin if send_open else wait_start
                 if end_ts - ts_at(since) <= grace_ns:
+                    if fin >= 0:  # finished (or aborted) and still waiting: still held, within the grace period
+                        _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open)
                     continue
                 if failure is not None and failure.point_ts - ts_at(since) <= grace_ns:
                     crash = failure
@@ -137,7 +145,7 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[fin]), "request finished"))
                 why = "finished and has no open transfer, but never gave them up"
                 context = "leaked_blocks:definitely:finished"
-                due = max(fin, int(st.send_close_pos[rk]), int(st.recv_close_pos[rk]))
+                due = max(fin, int(st.send_close_pos[rk]), wait_close)
                 if failure is not None and failure.cut_off(due):
                     crash = failure
             else:
@@ -156,6 +164,40 @@ def run(ctx: Any) -> pd.DataFrame:
 
     _deferred_never_drained(ctx, ev, emit)
     return findings_frame(records)
+
+
+def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, sk: int, alloc_row: int,
+                blocks: list[int], fin: int, since: int, send_open: bool) -> None:
+    """An info finding (subrule `still_held`) for blocks a finished or aborted request still holds at the end of the
+    trace while it waits, within the grace period, for the completion of its transfer: memcheck's "still
+    reachable" at exit, not a leak (yet)."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    end_ts = int(cols.ts.max())
+    fin_row = int(cols.order[fin])
+    since_ts = int(cols.ts[cols.order[since]])
+    held_s = (end_ts - since_ts) / 1e9
+    awaiting = "kv_send_done" if send_open else "kv_recv_done"
+    what = "the peer's read of its KV" if send_open else "its remote KV"
+    reason_codes, reason_names = cols.codes("reason")
+    how = "aborted" if reason_codes[fin_row] == cols.code_of("reason", "abort") else "finished"
+    ev.refs([alloc_row, fin_row])
+    evidence = [ev.ref(alloc_row, "allocated here"), ev.ref(fin_row, f"request {how} here")]
+    if not send_open:
+        evidence.append(ev.ref(int(cols.order[since]), "waiting for remote KV since"))
+    instance, dp = sk_instance(cols, sk)
+    req = ev.ref(alloc_row).get("req")
+    grace_s = float(ctx.config.grace_s)
+    records.append({
+        "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
+        "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,
+        "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} still held at the end of the trace: {req} {how} and "
+                   f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
+                   f"({grace_s:g} s)",
+        "evidence": evidence, "context": f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
+        "extra": {"class": "still_held", "n_blocks": len(blocks), "held_s": held_s, "awaiting": awaiting,
+                  "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks")},
+    })
 
 
 def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
@@ -201,7 +243,7 @@ RULE = Rule(
     summary="blocks still owned at the end of the trace, or past the grace period, by a finished request or one "
             "stuck on a transfer; deferred frees that never reach the pool",
     run=run,
-    subrules=("definitely", "indirectly", "possibly"),
+    subrules=("definitely", "indirectly", "possibly", "still_held"),
     needs=(request_state, ownership, step_index),
     cost=0.02,
 )

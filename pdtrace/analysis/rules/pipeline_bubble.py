@@ -24,6 +24,9 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    idle_ns_by_cause, intervals (gaps of at
    least bubble_min_ns), burst_ideal, bursts, tp_lanes. Evidence: the exec_end / exec_begin around the longest
    bubbles.
+6. `not_measured` (info): a scheduler that pipelines (engine_config `pp` > 1; without engine_config `pp`, a
+   `step_submit` with n > 1) on an instance with no exec spans at all: nothing to measure, said rather than
+   silently absent.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pdtrace.analysis.columns import columns
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.rulekit import engine_configs, sk_instance
 from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes, sizes_of
 
 ERROR_FRACTION = 0.5
@@ -124,10 +129,42 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
     return ctx.cached("pipeline_bubble:ranks", build)
 
 
+def _not_measured(ctx: AnalysisContext) -> list[dict[str, Any]]:
+    """An info finding per scheduler that pipelines (engine_config `pp` > 1; without an engine_config saying `pp`,
+    a `step_submit` with more than one step in flight) on an instance without `exec_begin` / `exec_end` rows: the
+    bubbles come from worker spans, so none can be measured there (a recording without worker hooks, a trace
+    stripped of them), and the report says so rather than looking like a full pipeline."""
+    cols = columns(ctx)
+    subs = cols.rows_of("step_submit")
+    deep = np.zeros(len(cols.sk_names), bool)
+    deep[cols.sk[subs[cols.ints_at("n", subs) > 1]]] = True
+    for sk, cfg in engine_configs(ctx).items():
+        try:
+            deep[sk] = int(cfg["pp"]) > 1
+        except (KeyError, TypeError, ValueError):
+            pass
+    measured = np.zeros(len(deep), bool)
+    measured[cols.sk[cols.rows_of("exec_begin", "exec_end")]] = True
+    out = []
+    for sk in np.flatnonzero(deep & ~measured).tolist():  # one per pipelining scheduler
+        instance, dp = sk_instance(cols, sk)
+        first = subs[cols.sk[subs] == sk]
+        out.append({
+            "rule": "pipeline_bubble", "subrule": "not_measured", "severity": "info", "instance": instance,
+            "dp_rank": dp, "req": None, "blocks": [], "step": None,
+            "ts_ns": int(cols.ts[first[0]]) if len(first) else int(cols.ts.min()),
+            "message": f"{instance} may pipeline (pp > 1 or several steps in flight) but the trace has no exec_begin "
+                       "/ exec_end rows for it: its pipeline bubbles cannot be measured",
+            "evidence": [], "context": "pipeline_bubble:not_measured", "extra": {"reason": "no worker exec spans"},
+        })
+    return out
+
+
 def run(ctx: AnalysisContext) -> pd.DataFrame:
     ranks = rank_summary(ctx)
+    unmeasured = _not_measured(ctx)
     if len(ranks) == 0:
-        return findings_frame([])
+        return findings_frame(unmeasured)
     names = instances(ctx)
     bubbles = gap_frame(ctx)
     min_ns = max(int(ctx.config.bubble_min_ns), 1)
@@ -193,14 +230,15 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                       "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
                       "tp_lanes": int(r["tp_lanes"])},
         })
-    return findings_frame(records)
+    return findings_frame(records + unmeasured)
 
 
 RULE = Rule(
     id="pipeline_bubble",
     summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
     run=run,
-    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests"),
+    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests",
+              "not_measured"),
     needs=(gap_frame,),
     cost=0.03,
 )

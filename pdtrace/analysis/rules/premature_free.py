@@ -8,10 +8,14 @@ Algorithm (all over arrays of `blocks_free` rows and ownership intervals; positi
 - `send_open`: a free while the request's send is open: `req_finish` with delay_free (not for a pending receive) and
   no `kv_send_done` / `kv_expire` since (v10: an abort during the delayed free re-runs `_free_request`).
 - `recv_open`: a free (other than `load_failed`) while the request waits for remote KV: after `req_wait_kv`, before
-  `kv_recv_done` / `kv_recv_fail` (v10 frees an aborted `WAITING_FOR_REMOTE_KVS` request at once; v33 waits).
+  the receive closed (`kv_recv_done`; a `kv_recv_fail` only where no `kv_recv_done` follows: requests.py) (v10 frees
+  an aborted `WAITING_FOR_REMOTE_KVS` request at once; v33 waits). Not when the load was deferred and never started
+  (`_load_never_started`: v33's `deferred_loads`, freed at once by `finish_requests` as vLLM intends).
 - `quorum` (the per-rank check lives here): where the instance has `kv_send_rank` / `kv_recv_rank` rows, an
   aggregated `kv_send_done` / `kv_recv_done` reached the scheduler before every expected rank reported (expected =
-  detail `expected_ranks`, else engine_config tp*pp): the blocks are freed while some rank still transfers.
+  `rulekit.expected_ranks`, the one definition leaked_blocks uses too: detail `expected_ranks`, else the
+  scheduler's completions' `expected_ranks`, else engine_config tp*pp, else the ranks that reported that direction
+  for any request of the scheduler): the blocks are freed while some rank still transfers.
 - `async_load_reuse`: a freed block handed (a later `req_wait_kv` allocation) to a request whose KV arrives
   asynchronously before the step_output of the freeing request's last step: the remote write races that step.
   Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported.
@@ -28,12 +32,12 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import NO, columns, last_before
+from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import (Evidence, defer_block_free, engine_configs, fmt_blocks, groups, sk_instance,
-                                      step_index)
+from pdtrace.analysis.rulekit import (Evidence, declared_ranks, defer_block_free, expected_ranks, fmt_blocks,
+                                      groups, sk_instance, step_index)
 
 RUNNING_FREE_REASONS = ("preempted", "skipped", "load_failed")
 
@@ -72,17 +76,48 @@ def _free_rows(ctx: Any) -> dict[str, np.ndarray]:
     reason, names = cols.codes("reason")
     running_ok = np.isin(reason[rows], [names.index(r) for r in RUNNING_FREE_REASONS if r in names])
     load_failed = reason[rows] == cols.code_of("reason", "load_failed")
-    fin = st.finish_pos[rk]
-    fin_row = cols.order[np.maximum(fin, 0)] if cols.n else fin
-    same_step = cols.step[fin_row] == cols.step[rows]
-    last_sched = st.last_sched_pos[rk]
-    at_finish = (fin > pos) & same_step & ~((last_sched > pos) & (last_sched < fin))
-    finished_before = (fin >= 0) & (fin < pos)
-    unfinished = ~running_ok & ~finished_before & ~at_finish
+    unfinished = ~running_ok & ~st.finished_by(cols, rows)
     send_open = st.send_open_at(rk, pos)
     recv_open = st.recv_open_at(rk, pos) & ~load_failed
+    cand = np.flatnonzero(recv_open)
+    if len(cand):
+        recv_open[cand[_load_never_started(ctx, rows[cand])]] = False
     return {"rows": rows, "rk": rk, "pos": pos, "unfinished": unfinished, "send_open": send_open,
             "recv_open": recv_open}
+
+
+def _load_never_started(ctx: Any, free_rows: np.ndarray) -> np.ndarray:
+    """For frees made while a receive was open: the receive's load was deferred and never started, so nothing
+    writes the blocks (vLLM 0.33's deferred async loads, `Scheduler.deferred_loads`: on a scheduler that defers
+    frees, a load allocated while a step is in flight starts only in the update of a later non-empty step, when
+    `_drain_deferred_loads` runs; `finish_requests` frees an aborted request whose load is still deferred at once).
+    True where the free is the request's final one at a finish with delay_free false (vLLM decided no receive
+    was pending), its scheduler defers frees, a step was in flight at the `req_wait_kv` (scheduled before it, no
+    `step_output` yet), and no non-empty step had its `step_output` between the `req_wait_kv` and the free."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    rk = cols.rk[free_rows]
+    sk = cols.sk[free_rows]
+    pos = cols.pos[free_rows]
+    wait = st.recv_window_at(rk, pos)[0]  # the req_wait_kv of the receive open at the free
+    ok = st.finished_by(cols, free_rows) & ~st.delay_free[rk] & (st.finish_pos[rk] >= 0) & (wait >= 0)
+    ok &= defer_block_free(ctx)[sk]
+    if not ok.any():
+        return ok
+    si = step_index(ctx)
+    outs = cols.rows_of("step_output")
+    busy = outs[si.tokens_of(cols.sk[outs], cols.step[outs]) > 0]
+    drain = next_at_or_after(sk, wait, cols.sk[busy], cols.pos[busy], strict=True)
+    drain_pos = np.where(drain >= 0, cols.pos[busy[np.maximum(drain, 0)]] if len(busy) else NO, NO)
+    ok &= (drain_pos < 0) | (drain_pos > pos)
+    # a step in flight at the req_wait_kv: scheduled (its `sched` row) before it, its step_output after it or never
+    # (sched rows, not step_submit: a scheduler driven without an engine loop, as vLLM's unit tests do, has none)
+    sched = cols.rows_of("sched")
+    for i in np.flatnonzero(ok).tolist():  # a few frees: those flagged recv_open that could be deferred loads
+        earlier = sched[(cols.sk[sched] == sk[i]) & (cols.pos[sched] < wait[i])]
+        out_pos = si.output_pos_of(cols.sk[earlier], cols.step[earlier])
+        ok[i] = bool(((out_pos < 0) | (out_pos > wait[i])).any())
+    return ok
 
 
 def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
@@ -105,6 +140,11 @@ def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
     flying = has & ((out_pos > fr["pos"][cand]) | ((out_pos < 0) & si.has_outputs[sk[cand]]))
     out[cand[flying]] = True
     return out
+
+
+# where the expected rank count was recorded for this completion (its detail, engine_config); the other sources of
+# rulekit.expected_ranks are inferred, and the finding says which
+_RECORDED_RANK_SOURCES = ("expected_ranks of its completion", "engine_config tp*pp")
 
 
 def _quorum(ctx: Any) -> list[dict[str, Any]]:
@@ -131,26 +171,18 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
     joined = done.merge(ranks, on=["inst", "req", "send"], how="left")
     joined = joined[joined["rpos"].isna() | (joined["rpos"] < joined["pos"])]
     got = joined.groupby("row")["rank"].nunique()
-    expected_default: dict[int, int] = {}
-    for sk, cfg in engine_configs(ctx).items():
-        try:
-            expected_default[sk] = int(cfg.get("tp", 1)) * int(cfg.get("pp", 1))
-        except (TypeError, ValueError):
-            pass
     details = cols.details(done_rows)
     out = []
     ev = Evidence(cols)
-    for row, detail in zip(done_rows.tolist(), details):
-        expected = detail.get("expected_ranks")
-        if expected is None:
-            expected = expected_default.get(int(cols.sk[row]))
+    for row, detail in zip(done_rows.tolist(), details):  # one per completion on an instance with rank rows
+        direction = "send" if kind[row] == send_done else "recv"
+        expected, source = expected_ranks(ctx, int(cols.sk[row]), direction, declared_ranks([detail]))
         if not expected:
             continue
         have = int(got.get(row, 0))
         if have >= int(expected):
             continue
         instance, dp = sk_instance(cols, int(cols.sk[row]))
-        direction = "send" if kind[row] == send_done else "recv"
         mine = ranks[(ranks["inst"] == inst[row]) & (ranks["req"] == req[row]) & (ranks["send"] == (direction == "send"))]
         rank_rows_before = rank_rows[np.isin(cols.pos[rank_rows], mine["rpos"][mine["rpos"] < cols.pos[row]])]
         evidence = [ev.ref(row, f"aggregated kv_{direction}_done after {have} of {expected} ranks")]
@@ -161,9 +193,11 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
             "dp_rank": dp, "req": reqname, "blocks": [], "step": ev.ref(row).get("step"),
             "ts_ns": int(cols.ts[row]),
             "message": f"kv_{direction}_done for {reqname} reached the scheduler after {have} of {expected} ranks "
-                       f"reported: its blocks are freed while other ranks may still transfer them",
+                       f"reported: its blocks are freed while other ranks may still transfer them"
+                       + ("" if source in _RECORDED_RANK_SOURCES else f" ({expected} expected from {source})"),
             "evidence": evidence, "context": f"premature_free:quorum:{direction}",
-            "extra": {"ranks_reported": have, "ranks_expected": int(expected), "direction": direction},
+            "extra": {"ranks_reported": have, "ranks_expected": int(expected), "direction": direction,
+                      **({} if source in _RECORDED_RANK_SOURCES else {"ranks_source": source})},
         })
     return out
 
@@ -217,7 +251,8 @@ def run(ctx: Any) -> pd.DataFrame:
             if sub == "send_open":
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished with delay_free: send open"))
             elif sub == "recv_open":
-                evidence.append(ev.ref(int(cols.order[st.wait_kv_pos[rk]]), "waiting for remote KV since"))
+                wait = int(st.recv_window_at(np.array([rk]), np.array([pos]))[0][0])
+                evidence.append(ev.ref(int(cols.order[wait]), "waiting for remote KV since"))
             elif sub == "unfinished" and st.finish_pos[rk] > pos:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "finished only later"))
             if sched_row >= 0:

@@ -39,7 +39,9 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
   steps: the longest such gap per request. Error when the gap is open at the end of the trace, warning when the
   request was scheduled (or preempted, or finished) again later.
 A `recorder_gap` or `recorder_off` on the instance over a finding's window lowers its severity one level (the
-missing event may have been dropped).
+missing event may have been dropped). On a scheduler without engine_config, `starved` and `preempted_not_resumed`
+(whose severity rests on the steps with room) are one level lower too, with `extra.downgraded = "no_engine_config"`
+and a note in the message: room was judged without the scheduler's token, sequence and block-size limits.
 Engine failures (the crash policy of `rulekit`, "engine failures"): a finding whose window is open at the end of
 the trace, on a scheduler whose engine logged `engine_error`, is re-measured up to the failure point (the first
 event of the failing step): when the steps strictly before it stay under the subrule's step threshold
@@ -92,7 +94,9 @@ class SchedCounter:
         max_tokens = np.full(n_sk, np.inf)
         max_seqs = np.full(n_sk, np.inf)
         self.block_size = np.full(n_sk, np.nan)
+        self.has_config = np.zeros(n_sk, bool)  # room is judged on the scheduler's own limits only where it has one
         for s, cfg in engine_configs(ctx).items():
+            self.has_config[s] = True
             for arr, name in ((max_tokens, "max_num_batched_tokens"), (max_seqs, "max_num_seqs"),
                               (self.block_size, "block_size")):
                 try:
@@ -175,6 +179,8 @@ class _Out:
     """Collects finding records; evidence rows fetched in one take at the end."""
 
     #: step threshold (an AnalysisConfig field) per subrule, for the crash policy
+    # subrules whose severity rests on steps "with room", which the scheduler's engine_config limits decide
+    ROOM_SUBRULES = ("starved", "preempted_not_resumed")
     STEP_THRESHOLD = {"starved": "starve_steps", "never_scheduled": "starve_steps",
                       "preempted_not_resumed": "starve_steps", "stuck_waiting_kv": "starve_steps",
                       "zombie": "zombie_steps", "dropped_from_batch": "zombie_steps"}
@@ -218,6 +224,11 @@ class _Out:
             severity = DOWNGRADE[severity]
             message += f" ({covered} on {instance} over this window: the missing event may have been dropped)"
             extra = dict(extra, downgraded=covered)
+        elif subrule in self.ROOM_SUBRULES and self.sc is not None and not self.sc.has_config[sk]:
+            severity = DOWNGRADE[severity]
+            message += (f" (no engine_config for {instance}: room judged without its token, sequence and "
+                        "block-size limits)")
+            extra = dict(extra, downgraded="no_engine_config")
         step = int(cols.step[start_row])
         record = {
             "rule": "unscheduled_request", "subrule": subrule, "severity": severity, "instance": instance,

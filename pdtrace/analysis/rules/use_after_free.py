@@ -6,9 +6,12 @@ Algorithm:
 - `sched_after_free`: a `req_sched` of the request inside a gap (scheduled with a freed block table).
 - `remote_read`: a `remote_read` naming the request (the reader's detail `remote_instance` names the owner's
   instance) inside a gap: a peer read blocks that were already freed.
-- `completion_after_free`: a `kv_send_done` / `kv_recv_done` inside a gap whose emptying free was not itself
-  caused by a completion (reason other than `sent` / `received`): the transfer touched freed blocks. A second
-  completion after a completion-caused free is double_free's; status `unknown` is double_free's too.
+- `completion_after_free`: a `kv_send_done` / `kv_recv_done` inside a gap of a request still alive at the emptying
+  free (not finished: preempted, waiting; `RequestState.finished_by` is false and the free was not caused by a
+  completion): the transfer touched blocks the request no longer holds. A completion after the request's final
+  free (whatever its reason) is double_free's `completion_after_free`: vLLM forgot the request there. Status
+  `unknown` is double_free's too. Rule of thumb: after the final free, a double free; after a free that left a
+  live request without blocks, a use after free.
 - `reused_during_transfer`: a block freed while the request's transfer was open (send: delay_free and no
   kv_send_done / kv_expire yet; receive: waiting for remote KV, no kv_recv_done / kv_recv_fail yet) and then
   allocated to another request before that transfer closed: the still-running transfer reads or writes another
@@ -29,9 +32,8 @@ from pdtrace.analysis.columns import NO, columns
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance
+from pdtrace.analysis.rulekit import COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance
 
-COMPLETION_FREE_REASONS = ("sent", "received")
 
 
 def remote_read_targets(ctx: Any) -> pd.DataFrame:
@@ -59,7 +61,14 @@ def _remote_read_rk(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
         return reads["row"].to_numpy(np.int64), np.empty(0, np.int64)
     names = cols.rk_names.reset_index().rename(columns={"index": "rk"})[["rk", "instance", "req"]]
     names = names.astype({"instance": object, "req": object})
-    joined = reads.merge(names, on=["instance", "req"], how="inner").drop_duplicates("row")
+    joined = reads.merge(names, on=["instance", "req"], how="inner")
+    # a reused id has one key per lifetime: the read belongs to the latest one begun before it (else the first)
+    st = request_state(ctx)
+    start = st.first_known_pos[joined["rk"].to_numpy(np.int64)]
+    begun = (start >= 0) & (start < cols.pos[joined["row"].to_numpy(np.int64)])
+    key = joined["rk"].to_numpy(np.int64)
+    joined = joined.assign(_score=np.where(begun, key, -key - 1)).sort_values(["row", "_score"], kind="stable")
+    joined = joined.drop_duplicates("row", keep="last")
     return joined["row"].to_numpy(np.int64), joined["rk"].to_numpy(np.int64)
 
 
@@ -92,6 +101,8 @@ def run(ctx: Any) -> pd.DataFrame:
         q_rk = np.concatenate([q_rk, r_rk])
         g = gaps.find(q_rk, cols.pos[q_rows]) if len(q_rows) else np.empty(0, np.int64)
         hit = np.flatnonzero(g >= 0)
+        final = st.finished_by(cols, gaps.free_row[g[hit]]) if len(hit) else np.zeros(0, bool)
+        final_of = dict(zip(hit.tolist(), final.tolist()))
         kind_codes, kind_names = cols.codes("kind")
         for i in hit.tolist():
             row = int(q_rows[i])
@@ -99,8 +110,8 @@ def run(ctx: Any) -> pd.DataFrame:
             free_row = int(gaps.free_row[gap])
             kind = kind_names[kind_codes[row]]
             if kind in ("kv_send_done", "kv_recv_done"):
-                if reason_codes[free_row] in completion_reasons or status_codes[row] == unknown:
-                    continue
+                if reason_codes[free_row] in completion_reasons or status_codes[row] == unknown or final_of[i]:
+                    continue  # double_free's: after the final free, or the scheduler no longer knows the id
                 sub = "completion_after_free"
             elif kind == "remote_read":
                 sub = "remote_read"
@@ -139,7 +150,8 @@ def run(ctx: Any) -> pd.DataFrame:
     cand = freed[opened]  # freed while a transfer was open: only these look up the block's next holder
     if len(cand):
         send, recv, rk = send[opened], recv[opened], rk[opened]
-        close = np.where(send, st.send_close_pos[rk], np.where(recv, st.recv_close_pos[rk], NO))
+        recv_close = st.recv_window_at(rk, fpos[opened])[1]  # the close of the receive open at the free
+        close = np.where(send, st.send_close_pos[rk], np.where(recv, recv_close, NO))
         nxt = own.next_alloc_after(cand)
         npos = np.where(nxt >= 0, own.alloc_pos[np.maximum(nxt, 0)], NO)
         bad = (nxt >= 0) & ((close < 0) | (npos < close))
