@@ -42,6 +42,7 @@ from typing import Any
 
 from pdtrace.recording import session
 from pdtrace.recording.vllm._common import (
+    RELEASE,
     STATE_ATTR,
     STEP_ATTR,
     SchedulerState,
@@ -51,8 +52,6 @@ from pdtrace.recording.vllm._common import (
 )
 from pdtrace.recording.vllm._patching import Hook
 from pdtrace.recording.vllm._runtime import RUNTIME
-
-VERSIONS = ("0.33.0",)
 
 _RT = RUNTIME
 
@@ -112,21 +111,26 @@ def _new_sched_state(sched: Any) -> SchedulerState:
     setattr(kvm, STATE_ATTR, st)
     setattr(kvm.block_pool, STATE_ATTR, st)
     setattr(sched, STATE_ATTR, st)
+    # The queue of waiting requests held aside, counted with `waiting`: kv_holding_waiting (0.31+), skipped_waiting
+    # (0.28-0.30, grammar and streaming waits too), none before (0.10 / 0.11 keep one waiting queue).
+    held = sched.__dict__.get("kv_holding_waiting")
+    st.held = held if held is not None else sched.__dict__.get("skipped_waiting")
     pc, sc, kv = vc.parallel_config, vc.scheduler_config, vc.kv_transfer_config
     st.ch.emit(
         "engine_config",
         n=int(kvm.block_pool.num_gpu_blocks),
         detail={
+            **RELEASE,
             "block_size": sched.block_size,
             "pp": pc.pipeline_parallel_size,
             "tp": pc.tensor_parallel_size,
             "dp": pc.data_parallel_size,
             "batch_queue_size": vc.max_concurrent_batches,
             "async_scheduling": bool(sc.async_scheduling),
-            "defer_block_free": bool(sched.defer_block_free),
+            "defer_block_free": bool(getattr(sched, "defer_block_free", False)),  # none before 0.28
             "kv_role": getattr(kv, "kv_role", None),
             "connector": getattr(kv, "kv_connector", None),
-            "runner": "v2" if vc.use_v2_model_runner else "v1",
+            "runner": "v2" if getattr(vc, "use_v2_model_runner", False) else "v1",
             "max_num_seqs": sc.max_num_seqs,
             "max_num_batched_tokens": sc.max_num_batched_tokens,
         },
@@ -215,7 +219,7 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
             ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None, {"hit": hit} if hit else None)
     cached = so.scheduled_cached_reqs
     if any(cached.new_block_ids):
-        resumed = cached.resumed_req_ids
+        resumed = _resumed_ids(cached)
         for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
             if grown is None:
                 continue
@@ -230,6 +234,14 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
                 ids = [b for b in ids if b]
             if ids:
                 ch.emit("blocks_alloc", step, req_id, ids)
+
+
+def _resumed_ids(cached: Any) -> Any:
+    """The ids of the step's resumed requests: `resumed_req_ids` (0.11.1+), a flag per request before."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:
+        resumed = {r for r, flag in zip(cached.req_ids, cached.resumed_from_preemption) if flag}
+    return resumed
 
 
 def _free_reason(st: SchedulerState, request: Any) -> str:
@@ -316,7 +328,7 @@ def _w_schedule(orig: Any) -> Any:
                                 _record_growth(st, req_id)
                 st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
                     "running": len(self.running),
-                    "waiting": len(self.waiting) + len(self.kv_holding_waiting),
+                    "waiting": len(self.waiting) + (len(st.held) if st.held is not None else 0),
                     "waiting_kv": len(st.waiting_kv),
                     "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
                     "dur_ns": dur,
@@ -344,11 +356,11 @@ def _w_update_from_output(orig: Any) -> Any:
                         None if wait_ns is None else {"wait_ns": wait_ns})
             kvo = model_runner_output.kv_connector_output
             if kvo is not None:
-                failed = kvo.failed_recving
+                failed = getattr(kvo, "failed_recving", None)  # 0.30+
                 if failed:
                     for req_id in failed:
                         st.ch.emit("kv_recv_fail", step=step, req=req_id)
-                if kvo.invalid_block_ids:
+                if getattr(kvo, "invalid_block_ids", None):
                     st.ch.emit("kv_recv_fail", step=step, blocks=sorted(kvo.invalid_block_ids))
         except Exception as exc:
             _RT.fail("update_from_output", exc)
@@ -456,7 +468,7 @@ def _w_finish_requests(orig: Any) -> Any:
                 for req_id in ids:
                     req = self.requests.get(req_id)
                     if req is not None and _status_name(req.status) == "WAITING_FOR_REMOTE_KVS":
-                        st.abort_delay[req_id] = (req_id not in self.deferred_loads
+                        st.abort_delay[req_id] = (req_id not in getattr(self, "deferred_loads", ())  # 0.33+
                                                   and req_id not in self.finished_recving_kv_req_ids)
             except Exception as exc:
                 _RT.fail("finish_requests", exc)
@@ -728,14 +740,14 @@ def _timed_future(future: Any, st: SchedulerState) -> None:
 
 def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
     execute_model = executor.execute_model
-    sample_tokens = executor.sample_tokens
+    sample_tokens = getattr(executor, "sample_tokens", None)  # 0.28+: the step's second RPC
 
     def wrapped_execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if _RT.active:
             try:
-                queue = engine.batch_queue
+                queue = engine.batch_queue  # a deque; a queue.Queue in 0.10
                 st.eng.emit("step_submit", step=getattr(scheduler_output, STEP_ATTR, None),
-                            n=1 if queue is None else len(queue) + 1)
+                            n=1 if queue is None else (queue.qsize() if hasattr(queue, "qsize") else len(queue)) + 1)
             except Exception as exc:
                 _RT.fail("execute_model", exc)
         out = execute_model(scheduler_output, *args, **kwargs)
@@ -759,7 +771,8 @@ def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
             st.wait_ns = (st.wait_ns or 0) + (now() - t0)
 
     executor.execute_model = wrapped_execute_model
-    executor.sample_tokens = wrapped_sample_tokens
+    if sample_tokens is not None:
+        executor.sample_tokens = wrapped_sample_tokens
 
 
 def _record_engine_error(st: Any, exc: BaseException, where: str, **more: Any) -> None:
@@ -848,7 +861,12 @@ def _rank_completions(wst: WorkerState, output: Any, step: int | None) -> None:
     if output is None:
         return
     get_kvo = getattr(output, "get_kv_connector_output", None)  # AsyncModelRunnerOutput: do not block on it
-    kvo = get_kvo() if get_kvo is not None else getattr(output, "kv_connector_output", None)
+    if get_kvo is not None:
+        kvo = get_kvo()
+    else:
+        # Before 0.33 the async output has no accessor: AsyncGPUModelRunnerOutput keeps the step's
+        # ModelRunnerOutput in `_model_runner_output` (0.28-0.32 gpu_model_runner.py, its __init__).
+        kvo = getattr(getattr(output, "_model_runner_output", output), "kv_connector_output", None)
     if kvo is None:
         return
     if kvo.finished_sending:
