@@ -24,6 +24,8 @@ from typing import Any
 from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
 from pdtrace.errors import RecordingError
 
+#: The newest release the dry run was written against; it runs on every release pdtrace has a hook table for
+#: (pdtrace.recording.vllm.supported_versions(); what differs is in docs/vllm-releases.md).
 SUPPORTED_VLLM = "0.33.0"
 
 __all__ = [
@@ -64,15 +66,20 @@ _ENV_DEFAULTS = {
 }
 
 
-def _check_vllm() -> None:
+def _check_vllm() -> str:
+    """The installed vLLM release, if pdtrace has a hook table for it; else RecordingError."""
+    from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
+
     try:
-        import vllm
+        import vllm  # noqa: F401
     except ImportError as exc:
-        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
+        raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of "
                              f"README.md): {exc}") from None
-    version = getattr(vllm, "__version__", "unknown")
-    if version != SUPPORTED_VLLM:
-        raise RecordingError(f"the dry run drives vLLM {SUPPORTED_VLLM}'s engine; this is vLLM {version}")
+    version = installed_vllm_version() or "unknown"
+    if table_for(version) is None:
+        raise RecordingError(f"the dry run drives a supported vLLM ({', '.join(supported_versions())}); "
+                             f"this is vLLM {version}")
+    return version
 
 
 def _count_rows(output_dir: Path) -> int:
@@ -143,8 +150,7 @@ def _check_vllm_importable() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
-                             "README.md)")
+        raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of README.md)")
 
 
 def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
@@ -169,12 +175,12 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
         return _run_in_child(config, out)
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    _check_vllm()
+    vllm_version = _check_vllm()
     from pdtrace.dryrun.faults import reshape_workload
     from pdtrace.dryrun.sim import SimCluster
     from pdtrace.dryrun.workload import make_workload
     from pdtrace.recording import session
-    from pdtrace.recording.vllm import install_hooks
+    from pdtrace.recording.vllm import install_hooks, table_for
 
     wall0 = time.perf_counter()
     workload = make_workload(config)
@@ -192,7 +198,9 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     manifest = out / "_manifest.json"
     if not manifest.exists():
         manifest.write_text(json.dumps({"command": "pdtrace record --dry-run", "source": "dryrun",
-                                        "vllm_version": SUPPORTED_VLLM, "dry_run": config.to_dict()},
+                                        "vllm_version": vllm_version,
+                                        "vllm_table": table_for(vllm_version).name,  # type: ignore[union-attr]
+                                        "dry_run": config.to_dict()},
                                        indent=1, sort_keys=True) + "\n")
     start = cluster.start_ns
     end = max(e.timeline.now for e in cluster.engines)

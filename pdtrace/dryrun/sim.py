@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtrace.dryrun.clock import Timeline, VirtualClock
+from pdtrace.dryrun.compat import attach_block_hasher
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
 
@@ -406,9 +407,7 @@ class SimEngine:
             item = heapq.heappop(self.inputs)
             if item.kind == "add":
                 req = item.payload
-                if self.core.request_block_hasher is not None:
-                    req.block_hasher = self.core.request_block_hasher
-                    req.update_block_hashes()
+                attach_block_hasher(req, self.core.request_block_hasher)
                 self.core.add_request(req)
             elif item.kind == "abort":
                 if item.payload in self.core.scheduler.requests:

@@ -21,6 +21,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pdtrace.dryrun.compat import attach_block_hasher  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
@@ -141,6 +142,11 @@ class OutputFaker:
         for new in so.scheduled_new_reqs:
             self.prompt_len[new.req_id] = len(new.prompt_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
+        # A resumed request's tokens computed so far (its prefix hit) come with it: resumed requests are cached
+        # requests before 0.33, and their count restarts from the hit, not from 0.
+        cached = so.scheduled_cached_reqs
+        for req_id, n in zip(cached.req_ids, cached.num_computed_tokens):
+            self.computed[req_id] = n
         eos = set(eos)
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -289,19 +295,13 @@ def client_add(engine: Any, request: Any) -> None:
     """Queue an ADD from the client, as EngineCoreProc's input thread does after preprocess_add_request."""
     from vllm.v1.engine import EngineCoreRequestType
 
-    request.block_hasher = engine.request_block_hasher
-    if request.block_hasher is not None:
-        request.block_hashes = []
-        request.update_block_hashes()
+    attach_block_hasher(request, engine.request_block_hasher)
     engine.input_queue.put_nowait((EngineCoreRequestType.ADD, (request, 0)))
 
 
 def engine_add(engine: Any, request: Any) -> None:
     """Add a request as EngineCore.add_request would after preprocessing (hashing set up)."""
-    request.block_hasher = engine.request_block_hasher
-    if request.block_hasher is not None:
-        request.block_hashes = []
-        request.update_block_hashes()
+    attach_block_hasher(request, engine.request_block_hasher)
     engine.scheduler.add_request(request)
 
 
