@@ -125,7 +125,7 @@ def _new_sched_state(sched: Any) -> SchedulerState:
             "pp": pc.pipeline_parallel_size,
             "tp": pc.tensor_parallel_size,
             "dp": pc.data_parallel_size,
-            "batch_queue_size": vc.max_concurrent_batches,
+            "batch_queue_size": getattr(vc, "max_concurrent_batches", None),  # 0.10 / 0.11.0: the executor's
             "async_scheduling": bool(sc.async_scheduling),
             "defer_block_free": bool(getattr(sched, "defer_block_free", False)),  # none before 0.28
             "kv_role": getattr(kv, "kv_role", None),
@@ -194,8 +194,9 @@ def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None)
                    detail={"hit": hit, "external": len(ids) - hit})
     local_tokens = hit_info[1] if hit_info else 0
     st.waiting_kv.add(req_id)
+    computed = wait_kv_request.num_computed_tokens  # 0 in 0.10 / 0.11: set when the read completes (n null)
     st.ch.emit("req_wait_kv", step=st.cur_step, req=req_id, blocks=ids[hit:],
-               n=max(0, wait_kv_request.num_computed_tokens - local_tokens))
+               n=max(0, computed - local_tokens) if computed else None)
 
 
 def _record_step_growth(st: SchedulerState, so: Any) -> None:
