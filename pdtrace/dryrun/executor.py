@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 
+from pdtrace.dryrun.compat import model_runner_output
+
 if TYPE_CHECKING:
     from pdtrace.dryrun.sim import SimEngine
 
@@ -164,12 +166,7 @@ class SimExecutor(Executor):
         for idx, key in enumerate(eng.rank_keys):
             kvo = record.rank_kv.get(key)
             if idx == out_rank and record.forward:
-                mro = ModelRunnerOutput(
-                    req_ids=list(record.order),
-                    req_id_to_index={r: i for i, r in enumerate(record.order)},
-                    sampled_token_ids=[record.sampled.get(r, []) for r in record.order],
-                    kv_connector_output=kvo,
-                )
+                mro = model_runner_output(list(record.order), [record.sampled.get(r, []) for r in record.order], kvo)
             elif eng.has_connector:
                 # A fresh object per reply, as a deserialized worker reply is: the aggregator writes the merged
                 # connector output into the output rank's reply in place.

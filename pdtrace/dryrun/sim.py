@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtrace.dryrun.clock import Timeline, VirtualClock
-from pdtrace.dryrun.compat import attach_block_hasher
+from pdtrace.dryrun.compat import attach_block_hasher, ensure_cpu_platform, full_attention_spec, new_request
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
 
@@ -129,6 +129,7 @@ class SimEngine:
     def build(self) -> None:
         """Build the VllmConfig (PP, TP and async poked in afterwards, as this CPU platform needs) and the core."""
         import torch
+        ensure_cpu_platform()
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.v1.engine.core import EngineCore
 
@@ -177,13 +178,10 @@ class SimEngine:
 
     def setup_rpc(self, name: str, args: tuple) -> Any:
         """Canned replies of the workers to EngineCore's setup RPCs (one reply per rank)."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
         ws = self.world_size
         cfg = self.cluster.config
         if name == "get_kv_cache_spec":
-            spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=2, head_size=16,
-                                     dtype=self._torch_dtype)
+            spec = full_attention_spec(cfg.block_size, num_kv_heads=2, head_size=16, dtype=self._torch_dtype)
             return [{"model.layers.0.self_attn.attn": spec, "model.layers.1.self_attn.attn": spec}
                     for _ in range(ws)]
         if name == "determine_available_memory":
@@ -498,12 +496,11 @@ class SimCluster:
     def _make_request(self, req_id: str, wl: WorkloadRequest, max_tokens: int, params: dict | None,
                       arrival_ns: int) -> Any:
         from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS_TOKEN_ID],
                             skip_special_tokens=False)
-        req = Request(request_id=req_id, prompt_token_ids=list(wl.prompt_token_ids), sampling_params=sp,
-                      pooling_params=None, arrival_time=arrival_ns / 1e9)
+        req = new_request(req_id, list(wl.prompt_token_ids), sp, arrival_time=arrival_ns / 1e9,
+                          eos_token_id=EOS_TOKEN_ID)
         if params is not None:
             req.kv_transfer_params = params
         return req

@@ -21,7 +21,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from pdtrace.dryrun.compat import attach_block_hasher  # noqa: E402  (no vLLM import)
+from pdtrace.dryrun.compat import (attach_block_hasher, full_attention_spec, model_runner_output,  # noqa: E402
+                                   new_request)  # no vLLM import
 from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
@@ -44,6 +45,9 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
     PP cannot be requested through the config on CPU (validation wants a distributed setup), so it is set after
     the config is built (the research notes verified that this gives max_concurrent_batches == pp).
     """
+    from pdtrace.dryrun.compat import ensure_cpu_platform
+
+    ensure_cpu_platform()
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)
 
@@ -66,12 +70,10 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
 
 
 def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE) -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                                      dtype=torch.float32))])
+        KVCacheGroupSpec(["layer"], full_attention_spec(block_size))])
 
 
 def make_scheduler(vllm_config: Any, num_blocks: int = 100) -> Any:
@@ -79,10 +81,14 @@ def make_scheduler(vllm_config: Any, num_blocks: int = 100) -> Any:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    import inspect
+
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    extra = {}
+    if "block_size" in inspect.signature(Scheduler.__init__).parameters:  # 0.28+
+        extra["block_size"] = vllm_config.cache_config.block_size
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config(num_blocks), log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=vllm_config.cache_config.block_size)
+                     structured_output_manager=StructuredOutputManager(vllm_config), **extra)
 
 
 _hasher = None
@@ -91,7 +97,10 @@ _hasher = None
 def block_hasher(block_size: int = BLOCK_SIZE) -> Any:
     global _hasher
     if _hasher is None:
-        from vllm.utils.hashing import sha256
+        try:
+            from vllm.utils.hashing import sha256
+        except ImportError:  # 0.10 / 0.11.0
+            from vllm.utils import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         init_none_hash(sha256)
@@ -105,15 +114,13 @@ def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 16, remo
                  prompt: list[int] | None = None, ignore_eos: bool = True) -> Any:
     """A Request as vLLM's EngineCore would admit it; P side (`remote_decode`) or D side (`remote_prefill`)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
 
     if remote_decode:
         max_tokens = 1
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     sp.update_from_generation_config({}, EOS_TOKEN_ID)  # what the input processor does with the model's EOS
     tokens = prompt if prompt is not None else [(hash(request_id) + i) % 50000 + 2 for i in range(num_tokens)]
-    req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                  mm_features=None, block_hasher=block_hasher())
+    req = new_request(request_id, list(tokens), sp, block_hasher=block_hasher(), eos_token_id=EOS_TOKEN_ID)
     if remote_decode:
         req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
     elif remote_prefill:
@@ -137,7 +144,7 @@ class OutputFaker:
 
     def output(self, so: Any, *, finished_sending: Iterable[str] = (), finished_recving: Iterable[str] = (),
                eos: Iterable[str] = ()) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         for new in so.scheduled_new_reqs:
             self.prompt_len[new.req_id] = len(new.prompt_token_ids)
@@ -161,15 +168,42 @@ class OutputFaker:
         if finished_sending or finished_recving:
             kvo = KVConnectorOutput(finished_sending=set(finished_sending) or None,
                                     finished_recving=set(finished_recving) or None)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None, kv_connector_output=kvo)
+        return model_runner_output(req_ids, sampled, kvo)
 
 
 def step(scheduler: Any, faker: OutputFaker, **kwargs: Any) -> tuple[Any, Any]:
     """schedule() then update_from_output() with a faithful fake output; returns (scheduler_output, outputs)."""
     so = scheduler.schedule()
     return so, scheduler.update_from_output(so, faker.output(so, **kwargs))
+
+
+def release() -> str:
+    """The installed vLLM release (the tier runs on every supported one: .ci/run --all-versions)."""
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    return installed_vllm_version() or "unknown"
+
+
+def release_key() -> tuple[int, ...]:
+    """The installed release as a tuple of ints, to compare: `release_key() >= (0, 28)`."""
+    from pdtrace.analysis.releases import release_key as key
+
+    return key(release())
+
+
+def behaviour() -> Any:
+    """What the installed release does where the rules depend on it (pdtrace.analysis.releases)."""
+    from pdtrace.analysis.releases import behaviour_of
+
+    return behaviour_of(release())
+
+
+def vllm_source_line(module_file: str, where: str) -> str:
+    """The line `where` (`scheduler.py:3065`) of the installed vLLM's `module_file` (`v1/core/sched/scheduler.py`)."""
+    import vllm
+
+    line = int(where.rsplit(":", 1)[1])
+    return (Path(vllm.__file__).parent / module_file).read_text().splitlines()[line - 1]
 
 
 def num_free_blocks(scheduler: Any) -> int:
@@ -185,9 +219,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
     `inject` (class attribute, dict step-index -> dict of finished_sending / finished_recving) lets a test put
     transfer completions into the output of the n-th executed step.
     """
-    import torch
     from vllm.v1.executor.abstract import Executor
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     class FakeExecutor(Executor):
         uses_ray = False
@@ -209,8 +241,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
         def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None,
                            non_block: bool = False, **_: Any) -> Any:
             name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
-            spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size, num_kv_heads=1,
-                                     head_size=1, dtype=torch.float32)
+            spec = full_attention_spec(self.vllm_config.cache_config.block_size)
             answers = {
                 "get_kv_cache_spec": [{"layer": spec}],
                 "determine_available_memory": [available_memory],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
+pytest.importorskip("vllm.version", reason="needs a supported vLLM (build its venv with .ci/install-vllm.sh VENV [VERSION])")
 
 import harness as H  # noqa: E402
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
+pytest.importorskip("vllm.version", reason="needs a supported vLLM (build its venv with .ci/install-vllm.sh VENV [VERSION])")
 
 import harness as H  # noqa: E402
 
