@@ -7,7 +7,8 @@ Algorithm:
   allocation. Downgraded to a warning when the request has no allocation and no `req_add` in the trace at all (it
   may predate the recording).
 - `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id:
-  vLLM 0.33 asserts `req_id in self.requests` at `scheduler.py:3571` / `:3581`; 0.10 raises KeyError), or with no
+  vLLM 0.33 asserts `req_id in self.requests` at `scheduler.py:3571` / `:3581`; 0.10 raises KeyError; the message
+  says what the recorded release does: pdtrace.analysis.releases), or with no
   status and no earlier event of the request in the trace (a warning then: it may predate the recording).
 - `completion_after_free`: a completion inside a request's release gap (blocks.release_gaps) whose emptying free
   was caused by a completion (reason `sent` / `received`): a second completion for blocks already freed (C09: an
@@ -25,6 +26,7 @@ from pdtrace.analysis.blocks import ownership, release_gaps
 from pdtrace.analysis.columns import NO, columns, last_before
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.releases import trace_behaviour
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import Evidence, fmt_blocks, groups, sk_instance, step_index
 
@@ -121,9 +123,10 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[st.last_free_pos[r]]), "blocks last freed here"))
             if st.finish_pos[r] >= 0 and st.finish_pos[r] < pos[i]:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
-            msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): vLLM asserts "
-                   "req_id in self.requests" if is_unknown[i] else
-                   f"{kind} for {req}, which has no earlier event in the trace")
+            release = trace_behaviour(ctx)  # what the recorded vLLM does with it
+            effect = release.unknown_send if kind == "kv_send_done" else release.unknown_recv
+            msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): {effect}"
+                   if is_unknown[i] else f"{kind} for {req}, which has no earlier event in the trace")
         evidence += _completion_evidence(ctx, ev, row)
         sk = int(cols.sk[row])
         flying = si.in_flight_rows(sk, int(pos[i]))
