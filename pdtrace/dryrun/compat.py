@@ -111,3 +111,56 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], 
         if name not in args and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             args[name] = empty.get(name)
     return ModelRunnerOutput(**args)
+
+
+def warm_up_reply() -> Any:
+    """One worker's reply to the `compile_or_warm_up_model` RPC: CompilationTimes (0.28+), None before (0.10 / 0.11
+    ignore it)."""
+    try:
+        from vllm.v1.worker.worker_base import CompilationTimes  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return CompilationTimes(0.0, 0.0)
+
+
+def use_v1_scheduler(vllm_config: Any) -> None:
+    """0.10 / 0.11's SchedulerConfig defaults to the V0 scheduler class (`vllm.core.scheduler.Scheduler`); vLLM's
+    EngineArgs switch it to the V1 one for the V1 engine, a VllmConfig built directly does not."""
+    sc = vllm_config.scheduler_config
+    if str(getattr(sc, "scheduler_cls", "")) == "vllm.core.scheduler.Scheduler":
+        sc.scheduler_cls = "vllm.v1.core.sched.scheduler.Scheduler"
+
+
+def engine_step(core: Any) -> Any:
+    """One turn of EngineCoreProc's busy loop: `core.step_fn()` (bound in EngineCore.__init__ from 0.11.1; in 0.10
+    / 0.11.0 only EngineCoreProc binds it, to `step` or `step_with_batch_queue` by the batch queue), then
+    Returns step_fn's (outputs, model_executed)."""
+    step_fn = core.__dict__.get("step_fn")
+    if step_fn is None:
+        step_fn = core.step if core.batch_queue is None else core.step_with_batch_queue
+    outputs, executed = step_fn()
+    return outputs, executed
+
+
+def post_step(core: Any, executed: bool) -> None:
+    """EngineCore.post_step where the release has it (0.11.0+)."""
+    post = getattr(core, "post_step", None)
+    if post is not None:
+        post(executed)
+
+
+def batch_queue_busy(core: Any) -> bool:
+    """Whether the engine's batch queue holds a step: a deque (0.11+) or a queue.Queue (0.10)."""
+    queue = core.batch_queue
+    if queue is None:
+        return False
+    empty = getattr(queue, "empty", None)
+    return not empty() if empty is not None else bool(queue)
+
+
+def split_sampling() -> bool:
+    """Whether the engine samples in a second RPC (`Executor.sample_tokens`, 0.11.1+): execute_model then replies
+    None for a step with tokens. Before, execute_model's reply carries the sampled tokens."""
+    from vllm.v1.executor.abstract import Executor
+
+    return hasattr(Executor, "sample_tokens")

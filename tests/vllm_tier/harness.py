@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from pdtrace.dryrun.compat import (attach_block_hasher, full_attention_spec, model_runner_output,  # noqa: E402
-                                   new_request)  # no vLLM import
+                                   new_request, use_v1_scheduler, warm_up_reply)  # no vLLM import
 from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
@@ -63,6 +63,7 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
                               engine_id=engine_id or f"engine-{uuid.uuid4().hex[:8]}")
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kv,
                     device_config=DeviceConfig("cpu"))
+    use_v1_scheduler(vc)
     if pp > 1:
         vc.parallel_config.pipeline_parallel_size = pp
     vc.cache_config.num_gpu_blocks = num_blocks
@@ -249,9 +250,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
                 "get_kv_connector_handshake_metadata": [],  # no NIXL side channel is opened
             }
             if name == "compile_or_warm_up_model":
-                from vllm.v1.worker.worker_base import CompilationTimes
-
-                result: Any = [CompilationTimes(0, 0)]
+                result: Any = [warm_up_reply()]
             else:
                 result = answers.get(name, [None])
             if non_block:

@@ -21,8 +21,8 @@ Read from each release's vllm/v1 sources (0.10.1.1, 0.10.2, 0.11.0):
 * `_update_waiting_for_remote_kv` is polled at every schedule() while the request waits and returns whether the
   read is done (0.28+ call it once the read is done).
 * No `Worker.sample_tokens` (0.11.1 added it: v0_11.py), `resumed_from_preemption` flags instead of
-  `resumed_req_ids`, 0.10's batch queue is a `queue.Queue`; its `step_with_batch_queue` skips
-  `update_from_output` for an empty schedule (such steps have `sched` but no `step_output`).
+  `resumed_req_ids`, 0.10's batch queue is a `queue.Queue`; 0.10.1.1's `step_with_batch_queue` skips
+  `update_from_output` for an empty schedule (such steps have `sched` but no `step_output`; 0.10.2 calls it).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def _new_sched_state(sched: Any) -> SchedulerState:
             "pp": pc.pipeline_parallel_size,
             "tp": pc.tensor_parallel_size,
             "dp": pc.data_parallel_size,
-            "batch_queue_size": getattr(vc, "max_concurrent_batches", None),  # 0.10 / 0.11.0: the executor's
+            "batch_queue_size": getattr(vc, "max_concurrent_batches", None),  # 0.28+ (0.10 / 0.11: the executor's)
             "async_scheduling": bool(sc.async_scheduling),
             "defer_block_free": bool(getattr(sched, "defer_block_free", False)),  # none before 0.28
             "kv_role": getattr(kv, "kv_role", None),
@@ -947,7 +947,7 @@ def _w_update_states(orig: Any) -> Any:
                 if removed or added:
                     step = getattr(scheduler_output, STEP_ATTR, None)
                     finished = scheduler_output.finished_req_ids
-                    preempted = scheduler_output.preempted_req_ids or ()
+                    preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()  # 0.11.1+
                     for req_id in removed:
                         reason = ("finished" if req_id in finished
                                   else "preempted" if req_id in preempted else "unscheduled")
