@@ -150,7 +150,8 @@ class SimExecutor(Executor):
         record = self.engine.submit_step(scheduler_output)
         self._last = record
         fut = SimFuture(self, record, "execute_model")
-        return fut if non_block else fut.result()
+        # 0.10's MultiprocExecutor replies with a future whenever batches are queued, without a non_block argument.
+        return fut if non_block or (not SPLIT_SAMPLING and self.max_concurrent_batches > 1) else fut.result()
 
     def sample_tokens(self, grammar_output, non_block: bool = False):  # type: ignore[override]
         record = self._last

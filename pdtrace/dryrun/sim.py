@@ -34,7 +34,8 @@ from typing import Any
 
 from pdtrace.dryrun.clock import Timeline, VirtualClock
 from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine_step, ensure_cpu_platform,
-                                   full_attention_spec, new_request, post_step, use_v1_scheduler, warm_up_reply)
+                                   full_attention_spec, new_request, post_step, split_sampling, use_v1_scheduler,
+                                   warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
 from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
@@ -165,6 +166,8 @@ class SimEngine:
         self._torch_dtype = torch.float16
 
         executor_cls = type(f"SimExecutor_{self.index}", (SimExecutor,), {"sim_engine": self})
+        if not split_sampling():  # an executor of 0.10 / 0.11.0 has no sample_tokens (the engine never calls it)
+            executor_cls.sample_tokens = None
         self.cluster.clock.current = self.timeline
         self.core = EngineCore(vc, executor_class=executor_cls, log_stats=False)
         self.scheduler = self.core.scheduler

@@ -21,8 +21,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pdtrace.dryrun import compat  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.compat import (attach_block_hasher, full_attention_spec, model_runner_output,  # noqa: E402
-                                   new_request, use_v1_scheduler, warm_up_reply)  # no vLLM import
+                                   new_request, use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
@@ -222,6 +223,8 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
     """
     from vllm.v1.executor.abstract import Executor
 
+    split = compat.split_sampling()  # 0.11.1+ sample in a second RPC; before, execute_model replies with tokens
+
     class FakeExecutor(Executor):
         uses_ray = False
         supports_pp = True
@@ -266,12 +269,13 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
 
         def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
             fut: Future = Future()
-            if scheduler_output.total_num_scheduled_tokens > 0:
+            if scheduler_output.total_num_scheduled_tokens > 0 and split:
                 self._pending = scheduler_output
                 fut.set_result(None)
             else:
                 fut.set_result(self._output(scheduler_output))
-            return fut if non_block else fut.result()
+            # 0.10's executors reply with a future whenever batches are queued, without a non_block argument.
+            return fut if non_block or (not split and pp > 1) else fut.result()
 
         def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
             fut: Future = Future()
@@ -282,7 +286,27 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
         def take_draft_token_ids(self) -> Any:
             return None
 
+    if not split:  # an executor of 0.10 / 0.11.0 has no sample_tokens (the engine never calls it)
+        del FakeExecutor.sample_tokens
     return FakeExecutor
+
+
+def engine_step(engine: Any) -> Any:
+    """One turn of EngineCoreProc's loop: its step_fn (EngineCore has none before 0.11.1; pdtrace.dryrun.compat)."""
+    return compat.engine_step(engine)
+
+
+def engine_busy(engine: Any) -> bool:
+    """Whether the engine's batch queue holds a step (a deque, or 0.10's queue.Queue)."""
+    return compat.batch_queue_busy(engine)
+
+
+def step_fn_name(engine: Any) -> str:
+    """`step` or `step_with_batch_queue`: what the busy loop calls."""
+    fn = engine.__dict__.get("step_fn")
+    if fn is None:
+        return "step" if engine.batch_queue is None else "step_with_batch_queue"
+    return fn.__name__
 
 
 def make_engine(vllm_config: Any, pp: int = 2) -> Any:
@@ -298,7 +322,10 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
     messages into `input_queue` itself, as the input thread does after preprocessing."""
     import queue
 
-    from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
+    from vllm.v1.engine import core as engine_core
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    shutdown_state = getattr(engine_core, "EngineShutdownState", None)  # 0.28+
 
     class InProcessEngineCoreProc(EngineCoreProc):
         def __init__(self, vllm_config: Any, executor_class: type) -> None:
@@ -308,7 +335,8 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
             self.output_queue = queue.Queue()
             self.engine_index = 0
             self.engines_running = False
-            self.shutdown_state = EngineShutdownState.RUNNING
+            if shutdown_state is not None:
+                self.shutdown_state = shutdown_state.RUNNING
             self.reject_new_requests = False
             self.tensor_ipc_receiver = None
             self.has_coordinator = False
@@ -316,6 +344,8 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
             self.last_counts = (0, 0)
             self.process_input_queue_block = True
             EngineCore.__init__(self, vllm_config, executor_class, False)
+            if "step_fn" not in self.__dict__:  # 0.10 / 0.11.0 bind it in EngineCoreProc.__init__
+                self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
             self.enable_fault_tolerance = False
 
     return InProcessEngineCoreProc(vllm_config, fake_executor_class(pp))

@@ -29,8 +29,8 @@ def test_record_a_process_running_vllm(tmp_path):
         engine = H.make_engine(vc, pp=2)
         for i in range(3):
             H.engine_add(engine, H.make_request(f"r{{i}}", 24, max_tokens=4))
-        while engine.scheduler.has_requests() or engine.batch_queue:
-            engine.step_fn()
+        while engine.scheduler.has_requests() or H.engine_busy(engine):
+            H.engine_step(engine)
     """))
     trace = tmp_path / "trace"
     proc = subprocess.run([sys.executable, "-m", "pdtrace", "record", "-o", str(trace), "--", sys.executable,

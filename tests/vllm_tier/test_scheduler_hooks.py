@@ -264,7 +264,9 @@ def test_failed_receive(recording, model_dir, policy):
     fails = H.of_kind(events, "kv_recv_fail")
     assert [(e["step"], e["req"], e["blocks"]) for e in fails] == [(1, "d1", None)] * failed_recving + [(1, None, [2])]
     free = H.of_kind(events, "blocks_free", req="d1")
-    if policy == "recompute":                          # vLLM drops the blocks and recomputes locally
+    if policy == "recompute" and not failed_recving:   # 0.28 / 0.29: it keeps its blocks, recomputes the tail
+        assert not free and not H.of_kind(events, "req_finish", req="d1")
+    elif policy == "recompute":                        # vLLM drops the blocks and recomputes locally
         assert (free[0]["step"], free[0]["reason"], free[0]["blocks"]) == (2, "load_failed", [1, 2, 3])
         assert H.of_kind(events, "blocks_alloc", req="d1")[-1]["step"] == 2
         assert not H.of_kind(events, "req_finish", req="d1")

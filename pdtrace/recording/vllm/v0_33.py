@@ -38,6 +38,7 @@ Every wrapper: if recording is off, call the original and nothing else; pdtrace'
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 from pdtrace.recording import session
@@ -751,6 +752,14 @@ def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
                             n=1 if queue is None else (queue.qsize() if hasattr(queue, "qsize") else len(queue)) + 1)
             except Exception as exc:
                 _RT.fail("execute_model", exc)
+        if sample_tokens is None and _RT.active:  # 0.10 / 0.11.0: the model runs and samples in this one call
+            t0 = st.now()
+            out = execute_model(scheduler_output, *args, **kwargs)
+            if isinstance(out, Future):  # 0.10's executor whenever batches are queued (no non_block argument)
+                _timed_future(out, st)
+            else:
+                st.wait_ns = (st.wait_ns or 0) + (st.now() - t0)
+            return out
         out = execute_model(scheduler_output, *args, **kwargs)
         if _RT.active and (args[0] if args else kwargs.get("non_block", False)):
             _timed_future(out, st)
