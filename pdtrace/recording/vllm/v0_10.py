@@ -33,6 +33,7 @@ from pdtrace.recording.vllm import v0_33
 from pdtrace.recording.vllm._common import STATE_ATTR
 from pdtrace.recording.vllm._patching import Hook, overlay
 from pdtrace.recording.vllm._runtime import RUNTIME
+from pdtrace.recording.vllm.v0_28 import note_kv_waits
 
 _RT = RUNTIME
 
@@ -46,11 +47,7 @@ def _w_get_computed_blocks(orig: Any) -> Any:
             st = self.__dict__.get(STATE_ATTR)
             if st is not None:
                 try:
-                    if out[1]:
-                        hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
-                        st.hits[request.request_id] = (hit, int(out[1]))
-                    elif st.hits:
-                        st.hits.pop(request.request_id, None)
+                    v0_33._note_prefix_hit(st, request, out)
                     st.admitting.append(request)
                 except Exception as exc:
                     _RT.fail("KVCacheManager.get_computed_blocks", exc)
@@ -59,29 +56,14 @@ def _w_get_computed_blocks(orig: Any) -> Any:
     return get_computed_blocks
 
 
-def _note_kv_waits(orig: Any) -> Any:
-    """vLLM's schedule(), then req_wait_kv for the admitted requests it switched into WAITING_FOR_REMOTE_KVS."""
-
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        so = orig(self, *args, **kwargs)
-        st = self.__dict__.get(STATE_ATTR)
-        if st is not None and st.admitting:
-            admitting, st.admitting = st.admitting, []
-            if _RT.active and self.connector is not None:
-                try:
-                    for request in admitting:
-                        if (request.request_id not in st.waiting_kv
-                                and v0_33._status_name(request.status) == "WAITING_FOR_REMOTE_KVS"):
-                            v0_33._record_growth(st, request.request_id, wait_kv_request=request)
-                except Exception as exc:
-                    _RT.fail("schedule", exc)
-        return so
-
-    return schedule
+def _take_admitting(st: Any) -> list[Any]:
+    """The requests whose admission this schedule() tried (and forget them for the next one)."""
+    admitting, st.admitting = st.admitting, []
+    return admitting
 
 
 def _w_schedule(orig: Any) -> Any:
-    return v0_33._w_schedule(_note_kv_waits(orig))
+    return v0_33._w_schedule(note_kv_waits(orig, _take_admitting))
 
 
 def _w_update_waiting_for_remote_kv(orig: Any) -> Any:

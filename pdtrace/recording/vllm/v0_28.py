@@ -23,6 +23,7 @@ Read from each release's vllm/v1/core/sched/scheduler.py (0.28.0, 0.29.0, 0.30.0
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pdtrace.recording.vllm import v0_33
@@ -33,21 +34,28 @@ from pdtrace.recording.vllm._runtime import RUNTIME
 _RT = RUNTIME
 
 
-def _note_kv_waits(orig: Any) -> Any:
-    """vLLM's schedule(), then req_wait_kv for the requests it switched into WAITING_FOR_REMOTE_KVS."""
+def record_new_kv_waits(st: Any, requests: Any) -> None:
+    """blocks_alloc + req_wait_kv (as 0.33's `_set_kv_fetch_stage` hook records them) for each of `requests` now in
+    WAITING_FOR_REMOTE_KVS that was not seen waiting yet."""
+    waiting_kv = st.waiting_kv
+    for request in requests:
+        if (request.request_id not in waiting_kv
+                and v0_33._status_name(request.status) == "WAITING_FOR_REMOTE_KVS"):
+            v0_33._record_growth(st, request.request_id, wait_kv_request=request)
+
+
+def note_kv_waits(orig: Any, candidates: Callable[[Any], Any]) -> Any:
+    """vLLM's schedule(), then req_wait_kv for those of `candidates(state)` it switched into
+    WAITING_FOR_REMOTE_KVS (0.28-0.31: the held-aside queue; 0.10 / 0.11: the requests it tried to admit)."""
 
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = orig(self, *args, **kwargs)
-        if _RT.active and self.connector is not None:
+        st = self.__dict__.get(STATE_ATTR)
+        if st is not None:
             try:
-                st = self.__dict__.get(STATE_ATTR)
-                held = st.held if st is not None else None
-                if held:
-                    waiting_kv = st.waiting_kv
-                    for request in held:
-                        if (request.request_id not in waiting_kv
-                                and v0_33._status_name(request.status) == "WAITING_FOR_REMOTE_KVS"):
-                            v0_33._record_growth(st, request.request_id, wait_kv_request=request)
+                requests = candidates(st)
+                if requests and _RT.active and self.connector is not None:
+                    record_new_kv_waits(st, requests)
             except Exception as exc:
                 _RT.fail("schedule", exc)
         return so
@@ -56,7 +64,7 @@ def _note_kv_waits(orig: Any) -> Any:
 
 
 def _w_schedule(orig: Any) -> Any:
-    return v0_33._w_schedule(_note_kv_waits(orig))
+    return v0_33._w_schedule(note_kv_waits(orig, lambda st: st.held))
 
 
 TABLE: tuple[Hook, ...] = overlay(

@@ -586,18 +586,22 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
 # ------------------------------------------------------------------------------------- KV cache manager, pool
 
 
+def _note_prefix_hit(st: SchedulerState, request: Any, out: Any) -> None:
+    """Remember a request's local prefix hit from a (KVCacheBlocks, hit tokens) answer, or forget a stale one."""
+    if out[1]:
+        hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
+        st.hits[request.request_id] = (hit, int(out[1]))
+    elif st.hits:
+        st.hits.pop(request.request_id, None)
+
+
 def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
     # Called once per admission attempt from the waiting queue (not per running request).
     def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, request, *args, **kwargs)
         if _RT.active:
             try:
-                st = _sched_state(self)
-                if out[1]:
-                    hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
-                    st.hits[request.request_id] = (hit, int(out[1]))
-                elif st.hits:
-                    st.hits.pop(request.request_id, None)
+                _note_prefix_hit(_sched_state(self), request, out)
             except Exception as exc:
                 _RT.fail("_get_local_prefix_cache_hit", exc)
         return out
