@@ -27,8 +27,8 @@ IMPORT_NEEDS = (
 )
 #: Per release (by its `major.minor` prefix): what it needs on top of IMPORT_NEEDS.
 EXTRA_NEEDS: dict[str, tuple[str, ...]] = {
-    "0.10": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf"),
-    "0.11": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf"),
+    "0.10": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba"),
+    "0.11": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba"),
 }
 #: Needed though a release's metadata may not name them (pulled in transitively by a full install; the harmony
 #: parser module `openai_harmony` is imported by `vllm.entrypoints` whatever the metadata calls its package).

@@ -208,6 +208,15 @@ def vllm_source_line(module_file: str, where: str) -> str:
     return (Path(vllm.__file__).parent / module_file).read_text().splitlines()[line - 1]
 
 
+def dry_run_validated() -> bool:
+    """Whether the dry run accepts the installed release (pdtrace.dryrun.DRY_RUN_TABLES; 0.10 / 0.11: not yet)."""
+    from pdtrace.dryrun import DRY_RUN_TABLES
+    from pdtrace.recording.vllm import table_for
+
+    entry = table_for(release())
+    return entry is not None and entry.name in DRY_RUN_TABLES
+
+
 def num_free_blocks(scheduler: Any) -> int:
     return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
