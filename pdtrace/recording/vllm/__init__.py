@@ -24,12 +24,14 @@ from pdtrace.recording.vllm._runtime import RUNTIME, log
 
 @dataclass(frozen=True)
 class TableRange:
-    """The releases `first` <= release < `before` share the hook table of `module` (its `TABLE`); `tested`: the
-    releases of the range the vLLM tier runs on (.ci/run --all-versions)."""
+    """The releases `first` <= release < `before` share the hook table of `module` (its `TABLE`). `releases`: the
+    published releases of the range (`.ci/run --all-versions` runs the vLLM tier on each); `tested`: those the tier
+    has passed on (`.ci/run` runs the oldest and newest of them)."""
 
     first: str
     before: str
     module: str
+    releases: tuple[str, ...]
     tested: tuple[str, ...]
 
     @property
@@ -43,15 +45,16 @@ class TableRange:
         before = self.before.split(".")
         if len(before) == 2:
             return f"{self.first} to {before[0]}.{int(before[1]) - 1}.x"
-        return f"{self.first} to {self.tested[-1]}"
+        return f"{self.first} to {self.releases[-1]}"
 
 
 #: Supported vLLM release ranges -> their hook tables, oldest first.
 _TABLES: tuple[TableRange, ...] = (
-    TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0")),
-    TableRange("0.11.1", "0.12", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2")),
-    TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0")),
-    TableRange("0.32.0", "0.34", "pdtrace.recording.vllm.v0_33", ("0.32.0", "0.33.0")),
+    TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0"), ("0.10.1.1",)),
+    TableRange("0.11.1", "0.12", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2"), ("0.11.2",)),
+    TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
+               ("0.28.0", "0.31.0")),
+    TableRange("0.32.0", "0.34", "pdtrace.recording.vllm.v0_33", ("0.32.0", "0.33.0"), ("0.32.0", "0.33.0")),
 )
 
 _lock = threading.Lock()
