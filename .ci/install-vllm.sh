@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
-# Build the virtual environment of pdtrace's vLLM test tier: real vLLM 0.33.0 on a CPU torch.
+# Build the virtual environment of pdtrace's vLLM test tier: a real vLLM release on a CPU torch.
 #
-# Usage: .ci/install-vllm.sh VENV_DIR
+# Usage: .ci/install-vllm.sh VENV_DIR [VERSION]     (VERSION: a supported vLLM release, default 0.33.0)
+#
+# Environment: VLLM_WHEEL_DIR, a folder of already downloaded vllm wheels pip looks in first (CI's matrix
+# downloads each release once; pip's own cache also keeps them).
 #
 # Why not `pip install vllm`: that pulls a CUDA torch and ~9.6 GB of GPU packages. vLLM's scheduler and
 # EngineCore (all pdtrace's tests need) run on the CPU torch 2.13.0 wheel that the machine's pip
-# configuration finds (find-links), so: CPU torch first, vllm and xgrammar without their dependencies, then
-# the small packages `import vllm` and ModelConfig really need (list from
-# shared/research/vllm_cpu_feasibility.md section 1; re-derive it when the vLLM pin changes), then pdtrace.
+# configuration finds (find-links), so: CPU torch first (2.13.0+cpu for every release: older releases pin CUDA
+# builds of torch 2.7/2.8, of which no CPU build exists, and their scheduler and engine core run on 2.13), vllm
+# without its dependencies, then the small packages `import vllm` and ModelConfig really need, each in the range
+# the release's own metadata (requirements/common.txt) gives: .ci/vllm_deps.py derives the list, then pdtrace.
 # Uses pip only: uv and poetry do not read the machine's find-links.
 set -euo pipefail
 
-if [[ $# -ne 1 || -z "$1" ]]; then
-    echo "usage: $0 VENV_DIR" >&2
+if [[ $# -lt 1 || $# -gt 2 || -z "$1" ]]; then
+    echo "usage: $0 VENV_DIR [VERSION]" >&2
     exit 2
 fi
 venv_dir="$1"
+vllm_version="${2:-0.33.0}"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python3.11}"
 torch_spec="torch==2.13.0+cpu"   # the local version label pins the CPU build: never fall back to CUDA torch
@@ -35,17 +40,25 @@ if ! "$venv_dir/bin/python" -c 'import sys, torch; sys.exit(0 if torch.__version
     exit 3
 fi
 
-"${pip[@]}" install --no-deps vllm==0.33.0 xgrammar==0.2.8
+find_links=()
+if [[ -n "${VLLM_WHEEL_DIR:-}" ]]; then
+    find_links=(--find-links "$VLLM_WHEEL_DIR")
+fi
+"${pip[@]}" install --no-deps "${find_links[@]}" "vllm==$vllm_version"
 
 pin_file="$(mktemp)"
-trap 'rm -f "$pin_file"' EXIT
+deps_file="$(mktemp)"
+trap 'rm -f "$pin_file" "$deps_file"' EXIT
 echo "$torch_spec" > "$pin_file"
-# pip warns that "vllm 0.33.0 requires ..., which is not installed": expected, the exit status stays 0.
-"${pip[@]}" install -c "$pin_file" \
-    numpy==2.3.5 packaging msgspec==0.23.0 pydantic==2.14.4 regex psutil cbor2 pyzmq urllib3 \
-    transformers==5.20.2 aiohttp requests openai-harmony==0.0.8 openai cloudpickle pillow pybase64 \
-    cachetools uvloop py-cpuinfo prometheus-client fastapi==0.136.3 partial-json-parser \
-    llguidance==1.7.6 einops apache-tvm-ffi
+"$venv_dir/bin/python" "$repo_root/.ci/vllm_deps.py" > "$deps_file"
+read -r -a no_deps < <(head -n 1 "$deps_file")
+mapfile -t deps < <(tail -n +2 "$deps_file")
+echo "install-vllm: vllm $vllm_version; --no-deps: ${no_deps[*]}; deps: ${deps[*]}" >&2
+if [[ ${#no_deps[@]} -gt 0 ]]; then
+    "${pip[@]}" install --no-deps "${no_deps[@]}"
+fi
+# pip warns that "vllm X requires ..., which is not installed": expected, the exit status stays 0.
+"${pip[@]}" install -c "$pin_file" "${deps[@]}"
 
 "${pip[@]}" install -c "$pin_file" -e "$repo_root[test]"
 

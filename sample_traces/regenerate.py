@@ -139,7 +139,9 @@ ANALYZE_ARGS: dict[str, list[str]] = {}
 
 README_TEMPLATE = """# Sample traces
 
-Small traces made by `pdtrace record --dry-run` (vLLM 0.33.0's real EngineCore and Scheduler, with the NIXL
+Small traces made on vLLM 0.33.0 (each trace's `_manifest.json` names the release; the dry run runs on every
+release pdtrace supports: docs/vllm-releases.md) by `pdtrace record --dry-run` (the release's real EngineCore and
+Scheduler, with the NIXL
 connector's scheduler side, on pdtrace's simulated workers and transfer engine; see `pdtrace/dryrun/`). They need
 nothing but pdtrace to read:
 
@@ -173,7 +175,8 @@ Notes:
   blocks lost at run time; here request 0's send completion is lost (its blocks stay pinned) and the target needs the
   whole usable pool. The requests behind it wait too (FCFS head-of-line).
 - `abort_while_waiting_kv` is a negative control: vLLM 0.33 keeps the aborted request's blocks until its KV read
-  completes (scheduler.py:3015-3024), so nothing is wrong and nothing is reported.
+  completes (scheduler.py:3015-3024), so nothing is wrong and nothing is reported. vLLM 0.10 / 0.11 free them at once
+  instead, while the read may still write them (docs/vllm-releases.md).
 - A 1P1D run at PP=4 shows large decode-side bubbles (the V1 runner puts every ready decode into one micro-batch, so
   the other stages wait); `healthy_pp4` is therefore a prefill instance, whose pipeline stays full.
 

@@ -105,7 +105,8 @@ def test_manifest_and_skipped_file(cli, trace_dir):
     result = cli("info", trace_dir, "-f", "json")
     assert result.exit_code == 0
     summary = json.loads(result.stdout)
-    assert summary["manifest"] == {"command": "vllm serve m", "vllm_version": "0.33.0", "created": None}
+    assert summary["manifest"] == {"command": "vllm serve m", "vllm_version": "0.33.0", "vllm_table": None,
+                                   "created": None}
     assert [Path(s["path"]).name for s in summary["skipped_files"]] == ["bad.parquet"]
     assert summary["events"] == 31
     assert "bad.parquet: skipped: not a Parquet file" in result.stderr

@@ -5,7 +5,7 @@ The numbers come from `pdtrace.trace.summary.summarize`; this module only loads 
 trace, events, files, skipped_files [{path, reason}], dropped_events, sources, schema_versions, pdtrace_versions,
 time {start_ns, end_ns, duration_ns, start, end}, instances [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks,
 events, requests}], schedulers [{instance, dp_rank, steps, sched_events, first_step, last_step}], kinds {kind: rows},
-requests, manifest {command, vllm_version, created} or null, warnings.
+requests, manifest {command, vllm_version, vllm_table, created} or null, warnings.
 
 Which rows are read: a trace under PARTITION_MIN_EVENTS events (or one file) is loaded whole, as always. A larger
 trace is summarised from its Parquet footers alone (`summarize_footers`: row counts, statistics, metadata;
@@ -77,6 +77,7 @@ def _render(summary: dict[str, Any]) -> None:
     if manifest is not None:
         overview.add_row("command", _dash(manifest["command"]))
         overview.add_row("vLLM version", _dash(manifest["vllm_version"]))
+        overview.add_row("vLLM hook table", _dash(manifest["vllm_table"]))
     out_console.print(overview)
 
     instances = Table(title="instances")

@@ -42,6 +42,14 @@ def _vllm_version() -> str | None:
         return None
 
 
+def _vllm_table(version: str | None) -> str | None:
+    """The hook table pdtrace applies to vLLM `version` (`v0_33`), or None (not installed, or unsupported)."""
+    from pdtrace.recording.vllm import table_for
+
+    entry = table_for(version) if version else None
+    return entry.name if entry is not None else None
+
+
 def _iso(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat()
 
@@ -81,10 +89,12 @@ def recording_env(output: Path, base: dict[str, str] | None = None) -> dict[str,
 def run_recorded(command: list[str], output: Path) -> int:
     """Run `command` with recording into `output`; forward SIGINT/SIGTERM; write the manifest; return its status."""
     start_ns = time.time_ns()
+    vllm_version = _vllm_version()
     manifest: dict[str, Any] = {
         "command": command,
         "pdtrace_version": __version__,
-        "vllm_version": _vllm_version(),
+        "vllm_version": vllm_version,
+        "vllm_table": _vllm_table(vllm_version),
         "created": _iso(start_ns),
         "start_ns": start_ns,
         "end": None,
@@ -115,6 +125,10 @@ def run_recorded(command: list[str], output: Path) -> int:
         except OSError as exc:
             (output / MANIFEST_NAME).unlink(missing_ok=True)
             raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+        table = manifest["vllm_table"]
+        err_console.print(f"pdtrace: vLLM {vllm_version or '(not installed)'}, hook table "
+                          f"{table or '(none: this release is not supported, nothing is recorded)'}",
+                          markup=False, highlight=False)
         for signum in pending:
             forward(signum, None)
         while True:

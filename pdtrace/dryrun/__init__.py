@@ -24,7 +24,11 @@ from typing import Any
 from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
 from pdtrace.errors import RecordingError
 
+#: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
 SUPPORTED_VLLM = "0.33.0"
+#: The hook tables whose releases the dry run is validated on (its vLLM tier tests pass there). On 0.10 / 0.11 the
+#: dry run builds and steps (pdtrace.dryrun.compat), but parts of its tier still fail: it refuses them.
+DRY_RUN_TABLES = ("v0_28", "v0_33")
 
 __all__ = [
     "FAULTS",
@@ -64,15 +68,21 @@ _ENV_DEFAULTS = {
 }
 
 
-def _check_vllm() -> None:
+def _check_vllm() -> str:
+    """The installed vLLM release, if pdtrace has a hook table for it; else RecordingError."""
+    from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
+
     try:
-        import vllm
+        import vllm  # noqa: F401
     except ImportError as exc:
-        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
+        raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of "
                              f"README.md): {exc}") from None
-    version = getattr(vllm, "__version__", "unknown")
-    if version != SUPPORTED_VLLM:
-        raise RecordingError(f"the dry run drives vLLM {SUPPORTED_VLLM}'s engine; this is vLLM {version}")
+    version = installed_vllm_version() or "unknown"
+    entry = table_for(version)
+    if entry is None or entry.name not in DRY_RUN_TABLES:
+        raise RecordingError(f"the dry run drives vLLM 0.28.0 to 0.33.x (0.10 / 0.11: not validated yet; supported "
+                             f"for recording: {', '.join(supported_versions())}); this is vLLM {version}")
+    return version
 
 
 def _count_rows(output_dir: Path) -> int:
@@ -143,8 +153,7 @@ def _check_vllm_importable() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise RecordingError("the dry run needs vLLM 0.33.0 (install pdtrace[vllm] with the CPU recipe of "
-                             "README.md)")
+        raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of README.md)")
 
 
 def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
@@ -169,12 +178,12 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
         return _run_in_child(config, out)
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    _check_vllm()
+    vllm_version = _check_vllm()
     from pdtrace.dryrun.faults import reshape_workload
     from pdtrace.dryrun.sim import SimCluster
     from pdtrace.dryrun.workload import make_workload
     from pdtrace.recording import session
-    from pdtrace.recording.vllm import install_hooks
+    from pdtrace.recording.vllm import install_hooks, table_for
 
     wall0 = time.perf_counter()
     workload = make_workload(config)
@@ -192,7 +201,9 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     manifest = out / "_manifest.json"
     if not manifest.exists():
         manifest.write_text(json.dumps({"command": "pdtrace record --dry-run", "source": "dryrun",
-                                        "vllm_version": SUPPORTED_VLLM, "dry_run": config.to_dict()},
+                                        "vllm_version": vllm_version,
+                                        "vllm_table": table_for(vllm_version).name,  # type: ignore[union-attr]
+                                        "dry_run": config.to_dict()},
                                        indent=1, sort_keys=True) + "\n")
     start = cluster.start_ns
     end = max(e.timeline.now for e in cluster.engines)

@@ -30,9 +30,13 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 
+from pdtrace.dryrun.compat import model_runner_output, split_sampling
+
 if TYPE_CHECKING:
     from pdtrace.dryrun.sim import SimEngine
 
+#: 0.11.1+ sample in a second RPC; before, execute_model replies with the sampled tokens.
+SPLIT_SAMPLING = split_sampling()
 NO_FORWARD_US = 30.0  # a rank's kv_connector_no_forward for a 0-token step
 SAMPLE_US_LAST = 60.0  # sampling on the last stage
 SAMPLE_US_OTHER = 5.0  # the kv-connector-only sample_tokens reply of a non-last stage
@@ -112,6 +116,10 @@ class SimExecutor(Executor):
         self.engine = type(self).sim_engine
         self.engine.executor = self
         self._last: StepRecord | None = None
+        if not hasattr(self, "kv_output_aggregator"):  # 0.10 / 0.11: MultiprocExecutor makes it, not Executor
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            self.kv_output_aggregator = KVOutputAggregator(self.parallel_config.world_size)
 
     # -- setup RPCs: canned answers, as a worker would give them -------------------------------------------
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):  # type: ignore[override]
@@ -131,14 +139,19 @@ class SimExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self.vllm_config.max_concurrent_batches
+        vc = self.vllm_config
+        if hasattr(vc, "max_concurrent_batches"):  # 0.28+
+            return vc.max_concurrent_batches
+        # 0.10 / 0.11: the executor's own answer (MultiprocExecutor.max_concurrent_batches).
+        return 2 if vc.scheduler_config.async_scheduling else vc.parallel_config.pipeline_parallel_size
 
     # -- the model RPCs ------------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, non_block: bool = False):  # type: ignore[override]
         record = self.engine.submit_step(scheduler_output)
         self._last = record
         fut = SimFuture(self, record, "execute_model")
-        return fut if non_block else fut.result()
+        # 0.10's MultiprocExecutor replies with a future whenever batches are queued, without a non_block argument.
+        return fut if non_block or (not SPLIT_SAMPLING and self.max_concurrent_batches > 1) else fut.result()
 
     def sample_tokens(self, grammar_output, non_block: bool = False):  # type: ignore[override]
         record = self._last
@@ -156,7 +169,7 @@ class SimExecutor(Executor):
     def _collect(self, record: StepRecord, rpc: str) -> ModelRunnerOutput | None:
         eng = self.engine
         eng.timeline.advance_to(record.ready_ns)
-        if record.forward and rpc == "execute_model":
+        if record.forward and rpc == "execute_model" and SPLIT_SAMPLING:
             # Every rank replies None to execute_model when sampling is split (gpu_model_runner.py:4252).
             return None
         outputs: list[ModelRunnerOutput | None] = []
@@ -164,12 +177,7 @@ class SimExecutor(Executor):
         for idx, key in enumerate(eng.rank_keys):
             kvo = record.rank_kv.get(key)
             if idx == out_rank and record.forward:
-                mro = ModelRunnerOutput(
-                    req_ids=list(record.order),
-                    req_id_to_index={r: i for i, r in enumerate(record.order)},
-                    sampled_token_ids=[record.sampled.get(r, []) for r in record.order],
-                    kv_connector_output=kvo,
-                )
+                mro = model_runner_output(list(record.order), [record.sampled.get(r, []) for r in record.order], kvo)
             elif eng.has_connector:
                 # A fresh object per reply, as a deserialized worker reply is: the aggregator writes the merged
                 # connector output into the output rank's reply in place.

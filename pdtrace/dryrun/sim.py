@@ -33,8 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from pdtrace.dryrun.clock import Timeline, VirtualClock
+from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine_step, ensure_cpu_platform,
+                                   full_attention_spec, new_request, post_step, split_sampling, use_v1_scheduler,
+                                   warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
+from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
 
 log = logging.getLogger("pdtrace.dryrun")
 
@@ -133,6 +137,7 @@ class SimEngine:
 
         from pdtrace.dryrun.executor import RankState, SimExecutor
 
+        ensure_cpu_platform()
         cfg = self.cluster.config
         max_len = self.cluster.max_model_len
         mc = ModelConfig(model=self.cluster.model_dir, tokenizer=self.cluster.model_dir, skip_tokenizer_init=True,
@@ -156,10 +161,13 @@ class SimEngine:
         pc.world_size = self.world_size
         vc.scheduler_config.async_scheduling = bool(cfg.async_scheduling)
         vc.instance_id = self.instance
+        use_v1_scheduler(vc)
         self.vllm_config = vc
         self._torch_dtype = torch.float16
 
         executor_cls = type(f"SimExecutor_{self.index}", (SimExecutor,), {"sim_engine": self})
+        if not split_sampling():  # an executor of 0.10 / 0.11.0 has no sample_tokens (the engine never calls it)
+            executor_cls.sample_tokens = None
         self.cluster.clock.current = self.timeline
         self.core = EngineCore(vc, executor_class=executor_cls, log_stats=False)
         self.scheduler = self.core.scheduler
@@ -176,13 +184,10 @@ class SimEngine:
 
     def setup_rpc(self, name: str, args: tuple) -> Any:
         """Canned replies of the workers to EngineCore's setup RPCs (one reply per rank)."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
         ws = self.world_size
         cfg = self.cluster.config
         if name == "get_kv_cache_spec":
-            spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=2, head_size=16,
-                                     dtype=self._torch_dtype)
+            spec = full_attention_spec(cfg.block_size, num_kv_heads=2, head_size=16, dtype=self._torch_dtype)
             return [{"model.layers.0.self_attn.attn": spec, "model.layers.1.self_attn.attn": spec}
                     for _ in range(ws)]
         if name == "determine_available_memory":
@@ -190,9 +195,7 @@ class SimEngine:
         if name == "get_supported_kv_cache_layouts":
             return [["NHD", "HND"]] * ws
         if name == "compile_or_warm_up_model":
-            from vllm.v1.worker.worker_base import CompilationTimes  # type: ignore[attr-defined]
-
-            return [CompilationTimes(0.0, 0.0)] * ws
+            return [warm_up_reply()] * ws
         if name == "get_kv_connector_handshake_metadata":
             return []  # no metadata: the scheduler-side NIXL connector opens no side channel
         if name in ("get_simple_cpu_offload_num_cpu_blocks",):
@@ -249,6 +252,7 @@ class SimEngine:
             RPC_REPLY_US,
             SAMPLE_US_LAST,
             SAMPLE_US_OTHER,
+            SPLIT_SAMPLING,
             StepRecord,
         )
 
@@ -265,6 +269,7 @@ class SimEngine:
         issue = tl.now + int(RPC_ISSUE_US * NS_PER_US)
         prev_end = 0
         ready = issue
+        split = SPLIT_SAMPLING
         for s in range(self.pp):
             begin = max(issue, self.stage_free[s], prev_end if forward else 0)
             dur_us = (cfg.compute_us_fixed + cfg.compute_us_per_token * tokens) if forward else NO_FORWARD_US
@@ -276,11 +281,13 @@ class SimEngine:
             self.stage_free[s] = sample_end
             prev_end = end
             ready = max(ready, sample_end)
+            if not split:  # one RPC: execute_model's span includes the sampling
+                end = sample_end
             for t in range(self.tp):
                 rank = self.ranks[(s, t)]
                 tl.at(begin, lambda r=rank, b=begin: self._rank_begin(r, rec, b))
                 tl.at(end, lambda r=rank, e=end: self._rank_end(r, rec, e))
-                if forward:
+                if forward and split:
                     tl.at(end, lambda r=rank: r.channel.emit("exec_begin", step=step, n=tokens))
                     tl.at(sample_end, lambda r=rank: r.channel.emit("exec_end", step=step, n=tokens,
                                                                      detail=_RPC_SAMPLE))
@@ -337,8 +344,8 @@ class SimEngine:
         if finished:
             _emit_rows(chan, "batch_remove", step, finished, "finished")
         scheduled = so.num_scheduled_tokens
-        resumed = so.scheduled_cached_reqs.resumed_req_ids
-        preempted = so.preempted_req_ids or ()
+        resumed = resumed_ids(so.scheduled_cached_reqs)
+        preempted = getattr(so, "preempted_req_ids", None) or ()  # 0.11.1+
         unscheduled = [r for r in batch if r not in scheduled or r in resumed]
         if unscheduled:
             for r in unscheduled:
@@ -397,7 +404,7 @@ class SimEngine:
 
     def has_work(self) -> bool:
         core = self.core
-        return bool(core.scheduler.has_requests() or core.batch_queue)
+        return bool(core.scheduler.has_requests() or batch_queue_busy(core))
 
     def deliver_inputs(self) -> None:
         """EngineCoreProc._process_input_queue: add and abort whatever is due by now."""
@@ -406,9 +413,7 @@ class SimEngine:
             item = heapq.heappop(self.inputs)
             if item.kind == "add":
                 req = item.payload
-                if self.core.request_block_hasher is not None:
-                    req.block_hasher = self.core.request_block_hasher
-                    req.update_block_hashes()
+                attach_block_hasher(req, self.core.request_block_hasher)
                 self.core.add_request(req)
             elif item.kind == "abort":
                 if item.payload in self.core.scheduler.requests:
@@ -499,12 +504,11 @@ class SimCluster:
     def _make_request(self, req_id: str, wl: WorkloadRequest, max_tokens: int, params: dict | None,
                       arrival_ns: int) -> Any:
         from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS_TOKEN_ID],
                             skip_special_tokens=False)
-        req = Request(request_id=req_id, prompt_token_ids=list(wl.prompt_token_ids), sampling_params=sp,
-                      pooling_params=None, arrival_time=arrival_ns / 1e9)
+        req = new_request(req_id, list(wl.prompt_token_ids), sp, arrival_time=arrival_ns / 1e9,
+                          eos_token_id=EOS_TOKEN_ID)
         if params is not None:
             req.kv_transfer_params = params
         return req
@@ -629,7 +633,7 @@ class SimCluster:
                 continue
             before_tokens = e.tokens_executed
             try:
-                outputs, executed = e.core.step_fn()
+                outputs, executed = engine_step(e.core)
             except Exception as exc:  # vLLM itself raised (its assert): the hooks recorded engine_error
                 import traceback
 
@@ -641,7 +645,7 @@ class SimCluster:
                 break
             self.stats.steps += 1
             self.stats.engine_steps[e.instance] = self.stats.engine_steps.get(e.instance, 0) + 1
-            e.core.post_step(executed)
+            post_step(e.core, executed)
             self.on_outputs(e, outputs)
             if e.tokens_executed > before_tokens or (outputs and any(eco.outputs for eco in outputs.values())):
                 self.note_progress(e.timeline.now)
@@ -664,12 +668,12 @@ class SimCluster:
             e.timeline.advance_by(hold_ns)
             e.deliver_inputs()
             try:
-                outputs, executed = e.core.step_fn()
+                outputs, executed = engine_step(e.core)
             except Exception as exc:  # noqa: BLE001 - recorded by the hooks, reported in the result
                 self.stats.error = f"{e.instance}: {type(exc).__name__}: {exc}"
                 return
             self.stats.steps += 1
-            e.core.post_step(executed)
+            post_step(e.core, executed)
             self.on_outputs(e, outputs)
 
     def _record_engine_error(self, engine: SimEngine, exc: BaseException) -> None:

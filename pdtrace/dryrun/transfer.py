@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdtrace.dryrun.compat import recv_plan
+
 if TYPE_CHECKING:
     from pdtrace.dryrun.sim import SimCluster, SimEngine
 
@@ -49,25 +51,25 @@ class SimTransferEngine:
             return
         faults = self.cluster.faults
         for req_id, rm in to_recv.items():
-            local = rm.local_block_ids
-            n_blocks = len(local[0]) if local and len(local) else 0
+            n_blocks, awaited, remote_engine, remote_req = recv_plan(rm)
             dur = faults.read_ns(engine, req_id, self.read_ns(n_blocks), rank)
             done = ts + dur
             if rank.pp_rank == 0 and rank.tp_rank == 0:
                 self.reads_started += 1
                 self.blocks_read += n_blocks
                 faults.on_read_started(engine, req_id, ts, dur)
-            if rm.awaiting_kvs and n_blocks:
+            if awaited and n_blocks:
                 rank.done_recvs.append((done, req_id))
-            remote = rm.remote
-            if remote is None:
+            if remote_engine is None:
                 continue
-            producer = self.cluster.by_engine_id.get(remote.engine_id)
+            producer = self.cluster.by_engine_id.get(remote_engine)
             if producer is None:
                 continue
+            if remote_req is None:  # 0.10 / 0.11 share one id between P and D; the simulation names them -p / -d
+                remote_req = req_id.removesuffix("-d") + "-p"
             p_rank = producer.ranks.get((rank.pp_rank, rank.tp_rank))
             if p_rank is not None:
-                p_rank.done_sends.append((done, remote.request_id))
+                p_rank.done_sends.append((done, remote_req))
 
     def phantom_read(self, producer: SimEngine, req_id: str, params: dict, now: int) -> None:
         """P-only runs: an unrecorded decoder reads the finished request's blocks after the proxy's delay."""

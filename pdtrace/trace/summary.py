@@ -16,7 +16,8 @@
                      highest step on a `sched` row (null without one)
     kinds            {kind: rows}, format kinds first in the format's order, then unknown kinds by name
     requests         distinct requests summed over instances
-    manifest         {command, vllm_version, created} from _manifest.json (null values where absent), or null
+    manifest         {command, vllm_version, vllm_table, created} from _manifest.json (null values where absent),
+                     or null
     warnings         the loader's warnings (skipped files, unknown kinds, a bad manifest)
 
 `summarize_footers(footers, instances_of)` gives the same keys from the part files' footers alone (row counts,
@@ -77,7 +78,8 @@ def _manifest_summary(manifest: dict[str, Any] | None) -> dict[str, Any] | None:
     if isinstance(command, list):
         command = " ".join(str(part) for part in command)
     created = manifest.get("created") or manifest.get("start_time") or manifest.get("started")
-    return {"command": command, "vllm_version": vllm_version, "created": created}
+    return {"command": command, "vllm_version": vllm_version, "vllm_table": manifest.get("vllm_table"),
+            "created": created}
 
 
 def _time_span(table: pa.Table) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pdtrace.dryrun import compat  # noqa: E402  (no vLLM import)
+from pdtrace.dryrun.compat import (attach_block_hasher, full_attention_spec, model_runner_output,  # noqa: E402
+                                   new_request, use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.sim import TINY_MODEL_CONFIG  # noqa: E402  (no vLLM import)
 from pdtrace.dryrun.workload import EOS_TOKEN_ID  # noqa: E402
 
@@ -43,6 +46,9 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
     PP cannot be requested through the config on CPU (validation wants a distributed setup), so it is set after
     the config is built (the research notes verified that this gives max_concurrent_batches == pp).
     """
+    from pdtrace.dryrun.compat import ensure_cpu_platform
+
+    ensure_cpu_platform()
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
                              VllmConfig)
 
@@ -58,6 +64,7 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
                               engine_id=engine_id or f"engine-{uuid.uuid4().hex[:8]}")
     vc = VllmConfig(scheduler_config=sc, model_config=mc, cache_config=cc, kv_transfer_config=kv,
                     device_config=DeviceConfig("cpu"))
+    use_v1_scheduler(vc)
     if pp > 1:
         vc.parallel_config.pipeline_parallel_size = pp
     vc.cache_config.num_gpu_blocks = num_blocks
@@ -66,11 +73,10 @@ def make_vllm_config(model_dir: str, *, kv_role: str | None = "kv_both", engine_
 
 def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE, spec: Any = None) -> Any:
     """One KV cache group of `spec` (default: full attention) over `num_blocks` blocks."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     if spec is None:
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+        spec = full_attention_spec(block_size)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], spec)])
 
@@ -88,11 +94,14 @@ def make_scheduler(vllm_config: Any, num_blocks: int = 100, kv_spec: Any = None)
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
+    import inspect
+
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    extra = {}
+    if "block_size" in inspect.signature(Scheduler.__init__).parameters:  # 0.28+
+        extra["block_size"] = vllm_config.cache_config.block_size
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config(num_blocks, spec=kv_spec),
-                     log_stats=True,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=vllm_config.cache_config.block_size)
+                     log_stats=True, structured_output_manager=StructuredOutputManager(vllm_config), **extra)
 
 
 _hasher = None
@@ -101,7 +110,10 @@ _hasher = None
 def block_hasher(block_size: int = BLOCK_SIZE) -> Any:
     global _hasher
     if _hasher is None:
-        from vllm.utils.hashing import sha256
+        try:
+            from vllm.utils.hashing import sha256
+        except ImportError:  # 0.10 / 0.11.0
+            from vllm.utils import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         init_none_hash(sha256)
@@ -115,15 +127,13 @@ def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 16, remo
                  prompt: list[int] | None = None, ignore_eos: bool = True) -> Any:
     """A Request as vLLM's EngineCore would admit it; P side (`remote_decode`) or D side (`remote_prefill`)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
 
     if remote_decode:
         max_tokens = 1
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     sp.update_from_generation_config({}, EOS_TOKEN_ID)  # what the input processor does with the model's EOS
     tokens = prompt if prompt is not None else [(hash(request_id) + i) % 50000 + 2 for i in range(num_tokens)]
-    req = Request(request_id=request_id, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                  mm_features=None, block_hasher=block_hasher())
+    req = new_request(request_id, list(tokens), sp, block_hasher=block_hasher(), eos_token_id=EOS_TOKEN_ID)
     if remote_decode:
         req.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
     elif remote_prefill:
@@ -147,11 +157,16 @@ class OutputFaker:
 
     def output(self, so: Any, *, finished_sending: Iterable[str] = (), finished_recving: Iterable[str] = (),
                eos: Iterable[str] = ()) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         for new in so.scheduled_new_reqs:
             self.prompt_len[new.req_id] = len(new.prompt_token_ids)
             self.computed[new.req_id] = new.num_computed_tokens
+        # A resumed request's tokens computed so far (its prefix hit) come with it: resumed requests are cached
+        # requests before 0.33, and their count restarts from the hit, not from 0.
+        cached = so.scheduled_cached_reqs
+        for req_id, n in zip(cached.req_ids, cached.num_computed_tokens):
+            self.computed[req_id] = n
         eos = set(eos)
         req_ids, sampled = [], []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -166,15 +181,51 @@ class OutputFaker:
         if finished_sending or finished_recving:
             kvo = KVConnectorOutput(finished_sending=set(finished_sending) or None,
                                     finished_recving=set(finished_recving) or None)
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None, kv_connector_output=kvo)
+        return model_runner_output(req_ids, sampled, kvo)
 
 
 def step(scheduler: Any, faker: OutputFaker, **kwargs: Any) -> tuple[Any, Any]:
     """schedule() then update_from_output() with a faithful fake output; returns (scheduler_output, outputs)."""
     so = scheduler.schedule()
     return so, scheduler.update_from_output(so, faker.output(so, **kwargs))
+
+
+def release() -> str:
+    """The installed vLLM release (the tier runs on every supported one: .ci/run --all-versions)."""
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    return installed_vllm_version() or "unknown"
+
+
+def release_key() -> tuple[int, ...]:
+    """The installed release as a tuple of ints, to compare: `release_key() >= (0, 28)`."""
+    from pdtrace.analysis.releases import release_key as key
+
+    return key(release())
+
+
+def behaviour() -> Any:
+    """What the installed release does where the rules depend on it (pdtrace.analysis.releases)."""
+    from pdtrace.analysis.releases import behaviour_of
+
+    return behaviour_of(release())
+
+
+def vllm_source_line(module_file: str, where: str) -> str:
+    """The line `where` (`scheduler.py:3065`) of the installed vLLM's `module_file` (`v1/core/sched/scheduler.py`)."""
+    import vllm
+
+    line = int(where.rsplit(":", 1)[1])
+    return (Path(vllm.__file__).parent / module_file).read_text().splitlines()[line - 1]
+
+
+def dry_run_validated() -> bool:
+    """Whether the dry run accepts the installed release (pdtrace.dryrun.DRY_RUN_TABLES; 0.10 / 0.11: not yet)."""
+    from pdtrace.dryrun import DRY_RUN_TABLES
+    from pdtrace.recording.vllm import table_for
+
+    entry = table_for(release())
+    return entry is not None and entry.name in DRY_RUN_TABLES
 
 
 def num_free_blocks(scheduler: Any) -> int:
@@ -190,9 +241,9 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
     `inject` (class attribute, dict step-index -> dict of finished_sending / finished_recving) lets a test put
     transfer completions into the output of the n-th executed step.
     """
-    import torch
     from vllm.v1.executor.abstract import Executor
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    split = compat.split_sampling()  # 0.11.1+ sample in a second RPC; before, execute_model replies with tokens
 
     class FakeExecutor(Executor):
         uses_ray = False
@@ -214,8 +265,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
         def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None,
                            non_block: bool = False, **_: Any) -> Any:
             name = method if isinstance(method, str) else getattr(method, "__name__", str(method))
-            spec = FullAttentionSpec(block_size=self.vllm_config.cache_config.block_size, num_kv_heads=1,
-                                     head_size=1, dtype=torch.float32)
+            spec = full_attention_spec(self.vllm_config.cache_config.block_size)
             answers = {
                 "get_kv_cache_spec": [{"layer": spec}],
                 "determine_available_memory": [available_memory],
@@ -223,9 +273,7 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
                 "get_kv_connector_handshake_metadata": [],  # no NIXL side channel is opened
             }
             if name == "compile_or_warm_up_model":
-                from vllm.v1.worker.worker_base import CompilationTimes
-
-                result: Any = [CompilationTimes(0, 0)]
+                result: Any = [warm_up_reply()]
             else:
                 result = answers.get(name, [None])
             if non_block:
@@ -241,12 +289,13 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
 
         def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
             fut: Future = Future()
-            if scheduler_output.total_num_scheduled_tokens > 0:
+            if scheduler_output.total_num_scheduled_tokens > 0 and split:
                 self._pending = scheduler_output
                 fut.set_result(None)
             else:
                 fut.set_result(self._output(scheduler_output))
-            return fut if non_block else fut.result()
+            # 0.10's executors reply with a future whenever batches are queued, without a non_block argument.
+            return fut if non_block or (not split and pp > 1) else fut.result()
 
         def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
             fut: Future = Future()
@@ -257,7 +306,27 @@ def fake_executor_class(pp: int = 2, available_memory: int = 64 << 20) -> type:
         def take_draft_token_ids(self) -> Any:
             return None
 
+    if not split:  # an executor of 0.10 / 0.11.0 has no sample_tokens (the engine never calls it)
+        del FakeExecutor.sample_tokens
     return FakeExecutor
+
+
+def engine_step(engine: Any) -> Any:
+    """One turn of EngineCoreProc's loop: its step_fn (EngineCore has none before 0.11.1; pdtrace.dryrun.compat)."""
+    return compat.engine_step(engine)
+
+
+def engine_busy(engine: Any) -> bool:
+    """Whether the engine's batch queue holds a step (a deque, or 0.10's queue.Queue)."""
+    return compat.batch_queue_busy(engine)
+
+
+def step_fn_name(engine: Any) -> str:
+    """`step` or `step_with_batch_queue`: what the busy loop calls."""
+    fn = engine.__dict__.get("step_fn")
+    if fn is None:
+        return "step" if engine.batch_queue is None else "step_with_batch_queue"
+    return fn.__name__
 
 
 def make_engine(vllm_config: Any, pp: int = 2) -> Any:
@@ -273,7 +342,10 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
     messages into `input_queue` itself, as the input thread does after preprocessing."""
     import queue
 
-    from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
+    from vllm.v1.engine import core as engine_core
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    shutdown_state = getattr(engine_core, "EngineShutdownState", None)  # 0.28+
 
     class InProcessEngineCoreProc(EngineCoreProc):
         def __init__(self, vllm_config: Any, executor_class: type) -> None:
@@ -283,7 +355,8 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
             self.output_queue = queue.Queue()
             self.engine_index = 0
             self.engines_running = False
-            self.shutdown_state = EngineShutdownState.RUNNING
+            if shutdown_state is not None:
+                self.shutdown_state = shutdown_state.RUNNING
             self.reject_new_requests = False
             self.tensor_ipc_receiver = None
             self.has_coordinator = False
@@ -291,6 +364,8 @@ def make_engine_proc(vllm_config: Any, pp: int = 1) -> Any:
             self.last_counts = (0, 0)
             self.process_input_queue_block = True
             EngineCore.__init__(self, vllm_config, executor_class, False)
+            if "step_fn" not in self.__dict__:  # 0.10 / 0.11.0 bind it in EngineCoreProc.__init__
+                self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
             self.enable_fault_tolerance = False
 
     return InProcessEngineCoreProc(vllm_config, fake_executor_class(pp))
@@ -300,19 +375,13 @@ def client_add(engine: Any, request: Any) -> None:
     """Queue an ADD from the client, as EngineCoreProc's input thread does after preprocess_add_request."""
     from vllm.v1.engine import EngineCoreRequestType
 
-    request.block_hasher = engine.request_block_hasher
-    if request.block_hasher is not None:
-        request.block_hashes = []
-        request.update_block_hashes()
+    attach_block_hasher(request, engine.request_block_hasher)
     engine.input_queue.put_nowait((EngineCoreRequestType.ADD, (request, 0)))
 
 
 def engine_add(engine: Any, request: Any) -> None:
     """Add a request as EngineCore.add_request would after preprocessing (hashing set up)."""
-    request.block_hasher = engine.request_block_hasher
-    if request.block_hasher is not None:
-        request.block_hashes = []
-        request.update_block_hashes()
+    attach_block_hasher(request, engine.request_block_hasher)
     engine.scheduler.add_request(request)
 
 

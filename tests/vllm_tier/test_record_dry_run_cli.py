@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
+pytest.importorskip("vllm.version", reason="needs a supported vLLM (.ci/install-vllm.sh VENV [VERSION])")
 
-pytestmark = pytest.mark.vllm
+import harness as H  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
+    not H.dry_run_validated(), reason=f"the dry run refuses vLLM {H.release()} (not validated on 0.10 / 0.11 yet)")]
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,8 @@ Algorithm:
   KeyError (C09: an aborted request with a receive and a send pending). The trace's own history decides, so a
   status `unknown` on the completion (what the recorder writes then) only corroborates it, and a trace without
   `status` gives the same finding.
-- `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id) that
+- `unknown_id`: a `kv_send_done` / `kv_recv_done` with status `unknown` (the scheduler no longer knows the id; the
+  message says what the recorded release does with it: pdtrace.analysis.releases) that
   no final free in the trace explains, or with no status and no earlier event of the request in the trace (a
   warning then, `extra.downgraded = "no_status"`: it may predate the recording, and only a status would say
   whether the scheduler knows it).
@@ -33,6 +34,7 @@ from pdtrace.analysis.blocks import ownership, release_gaps
 from pdtrace.analysis.columns import NO, columns, last_before
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.releases import trace_behaviour
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import (COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance,
                                       step_index)
@@ -122,6 +124,8 @@ def run(ctx: Any) -> pd.DataFrame:
         req = ref.get("req")
         r = int(rk[i])
         evidence = [ref]
+        release = trace_behaviour(ctx)  # what the recorded vLLM does with a completion for an id it forgot
+        effect = release.unknown_send if kind == "kv_send_done" else release.unknown_recv
         if after[i]:
             sub, sev = "completion_after_free", "error"
             free_row = int(gap_free_row[i])
@@ -129,8 +133,7 @@ def run(ctx: Any) -> pd.DataFrame:
             evidence.append(ev.ref(free_row, f"final free (reason {reason}): the scheduler forgot {req} here"))
             if st.finish_pos[r] >= 0:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
-            msg = (f"{kind} for {req} after its final free (reason {reason}) released it: vLLM no longer knows the "
-                   "id (0.33 asserts req_id in self.requests, 0.10 raises KeyError)")
+            msg = f"{kind} for {req} after its final free (reason {reason}) released it: {effect}"
         else:
             sub = "unknown_id"
             sev = "error" if is_unknown[i] else "warning"
@@ -138,8 +141,8 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[st.last_free_pos[r]]), "blocks last freed here"))
             if st.finish_pos[r] >= 0 and st.finish_pos[r] < pos[i]:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
-            msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): vLLM asserts "
-                   "req_id in self.requests" if is_unknown[i] else
+            msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): {effect}"
+                   if is_unknown[i] else
                    f"{kind} for {req}, which has no earlier event in the trace (no status says whether the "
                    "scheduler knows it: it may predate the recording)")
         evidence += _completion_evidence(ctx, ev, row)

@@ -49,6 +49,7 @@ from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.releases import grace_s
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
                                       engine_failures, fmt_blocks, gaps, groups, inst_code_of_sk, rank_report,
@@ -63,7 +64,8 @@ def run(ctx: Any) -> pd.DataFrame:
         return findings_frame([])
     st = request_state(ctx)
     own = ownership(ctx)
-    grace_ns = int(ctx.config.grace_s * 1e9)
+    grace = grace_s(ctx)  # the recorded release's connector timeout unless configured
+    grace_ns = int(grace * 1e9)
     end_pos = cols.n
     end_ts = trace_span(ctx)[1]  # the whole trace's end, also on one partition of it
     gp = gaps(ctx)
@@ -128,7 +130,7 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[since]), "finished with delay_free: waiting for the peer's "
                                        "read" if send_open else "waiting for remote KV since"))
                 why = (f"waits {'to send its KV' if send_open else 'for remote KV'} for "
-                       f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {ctx.config.grace_s:g} s) and never completes")
+                       f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {grace:g} s) and never completes")
                 context = f"leaked_blocks:indirectly:{'send' if send_open else 'recv'}"
                 ranks = rank_report(ctx, rk, "send" if send_open else "recv")
                 if ranks is not None:

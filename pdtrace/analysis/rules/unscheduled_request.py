@@ -64,6 +64,7 @@ from pdtrace.analysis.columns import NO, Columns, columns
 from pdtrace.analysis.context import AnalysisContext, trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.releases import grace_s
 from pdtrace.analysis.requests import RequestState, request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
                                       engine_failures, gaps, inst_code_of_sk, sk_instance)
@@ -208,7 +209,7 @@ class _Out:
         if steps >= int(getattr(self.ctx.config, self.STEP_THRESHOLD.get(subrule, "starve_steps"))):
             return None
         if subrule == "stuck_waiting_kv" and \
-                failure.point_ts - int(self.cols.ts[start_row]) > float(self.ctx.config.grace_s) * 1e9:
+                failure.point_ts - int(self.cols.ts[start_row]) > grace_s(self.ctx) * 1e9:
             return None
         return failure
 
@@ -441,7 +442,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             reported[r] = True
 
     # --- stuck_waiting_kv -----------------------------------------------------------------------------------
-    grace_ns = int(float(cfg.grace_s) * 1e9)
+    grace = grace_s(ctx)  # the recorded release's connector timeout unless configured
+    grace_ns = int(grace * 1e9)
     waiters = np.flatnonzero(st.wait_kv_pos >= 0)
     if len(waiters):
         wrow = _row(cols, st.wait_kv_pos[waiters]).astype(np.int64)
@@ -464,11 +466,11 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             r = int(waiters[i])
             evidence = [(int(_row(cols, st.add_pos[r])), None), (int(wrow[i]), "waiting for remote KV")]
             extra = {"waited_ns": int(age[i]), "steps_since": int(wsteps[i]), "overtaken_by": int(overtaken[i]),
-                     "grace_s": float(cfg.grace_s), "open_at_end": not bool(closed[i])}
+                     "grace_s": grace, "open_at_end": not bool(closed[i])}
             name = cols.rk_names["req"].iloc[r]
             if closed[i]:
                 evidence.append((int(crow[i]), "receive closed"))
-                msg = f"request {name} waited {_fmt_ms(age[i])} for remote KV, longer than grace {cfg.grace_s:g} s"
+                msg = f"request {name} waited {_fmt_ms(age[i])} for remote KV, longer than grace {grace:g} s"
                 out.add("stuck_waiting_kv", "warning", r, int(wrow[i]), int(close[i]), msg, evidence, extra)
                 continue
             remote = _remote_side(ctx, cols, st, r)
@@ -487,7 +489,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                 extra["remote_sent"] = True
             if age[i] > grace_ns:
                 sev = "error"
-                why = f"longer than the grace period ({cfg.grace_s:g} s, past every connector timeout)"
+                why = f"longer than the grace period ({grace:g} s, past every connector timeout)"
             elif expired_row is not None or remote.get("send_row") is not None:
                 sev = "error"
                 why = (f"although {remote['instance']} already "

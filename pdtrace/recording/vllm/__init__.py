@@ -1,10 +1,13 @@
 """pdtrace's hooks into vLLM: one shim table per supported vLLM version, applied by `install_hooks()`.
 
 `install_hooks()` is what the `vllm.general_plugins` entry point (pdtrace.recording.plugin.install) and the dry
-run call, after the recording session is configured. It reads the installed vLLM's version, picks that version's
-table (`v0_33.py` for 0.33.0; supporting another release is one more module and one more line in `_TABLES`),
-checks every name and parameter the table relies on, and wraps them. On a version it does not know it warns once,
-naming the supported versions, and wraps nothing: pdtrace never guesses at private names.
+run call, after the recording session is configured. It reads the installed vLLM's version, picks the table of
+the release range holding it (`_TABLES`: a table per behaviour, not per number; releases that share names and
+semantics share one), checks every name and parameter the table relies on, and wraps them. On a version outside
+every range it warns once, naming the supported ranges, and wraps nothing; inside a range the patcher's checks
+stay exact (a release of the range that renamed a method records nothing, with one warning naming the method):
+pdtrace never guesses at private names. The release and the table's name go into every engine_config event
+(detail `vllm_version`, `table`) and into `pdtrace record`'s manifest. docs/vllm-releases.md lists what differs.
 
 Recording path: stdlib only here; vLLM is imported inside `install_hooks()` (which runs inside vLLM anyway).
 """
@@ -12,23 +15,70 @@ Recording path: stdlib only here; vLLM is imported inside `install_hooks()` (whi
 from __future__ import annotations
 
 import importlib
+import re
 import threading
+from dataclasses import dataclass
 
 from pdtrace.recording.vllm._runtime import RUNTIME, log
 
-#: Supported vLLM releases -> the module holding their hook table.
-_TABLES: dict[str, str] = {
-    "0.33.0": "pdtrace.recording.vllm.v0_33",
-}
+
+@dataclass(frozen=True)
+class TableRange:
+    """The releases `first` <= release < `before` share the hook table of `module` (its `TABLE`). `releases`: the
+    published releases of the range (`.ci/run --all-versions` runs the vLLM tier on each); `tested`: those the tier
+    has passed on (`.ci/run` runs the oldest and newest of them)."""
+
+    first: str
+    before: str
+    module: str
+    releases: tuple[str, ...]
+    tested: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The table's name as the trace records it (`v0_33`)."""
+        return self.module.rsplit(".", 1)[1]
+
+    @property
+    def label(self) -> str:
+        """The range for people: `0.32.0 to 0.33.x` (every patch release of 0.33), `0.10.1.1 to 0.11.0`."""
+        before = self.before.split(".")
+        if len(before) == 2:
+            return f"{self.first} to {before[0]}.{int(before[1]) - 1}.x"
+        return f"{self.first} to {self.releases[-1]}"
+
+
+#: Supported vLLM release ranges -> their hook tables, oldest first.
+_TABLES: tuple[TableRange, ...] = (
+    TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0"), ("0.10.1.1",)),
+    TableRange("0.11.1", "0.12", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2"), ("0.11.2",)),
+    TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
+               ("0.28.0", "0.31.0")),
+    TableRange("0.32.0", "0.34", "pdtrace.recording.vllm.v0_33", ("0.32.0", "0.33.0"), ("0.32.0", "0.33.0")),
+)
 
 _lock = threading.Lock()
 _patcher = None
 _installed_version: str | None = None
 
 
+def _release_key(version: str) -> tuple[int, ...]:
+    """`0.10.1.1` -> (0, 10, 1, 1); a pre-release or local part is ignored (`0.33.1rc1+cpu` -> (0, 33, 1))."""
+    return tuple(int(part) for part in re.findall(r"\d+", re.split(r"[^\d.]", version, maxsplit=1)[0]))
+
+
+def table_for(version: str) -> TableRange | None:
+    """The table range holding vLLM release `version`, or None (unsupported). No vLLM import."""
+    key = _release_key(version)
+    for entry in _TABLES:
+        if _release_key(entry.first) <= key < _release_key(entry.before):
+            return entry
+    return None
+
+
 def supported_versions() -> tuple[str, ...]:
-    """The vLLM releases pdtrace has a hook table for."""
-    return tuple(_TABLES)
+    """The supported vLLM release ranges, oldest first (`0.32.0 to 0.33.x`, ...)."""
+    return tuple(entry.label for entry in _TABLES)
 
 
 def installed_vllm_version() -> str | None:
@@ -66,15 +116,16 @@ def install_hooks(version: str | None = None) -> bool:
         if detected is None:
             RUNTIME.warn_once("no-vllm", "pdtrace: vLLM is not installed; nothing to record")
             return False
-        table_module = _TABLES.get(detected)
-        if table_module is None:
+        entry = table_for(detected)
+        if entry is None:
             RUNTIME.warn_once(
-                "version", f"pdtrace: vLLM {detected} is not supported (supported: {', '.join(_TABLES)}); "
-                           "recording nothing")
+                "version", f"pdtrace: vLLM {detected} is not supported (supported: "
+                           f"{', '.join(supported_versions())}); recording nothing")
             return False
+        from pdtrace.recording.vllm._common import RELEASE
         from pdtrace.recording.vllm._patching import Patcher, TableMismatch
 
-        table = importlib.import_module(table_module).TABLE
+        table = importlib.import_module(entry.module).TABLE
         patcher = Patcher(table, on_lazy_mismatch=_lazy_mismatch)
         try:
             patcher.apply()
@@ -84,8 +135,9 @@ def install_hooks(version: str | None = None) -> bool:
                                           f"({exc}); recording nothing")
             return False
         _patcher, _installed_version = patcher, detected
+        RELEASE.update(vllm_version=detected, table=entry.name)
         RUNTIME.active = True
-        log.debug("pdtrace: hooks installed for vLLM %s", detected)
+        log.debug("pdtrace: hooks installed for vLLM %s (table %s)", detected, entry.name)
         return True
 
 
@@ -97,6 +149,9 @@ def uninstall_hooks() -> None:
         if _patcher is not None:
             _patcher.revert()
         _patcher, _installed_version = None, None
+        from pdtrace.recording.vllm._common import RELEASE
+
+        RELEASE.clear()
 
 
 def hooks_installed() -> bool:
@@ -104,4 +159,5 @@ def hooks_installed() -> bool:
     return _patcher is not None
 
 
-__all__ = ["install_hooks", "uninstall_hooks", "hooks_installed", "supported_versions", "installed_vllm_version"]
+__all__ = ["install_hooks", "uninstall_hooks", "hooks_installed", "supported_versions", "installed_vllm_version",
+           "table_for", "TableRange"]

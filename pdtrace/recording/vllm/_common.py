@@ -13,6 +13,10 @@ STATE_ATTR = "_pdtrace"
 #: Attribute carrying the recorder's step id on a SchedulerOutput (pickled to the workers with it).
 STEP_ATTR = "_pdtrace_step"
 
+#: The release being recorded and the hook table applied to it (`vllm_version`, `table`), set by install_hooks and
+#: written into each engine_config event.
+RELEASE: dict[str, str] = {}
+
 _DP_SUFFIX = re.compile(r"^(?P<name>.*)_dp(?P<rank>\d+)$")
 _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
@@ -55,7 +59,7 @@ class SchedulerState:
     __slots__ = (
         "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason",
         "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits", "now",
-        "run_head", "run_k",
+        "run_head", "run_k", "held", "admitting",
     )
 
     def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
@@ -83,6 +87,10 @@ class SchedulerState:
         #: The latest empty step's `sched` row still in the recorder's buffer, and how many steps it stands for.
         self.run_head: tuple | None = None
         self.run_k = 0
+        #: The scheduler's queue of waiting requests held aside (kv_holding_waiting / skipped_waiting), if any.
+        self.held: Any = None
+        #: Requests whose admission was tried in this schedule() (0.10 / 0.11 tables: where a KV receive starts).
+        self.admitting: list[Any] = []
 
 
 class WorkerState:

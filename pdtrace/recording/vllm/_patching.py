@@ -182,3 +182,14 @@ class _PostImportLoader(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def overlay(base: Sequence[Hook], *, replace: Sequence[Hook] = (), drop: Sequence[str] = ()) -> tuple[Hook, ...]:
+    """An older release's table as a thin overlay of a newer one: `base` without the hooks named `Owner.name` in
+    `drop`, each hook of `replace` in the place of base's hook of the same owner and name (appended if none)."""
+    unknown = set(drop) - {f"{h.owner}.{h.name}" for h in base}
+    if unknown:
+        raise ValueError(f"overlay: nothing to drop named {sorted(unknown)}")
+    by_name = {f"{h.owner}.{h.name}": h for h in replace}
+    out = [by_name.pop(f"{h.owner}.{h.name}", h) for h in base if f"{h.owner}.{h.name}" not in drop]
+    return tuple(out) + tuple(by_name.values())

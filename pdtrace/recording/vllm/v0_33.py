@@ -41,10 +41,12 @@ Every wrapper: if recording is off, call the original and nothing else; pdtrace'
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 from pdtrace.recording import session
 from pdtrace.recording.vllm._common import (
+    RELEASE,
     STATE_ATTR,
     STEP_ATTR,
     SchedulerState,
@@ -54,8 +56,6 @@ from pdtrace.recording.vllm._common import (
 )
 from pdtrace.recording.vllm._patching import Hook
 from pdtrace.recording.vllm._runtime import RUNTIME
-
-VERSIONS = ("0.33.0",)
 
 _RT = RUNTIME
 
@@ -118,21 +118,26 @@ def _new_sched_state(sched: Any) -> SchedulerState:
     if any(_trims_blocks(m) for m in kvm.coordinator.single_type_managers):
         setattr(kvm.coordinator, STATE_ATTR, st)  # only then does the remove_skipped_blocks hook look
     setattr(sched, STATE_ATTR, st)
+    # The queue of waiting requests held aside, counted with `waiting`: kv_holding_waiting (0.31+), skipped_waiting
+    # (0.28-0.30, grammar and streaming waits too), none before (0.10 / 0.11 keep one waiting queue).
+    held = sched.__dict__.get("kv_holding_waiting")
+    st.held = held if held is not None else sched.__dict__.get("skipped_waiting")
     pc, sc, kv = vc.parallel_config, vc.scheduler_config, vc.kv_transfer_config
     st.ch.emit(
         "engine_config",
         n=int(kvm.block_pool.num_gpu_blocks),
         detail={
+            **RELEASE,
             "block_size": sched.block_size,
             "pp": pc.pipeline_parallel_size,
             "tp": pc.tensor_parallel_size,
             "dp": pc.data_parallel_size,
-            "batch_queue_size": vc.max_concurrent_batches,
+            "batch_queue_size": getattr(vc, "max_concurrent_batches", None),  # 0.28+ (0.10 / 0.11: the executor's)
             "async_scheduling": bool(sc.async_scheduling),
-            "defer_block_free": bool(sched.defer_block_free),
+            "defer_block_free": bool(getattr(sched, "defer_block_free", False)),  # none before 0.28
             "kv_role": getattr(kv, "kv_role", None),
             "connector": getattr(kv, "kv_connector", None),
-            "runner": "v2" if vc.use_v2_model_runner else "v1",
+            "runner": "v2" if getattr(vc, "use_v2_model_runner", False) else "v1",
             "max_num_seqs": sc.max_num_seqs,
             "max_num_batched_tokens": sc.max_num_batched_tokens,
         },
@@ -196,8 +201,9 @@ def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None)
                    detail={"hit": hit, "external": len(ids) - hit})
     local_tokens = hit_info[1] if hit_info else 0
     st.waiting_kv.add(req_id)
+    computed = wait_kv_request.num_computed_tokens  # 0 in 0.10 / 0.11: set when the read completes (n null)
     st.ch.emit("req_wait_kv", step=st.cur_step, req=req_id, blocks=ids[hit:],
-               n=max(0, wait_kv_request.num_computed_tokens - local_tokens))
+               n=max(0, computed - local_tokens) if computed else None)
 
 
 def _record_step_growth(st: SchedulerState, so: Any) -> None:
@@ -221,7 +227,7 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
             ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None, {"hit": hit} if hit else None)
     cached = so.scheduled_cached_reqs
     if any(cached.new_block_ids):
-        resumed = cached.resumed_req_ids
+        resumed = _resumed_ids(cached)
         for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
             if grown is None:
                 continue
@@ -236,6 +242,14 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
                 ids = [b for b in ids if b]
             if ids:
                 ch.emit("blocks_alloc", step, req_id, ids)
+
+
+def _resumed_ids(cached: Any) -> Any:
+    """The ids of the step's resumed requests: `resumed_req_ids` (0.11.1+), a flag per request before."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:
+        resumed = {r for r, flag in zip(cached.req_ids, cached.resumed_from_preemption) if flag}
+    return resumed
 
 
 def _free_reason(st: SchedulerState, request: Any) -> str:
@@ -322,7 +336,7 @@ def _w_schedule(orig: Any) -> Any:
                                 _record_growth(st, req_id)
                 st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
                     "running": len(self.running),
-                    "waiting": len(self.waiting) + len(self.kv_holding_waiting),
+                    "waiting": len(self.waiting) + (len(st.held) if st.held is not None else 0),
                     "waiting_kv": len(st.waiting_kv),
                     "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
                     "dur_ns": dur,
@@ -350,11 +364,11 @@ def _w_update_from_output(orig: Any) -> Any:
                         None if wait_ns is None else {"wait_ns": wait_ns})
             kvo = model_runner_output.kv_connector_output
             if kvo is not None:
-                failed = kvo.failed_recving
+                failed = getattr(kvo, "failed_recving", None)  # 0.30+
                 if failed:
                     for req_id in failed:
                         st.ch.emit("kv_recv_fail", step=step, req=req_id)
-                if kvo.invalid_block_ids:
+                if getattr(kvo, "invalid_block_ids", None):
                     st.ch.emit("kv_recv_fail", step=step, blocks=sorted(kvo.invalid_block_ids))
         except Exception as exc:
             _RT.fail("update_from_output", exc)
@@ -462,7 +476,7 @@ def _w_finish_requests(orig: Any) -> Any:
                 for req_id in ids:
                     req = self.requests.get(req_id)
                     if req is not None and _status_name(req.status) == "WAITING_FOR_REMOTE_KVS":
-                        st.abort_delay[req_id] = (req_id not in self.deferred_loads
+                        st.abort_delay[req_id] = (req_id not in getattr(self, "deferred_loads", ())  # 0.33+
                                                   and req_id not in self.finished_recving_kv_req_ids)
             except Exception as exc:
                 _RT.fail("finish_requests", exc)
@@ -580,18 +594,22 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
 # ------------------------------------------------------------------------------------- KV cache manager, pool
 
 
+def _note_prefix_hit(st: SchedulerState, request: Any, out: Any) -> None:
+    """Remember a request's local prefix hit from a (KVCacheBlocks, hit tokens) answer, or forget a stale one."""
+    if out[1]:
+        hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
+        st.hits[request.request_id] = (hit, int(out[1]))
+    elif st.hits:
+        st.hits.pop(request.request_id, None)
+
+
 def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
     # Called once per admission attempt from the waiting queue (not per running request).
     def _get_local_prefix_cache_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, request, *args, **kwargs)
         if _RT.active:
             try:
-                st = _sched_state(self)
-                if out[1]:
-                    hit = sum(1 for group in out[0].blocks for b in group if not b.is_null)
-                    st.hits[request.request_id] = (hit, int(out[1]))
-                elif st.hits:
-                    st.hits.pop(request.request_id, None)
+                _note_prefix_hit(_sched_state(self), request, out)
             except Exception as exc:
                 _RT.fail("_get_local_prefix_cache_hit", exc)
         return out
@@ -794,16 +812,24 @@ def _timed_future(future: Any, st: SchedulerState) -> None:
 
 def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
     execute_model = executor.execute_model
-    sample_tokens = executor.sample_tokens
+    sample_tokens = getattr(executor, "sample_tokens", None)  # 0.28+: the step's second RPC
 
     def wrapped_execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if _RT.active:
             try:
-                queue = engine.batch_queue
+                queue = engine.batch_queue  # a deque; a queue.Queue in 0.10
                 st.eng.emit("step_submit", step=getattr(scheduler_output, STEP_ATTR, None),
-                            n=1 if queue is None else len(queue) + 1)
+                            n=1 if queue is None else (queue.qsize() if hasattr(queue, "qsize") else len(queue)) + 1)
             except Exception as exc:
                 _RT.fail("execute_model", exc)
+        if sample_tokens is None and _RT.active:  # 0.10 / 0.11.0: the model runs and samples in this one call
+            t0 = st.now()
+            out = execute_model(scheduler_output, *args, **kwargs)
+            if isinstance(out, Future):  # 0.10's executor whenever batches are queued (no non_block argument)
+                _timed_future(out, st)
+            else:
+                st.wait_ns = (st.wait_ns or 0) + (st.now() - t0)
+            return out
         out = execute_model(scheduler_output, *args, **kwargs)
         if _RT.active and (args[0] if args else kwargs.get("non_block", False)):
             _timed_future(out, st)
@@ -825,7 +851,8 @@ def _wrap_executor(engine: Any, executor: Any, st: SchedulerState) -> None:
             st.wait_ns = (st.wait_ns or 0) + (now() - t0)
 
     executor.execute_model = wrapped_execute_model
-    executor.sample_tokens = wrapped_sample_tokens
+    if sample_tokens is not None:
+        executor.sample_tokens = wrapped_sample_tokens
 
 
 def _record_engine_error(st: Any, exc: BaseException, where: str, **more: Any) -> None:
@@ -914,7 +941,12 @@ def _rank_completions(wst: WorkerState, output: Any, step: int | None) -> None:
     if output is None:
         return
     get_kvo = getattr(output, "get_kv_connector_output", None)  # AsyncModelRunnerOutput: do not block on it
-    kvo = get_kvo() if get_kvo is not None else getattr(output, "kv_connector_output", None)
+    if get_kvo is not None:
+        kvo = get_kvo()
+    else:
+        # Before 0.33 the async output has no accessor: AsyncGPUModelRunnerOutput keeps the step's
+        # ModelRunnerOutput in `_model_runner_output` (0.28-0.32 gpu_model_runner.py, its __init__).
+        kvo = getattr(getattr(output, "_model_runner_output", output), "kv_connector_output", None)
     if kvo is None:
         return
     if kvo.finished_sending:
@@ -994,7 +1026,7 @@ def _w_update_states(orig: Any) -> Any:
                 if removed or added:
                     step = getattr(scheduler_output, STEP_ATTR, None)
                     finished = scheduler_output.finished_req_ids
-                    preempted = scheduler_output.preempted_req_ids or ()
+                    preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()  # 0.11.1+
                     for req_id in removed:
                         reason = ("finished" if req_id in finished
                                   else "preempted" if req_id in preempted else "unscheduled")

@@ -1,0 +1,166 @@
+"""What the dry run (and the vLLM tier's harness) does differently per vLLM release: small shims, each naming the
+releases it covers. The hooks' own differences live in pdtrace.recording.vllm's tables; what the releases do
+differently is in docs/vllm-releases.md.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+
+def attach_block_hasher(request: Any, hasher: Any) -> None:
+    """Give a Request built without one EngineCore's block hasher and compute its block hashes, as
+    `Request.from_engine_core_request(request, core.request_block_hasher)` does (no-op for None).
+
+    0.28+ keep the hasher in `_block_hasher` and hash in `update_block_hashes()`; 0.10 / 0.11 keep it bound in
+    `get_hash_new_full_blocks`. Without hashes, 0.32 and older fail in BlockPool.cache_full_blocks (an
+    IndexError: 0.33 caps the caching at the hashed tokens).
+    """
+    if hasher is None:
+        return
+    request.block_hashes = []
+    if hasattr(request, "_block_hasher"):
+        request._block_hasher = hasher
+        request.update_block_hashes()
+    else:
+        request.get_hash_new_full_blocks = partial(hasher, request)
+        request.block_hashes = request.get_hash_new_full_blocks()
+
+
+def recv_plan(meta: Any) -> tuple[int, bool, str | None, str | None]:
+    """What one NIXL `reqs_to_recv` entry asks a D rank to read: (blocks, whether the scheduler awaits a
+    completion, the remote engine id, the remote request id or None).
+
+    0.31+: `local_block_ids` per KV cache group, `awaiting_kvs`, `remote` (RemoteMeta). 0.28-0.30: no
+    `awaiting_kvs` (every read is awaited). 0.10 / 0.11: flat block lists and the remote's fields inline, and no
+    remote request id: P and D share one request id there.
+    """
+    local = meta.local_block_ids
+    remote = getattr(meta, "remote", None)
+    if remote is not None or hasattr(meta, "awaiting_kvs") or (local and isinstance(local[0], (list, tuple))):
+        n_blocks = len(local[0]) if local and len(local) else 0
+        if remote is None:
+            return n_blocks, bool(getattr(meta, "awaiting_kvs", True)), None, None
+        return n_blocks, bool(getattr(meta, "awaiting_kvs", True)), remote.engine_id, remote.request_id
+    return len(local or ()), True, getattr(meta, "remote_engine_id", None), None
+
+
+def ensure_cpu_platform() -> None:
+    """0.10 / 0.11 detect the CPU platform only in a CPU build of vLLM (a `cpu` version suffix) or on macOS; the
+    CUDA wheel on a machine without a GPU gets UnspecifiedPlatform, which refuses to build a VllmConfig
+    (is_async_output_supported raises NotImplementedError). Resolve it to CpuPlatform there, as a CPU build would;
+    newer releases already do so themselves."""
+    import vllm.platforms as platforms
+
+    current = platforms.current_platform
+    if type(current).__name__ == "UnspecifiedPlatform":
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+
+
+def full_attention_spec(block_size: int, num_kv_heads: int = 1, head_size: int = 1, dtype: Any = None) -> Any:
+    """A FullAttentionSpec (default: one KV head of size 1, float32); 0.10 / 0.11 also require `use_mla`."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    extra = {"use_mla": False} if "use_mla" in {f.name for f in dataclasses.fields(FullAttentionSpec)} else {}
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.float32 if dtype is None else dtype, **extra)
+
+
+def new_request(request_id: str, prompt_token_ids: list[int], sampling_params: Any, **kwargs: Any) -> Any:
+    """A text-only vllm.v1.request.Request: the multimodal parameters each release requires are passed as None
+    (0.10: multi_modal_kwargs / _hashes / _placeholders; 0.11.0: also mm_features; 0.28+: mm_features only);
+    `kwargs` (block_hasher, arrival_time, eos_token_id: 0.10 / 0.11 only, ...) where the release takes them."""
+    import inspect
+
+    from vllm.v1.request import Request
+
+    params = inspect.signature(Request.__init__).parameters
+    args: dict[str, Any] = {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
+                            "sampling_params": sampling_params, "pooling_params": None}
+    for name in ("multi_modal_kwargs", "multi_modal_hashes", "multi_modal_placeholders", "mm_features"):
+        if name in params:
+            args[name] = None
+    args.update((k, v) for k, v in kwargs.items() if k in params)
+    return Request(**args)
+
+
+def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], kv_connector_output: Any = None,
+                        ) -> Any:
+    """A ModelRunnerOutput of sampled tokens: the fields a release requires without a default are given empty
+    (0.10: spec_token_ids; 0.10-0.11: logprobs, prompt_logprobs_dict, pooler_output), and 0.11.1 / 0.11.2 take
+    the sampled tokens as numpy arrays (their update_from_output calls .tolist())."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    fields = {f.name: f for f in dataclasses.fields(ModelRunnerOutput)}
+    if "ndarray" in str(fields["sampled_token_ids"].type):
+        import numpy as np
+
+        sampled_token_ids = [np.array(t, dtype=np.int64) for t in sampled_token_ids]
+    args: dict[str, Any] = {"req_ids": req_ids, "req_id_to_index": {r: i for i, r in enumerate(req_ids)},
+                            "sampled_token_ids": sampled_token_ids, "kv_connector_output": kv_connector_output}
+    empty = {"prompt_logprobs_dict": {}}
+    for name, f in fields.items():
+        if name not in args and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            args[name] = empty.get(name)
+    return ModelRunnerOutput(**args)
+
+
+def warm_up_reply() -> Any:
+    """One worker's reply to the `compile_or_warm_up_model` RPC: CompilationTimes (0.28+), None before (0.10 / 0.11
+    ignore it)."""
+    try:
+        from vllm.v1.worker.worker_base import CompilationTimes  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return CompilationTimes(0.0, 0.0)
+
+
+def use_v1_scheduler(vllm_config: Any) -> None:
+    """0.10 / 0.11's SchedulerConfig defaults to the V0 scheduler class (`vllm.core.scheduler.Scheduler`); vLLM's
+    EngineArgs switch it to the V1 one for the V1 engine, a VllmConfig built directly does not."""
+    sc = vllm_config.scheduler_config
+    if str(getattr(sc, "scheduler_cls", "")) == "vllm.core.scheduler.Scheduler":
+        sc.scheduler_cls = "vllm.v1.core.sched.scheduler.Scheduler"
+
+
+def engine_step(core: Any) -> Any:
+    """One turn of EngineCoreProc's busy loop: `core.step_fn()` (bound in EngineCore.__init__ from 0.11.1; in 0.10
+    / 0.11.0 only EngineCoreProc binds it, to `step` or `step_with_batch_queue` by the batch queue), then
+    Returns step_fn's (outputs, model_executed)."""
+    step_fn = core.__dict__.get("step_fn")
+    if step_fn is None:
+        step_fn = core.step if core.batch_queue is None else core.step_with_batch_queue
+    outputs, executed = step_fn()
+    return outputs, executed
+
+
+def post_step(core: Any, executed: bool) -> None:
+    """EngineCore.post_step where the release has it (0.11.0+)."""
+    post = getattr(core, "post_step", None)
+    if post is not None:
+        post(executed)
+
+
+def batch_queue_busy(core: Any) -> bool:
+    """Whether the engine's batch queue holds a step: a deque (0.11+) or a queue.Queue (0.10)."""
+    queue = core.batch_queue
+    if queue is None:
+        return False
+    empty = getattr(queue, "empty", None)
+    return not empty() if empty is not None else bool(queue)
+
+
+def split_sampling() -> bool:
+    """Whether the engine samples in a second RPC (`Executor.sample_tokens`, 0.11.1+): execute_model then replies
+    None for a step with tokens. Before, execute_model's reply carries the sampled tokens."""
+    from vllm.v1.executor.abstract import Executor
+
+    return hasattr(Executor, "sample_tokens")
