@@ -111,6 +111,9 @@ TABLE: tuple[Hook, ...] = overlay(
         Hook(v0_33._KVM, "KVCacheManager", "get_computed_blocks", _w_get_computed_blocks, ("request",)),
         Hook(v0_33._SCHED, "Scheduler", "_update_waiting_for_remote_kv", _w_update_waiting_for_remote_kv,
              ("request",)),
+        # The same trimming as 0.33 (sliding window, chunked local, Mamba); the parameter is num_computed_tokens.
+        Hook(v0_33._COORD, "KVCacheCoordinator", "remove_skipped_blocks", v0_33._w_remove_skipped_blocks,
+             ("request_id", "num_computed_tokens")),
     ),
     drop=(
         "Scheduler._preempt_request", "Scheduler.finish_requests", "Scheduler._drain_deferred_frees",

@@ -729,12 +729,14 @@ def _w_free_cow_retained_blocks(orig: Any) -> Any:
 
 def _trims_blocks(manager: Any) -> bool:
     """Whether a KV cache group's manager can give blocks up while the request runs (sliding window, chunked
-    local attention, Mamba): it overrides the base class's no-op trimming."""
+    local attention, Mamba): it overrides the base class's no-op trimming. 0.10 has no get_num_skipped_tokens and
+    an abstract base remove_skipped_blocks, so its full-attention manager counts as trimming there: the hook then
+    runs and records nothing for it (correct, only slower)."""
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as Base
 
     cls = type(manager)
-    return (cls.get_num_skipped_tokens is not Base.get_num_skipped_tokens
-            or cls.remove_skipped_blocks is not Base.remove_skipped_blocks)
+    return any(getattr(cls, name, None) is not getattr(Base, name, None)
+               for name in ("get_num_skipped_tokens", "remove_skipped_blocks"))
 
 
 def _w_remove_skipped_blocks(orig: Any) -> Any:
