@@ -82,8 +82,9 @@ def test_full_attention_coordinators_carry_no_trimming_state(recording, model_di
     from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
 
     wrapper = KVCacheCoordinator.remove_skipped_blocks
-    bypassed = full.kv_cache_manager.coordinator.remove_skipped_blocks
-    assert bypassed.__func__ is getattr(wrapper, ORIGINAL_ATTR) and bypassed.__self__ is full.kv_cache_manager.coordinator
+    coordinator = full.kv_cache_manager.coordinator
+    bypassed = coordinator.remove_skipped_blocks
+    assert bypassed.__func__ is getattr(wrapper, ORIGINAL_ATTR) and bypassed.__self__ is coordinator
     assert swa.kv_cache_manager.coordinator.remove_skipped_blocks.__func__ is wrapper
 
 

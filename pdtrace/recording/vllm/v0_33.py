@@ -739,8 +739,8 @@ def _w_remove_skipped_blocks(orig: Any) -> Any:
     # through the coordinator; the managers put the null block in place of each out-of-window block and give it
     # back to the pool. Recorded as blocks_free reason `skipped` (table order), then blocks_pool_free for those
     # whose ref count reached 0. No growth is pending at these calls (allocate_slots trims before it allocates;
-    # a finish comes after the step's growth was recorded). Coordinators of full attention only carry no state:
-    # one dict lookup per allocate_slots.
+    # a finish comes after the step's growth was recorded). Coordinators whose managers never trim carry no state
+    # and never reach this wrapper (_bypass_remove_skipped_blocks binds vLLM's own method on them).
     def remove_skipped_blocks(self: Any, request_id: Any, *args: Any, **kwargs: Any) -> Any:
         st = self.__dict__.get(STATE_ATTR)
         if st is None or not _RT.active:
