@@ -726,7 +726,7 @@ def _bypass_remove_skipped_blocks(coordinator: Any) -> None:
     """A coordinator whose managers never trim: vLLM's own `remove_skipped_blocks` bound on the instance, over the
     class's wrapper, so that its call from every allocate_slots (one per scheduled request and step) skips the
     wrapper's frame and lookups. bench/engine_overhead.py: 17 230 calls in a 596-step run, the largest call count
-    of any hook; the loop thread's added CPU time +15.6 -> +11.3 % (3 alternating rounds, shared 2-core box).
+    of any hook; the loop thread's added CPU time +15.9 -> +12.0 % (9 alternating rounds each tree, shared box).
     The wrapper stays on the class for coordinators that trim; a reverted hook leaves the same original in place."""
     wrapper = getattr(type(coordinator), "remove_skipped_blocks", None)
     original = getattr(wrapper, ORIGINAL_ATTR, None)
