@@ -76,6 +76,16 @@ def test_full_attention_coordinators_carry_no_trimming_state(recording, model_di
         s.schedule()
     assert STATE_ATTR not in full.kv_cache_manager.coordinator.__dict__
     assert STATE_ATTR in swa.kv_cache_manager.coordinator.__dict__
+    # The full-attention coordinator calls vLLM's own method, past the class's wrapper; the trimming one the wrapper.
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
+
+    wrapper = KVCacheCoordinator.remove_skipped_blocks
+    coordinator = full.kv_cache_manager.coordinator
+    bypassed = coordinator.remove_skipped_blocks
+    assert bypassed.__func__ is getattr(wrapper, ORIGINAL_ATTR) and bypassed.__self__ is coordinator
+    assert swa.kv_cache_manager.coordinator.remove_skipped_blocks.__func__ is wrapper
 
 
 def test_connector_finished_on_a_running_request_is_no_finish(recording, model_dir):
