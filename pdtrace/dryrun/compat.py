@@ -62,14 +62,29 @@ def ensure_cpu_platform() -> None:
 
 def full_attention_spec(block_size: int, num_kv_heads: int = 1, head_size: int = 1, dtype: Any = None) -> Any:
     """A FullAttentionSpec (default: one KV head of size 1, float32); 0.10 / 0.11 also require `use_mla`."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return _attention_spec(FullAttentionSpec, block_size, num_kv_heads, head_size, dtype)
+
+
+def sliding_window_spec(block_size: int, window: int, num_kv_heads: int = 1, head_size: int = 1,
+                        dtype: Any = None) -> Any:
+    """A SlidingWindowSpec of `window` tokens, with the same defaults and `use_mla` handling."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return _attention_spec(SlidingWindowSpec, block_size, num_kv_heads, head_size, dtype, sliding_window=window)
+
+
+def _attention_spec(spec_type: Any, block_size: int, num_kv_heads: int, head_size: int, dtype: Any,
+                    **fields: Any) -> Any:
     import dataclasses
 
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    extra = {"use_mla": False} if "use_mla" in {f.name for f in dataclasses.fields(FullAttentionSpec)} else {}
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=torch.float32 if dtype is None else dtype, **extra)
+    if "use_mla" in {f.name for f in dataclasses.fields(spec_type)}:
+        fields["use_mla"] = False
+    return spec_type(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                     dtype=torch.float32 if dtype is None else dtype, **fields)
 
 
 def new_request(request_id: str, prompt_token_ids: list[int], sampling_params: Any, **kwargs: Any) -> Any:

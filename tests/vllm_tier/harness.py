@@ -82,11 +82,7 @@ def kv_cache_config(num_blocks: int, block_size: int = BLOCK_SIZE, spec: Any = N
 
 
 def sliding_window_spec(window: int, block_size: int = BLOCK_SIZE) -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32,
-                             sliding_window=window)
+    return compat.sliding_window_spec(block_size, window)
 
 
 def make_scheduler(vllm_config: Any, num_blocks: int = 100, kv_spec: Any = None) -> Any:

@@ -732,13 +732,12 @@ def _w_free_cow_retained_blocks(orig: Any) -> Any:
 
 def _trims_blocks(manager: Any) -> bool:
     """Whether a KV cache group's manager can give blocks up while the request runs (sliding window, chunked
-    local attention, Mamba): it overrides the base class's no-op trimming. 0.10 has no get_num_skipped_tokens and
-    an abstract base remove_skipped_blocks, so its full-attention manager counts as trimming there: the hook then
-    runs and records nothing for it (correct, only slower)."""
-    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager as Base
+    local attention, Mamba): it overrides the no-op trimming of the base class (0.11+) or, in 0.10, whose base
+    method is abstract, of FullAttentionManager; 0.10 has no get_num_skipped_tokens."""
+    from vllm.v1.core import single_type_kv_cache_manager as managers
 
-    cls = type(manager)
-    return any(getattr(cls, name, None) is not getattr(Base, name, None)
+    cls, no_ops = type(manager), (managers.SingleTypeKVCacheManager, managers.FullAttentionManager)
+    return any(all(getattr(cls, name, None) is not getattr(base, name, None) for base in no_ops)
                for name in ("get_num_skipped_tokens", "remove_skipped_blocks"))
 
 
