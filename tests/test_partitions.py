@@ -204,3 +204,33 @@ def test_bad_partition_is_one_line_exit_2(tmp_path: Path, cli) -> None:
     empty.mkdir()
     res = cli("analyze", empty, "--partitions")
     assert res.exit_code == 2 and "no Parquet files" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_an_instance_whose_only_file_is_corrupt_is_skipped_as_in_a_whole_trace_run(tmp_path: Path, cli) -> None:
+    """A data page of D1's only part file is corrupt, its footer intact: the whole-trace read skips the file with a
+    warning, and so do the partitioned runs (in process and in workers), with the same report."""
+    import pyarrow.parquet as pq
+
+    from pdtrace.trace.builder import write_table
+
+    trace_dir = tmp_path / "trace"
+    write_table(cross_instance_trace().table, trace_dir)
+    victim = next((trace_dir / "D1").rglob("*.parquet"))
+    pq.write_table(pq.read_table(victim), victim, compression="zstd", use_dictionary=False)
+    footer = pq.ParquetFile(victim).metadata
+    data = bytearray(victim.read_bytes())
+    for column in range(footer.num_columns):  # the last bytes of each column chunk's compressed data
+        chunk = footer.row_group(0).column(column)
+        end = chunk.data_page_offset + chunk.total_compressed_size
+        data[end - 6:end] = b"\x5a" * 6
+    victim.write_bytes(bytes(data))
+    assert pq.ParquetFile(victim).metadata.num_rows == footer.num_rows  # the footer still reads
+
+    outputs = []
+    for flags in (["--whole"], ["--partitions", "--jobs", "1"], ["--partitions", "--jobs", "2"]):
+        res = cli("analyze", trace_dir, "--format", "json", *flags)
+        assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
+        warnings = [line for line in res.stderr.splitlines() if line.startswith("pdtrace: warning:")]
+        assert len(warnings) == 1 and str(victim) in warnings[0] and "corrupt" in warnings[0], res.stderr
+        outputs.append(json.loads(res.stdout)["findings"])
+    assert outputs[0] and outputs[0] == outputs[1] == outputs[2]

@@ -350,7 +350,9 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
     warn: also issue the warnings (skipped files, unknown kinds, bad manifest) as Python `TraceWarning`s; they
         are always in `Trace.warnings`.
     only_files: read just these part files of the trace directory (one partition's, see
-        `pdtrace.analysis.partitions`); the trace's path stays `path`.
+        `pdtrace.analysis.partitions`); the trace's path stays `path`. They are part of a trace whose other files
+        are read elsewhere, so when every one of them turns out corrupt the result is an empty trace listing them
+        in `skipped`, as a whole-trace read would skip them, not an error.
     """
     with _system_memory_pool():
         return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files)
@@ -497,7 +499,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
                 except (OSError, pa.ArrowException) as exc:
                     skipped.append(SkippedFile(name, describe_unreadable(name, exc)))
                     files = [f for f in files if f.path != name]
-    if not files:
+    if not files and only_files is None:
         raise TraceError(f"{root}: none of the {len(skipped)} Parquet files could be read (first: "
                          f"{skipped[0].path}: {skipped[0].reason})")
     table = pa.concat_tables(tables).unify_dictionaries() if tables else _empty_table(selected)
