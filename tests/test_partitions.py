@@ -234,3 +234,34 @@ def test_an_instance_whose_only_file_is_corrupt_is_skipped_as_in_a_whole_trace_r
         assert len(warnings) == 1 and str(victim) in warnings[0] and "corrupt" in warnings[0], res.stderr
         outputs.append(json.loads(res.stdout)["findings"])
     assert outputs[0] and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_instance_selection_marks_the_findings_of_the_whole_trace(tmp_path: Path) -> None:
+    """plot/export --instance X read X's partition and those of its linked peers: the findings marked on X's
+    requests are those of the whole trace, the cross-instance ones included (P0's use after free needs D0's read;
+    D1's stuck wait names P1's engine failure), and no other instance is drawn."""
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.partitions import instance_links, linked_instances
+    from pdtrace.cli.app import load_instances
+    from pdtrace.plot import Window, build_figure
+    from pdtrace.trace.builder import write_table
+
+    trace_dir = tmp_path / "trace"
+    write_table(cross_instance_trace().table, trace_dir)
+    plan = plan_partitions(trace_dir)
+    assert instance_links(plan) == {("D0", "P0"), ("D1", "P1")}
+    assert [linked_instances(plan, [name]) for name in ("P0", "D1", "E")] == [["D0"], ["P1"], []]
+
+    whole = analyze(trace_dir, partitioned=False)
+    whole = whole[whole["req"].notna() & whole["ts_ns"].notna() & (whole["rule"] != "pipeline_bubble")]
+    for name in ("P0", "D1", "E"):
+        expected = whole[whole["instance"] == name]
+        trace, span = load_instances(trace_dir, [name], with_links=True)
+        fig = build_figure(AnalysisContext(trace, span_ns=span), "requests", Window(instances=(name,)), dpi=50)
+        lanes = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+        assert lanes and all(lane.endswith(f"({name})") for lane in lanes), lanes
+        marks = [a for ax in fig.axes for a in ax.get_children() if a.get_gid() == "findings"]
+        assert sum(len(m.get_offsets()) for m in marks) == len(expected), name
+    assert {"use_after_free", "unscheduled_request"} <= set(whole["rule"])
+    alone, _ = load_instances(trace_dir, ["P0"])  # info: the instance alone
+    assert set(alone.table.column("instance").to_pylist()) == {"P0"}

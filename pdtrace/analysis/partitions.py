@@ -201,14 +201,74 @@ def analysed_span(plan: PartitionPlan, partitions: Sequence[Partition], config: 
     return (int(low), int(high)) if low is not None else (0, 0)
 
 
+#: The kinds whose detail names another instance (`remote_instance`): the reader's remote_read and a decode-side
+#: req_add, the two links of CROSS_SUBRULES.
+_LINK_KINDS = ("remote_read", "req_add")
+_REMOTE_INSTANCE = r'"remote_instance"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"'
+
+
+def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
+    """(instance, the instance its detail names) for every remote_read and req_add row that names one: the links
+    CROSS_SUBRULES follow. Reads three columns of the rows of those two kinds (a pushed-down filter), and matches
+    `remote_instance` in the JSON text with a vectorised regular expression; only the distinct names are decoded.
+    A file that cannot be read here is left to the reader, which skips it with a warning."""
+    import json
+
+    pairs: set[tuple[str, str]] = set()
+    kinds = pa.array(_LINK_KINDS)
+    for file in plan.footers.files:
+        try:
+            fs, inner = location(file.path)
+            table = pq.read_table(inner, columns=["instance", "kind", "detail"], filesystem=fs)
+        except (OSError, pa.ArrowException):
+            continue
+        kind = table.column("kind")
+        if pa.types.is_dictionary(kind.type):
+            kind = kind.cast(kind.type.value_type)
+        table = table.filter(pc.is_in(kind, value_set=kinds))
+        detail = table.column("detail")
+        if pa.types.is_dictionary(detail.type):
+            detail = detail.cast(detail.type.value_type)
+        named = pc.match_substring(detail, "remote_instance")
+        table, detail = table.filter(named), detail.filter(named)
+        if not table.num_rows:
+            continue
+        found = pc.extract_regex(detail, _REMOTE_INSTANCE)
+        instance = table.column("instance")
+        if pa.types.is_dictionary(instance.type):
+            instance = instance.cast(instance.type.value_type)
+        both = pa.table({"instance": instance, "name": pc.struct_field(found, "name")}).drop_null()
+        for row in both.group_by(["instance", "name"]).aggregate([]).to_pylist():
+            try:
+                name = json.loads(f'"{row["name"]}"')
+            except ValueError:
+                continue
+            pairs.add((str(row["instance"]), str(name)))
+    return pairs
+
+
+def linked_instances(plan: PartitionPlan, instances: Iterable[str]) -> list[str]:
+    """The instances, other than `instances`, that a finding on one of `instances` can depend on: those they name
+    as their peer (remote_instance) and those naming them. One hop is enough: a cross-instance finding consults
+    only the reader and the owner (see the module docstring)."""
+    mine = set(instances)
+    linked = {other for pair in instance_links(plan) if mine & set(pair) for other in pair}
+    return sorted((linked - mine) & set(plan.instances))
+
+
 def open_instances(path: str | os.PathLike[str], instances: Sequence[str], columns: Iterable[str] | None = None,
-                   ) -> tuple[Trace | None, tuple[int, int] | None, PartitionPlan]:
+                   with_links: bool = False) -> tuple[Trace | None, tuple[int, int] | None, PartitionPlan]:
     """(the rows of `instances` only, read from their partitions' files; the whole trace's span per the footers,
-    so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace."""
+    so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace.
+    `with_links`: also the rows of their `linked_instances`, so that findings on `instances` are those of the
+    whole trace (the caller shows only `instances`)."""
     from pdtrace.trace.reader import open_trace
 
     plan = plan_partitions(path)
-    wanted = [p for p in plan.partitions if p.instance in set(instances)]
+    chosen = set(instances)
+    if with_links and any(p.instance in chosen for p in plan.partitions):
+        chosen |= set(linked_instances(plan, chosen))
+    wanted = [p for p in plan.partitions if p.instance in chosen]
     if not wanted:
         return None, plan.stats_span, plan
     files = sorted({f for p in wanted for f in p.files})

@@ -75,17 +75,19 @@ def _root(
 
 
 def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterable[str] | None = None,
-                   ) -> tuple["Trace", tuple[int, int] | None]:
+                   with_links: bool = False) -> tuple["Trace", tuple[int, int] | None]:
     """(trace, span) for a verb that shows only `instances` (--instance): only their partitions are read
-    (`pdtrace.analysis.partitions.open_instances`) and span is the whole trace's (first, last) ts, for an
-    AnalysisContext's `span_ns`; without instances, the whole trace and None. Warnings as load_trace's."""
+    (`pdtrace.analysis.partitions.open_instances`), plus with `with_links` those of the instances linked to them,
+    so that the findings a plot or export marks are the whole trace's (its selection still shows `instances`
+    only); span is the whole trace's (first, last) ts, for an AnalysisContext's `span_ns`. Without instances, the
+    whole trace and None. Warnings as load_trace's."""
     names = list(instances or ())
     if not names:
         return load_trace(path, columns=columns), None
     from pdtrace.analysis.partitions import open_instances
     from pdtrace.plot.window import EmptySelection
 
-    trace, span, plan = open_instances(path, names, columns=columns)
+    trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links)
     if trace is None:
         raise EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
                              f"{', '.join(sorted(plan.instances))})")

@@ -47,7 +47,7 @@ def export(
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read
-    loaded, span = load_instances(trace, instance)  # --instance: only those instances' partitions are read
+    loaded, span = load_instances(trace, instance, with_links=True)  # --instance: theirs and their peers' partitions
     stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))

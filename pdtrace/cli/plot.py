@@ -45,7 +45,7 @@ def plot(
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.plot import Window, default_output, render
 
-    loaded, span = load_instances(trace, instance)  # --instance: only those instances' partitions are read
+    loaded, span = load_instances(trace, instance, with_links=True)  # --instance: theirs and their peers' partitions
     target = output or default_output(str(trace), kind.value)
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
     err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
