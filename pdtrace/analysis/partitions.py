@@ -209,8 +209,9 @@ _REMOTE_INSTANCE = r'"remote_instance"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"'
 
 def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
     """(instance, the instance its detail names) for every remote_read and req_add row that names one: the links
-    CROSS_SUBRULES follow. Reads three columns of the rows of those two kinds (a pushed-down filter), and matches
-    `remote_instance` in the JSON text with a vectorised regular expression; only the distinct names are decoded.
+    CROSS_SUBRULES follow. Reads two columns of the rows of those two kinds (a filter on `kind` handed to the
+    Parquet reader, which skips row groups by their statistics), and matches `remote_instance` in the JSON text
+    with a vectorised regular expression; only the distinct names are decoded.
     A file that cannot be read here is left to the reader, which skips it with a warning."""
     import json
 
@@ -219,13 +220,10 @@ def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
     for file in plan.footers.files:
         try:
             fs, inner = location(file.path)
-            table = pq.read_table(inner, columns=["instance", "kind", "detail"], filesystem=fs)
+            table = pq.read_table(inner, columns=["instance", "detail"], filesystem=fs,
+                                  filters=ds.field("kind").isin(kinds))
         except (OSError, pa.ArrowException):
             continue
-        kind = table.column("kind")
-        if pa.types.is_dictionary(kind.type):
-            kind = kind.cast(kind.type.value_type)
-        table = table.filter(pc.is_in(kind, value_set=kinds))
         detail = table.column("detail")
         if pa.types.is_dictionary(detail.type):
             detail = detail.cast(detail.type.value_type)
