@@ -22,6 +22,23 @@ time (the writer thread included), and that plus the final flush at exit (`sessi
 remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop),
 and the writer thread's own CPU time during the loop.
 Events are counted from the trace written.
+
+`--decompose` splits the cost: each round runs four children (order rotating), `plain` (no plugin), `off` (hooks
+installed, RUNTIME.active False: the wrappers' pass-through, and the remove_skipped_blocks wrapper, which stays on
+the class there since no state is made), `null` (the hooks' own work: Channel.emit / emit_many do nothing, no
+writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
+ns per event of the full run, and the loop's garbage collections (count, ms). Measured 2026-12-01, 2 shared CPUs
+(four engineers' jobs; rounds vary by +-5 %, so read differences under ~3 % as noise), 1000 requests, 580 steps,
+24 423 events, loop-thread CPU added:
+    main (0d07de5), 7 rounds: off +4.3 %, null +9.1 % (1 540 ns/event), full +11.2 % (1 840 ns/event);
+                              GC collections in the loop 3 / 3 / 3 / 26 (0.4 / 0.4 / 0.4 / 8.1 ms)
+    hook state kept off vLLM's objects (_common._STATES), 7 rounds: off +5.3 %, null +7.4 % (1 240 ns/event),
+                              full +10.2 % (1 740 ns/event); GC 3 / 3 / 3 / 27
+    main vs this tree in the same rounds (/tmp A/B of the child runs, 8 and 6 rounds): null +8.0 -> +7.2 %;
+                              full +9.9 -> +14.2 % and +13.0 -> +8.5 % (noise of that size)
+So on this workload about two thirds of the loop thread's added time is the hooks' own work with nothing
+recorded (null), the rest emit + the garbage collector scanning the buffered rows (27 collections instead of 3) +
+the writer thread beside the loop.
 """
 
 from __future__ import annotations
@@ -65,6 +82,7 @@ def child(args: argparse.Namespace) -> dict:
 
     # EngineCore.__init__ runs vLLM's plugin loading: pdtrace's entry point when PDTRACE_TRACE_DIR is set.
     engine = EngineCore(vc, executor_class=Executor, log_stats=False)
+    _set_mode(args.mode)
     reqs = [H.make_request(r["id"], len(r["prompt"]), prompt=r["prompt"], max_tokens=r["max_tokens"],
                            remote_decode=r["remote_decode"]) for r in workload(args.requests, args.seed)]
     remote = {r.request_id for r in reqs if r.kv_transfer_params}
@@ -80,6 +98,7 @@ def child(args: argparse.Namespace) -> dict:
 
         profiler = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: the machine may be shared
         profiler.enable()
+    gc_stats = _gc_counter()
     wall0, thread0, proc0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
     while pending or sched.has_requests() or engine.batch_queue:
         for _ in range(min(args.arrivals, len(pending))):
@@ -99,6 +118,7 @@ def child(args: argparse.Namespace) -> dict:
     wall, thread, proc = (time.perf_counter_ns() - wall0, time.thread_time_ns() - thread0,
                           time.process_time_ns() - proc0)
     writer = _writer_cpu_ns()  # the recorder's writer thread started with the loop's first event
+    gc_stats.stop()
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -110,7 +130,53 @@ def child(args: argparse.Namespace) -> dict:
     close = time.process_time_ns() - proc0
     return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "writer_ns": writer,
             "steps": steps,
-            "recording": recording, "sent": len(sent)}
+            "recording": recording, "sent": len(sent), "gc_collections": gc_stats.collections,
+            "gc_ns": gc_stats.ns}
+
+
+#: --mode of a child run (--decompose runs all four): what of pdtrace is live in the loop.
+MODES = {
+    "plain": "no plugin (PDTRACE_TRACE_DIR unset)",
+    "off": "hooks installed, RUNTIME.active False from the first step",
+    "null": "hooks recording into a null recorder (Channel.emit / emit_many do nothing, no writer)",
+    "full": "pdtrace record as users run it",
+}
+
+
+def _set_mode(mode: str) -> None:
+    """After the engine is built (the plugin ran in its __init__): switch the hooks off, or null the recorder."""
+    if mode == "off":
+        from pdtrace.recording.vllm._runtime import RUNTIME
+
+        RUNTIME.active = False
+    elif mode == "null":
+        from pdtrace.recording.recorder import Channel
+
+        Channel.emit = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+        Channel.emit_many = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+
+
+class _gc_counter:
+    """Collections and time spent in them (this process, all generations) from now until stop()."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.collections = 0
+        self.ns = 0
+        self._t0 = 0
+        self._gc = gc
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.collections += 1
+            self.ns += time.perf_counter_ns() - self._t0
+
+    def stop(self) -> None:
+        self._gc.callbacks.remove(self._callback)
 
 
 def _writer_cpu_ns() -> int:
@@ -133,14 +199,14 @@ def count_events(trace: Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in trace.rglob("part-*.parquet"))
 
 
-def run_child(args: argparse.Namespace, trace: Path | None) -> dict:
+def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None) -> dict:
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     env.pop("PDTRACE_TRACE_DIR", None)
     if trace is not None:
         env["PDTRACE_TRACE_DIR"] = str(trace)
     cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests), "--seed", str(args.seed),
-           "--arrivals", str(args.arrivals)]
+           "--arrivals", str(args.arrivals), "--mode", mode or ("full" if trace is not None else "plain")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -165,9 +231,18 @@ def main() -> None:
     ap.add_argument("--keep", help="keep the traces under this directory")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", help="with --child: cProfile the loop into this pstats file")
+    ap.add_argument("--mode", choices=MODES, default=None,
+                    help="with --child: " + "; ".join(f"{k}: {v}" for k, v in MODES.items()))
+    ap.add_argument("--decompose", action="store_true",
+                    help="run the four --mode variants per round (rotating order) and print each one's cost")
     args = ap.parse_args()
     if args.child:
+        if args.mode is None:
+            args.mode = "full" if os.environ.get("PDTRACE_TRACE_DIR") else "plain"
         print(json.dumps(child(args)))
+        return
+    if args.decompose:
+        decompose(args)
         return
 
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
@@ -206,6 +281,41 @@ def main() -> None:
         print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
               f"{(b - a) / events:10.0f}")
     print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
+
+
+def decompose(args: argparse.Namespace) -> None:
+    """--decompose: where the recording's cost is, mode by mode (each against `plain`, median of paired ratios)."""
+    tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
+    modes = list(MODES)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for i in range(args.rounds):
+        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        for mode in order:
+            trace = None if mode == "plain" else tmp / f"trace-{mode}-{i}"
+            res = run_child(args, trace, mode) if mode != "plain" else run_child(args, None, "plain")
+            runs[mode].append(res)
+        print(f"round {i}: " + "  ".join(f"{m} {runs[m][-1]['thread_ns'] / 1e6:6.1f}" for m in modes)
+              + " ms loop-thread CPU", file=sys.stderr, flush=True)
+        if len({runs[m][-1]["steps"] for m in modes}) != 1:
+            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    events = statistics.median(r["events"] for r in runs["full"])
+    steps = statistics.median(r["steps"] for r in runs["full"])
+    print(f"decomposition: {args.requests} requests, {steps:.0f} steps, {events:.0f} events (full), "
+          f"{args.rounds} rounds rotating the order; medians of each mode's paired ratio to plain")
+    print(f"{'mode':8s}{'loop wall':>22s}{'loop thread CPU':>24s}{'process CPU':>22s}{'ns/event':>10s}"
+          f"{'GC n':>6s}{'GC ms':>7s}")
+    for mode in modes:
+        cells = []
+        for key in ("wall_ns", "thread_ns", "process_ns"):
+            value = statistics.median(r[key] for r in runs[mode])
+            ratio = statistics.median((r[key] - p[key]) / p[key] for r, p in zip(runs[mode], runs["plain"]))
+            cells.append(f"{value / 1e6:9.1f}ms {ratio * 100:+6.1f}%")
+        added = statistics.median(r["thread_ns"] - p["thread_ns"] for r, p in zip(runs[mode], runs["plain"]))
+        gc_n = statistics.median(r["gc_collections"] for r in runs[mode])
+        gc_ms = statistics.median(r["gc_ns"] for r in runs[mode]) / 1e6
+        print(f"{mode:8s}" + "".join(f"{c:>23s}" for c in cells) + f"{added / events:10.0f}{gc_n:6.0f}{gc_ms:7.1f}")
+    print("ns/event: the loop thread's added CPU time over the full run's events. " +
+          "; ".join(f"{k}: {v}" for k, v in MODES.items()))
 
 
 if __name__ == "__main__":

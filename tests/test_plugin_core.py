@@ -305,3 +305,37 @@ def test_empty_steps_fold_only_while_nothing_else_is_recorded(tmp_path):
     ]
     first = json.loads(next(r["detail"] for r in rows if r["kind"] == "sched"))
     assert first["dur_ns"] == 400 and first["free_blocks"] == 10   # the run's schedule() time, summed
+
+
+def test_hook_state_is_kept_beside_vllm_objects_never_on_them():
+    import gc
+
+    from pdtrace.recording.vllm._common import _REFS, _STATES, attach_state, state_of
+
+    class Scheduler:  # a plain class: its instances keep their attributes inline until __dict__ is read
+        def __init__(self) -> None:
+            self.requests: dict = {}
+
+    class Pool:
+        pass
+
+    sched, pool, other = Scheduler(), Pool(), Scheduler()
+    state, pool_state = object(), object()
+    attach_state(sched, state, owner=True)
+    attach_state(pool, state)
+    assert state_of(sched) is state and state_of(pool) is state and state_of(other) is None
+    assert not hasattr(sched, "_pdtrace") and set(vars(sched)) == {"requests"}  # nothing added to the object
+    # The owner's death forgets its state everywhere; another object's only its own entry.
+    entries = len(_STATES)
+    del sched
+    gc.collect()
+    assert state_of(pool) is None and len(_STATES) == entries - 2 and len(_REFS) == len(_STATES)
+    attach_state(pool, pool_state)
+    attach_state(other, state)
+    del pool
+    gc.collect()
+    assert state_of(other) is state and pool_state not in _STATES.values()
+    # A new object that reuses a dead one's id starts without state.
+    del other
+    gc.collect()
+    assert all(state_of(Pool()) is None for _ in range(100))

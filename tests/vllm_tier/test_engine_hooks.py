@@ -263,7 +263,9 @@ def test_client_request_hook_failure_leaves_vllms_exception_alone(live_plugin, b
         def emit(self, *args, **kwargs):
             raise RuntimeError("boom inside pdtrace")
 
-    monkeypatch.setattr(engine.__dict__[v0_33.STATE_ATTR], "eng", BrokenChannel())   # the engine_error emit fails
+    from pdtrace.recording.vllm._common import state_of
+
+    monkeypatch.setattr(state_of(engine), "eng", BrokenChannel())   # the engine_error emit fails
     H.client_add(engine, H.make_request("r0", 40, max_tokens=8))
     with pytest.raises(AssertionError, match="duplicate request id"):
         engine.run_busy_loop()

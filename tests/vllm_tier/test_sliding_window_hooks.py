@@ -66,26 +66,35 @@ def test_blocks_out_of_the_window_are_recorded_as_skipped(recording, model_dir):
     assert len(pdtrace.analyze(recording)) == 0
 
 
-def test_full_attention_coordinators_carry_no_trimming_state(recording, model_dir):
-    from pdtrace.recording.vllm._common import STATE_ATTR
-
-    full = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None))
-    swa = _swa_scheduler(model_dir)
-    for s in (full, swa):
-        s.add_request(H.make_request(f"r{id(s)}", 20))
-        s.schedule()
-    assert STATE_ATTR not in full.kv_cache_manager.coordinator.__dict__
-    assert STATE_ATTR in swa.kv_cache_manager.coordinator.__dict__
-    # The full-attention coordinator calls vLLM's own method, past the class's wrapper; the trimming one the wrapper.
+def test_full_attention_coordinators_carry_no_trimming_state(recording, model_dir, monkeypatch):
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._common import state_of
     from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
 
-    wrapper = KVCacheCoordinator.remove_skipped_blocks
+    monkeypatch.setattr(v0_33, "_TRIMMING_SEEN", False)  # as in a fresh process
+    wrapper = KVCacheCoordinator.__dict__["remove_skipped_blocks"]
+    original = getattr(wrapper, ORIGINAL_ATTR)
+    full = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None))
+    full.add_request(H.make_request("r-full", 20))
+    full.schedule()
+    # No coordinator trims yet: vLLM's own method is back on the class, no wrapper frame per allocate_slots, and
+    # nothing was added to the coordinator (no state attached, no attribute).
+    assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is original
     coordinator = full.kv_cache_manager.coordinator
-    bypassed = coordinator.remove_skipped_blocks
-    assert bypassed.__func__ is getattr(wrapper, ORIGINAL_ATTR) and bypassed.__self__ is coordinator
-    assert swa.kv_cache_manager.coordinator.remove_skipped_blocks.__func__ is wrapper
+    assert state_of(coordinator) is None and "remove_skipped_blocks" not in vars(coordinator)
+    # The first coordinator that trims puts the wrapper back for good; the full-attention one passes through it.
+    swa = _swa_scheduler(model_dir)
+    swa.add_request(H.make_request("r-swa", 20))
+    swa.schedule()
+    assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is wrapper
+    assert state_of(swa.kv_cache_manager.coordinator) is state_of(swa) is not None
+    assert state_of(coordinator) is None
+    third = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None))
+    third.add_request(H.make_request("r-third", 20))
+    third.schedule()
+    assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is wrapper
 
 
 @pytest.mark.skipif(H.release_key() < (0, 28), reason="before 0.28 _connector_finished does not prune the window")

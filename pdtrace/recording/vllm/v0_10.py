@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdtrace.recording.vllm import v0_33
-from pdtrace.recording.vllm._common import STATE_ATTR
+from pdtrace.recording.vllm._common import state_get
 from pdtrace.recording.vllm._patching import Hook, overlay
 from pdtrace.recording.vllm._runtime import RUNTIME
 from pdtrace.recording.vllm.v0_28 import note_kv_waits
@@ -44,7 +44,7 @@ def _w_get_computed_blocks(orig: Any) -> Any:
     def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, request, *args, **kwargs)
         if _RT.active:
-            st = self.__dict__.get(STATE_ATTR)
+            st = state_get(id(self))
             if st is not None:
                 try:
                     v0_33._note_prefix_hit(st, request, out)
@@ -72,7 +72,7 @@ def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
     def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
         ready = orig(self, request)
         if ready and _RT.active:
-            st = self.__dict__.get(STATE_ATTR)
+            st = state_get(id(self))
             if st is not None:
                 st.waiting_kv.discard(request.request_id)
         return ready
@@ -85,7 +85,7 @@ def _w_kvm_free(orig: Any) -> Any:
     free_and_record = v0_33._w_kvm_free(orig)
 
     def free(self: Any, request: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
+        st = state_get(id(self))
         if (st is None or not _RT.active or st.free_reason is not None
                 or v0_33._status_name(request.status) != "RUNNING"):
             return free_and_record(self, request)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdtrace.recording.vllm import v0_33
-from pdtrace.recording.vllm._common import STATE_ATTR
+from pdtrace.recording.vllm._common import state_get
 from pdtrace.recording.vllm._patching import Hook, overlay
 from pdtrace.recording.vllm._runtime import RUNTIME
 
@@ -50,7 +50,7 @@ def note_kv_waits(orig: Any, candidates: Callable[[Any], Any]) -> Any:
 
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = orig(self, *args, **kwargs)
-        st = self.__dict__.get(STATE_ATTR)
+        st = state_get(id(self))
         if st is not None:
             try:
                 requests = candidates(st)

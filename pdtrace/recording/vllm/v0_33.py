@@ -40,7 +40,6 @@ Every wrapper: if recording is off, call the original and nothing else; pdtrace'
 
 from __future__ import annotations
 
-import types
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -48,12 +47,13 @@ from typing import Any
 from pdtrace.recording import session
 from pdtrace.recording.vllm._common import (
     RELEASE,
-    STATE_ATTR,
     STEP_ATTR,
     SchedulerState,
     WorkerState,
+    attach_state,
     instance_of,
     remote_instance,
+    state_get,
 )
 from pdtrace.recording.vllm._patching import ORIGINAL_ATTR, Hook
 from pdtrace.recording.vllm._runtime import RUNTIME
@@ -101,7 +101,7 @@ def _finish_reason(request: Any) -> str | None:
 
 
 def _sched_state(sched: Any) -> SchedulerState:
-    st = sched.__dict__.get(STATE_ATTR)
+    st = state_get(id(sched))
     if st is None:
         st = _new_sched_state(sched)
     return st
@@ -114,17 +114,17 @@ def _new_sched_state(sched: Any) -> SchedulerState:
     kvm = sched.kv_cache_manager
     st.tables = [m.req_to_blocks for m in kvm.coordinator.single_type_managers]
     st.tbl0 = st.tables[0] if len(st.tables) == 1 else None
-    setattr(kvm, STATE_ATTR, st)
-    setattr(kvm.block_pool, STATE_ATTR, st)
-    if any(_trims_blocks(m) for m in kvm.coordinator.single_type_managers):
-        setattr(kvm.coordinator, STATE_ATTR, st)  # only then does the remove_skipped_blocks hook look
-    else:
-        _bypass_remove_skipped_blocks(kvm.coordinator)
-    setattr(sched, STATE_ATTR, st)
+    attach_state(kvm, st)
+    attach_state(kvm.block_pool, st)
+    trims = any(_trims_blocks(m) for m in kvm.coordinator.single_type_managers)
+    if trims:
+        attach_state(kvm.coordinator, st)  # only then does the remove_skipped_blocks hook look
+    _trimming_hook_needed(kvm.coordinator, trims)
+    attach_state(sched, st, owner=True)
     # The queue of waiting requests held aside, counted with `waiting`: kv_holding_waiting (0.31+), skipped_waiting
     # (0.28-0.30, grammar and streaming waits too), none before (0.10 / 0.11 keep one waiting queue).
-    held = sched.__dict__.get("kv_holding_waiting")
-    st.held = held if held is not None else sched.__dict__.get("skipped_waiting")
+    held = getattr(sched, "kv_holding_waiting", None)
+    st.held = held if held is not None else getattr(sched, "skipped_waiting", None)
     pc, sc, kv = vc.parallel_config, vc.scheduler_config, vc.kv_transfer_config
     st.ch.emit(
         "engine_config",
@@ -649,7 +649,7 @@ def _w_kvm_free(orig: Any) -> Any:
     # Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
     # 0 in this call (shared prefix blocks stay referenced by their other owners).
     def free(self: Any, request: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
+        st = state_get(id(self))
         if st is None or not _RT.active:
             return orig(self, request)
         try:
@@ -690,7 +690,7 @@ def _w_pop_blocks_for_free(orig: Any) -> Any:
     # Only the deferred path of Scheduler._free_request_blocks calls this (scheduler.py:3084-3093); the blocks go
     # back to the pool in _drain_deferred_frees once the fence step is processed.
     def pop_blocks_for_free(self: Any, request: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
+        st = state_get(id(self))
         if st is None or not _RT.active:
             return orig(self, request)
         try:
@@ -701,7 +701,7 @@ def _w_pop_blocks_for_free(orig: Any) -> Any:
             if blocks:
                 st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
                            deferred=True, reason=_free_reason(st, request),
-                           detail={"fence": st.sched.sched_step_seq})
+                           detail={"fence": st.sched().sched_step_seq})
         except Exception as exc:
             _RT.fail("KVCacheManager.pop_blocks_for_free", exc)
         return orig(self, request)
@@ -741,16 +741,43 @@ def _trims_blocks(manager: Any) -> bool:
                for name in ("get_num_skipped_tokens", "remove_skipped_blocks"))
 
 
-def _bypass_remove_skipped_blocks(coordinator: Any) -> None:
-    """A coordinator whose managers never trim: vLLM's own `remove_skipped_blocks` bound on the instance, over the
-    class's wrapper, so that its call from every allocate_slots (one per scheduled request and step) skips the
-    wrapper's frame and lookups. bench/engine_overhead.py: 17 230 calls in a 596-step run, the largest call count
-    of any hook; the loop thread's added CPU time +15.9 -> +12.0 % (9 alternating rounds each tree, shared box).
-    The wrapper stays on the class for coordinators that trim; a reverted hook leaves the same original in place."""
-    wrapper = getattr(type(coordinator), "remove_skipped_blocks", None)
-    original = getattr(wrapper, ORIGINAL_ATTR, None)
-    if original is not None:
-        coordinator.remove_skipped_blocks = types.MethodType(original, coordinator)
+#: Whether a coordinator whose managers trim has had its state made in this process: from then on the class keeps
+#: its remove_skipped_blocks wrapper.
+_TRIMMING_SEEN = False
+#: Classes whose remove_skipped_blocks wrapper is set aside (vLLM's own method in its place) -> that wrapper.
+_SET_ASIDE: dict[type, Any] = {}
+
+
+def _trimming_hook_needed(coordinator: Any, trims: bool) -> None:
+    """Keep the remove_skipped_blocks wrapper on the coordinator's class only while a coordinator that trims exists.
+
+    allocate_slots calls remove_skipped_blocks for every scheduled request in every step (17 230 calls in a
+    580-step run of bench/engine_overhead.py, the most of any hook), and a full-attention model never trims. So
+    while no coordinator of this process trims, vLLM's own method goes back on the class (no wrapper frame); the
+    first that trims puts the wrapper back, for good (the wrapper, seeing no state, passes the others through).
+    Per class, not per instance: a method bound on the instance would add an attribute to it (see _common._STATES:
+    that costs more than the wrapper). A state is made at a scheduler's first hooked call (add_request or
+    schedule), before it allocates anything; a reverted table leaves vLLM's method in place either way."""
+    global _TRIMMING_SEEN
+    name = "remove_skipped_blocks"
+    if trims:
+        _TRIMMING_SEEN = True
+        for cls, wrapper in list(_SET_ASIDE.items()):
+            if cls.__dict__.get(name) is getattr(wrapper, ORIGINAL_ATTR, None):
+                setattr(cls, name, wrapper)
+        _SET_ASIDE.clear()
+        return
+    if _TRIMMING_SEEN:
+        return
+    for cls in type(coordinator).__mro__:
+        func = cls.__dict__.get(name)
+        if func is None:
+            continue
+        original = getattr(func, ORIGINAL_ATTR, None)
+        if original is not None:
+            _SET_ASIDE[cls] = func
+            setattr(cls, name, original)
+        return
 
 
 def _w_remove_skipped_blocks(orig: Any) -> Any:
@@ -758,10 +785,11 @@ def _w_remove_skipped_blocks(orig: Any) -> Any:
     # through the coordinator; the managers put the null block in place of each out-of-window block and give it
     # back to the pool. Recorded as blocks_free reason `skipped` (table order), then blocks_pool_free for those
     # whose ref count reached 0. No growth is pending at these calls (allocate_slots trims before it allocates;
-    # a finish comes after the step's growth was recorded). Coordinators whose managers never trim carry no state
-    # and never reach this wrapper (_bypass_remove_skipped_blocks binds vLLM's own method on them).
+    # a finish comes after the step's growth was recorded). Coordinators whose managers never trim carry no state;
+    # while none of this process trims, vLLM's own method stands in the class in place of this wrapper
+    # (_trimming_hook_needed).
     def remove_skipped_blocks(self: Any, request_id: Any, *args: Any, **kwargs: Any) -> Any:
-        st = self.__dict__.get(STATE_ATTR)
+        st = state_get(id(self))
         if st is None or not _RT.active:
             return orig(self, request_id, *args, **kwargs)
         try:
@@ -796,7 +824,7 @@ def _engine_state(engine: Any) -> SchedulerState:
     if not st.engine_attached:
         st.engine_attached = True
         _wrap_executor(engine, engine.model_executor, st)
-    setattr(engine, STATE_ATTR, st)
+    attach_state(engine, st)
     return st
 
 
@@ -885,7 +913,7 @@ def _w_engine_step(where: str) -> Any:
             st = None
             if _RT.active:
                 try:
-                    st = self.__dict__.get(STATE_ATTR) or _engine_state(self)
+                    st = state_get(id(self)) or _engine_state(self)
                 except Exception as exc:
                     _RT.fail(where, exc)
             try:
@@ -915,7 +943,7 @@ def _w_handle_client_request(orig: Any) -> Any:
         except Exception as exc:
             if _RT.active:
                 try:
-                    st = self.__dict__.get(STATE_ATTR) or _sched_state(self.scheduler)
+                    st = state_get(id(self)) or _sched_state(self.scheduler)
                     kind = getattr(request_type, "name", str(request_type))
                     more = {"req": str(request[0].request_id)} if kind == "ADD" else {}
                     _record_engine_error(st, exc, "_handle_client_request", request=kind, **more)
@@ -942,14 +970,14 @@ def _worker_ranks() -> tuple[int | None, int | None]:
 def _worker_state(obj: Any) -> WorkerState:
     """A worker's (or model runner's) channels, opened at its first step: the plugin ran before distributed init,
     so the ranks are read here."""
-    wst = obj.__dict__.get(STATE_ATTR)
+    wst = state_get(id(obj))
     if wst is None:
         instance, role, dp_rank = instance_of(obj.vllm_config)
         rec = session.recorder(instance, role, dp_rank)
         pp_rank, tp_rank = _worker_ranks()
         wst = WorkerState(rec.channel("worker", pp_rank=pp_rank, tp_rank=tp_rank),
                           rec.channel("connector", pp_rank=pp_rank, tp_rank=tp_rank))
-        setattr(obj, STATE_ATTR, wst)
+        attach_state(obj, wst)
     return wst
 
 
