@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
-import time
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,23 @@ def make(directory: Path, **kwargs) -> Recorder:
     kwargs.setdefault("flush_interval_s", 60.0)
     kwargs.setdefault("handle_sigterm", False)
     return Recorder(directory, **kwargs)
+
+
+# Child-script prelude: a recorder whose first `count` events are on disk, and its writer process's pid.
+STARTED = """
+from pdtrace.recording import writer_process
+def started(instance, count):
+    rec = Recorder(directory, instance=instance, role="both", source="test", flush_interval_s=3600,
+                   handle_sigterm=False)
+    for i in range(count):
+        rec.emit("sched", step=i)
+    rec.flush()
+    return rec, writer_process.shared(spawn=False).pid
+"""
+
+
+def with_started(code: str) -> str:
+    return STARTED + textwrap.dedent(code)
 
 
 def gone(pid: int) -> bool:
@@ -111,18 +127,13 @@ def test_odd_values_give_the_same_rows_as_the_in_thread_writer(tmp_path: Path, m
 
 
 def test_the_writer_process_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
-    child = start_child("""
-        from pdtrace.recording import writer_process
-        rec = Recorder(directory, instance="k", role="both", source="test", flush_interval_s=3600,
-                       handle_sigterm=False)
-        for i in range(100):
-            rec.emit("sched", step=i)
-        rec.flush()
-        print(writer_process.shared(spawn=False).pid, flush=True)
+    child = start_child(with_started("""
+        rec, writer_pid = started("k", 100)
+        print(writer_pid, flush=True)
         for i in range(100, 200):
             rec.emit("sched", step=i)  # buffered only: lost with the process (the last interval)
         time.sleep(600)
-    """, tmp_path)
+    """), tmp_path)
     try:
         assert child.stdout is not None
         writer_pid = int(child.stdout.readline())
@@ -135,14 +146,9 @@ def test_the_writer_process_ends_when_its_parent_is_killed(tmp_path: Path) -> No
 
 
 def test_a_lost_writer_process_hands_over_to_the_writer_thread(tmp_path: Path) -> None:
-    result = run_child("""
-        from pdtrace.recording import writer_process
-        rec = Recorder(directory, instance="lost", role="both", source="test", flush_interval_s=3600,
-                       handle_sigterm=False)
-        for i in range(10):
-            rec.emit("sched", step=i)
-        rec.flush()
-        os.kill(writer_process.shared(spawn=False).pid, signal.SIGKILL)
+    result = run_child(with_started("""
+        rec, writer_pid = started("lost", 10)
+        os.kill(writer_pid, signal.SIGKILL)
         time.sleep(0.2)
         for i in range(10, 20):
             rec.emit("sched", step=i)
@@ -151,7 +157,7 @@ def test_a_lost_writer_process_hands_over_to_the_writer_thread(tmp_path: Path) -
             rec.emit("sched", step=i)
         rec.close()
         print(json.dumps([rec.errors, rec.dropped_events, writer_process.shared(spawn=False) is None]))
-    """, tmp_path)
+    """), tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [0, 0, True]
     assert "writer process" in result.stderr and "lost" in result.stderr
@@ -268,3 +274,18 @@ def test_close_all_stops_and_reaps_the_writer_process(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [0, True]
     assert len(events(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("interpreter", ["/nonexistent/python", "/bin/false"])
+def test_a_writer_process_that_cannot_start_leaves_the_batch_to_the_thread(tmp_path: Path, interpreter: str) -> None:
+    result = run_child(f"""
+        sys.executable = {interpreter!r}  # Popen fails, or the child exits before it is ready
+        rec = Recorder(directory, instance="nostart", role="both", source="test", handle_sigterm=False)
+        for i in range(5):
+            rec.emit("sched", step=i)
+        rec.close()
+        print(json.dumps([rec.errors, rec.dropped_events]))
+    """, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [0, 0]
+    assert [(r["seq"], r["step"]) for r in events(tmp_path)] == [(i, i) for i in range(5)]

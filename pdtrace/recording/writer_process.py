@@ -10,7 +10,8 @@ exit). Serialising the same rows with `marshal` costs ~170 ns per row (version 4
 The engine side (`WriterProcess`, one per recording process, shared by its recorders): the recorder's writer
 thread takes its rows as before, encodes one batch as a marshal payload (`pdtrace.recording.recorder` builds it:
 what `write_rows` takes, rows included) and `send`s it: a 4-byte little-endian length, then the payload, on the
-child's stdin; then it waits for the child's reply on the child's stdout (the same framing; the payload is the
+child's stdin (the first one after the child's `READY`: a child that cannot start has taken nothing, and the batch
+is written in-thread); then it waits for the child's reply on the child's stdout (the same framing; the payload is the
 marshalled error text, or None once the part file is on disk, or `RESEND_SANITISED`: see
 `pdtrace.recording.recorder.encode_batch`). One batch is in flight at a time, so `flush()`
 returning means the rows are on disk, and a write error of the child is counted by the recorder like its own.
@@ -52,6 +53,10 @@ ENV_SWITCH = "PDTRACE_WRITER_PROCESS"
 MARSHAL_VERSION = 4
 #: How long the engine side waits for the child to take a message or to answer one before giving it up.
 REPLY_TIMEOUT_S = 120.0
+#: How long the first batch waits for the child to be ready (its interpreter, pyarrow import and warm-up).
+READY_TIMEOUT_S = 60.0
+#: The child's first message, once it can write parts.
+READY = "ready"
 
 #: The child's reply to a batch holding bytes that marshal made of other objects: send it again, sanitised.
 RESEND_SANITISED = False
@@ -101,6 +106,7 @@ class WriterProcess:
         self._from_child = self._proc.stdout
         os.set_blocking(self._to_child.fileno(), False)  # writes wait in select(), with a timeout
         self.lost: str | None = None
+        self._ready = False
 
     @property
     def pid(self) -> int:
@@ -114,6 +120,15 @@ class WriterProcess:
         with self._lock:
             if self.lost is not None:
                 raise WriterProcessLost(self.lost, sent=False)
+            if not self._ready:  # a child that fails to start has read nothing: this batch is still ours
+                try:
+                    hello = self._read_message(READY_TIMEOUT_S)
+                    if marshal.loads(hello) != READY:
+                        raise ValueError(f"it said {hello[:40]!r}")
+                except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
+                    self._give_up(f"writer process did not start ({exc})")
+                    raise WriterProcessLost(self.lost or "", sent=False) from None
+                self._ready = True
             try:
                 self._write_all((_HEADER.pack(len(payload)), payload), timeout)
             except WriterProcessLost as exc:
@@ -288,6 +303,10 @@ def main() -> int:
     from pdtrace.recording.recorder import holds_bytes, warm_up_pyarrow, write_rows
 
     warm_up_pyarrow()  # pyarrow's one-time costs now, not in the first part (see recorder.warm_up)
+    try:
+        _reply(replies, READY)
+    except OSError:  # the parent is gone already
+        return 0
 
     parent_gone = False
     while True:
@@ -315,4 +334,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # os._exit: every part is on disk and answered; the interpreter's teardown (pyarrow's modules, ~40 ms of CPU
+    # per writer process, measured with bench/recorder.py's hand-over) has nothing left to do for us.
+    status = main()
+    sys.stderr.flush()
+    os._exit(status)
