@@ -289,3 +289,21 @@ def test_a_writer_process_that_cannot_start_leaves_the_batch_to_the_thread(tmp_p
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [0, 0]
     assert [(r["seq"], r["step"]) for r in events(tmp_path)] == [(i, i) for i in range(5)]
+
+
+def test_the_writer_process_runs_the_recording_processs_pdtrace_whatever_its_working_directory(tmp_path: Path) -> None:
+    shadow = tmp_path / "cwd" / "pdtrace"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the wrong pdtrace')\n")
+    result = run_child(f"""
+        os.chdir({str(shadow.parent)!r})  # a pdtrace folder where the writer process starts
+        rec = Recorder(directory, instance="cwd", role="both", source="test", handle_sigterm=False)
+        rec.emit("sched", step=0)
+        rec.flush()
+        from pdtrace.recording import writer_process
+        print(json.dumps(writer_process.shared(spawn=False) is not None))
+        rec.close()
+    """, tmp_path / "trace")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) is True and "wrong pdtrace" not in result.stderr
+    assert len(events(tmp_path / "trace")) == 1

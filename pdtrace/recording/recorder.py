@@ -19,8 +19,8 @@ The writer thread (a daemon, started lazily on the first event of each process) 
 when `flush_events` rows are waiting, and takes the rows out of the list with one slice copy and one slice delete
 (each atomic, so an append that races the take simply stays for the next part). It numbers them (`seq`), then
 hands them to this process's writer process (`pdtrace.recording.writer_process`, spawned once per pid, at
-`warm_up` or by the first writer thread): `encode_batch` marshals them (~170-240 ns per entry on the engine's
-GIL, against ~930 ns for conversion and Parquet), the child converts and writes them with `write_rows`, and
+`warm_up` or by the first writer thread): `encode_batch` marshals them (~250 ns per event on the engine's GIL,
+against ~1200 ns for conversion and Parquet: bench/recorder.py), the child converts and writes them with `write_rows`, and
 answers once the part is on disk; the writer thread waits for that answer without the GIL. Without a writer
 process (`PDTRACE_WRITER_PROCESS=0`, a platform without one, a spawn that failed, a child lost or stalled past its
 timeout, a recorder given its own `part_writer`) the writer thread calls `write_rows` itself: the same code,
@@ -56,7 +56,8 @@ Measured, not adopted: handing rows to the writer process more often than once a
 garbage collections (bench/engine_overhead.py: 24 young collections in the loop at 1 s, ~15 at 0.1 s, ~6 at
 0.03 s; their CPU ~9 -> ~6 -> ~3 ms) but the extra hand-overs cost as much as they save (process CPU over the
 loop unchanged or higher at 0.03 s), multiply the part files, and split more runs of empty steps that the vLLM
-hooks coalesce while they are still buffered (`edit_recent`).
+hooks coalesce while they are still buffered (`edit_recent`). Storing `blocks` and `emit_many`'s lists as tuples
+(so that the GC untracks buffered rows) did not change the loop's collections either (24 young, ~9 ms of CPU).
 
 Callers must not mutate a `blocks` list or `detail` dict after passing it: the writer reads it later.
 
@@ -310,8 +311,9 @@ def write_rows(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any,
 
 def encode_batch(rows: list[tuple], *header: Any, sanitise: bool = False) -> bytes:
     """The writer process's message for one batch: `marshal` of (checked, rows, *header), header being the rest
-    of `write_rows`'s arguments. Measured on bench/engine_overhead.py's rows: ~170 ns per row in the engine
-    process instead of ~930 ns for the conversion and the Parquet write (pickle 5: ~250 ns).
+    of `write_rows`'s arguments. Measured: bench/recorder.py's mix, 247 ns of the writer thread's CPU per event
+    against 1218 ns for the in-thread conversion + write (4.9x); bench/engine_overhead.py's rows (8760 entries for
+    24 423 events), marshal v4 ~200-240 ns per entry (v2 ~330, pickle 5 ~295), ~4 ms in all.
 
     marshal takes the exact built-in types only: it raises on other objects (then, or with `sanitise`, each row
     holding a value that is not plain is replaced by its sanitised copy, `_plain_row`, and `checked` is True), but

@@ -1,11 +1,11 @@
 """The recorder's writer process: converts and writes the part files of one recording process, off its GIL.
 
-    python -m pdtrace.recording.writer_process      (spawned by the recorder; stdlib + pyarrow only)
+    python -m pdtrace.recording.writer_process      (what the recorder spawns, as `serve()` of its own pdtrace)
 
-Why: converting rows to Arrow and writing zstd Parquet cost the engine process ~930 ns of CPU per row while
-holding its GIL (bench/engine_overhead.py on vLLM 0.33.0, 24 423 events: ~23 ms, plus a 36-43 ms final flush at
-exit). Serialising the same rows with `marshal` costs ~170 ns per row (version 4, ~66 B per row; pickle 5 is
-~250 ns); everything else happens in this child process, on its own core.
+Why: converting rows to Arrow and writing zstd Parquet cost the engine process ~930-1200 ns of CPU per event
+while holding its GIL (bench/engine_overhead.py on vLLM 0.33.0, 24 423 events: a 36-49 ms final flush at exit).
+Marshalling the same rows costs ~250 ns per event (bench/recorder.py: 4.9x less; ~52 B per event); the rest
+happens in this child process, on another core. The child's own CPU is reported by bench/engine_overhead.py.
 
 The engine side (`WriterProcess`, one per recording process, shared by its recorders): the recorder's writer
 thread takes its rows as before, encodes one batch as a marshal payload (`pdtrace.recording.recorder` builds it:
@@ -80,14 +80,19 @@ def available() -> bool:
             and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off"))
 
 
-def _child_env() -> dict[str, str]:
-    """The child's environment: this process's, with the folder pdtrace was imported from first on PYTHONPATH
-    (the child must run the same pdtrace), and no recording switch."""
-    env = dict(os.environ)
+def _child_command() -> list[str]:
+    """This interpreter, running `serve()` of the pdtrace this process imported: its folder goes first on the
+    child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another)."""
     import pdtrace
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(pdtrace.__file__)))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return [sys.executable, "-c",
+            f"import sys; sys.path.insert(0, {root!r}); from pdtrace.recording.writer_process import serve; serve()"]
+
+
+def _child_env() -> dict[str, str]:
+    """The child's environment: this process's without the recording switch (the child records nothing)."""
+    env = dict(os.environ)
     env.pop("PDTRACE_TRACE_DIR", None)
     return env
 
@@ -98,8 +103,7 @@ class WriterProcess:
     def __init__(self) -> None:
         self.pid_of_parent = os.getpid()
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen([sys.executable, "-m", "pdtrace.recording.writer_process"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
+        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
                                       env=_child_env())
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to_child = self._proc.stdin
@@ -333,9 +337,21 @@ def main() -> int:
                 parent_gone = True
 
 
+def serve() -> None:
+    """The child's entry point: `main`, then os._exit: every part is on disk and answered, and the interpreter's
+    teardown (pyarrow's modules: ~20-40 ms of CPU per writer process) has nothing left to do for us."""
+    try:
+        status = main()
+    except BaseException:
+        status = 1
+        import traceback
+
+        traceback.print_exc()
+    try:
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
 if __name__ == "__main__":
-    # os._exit: every part is on disk and answered; the interpreter's teardown (pyarrow's modules, ~40 ms of CPU
-    # per writer process, measured with bench/recorder.py's hand-over) has nothing left to do for us.
-    status = main()
-    sys.stderr.flush()
-    os._exit(status)
+    serve()
