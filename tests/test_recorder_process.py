@@ -307,3 +307,21 @@ def test_the_writer_process_runs_the_recording_processs_pdtrace_whatever_its_wor
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) is True and "wrong pdtrace" not in result.stderr
     assert len(events(tmp_path / "trace")) == 1
+
+
+def test_a_part_the_writer_process_cannot_write_is_counted_as_a_gap(tmp_path: Path, capfd) -> None:
+    (tmp_path / "prefill-0").write_text("a file where the instance's folder should be\n")
+    rec = make(tmp_path)
+    for i in range(5):
+        rec.emit("sched", step=i)
+    rec.flush()  # the child cannot make the folder: it answers with its error
+    assert rec.errors == 1 and rec.dropped_events == 5 and "could not write" in capfd.readouterr().err
+    assert writer_process.shared(spawn=False) is not None  # the child itself carries on
+    (tmp_path / "prefill-0").unlink()
+    rec.emit("sched", step=5)
+    rec.close()
+    rows = events(tmp_path)
+    assert [(r["kind"], r["n"], r["step"]) for r in rows] == [("recorder_gap", 5, None), ("sched", None, 5)]
+    assert [r["seq"] for r in rows] == [5, 6]  # the lost rows leave their hole (0-4), the gap row is in place
+    (part,) = find_part_files(tmp_path)
+    assert int(pq.read_metadata(part).metadata[META_DROPPED.encode()]) == 5
