@@ -20,7 +20,13 @@ over the rounds, with the spread of the rounds' paired ratios. Measured in the c
 (engine construction and the vLLM import excluded): wall time, the loop thread's CPU time, the process's CPU
 time (the writer thread included), and that plus the final flush at exit (`session.close_all()`: the writer's
 remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop),
-and the writer thread's own CPU time during the loop.
+and the writer thread's own CPU time during the loop. The recorder's writer process (pdtrace.recording.writer_process,
+when it runs): its CPU time over the loop and the final flush (`writer proc (+flush)`: its total, read with
+getrusage(RUSAGE_CHILDREN) once it is stopped and reaped, less what its start-up had used, from /proc, before the
+loop; the child waits 0.5 s before the loop for that start-up, as vLLM's own start-up is much longer), its total
+with the start-up (`writer proc (all)`), and the tree's CPU: the engine process's (+flush) plus the writer
+process's (+flush), against the plain run's process. Percentages of the writer rows are of the plain run's
+process CPU.
 Events are counted from the trace written.
 
 `--decompose` splits the cost: each round runs four children (order rotating), `plain` (no plugin), `off` (hooks
@@ -98,6 +104,7 @@ def child(args: argparse.Namespace) -> dict:
 
         profiler = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: the machine may be shared
         profiler.enable()
+    writer_pid, writer_start = _writer_process()
     gc_stats = _gc_counter()
     wall0, thread0, proc0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
     while pending or sched.has_requests() or engine.batch_queue:
@@ -128,8 +135,19 @@ def child(args: argparse.Namespace) -> dict:
     proc0 = time.process_time_ns()
     session.close_all()
     close = time.process_time_ns() - proc0
+    writer_process_ns = writer_loop_ns = 0
+    if writer_pid is not None:  # stop and reap the writer process, then read its CPU time from our children's
+        import resource
+
+        from pdtrace.recording import recorder
+
+        recorder.close_all()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        writer_process_ns = int((usage.ru_utime + usage.ru_stime) * 1e9)
+        writer_loop_ns = writer_process_ns - writer_start
     return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "writer_ns": writer,
-            "steps": steps,
+            "writer_process_ns": writer_process_ns, "writer_process_loop_ns": writer_loop_ns,
+            "tree_ns": proc + close + writer_loop_ns, "steps": steps,
             "recording": recording, "sent": len(sent), "gc_collections": gc_stats.collections,
             "gc_ns": gc_stats.ns}
 
@@ -177,6 +195,29 @@ class _gc_counter:
 
     def stop(self) -> None:
         self._gc.callbacks.remove(self._callback)
+
+
+def _writer_process() -> tuple[int | None, int]:
+    """The recorder's writer process of this engine process, if any, and the CPU time it has used so far (its
+    start-up: interpreter and pyarrow import; /proc, clock-tick resolution)."""
+    try:
+        from pdtrace.recording import writer_process
+    except ImportError:  # a pdtrace without a writer process (the in-thread writer only)
+        return None, 0
+    import sys as _sys
+
+    if "pdtrace.recording.recorder" not in _sys.modules:  # not recording: nothing was started
+        return None, 0
+    writer = writer_process.shared(spawn=False)
+    if writer is None:
+        return None, 0
+    time.sleep(0.5)  # let its start-up finish before the loop (as it does during vLLM's much longer start-up)
+    try:
+        with open(f"/proc/{writer.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return writer.pid, (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return writer.pid, 0
 
 
 def _writer_cpu_ns() -> int:
@@ -271,9 +312,12 @@ def main() -> None:
     print(f"{'':22s}{'without':>12s}{'with':>12s}{'added':>9s}  {'rounds':>17s}{'ns/event':>10s}")
     for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
                        ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+flush)"),
-                       ("writer_ns", "writer thread (loop)")):
+                       ("writer_ns", "writer thread (loop)"), ("writer_process_loop_ns", "writer proc (+flush)"),
+                       ("writer_process_ns", "writer proc (all)"), ("tree_ns", "tree CPU (+flush)")):
         a, b = med(off, key), med(on, key)
-        if key == "writer_ns":  # no writer without recording: its share of the plain run's process CPU
+        if key == "tree_ns":  # the plain run has no writer process: its tree is its process
+            a = med(off, "total_ns")
+        if key.startswith("writer"):  # no writer without recording: its share of the plain run's process CPU
             a = med(off, "process_ns")
             print(f"{label:22s}{'':12s}{b / 1e6:10.1f}ms{b / a * 100:+8.1f}%  {'':>17s}{b / events:10.0f}")
             continue

@@ -15,6 +15,9 @@
 2. Writer alone. The same mix as buffered rows, converted (`rows_to_table`, 65536 rows per part) and written
    (`write_part`: zstd Parquet, temporary name, then linked to its name), timed separately and together, on the main thread.
    Target: >= 1M events/s for conversion + write.
+3. Hand-over. The same parts marshalled for the writer process (`encode_batch`: what the recording process's
+   writer thread pays instead of 2), on this thread's CPU time, and one part's round trip through a real writer
+   process (wall time; the child converts and writes).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdtrace.recording.recorder import Recorder, rows_to_table, write_part
+from pdtrace.recording.recorder import Recorder, encode_batch, rows_to_table, write_part
 
 PART_ROWS = 65536
 
@@ -212,6 +215,42 @@ def bench_writer(directory: Path, count: int) -> None:
               f"M events/s   together {count / sum(times) / 1e6:.2f} M events/s")
     print("  (thread CPU time excludes time this thread waited for a CPU: the figure for an idle machine; Arrow's "
           "own threads, if any, are not counted)")
+    bench_handover(directory, rows, channels, sum(cpu))
+
+
+def bench_handover(directory: Path, rows: list[tuple], channels: list[tuple], in_thread_cpu: float) -> None:
+    """What the recording process pays with a writer process: `encode_batch` (marshal) per part, on this thread,
+    against the in-thread conversion + write above; and the round trip of one part through a real writer process
+    (wall: the child converts and writes meanwhile, this thread only waits)."""
+    from pdtrace.recording.writer_process import WriterProcess
+
+    count = len(rows)
+    folder = directory / "handover"
+    folder.mkdir(parents=True, exist_ok=True)
+    cpu = 0.0
+    payloads = []
+    for offset in range(0, count, PART_ROWS):
+        batch = rows[offset:offset + PART_ROWS]
+        c0 = time.thread_time()
+        payload = encode_batch(batch, offset, channels, "bench", "both", os.getpid(), "bench", 0,
+                               (str(folder), "bench", os.getpid()), str(folder))
+        cpu += time.thread_time() - c0
+        payloads.append(payload)
+    size = sum(map(len, payloads))
+    writer = WriterProcess()
+    try:
+        writer.send(payloads[0])  # start-up and first part out of the timing
+        w0 = time.perf_counter()
+        for payload in payloads[1:]:
+            writer.send(payload)
+        round_trip = time.perf_counter() - w0
+    finally:
+        writer.stop()
+    parts = max(1, len(payloads) - 1)
+    print(f"hand-over to a writer process ({size / count:.0f} bytes/event marshalled):")
+    print(f"  this thread's CPU: {cpu / count * 1e9:.0f} ns/event (in-thread conversion + write: "
+          f"{in_thread_cpu / count * 1e9:.0f} ns/event, {in_thread_cpu / cpu:.1f}x)   round trip per part of "
+          f"{PART_ROWS} rows: {round_trip / parts * 1e3:.1f} ms wall")
 
 
 def main() -> None:

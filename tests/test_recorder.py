@@ -22,6 +22,14 @@ from pdtrace.format import DICTIONARY_COLUMNS, KINDS, META_DROPPED, SCHEMA, file
 from pdtrace.recording.recorder import Recorder, rows_to_table, write_part
 from pdtrace.trace.reader import find_part_files
 
+@pytest.fixture(autouse=True, params=["process", "thread"])
+def writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with each writer: the writer process (the default) and the in-thread fallback
+    (`PDTRACE_WRITER_PROCESS=0`; child processes inherit the switch)."""
+    monkeypatch.setenv("PDTRACE_WRITER_PROCESS", "1" if request.param == "process" else "0")
+    return request.param
+
+
 T0 = 1_700_000_000_000_000_000
 
 

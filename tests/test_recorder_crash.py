@@ -13,9 +13,18 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 import pdtrace
 from pdtrace.trace.reader import find_part_files
+
+@pytest.fixture(autouse=True, params=["process", "thread"])
+def writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with each writer: the writer process (the default) and the in-thread fallback
+    (`PDTRACE_WRITER_PROCESS=0`; child processes inherit the switch)."""
+    monkeypatch.setenv("PDTRACE_WRITER_PROCESS", "1" if request.param == "process" else "0")
+    return request.param
+
 
 PRELUDE = """
 import json, os, signal, sys, threading, time
@@ -112,6 +121,7 @@ def test_sigkill_mid_stream_leaves_only_whole_files_and_loses_at_most_the_last_i
 def test_kill_between_writing_and_naming_a_part_leaves_a_hidden_temp_file(tmp_path: Path) -> None:
     result = run_child("""
         import pdtrace.recording.recorder as recorder_module
+        os.environ["PDTRACE_WRITER_PROCESS"] = "0"  # the in-thread writer: the link happens in this process
         rec = Recorder(directory, instance="crash", role="both", source="test", flush_interval_s=3600,
                        handle_sigterm=False)
         for i in range(10):

@@ -1,4 +1,4 @@
-"""The per-process event recorder: one cheap call per event, Parquet part files written by a background thread.
+"""The per-process event recorder: one cheap call per event; a writer process (or thread) writes the part files.
 
     rec = Recorder(directory, instance="prefill-0", role="prefill", source="vllm-0.33.0", dp_rank=0)
     sched = rec.channel("scheduler")
@@ -16,26 +16,48 @@ a drop or a failed write leave a hole). Within one thread, seq order is call ord
 slightly out of seq order (a thread can be preempted between reading the clock and appending).
 
 The writer thread (a daemon, started lazily on the first event of each process) wakes every `flush_interval_s` or
-when `flush_events` rows are waiting, takes the rows out of the list with one slice copy and one slice delete (each
-atomic, so an append that races the take simply stays for the next part), converts them column by column
-(`zip(*rows)`, then Arrow buffers filled by C-level iteration, with the garbage collector paused, since that creates
-many short-lived objects; never `pa.array` on Python lists, which would import pandas; a batch entry's columns
-are built once and repeated per request by an Arrow `take`), JSON-encodes dict details
-there, maps channel ids to component/dp/pp/tp, and writes `<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd,
-Parquet dictionary encoding for the dictionary columns and `req`) under a temporary name starting with `.`, then
-links it to its name: a crash leaves only whole part files (and perhaps a hidden temporary file).
+when `flush_events` rows are waiting, and takes the rows out of the list with one slice copy and one slice delete
+(each atomic, so an append that races the take simply stays for the next part). It numbers them (`seq`), then
+hands them to this process's writer process (`pdtrace.recording.writer_process`, spawned once per pid, at
+`warm_up` or by the first writer thread): `encode_batch` marshals them (~250 ns per event on the engine's GIL,
+against ~1200 ns for conversion and Parquet: bench/recorder.py), the child converts and writes them with `write_rows`, and
+answers once the part is on disk; the writer thread waits for that answer without the GIL. Without a writer
+process (`PDTRACE_WRITER_PROCESS=0`, a platform without one, a spawn that failed, a child lost or stalled past its
+timeout, a recorder given its own `part_writer`) the writer thread calls `write_rows` itself: the same code,
+the same files.
+
+`write_rows` converts column by column (`rows_to_table`: `zip(*rows)`, then Arrow buffers filled by C-level
+iteration, with the garbage collector paused, since that creates many short-lived objects; never `pa.array` on
+Python lists, which would import pandas; a batch entry's columns are built once and repeated per request by an
+Arrow `take`), JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
+`<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary encoding for the dictionary columns
+and `req`; `pid` is the recording process's) under a temporary name starting with `.`, then links it to its
+name: a crash leaves only whole part files (and perhaps a hidden temporary file).
 
 Memory is bounded: events waiting plus events being written never exceed `max_buffered_events` (a batch entry
 counts for its events). Past that, new events
 are dropped and counted (the caller never waits for the writer); when there is room again a `recorder_gap` row
 (n = events dropped, ts_ns = when the drop began) is put into the stream where the gap was. Every file carries
-`pdtrace.dropped_events` = drops so far in this writer (so the last file of a writer holds its total).
+`pdtrace.dropped_events` = drops so far in this writer (so the last file of a writer holds its total). The writer
+process's pipe cannot stall a caller either: a batch the child has not taken or answered stays in flight (the
+buffer fills, and drops follow), and a child silent for `writer_process.REPLY_TIMEOUT_S` is killed (that batch
+counted as dropped) and the writer thread carries on in-process.
 
 Flushes happen on `flush()`, `close()`, at interpreter exit (atexit, and multiprocessing's exit finalizers in
 forked children, which leave with `os._exit`), and on SIGTERM (a handler installed once, from the main thread,
-that flushes and then chains to the previous handler, or re-raises the default action). A forked child keeps the
-parent's recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on
-its first event.
+that flushes and then chains to the previous handler, or re-raises the default action); each returns once the
+rows are on disk (the writer process's answer), and the exit hooks then stop the writer process. A SIGKILL loses
+what was still buffered here (at most the last interval): the writer process reads EOF, writes every batch it
+received whole, and ends, so it never outlives the recording process. A forked child keeps the parent's
+recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on its
+first event, through its own writer process (it closes its copies of the parent's pipes).
+
+Measured, not adopted: handing rows to the writer process more often than once a second cuts the engine loop's
+garbage collections (bench/engine_overhead.py: 24 young collections in the loop at 1 s, ~15 at 0.1 s, ~6 at
+0.03 s; their CPU ~9 -> ~6 -> ~3 ms) but the extra hand-overs cost as much as they save (process CPU over the
+loop unchanged or higher at 0.03 s), multiply the part files, and split more runs of empty steps that the vLLM
+hooks coalesce while they are still buffered (`edit_recent`). Storing `blocks` and `emit_many`'s lists as tuples
+(so that the GC untracks buffered rows) did not change the loop's collections either (24 young, ~9 ms of CPU).
 
 Callers must not mutate a `blocks` list or `detail` dict after passing it: the writer reads it later.
 
@@ -49,6 +71,7 @@ import atexit
 import gc
 import itertools
 import json
+import marshal
 import operator
 import os
 import signal
@@ -65,8 +88,10 @@ import pyarrow.parquet as pq
 
 from pdtrace import __version__
 from pdtrace.format import COMPONENTS, DICTIONARY_COLUMNS, ROLES, SCHEMA, file_metadata
+from pdtrace.recording import writer_process
 
-__all__ = ["Recorder", "Channel", "rows_to_table", "write_part", "PARQUET_DICTIONARY_COLUMNS"]
+__all__ = ["Recorder", "Channel", "rows_to_table", "write_part", "write_rows", "encode_batch",
+           "PARQUET_DICTIONARY_COLUMNS"]
 
 Clock = Callable[[], int]
 PartWriter = Callable[[pa.Table, Path], None]
@@ -80,17 +105,10 @@ _TS = 0
 _BLOCKS = 5
 
 
-class _Batch:
-    """The marker of a batch entry (`Channel.emit_many`): in the blocks slot, with a list of requests in req and a
-    list of n (or None) in n; it stands for one row per request."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<emit_many batch>"
-
-
-_BATCH = _Batch()
+#: The marker of a batch entry (`Channel.emit_many`): in the blocks slot, with a list of requests in req and a
+#: list of n (or None) in n; it stands for one row per request. `...` because marshal carries it to the writer
+#: process as itself (the writer finds batch entries by identity), and no hook passes `...` as blocks.
+_BATCH = Ellipsis
 
 # Recorder states.
 _NEW = "new"  # no writer in this process yet: the first event starts it (again after a fork)
@@ -102,6 +120,7 @@ _DICT_TYPE = pa.dictionary(pa.int32(), pa.string())
 _LIST_TYPE = pa.list_(pa.int32())
 _encode_json = json.JSONEncoder(separators=(",", ":"), default=str).encode
 _RECORDER_DP = object()  # channel(dp_rank=...) not given: the recorder's
+_IN_THREAD = object()  # no writer process for this batch: the writer thread converts and writes it
 
 
 def _rank(value: Any) -> int | None:
@@ -219,10 +238,22 @@ def _write_parquet(table: pa.Table, where: Any) -> None:
 
 
 def warm_up() -> None:
-    """Convert and write (to memory) a few rows of every column shape once, so that pyarrow's one-time costs (the
-    compute kernels' first dispatch, the Parquet writer and zstd set-up) are paid while vLLM starts rather than by
-    the first part file, which in bench/engine_overhead.py cost the writer ~30 ms more than the next ones (35 ->
-    8 ms to write 21 600 rows; the warm-up itself takes ~4 ms). Never raises."""
+    """Get the writer ready while vLLM starts rather than in the engine loop's first steps: start this process's
+    writer process (its interpreter and pyarrow import run in the child, on another core). Without one (switched
+    off, or it cannot start), convert and write (to memory) a few rows of every column shape once, so that
+    pyarrow's one-time costs (the compute kernels' first dispatch, the Parquet writer and zstd set-up) are paid
+    now rather than by the first part file, which in bench/engine_overhead.py cost the writer ~30 ms more than
+    the next ones (35 -> 8 ms to write 21 600 rows; the warm-up itself takes ~4 ms). Never raises."""
+    try:
+        if writer_process.shared() is not None:
+            return
+    except Exception:
+        pass
+    warm_up_pyarrow()
+
+
+def warm_up_pyarrow() -> None:
+    """The in-memory conversion and Parquet write of `warm_up` (the writer process runs it as it starts)."""
     try:
         rows: list[tuple] = [(0, 0, "blocks_free", 1, "r0", [1, 2], 2, "finished", "RUNNING", False, True, {"fence": 1}),
                              (0, 0, "req_sched", 1, ["r0", "r1"], _BATCH, [1, 2], None, None, None, None, None)]
@@ -257,6 +288,126 @@ def write_part(table: pa.Table, path: Path) -> None:
         raise
 
 
+def write_rows(rows: list[tuple], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
+               role: str, pid: int, source: str, dropped: int, writer_key: tuple[str, str, int], folder: str,
+               part_writer: PartWriter | None = None) -> None:
+    """Convert one batch of buffered rows and write it as the writer's next part file (`<folder>/part-NNNNNN.parquet`,
+    numbered per `writer_key`, after any part already there). What the recorder's writer thread does in-process,
+    and what the writer process does with each message (`encode_batch` packs these arguments). Raises on failure."""
+    table = rows_to_table(rows, seq_start, channels, instance, role, pid)
+    del rows
+    table = table.replace_schema_metadata(file_metadata(__version__, source, dropped))
+    write = part_writer or _write_part_default
+    directory = Path(folder)
+    key = (writer_key[0], writer_key[1], int(writer_key[2]))
+    for _ in range(1000):
+        try:
+            write(table, directory / f"part-{_claim_part(key, directory):06d}.parquet")
+            return
+        except FileExistsError:  # another writer took this number (a reused pid folder): take the next
+            continue
+    raise FileExistsError(f"no free part number in {folder}")
+
+
+def encode_batch(rows: list[tuple], *header: Any, sanitise: bool = False) -> bytes:
+    """The writer process's message for one batch: `marshal` of (checked, rows, *header), header being the rest
+    of `write_rows`'s arguments. Measured: bench/recorder.py's mix, 247 ns of the writer thread's CPU per event
+    against 1218 ns for the in-thread conversion + write (4.9x); bench/engine_overhead.py's rows (8760 entries for
+    24 423 events), marshal v4 ~200-240 ns per entry (v2 ~330, pickle 5 ~295), ~4 ms in all.
+
+    marshal takes the exact built-in types only: it raises on other objects (then, or with `sanitise`, each row
+    holding a value that is not plain is replaced by its sanitised copy, `_plain_row`, and `checked` is True), but
+    it silently writes an object with the buffer protocol (a numpy integer or array) as bytes. The writer process
+    looks for bytes in an unchecked batch (`holds_bytes`, on its own CPU) and asks for it again, sanitised."""
+    if not sanitise:
+        try:
+            return marshal.dumps((False, rows, *header), writer_process.MARSHAL_VERSION)
+        except ValueError:  # "unmarshallable object" somewhere
+            pass
+    rows = [row if _is_plain(row) else _plain_row(row) for row in rows]
+    return marshal.dumps((True, rows, *header), writer_process.MARSHAL_VERSION)
+
+
+_PLAIN_ATOMS = frozenset({int, float, str, bool, type(None)})
+_CONTAINERS = (tuple, list, dict)
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether marshal carries `value` as itself: exact built-in atoms in exact tuples, lists and dicts (the
+    `_BATCH` marker included); not a circular one."""
+    try:
+        return _is_plain_inner(value)
+    except RecursionError:
+        return False
+
+
+def _is_plain_inner(value: Any) -> bool:
+    kind = value.__class__
+    if kind in _PLAIN_ATOMS or value is _BATCH:
+        return True
+    if kind is tuple or kind is list:
+        return all(map(_is_plain_inner, value))
+    if kind is dict:
+        return all(map(_is_plain_inner, value)) and all(map(_is_plain_inner, value.values()))
+    return False
+
+
+def holds_bytes(rows: list[tuple]) -> bool:
+    """Whether any value in the rows, at any depth, is bytes: what marshal made of a buffer-protocol object. Level
+    by level with C-level iteration (type() of every value, then the containers' contents). Deeper than
+    `_HOLDS_BYTES_DEPTH` (a circular detail) counts as holding bytes: the sanitised copy has no such nesting."""
+    level: list[Any] = [rows]
+    for _ in range(_HOLDS_BYTES_DEPTH):
+        if not level:
+            return False
+        types = set(map(type, level))
+        if bytes in types:
+            return True
+        inner: list[Iterable[Any]] = []
+        for container in _CONTAINERS:
+            if container in types:
+                found = list(itertools.compress(level, map(operator.is_, map(type, level),
+                                                          itertools.repeat(container))))
+                inner.append(itertools.chain.from_iterable(found))
+                if container is dict:
+                    inner.append(itertools.chain.from_iterable(map(dict.values, found)))
+        level = list(itertools.chain.from_iterable(inner))
+    return bool(level)
+
+
+_HOLDS_BYTES_DEPTH = 64
+
+
+def _plain(value: Any, coerce: Callable[[Any], Any]) -> Any:
+    return value if _is_plain(value) else coerce(value)
+
+
+def _plain_bool(value: Any) -> bool | None:
+    try:
+        return None if value is None else bool(value)
+    except Exception:
+        return None
+
+
+def _plain_row(row: tuple) -> tuple:
+    """A row marshal carries as itself that `rows_to_table` converts to the same values: each value that is not
+    plain becomes what the conversion's own fallback makes of it (an int, a str, a block list, the detail's
+    JSON text)."""
+    ts, chan, kind, step, req, blocks, n, reason, status, delay_free, deferred, detail = row
+    if blocks is _BATCH:
+        req = [_plain(r, _as_str) for r in req]
+        n = None if n is None else [_plain(x, _as_int) for x in n]
+    else:
+        req = _plain(req, _as_str)
+        blocks = _plain(blocks, _as_blocks)
+        n = _plain(n, _as_int)
+    if detail is not None and detail.__class__ is not str:
+        detail = _encode_detail(detail)  # what rows_to_table does to every non-str detail
+    return (_plain(ts, lambda t: _as_int(t) or 0), chan, _plain(kind, _as_str), _plain(step, _as_int), req,
+            blocks, n, _plain(reason, _as_str), _plain(status, _as_str), _plain(delay_free, _plain_bool),
+            _plain(deferred, _plain_bool), detail)
+
+
 class Recorder:
     """The writer of one engine instance in one process (see the module docstring).
 
@@ -268,6 +419,7 @@ class Recorder:
     max_buffered_events: rows waiting plus rows being written never exceed this; past it events are dropped.
     handle_sigterm: install the flushing SIGTERM handler (once per process, main thread only).
     part_writer: `f(table, final_path)` that writes one part file (default `write_part`); tests inject slow ones.
+        A recorder given one converts and writes on its writer thread (in-process), as without a writer process.
     """
 
     def __init__(self, directory: str | os.PathLike[str], instance: str, role: str = "both",
@@ -517,6 +669,11 @@ class Recorder:
     # ---- writer -------------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._part_writer is _write_part_default:
+            try:  # the writer process starts (python + pyarrow, in the child) while the first rows come in
+                writer_process.shared()
+            except Exception:
+                self._count_error()
         while not self._stop:
             try:
                 self._wake.wait(self.flush_interval_s)
@@ -568,16 +725,13 @@ class Recorder:
             dropped = self._dropped
         ok = False
         try:
-            table = rows_to_table(batch, seq_start, channels, self.instance, self.role, self._pid)
-            table = table.replace_schema_metadata(file_metadata(__version__, self.source, dropped))
-            for _ in range(1000):
-                try:
-                    self._part_writer(table, self._next_part_path())
-                    break
-                except FileExistsError:  # another writer took this number (a reused pid folder): take the next
-                    continue
-            else:
-                raise FileExistsError(f"no free part number in {self.folder}")
+            header = (seq_start, channels, self.instance, self.role, self._pid, self.source, dropped,
+                      self._writer_key, str(self.folder))
+            error = self._send_to_writer_process(batch, header)
+            if error is _IN_THREAD:
+                write_rows(batch, *header, part_writer=self._part_writer)
+            elif error is not None:
+                raise RuntimeError(f"writer process: {error}")
             ok = True
         except Exception as exc:  # disk full, a bad value that survived sanitising: never let the thread die
             self.errors += 1
@@ -603,9 +757,30 @@ class Recorder:
                 self._set_threshold()
         return True
 
-    def _next_part_path(self) -> Path:
-        folder = self.folder
-        return folder / f"part-{_claim_part(self._writer_key, folder):06d}.parquet"
+    def _send_to_writer_process(self, batch: list[tuple], header: tuple) -> Any:
+        """Hand the batch to this process's writer process and wait until it is on disk: None, or the child's
+        error text; `_IN_THREAD` when there is no writer process (switched off, failed, a custom part_writer) or it
+        was lost before taking the batch, so that this thread writes it. A batch the child took but did not
+        confirm before it was lost raises (counted as dropped: it may or may not be on disk)."""
+        if self._part_writer is not _write_part_default:
+            return _IN_THREAD
+        writer = writer_process.shared()
+        if writer is None:
+            return _IN_THREAD
+        try:
+            error = writer.send(encode_batch(batch, *header))
+            if error is writer_process.RESEND_SANITISED:
+                error = writer.send(encode_batch(batch, *header, sanitise=True))
+            return error
+        except writer_process.WriterProcessLost as exc:
+            try:
+                sys.stderr.write(f"pdtrace: the writer process of recorder {self.instance!r} was lost ({exc}); "
+                                 "writing in-process from now on\n")
+            except Exception:
+                pass
+            if exc.sent:
+                raise
+            return _IN_THREAD
 
     # ---- fork ---------------------------------------------------------------------------------------------------
 
@@ -987,9 +1162,14 @@ def _live_recorders() -> list[Recorder]:
 
 
 def close_all() -> None:
-    """Close every open recorder of this process (what the exit hooks do)."""
+    """Close every open recorder of this process, then stop its writer process once everything is on disk (what
+    the exit hooks do)."""
     for rec in _live_recorders():
         rec.close()
+    try:
+        writer_process.stop_shared()
+    except Exception:
+        pass
 
 
 def _register_exit_hooks() -> None:

@@ -1,0 +1,357 @@
+"""The recorder's writer process: converts and writes the part files of one recording process, off its GIL.
+
+    python -m pdtrace.recording.writer_process      (what the recorder spawns, as `serve()` of its own pdtrace)
+
+Why: converting rows to Arrow and writing zstd Parquet cost the engine process ~930-1200 ns of CPU per event
+while holding its GIL (bench/engine_overhead.py on vLLM 0.33.0, 24 423 events: a 36-49 ms final flush at exit).
+Marshalling the same rows costs ~250 ns per event (bench/recorder.py: 4.9x less; ~52 B per event); the rest
+happens in this child process, on another core. The child's own CPU is reported by bench/engine_overhead.py.
+
+The engine side (`WriterProcess`, one per recording process, shared by its recorders): the recorder's writer
+thread takes its rows as before, encodes one batch as a marshal payload (`pdtrace.recording.recorder` builds it:
+what `write_rows` takes, rows included) and `send`s it: a 4-byte little-endian length, then the payload, on the
+child's stdin (the first one after the child's `READY`: a child that cannot start has taken nothing, and the batch
+is written in-thread); then it waits for the child's reply on the child's stdout (the same framing; the payload is the
+marshalled error text, or None once the part file is on disk, or `RESEND_SANITISED`: see
+`pdtrace.recording.recorder.encode_batch`). One batch is in flight at a time, so `flush()`
+returning means the rows are on disk, and a write error of the child is counted by the recorder like its own.
+A child that stops reading or replying for `REPLY_TIMEOUT_S` is killed and the process falls back to the
+in-thread writer (`WriterProcessLost`); so do a failed spawn and platforms without it (`available()`), and
+`PDTRACE_WRITER_PROCESS=0` turns the process off.
+
+The child (`main`): reads one message at a time, calls `pdtrace.recording.recorder.write_rows` (the same
+conversion and the same part files as the in-thread writer), replies. It ignores SIGINT and SIGTERM (a Ctrl-C
+or a group SIGTERM reaches the whole process group; the engine's own handler flushes through this child) and
+ends on EOF of its stdin: the engine process closed it, exited or was killed (SIGKILL included), so it never
+outlives its parent by more than the messages it has received, which it writes first; a message cut short by
+the parent's death is discarded. Its stdout carries only replies (print() goes to stderr).
+
+Fork: a forked child of the engine process (vLLM forks its workers) closes its copies of the pipes without
+writing anything and spawns its own writer process on its first batch, so it never writes into its parent's pipe
+and the parent's writer still sees EOF when the parent dies.
+
+Recording path: the standard library only (the child imports pyarrow through the recorder).
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any
+
+__all__ = ["WriterProcess", "WriterProcessLost", "available", "shared", "stop_shared", "ENV_SWITCH"]
+
+#: The switch: `PDTRACE_WRITER_PROCESS=0` keeps conversion on the recorder's writer thread, in-process.
+ENV_SWITCH = "PDTRACE_WRITER_PROCESS"
+#: marshal's format version of the payloads (4: references, so that repeated strings are sent once).
+MARSHAL_VERSION = 4
+#: How long the engine side waits for the child to take a message or to answer one before giving it up.
+REPLY_TIMEOUT_S = 120.0
+#: How long the first batch waits for the child to be ready (its interpreter, pyarrow import and warm-up).
+READY_TIMEOUT_S = 60.0
+#: The child's first message, once it can write parts.
+READY = "ready"
+
+#: The child's reply to a batch holding bytes that marshal made of other objects: send it again, sanitised.
+RESEND_SANITISED = False
+
+_HEADER = struct.Struct("<I")
+
+
+class WriterProcessLost(Exception):
+    """The writer process is gone (it died, or stopped reading or answering). `sent` tells whether the message
+    had been handed over whole (then it may or may not be on disk)."""
+
+    def __init__(self, message: str, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+def available() -> bool:
+    """Whether this process may use a writer process: POSIX (select on pipes), an interpreter to start, the
+    switch not off."""
+    return (os.name == "posix" and bool(sys.executable)
+            and os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off"))
+
+
+def _child_command() -> list[str]:
+    """This interpreter, running `serve()` of the pdtrace this process imported: its folder goes first on the
+    child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another)."""
+    import pdtrace
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pdtrace.__file__)))
+    return [sys.executable, "-c",
+            f"import sys; sys.path.insert(0, {root!r}); from pdtrace.recording.writer_process import serve; serve()"]
+
+
+def _child_env() -> dict[str, str]:
+    """The child's environment: this process's without the recording switch (the child records nothing)."""
+    env = dict(os.environ)
+    env.pop("PDTRACE_TRACE_DIR", None)
+    return env
+
+
+class WriterProcess:
+    """The engine side of one writer process (see the module docstring). `send` is serialised by a lock."""
+
+    def __init__(self) -> None:
+        self.pid_of_parent = os.getpid()
+        self._lock = threading.Lock()
+        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
+                                      env=_child_env())
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._to_child = self._proc.stdin
+        self._from_child = self._proc.stdout
+        os.set_blocking(self._to_child.fileno(), False)  # writes wait in select(), with a timeout
+        self.lost: str | None = None
+        self._ready = False
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def send(self, payload: bytes, timeout: float | None = None) -> Any:
+        """Hand one payload over and wait until the child has written it: None, the child's error text, or
+        `RESEND_SANITISED`. Raises WriterProcessLost when the child is gone or does not take the payload or answer
+        within `timeout` (default `REPLY_TIMEOUT_S`)."""
+        timeout = REPLY_TIMEOUT_S if timeout is None else timeout
+        with self._lock:
+            if self.lost is not None:
+                raise WriterProcessLost(self.lost, sent=False)
+            if not self._ready:  # a child that fails to start has read nothing: this batch is still ours
+                try:
+                    hello = self._read_message(READY_TIMEOUT_S)
+                    if marshal.loads(hello) != READY:
+                        raise ValueError(f"it said {hello[:40]!r}")
+                except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
+                    self._give_up(f"writer process did not start ({exc})")
+                    raise WriterProcessLost(self.lost or "", sent=False) from None
+                self._ready = True
+            try:
+                self._write_all((_HEADER.pack(len(payload)), payload), timeout)
+            except WriterProcessLost as exc:
+                self._give_up(str(exc))
+                raise
+            try:
+                reply = self._read_message(timeout)
+                return marshal.loads(reply)
+            except WriterProcessLost as exc:
+                self._give_up(str(exc))
+                raise WriterProcessLost(str(exc), sent=True) from None
+            except Exception as exc:  # a garbled reply: the child is not what we think it is
+                self._give_up(f"bad reply: {exc}")
+                raise WriterProcessLost(f"bad reply: {exc}", sent=True) from None
+
+    def _write_all(self, chunks: tuple[bytes, ...], timeout: float) -> None:
+        fd = self._to_child.fileno()
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                try:
+                    written = os.write(fd, view)
+                except BlockingIOError:
+                    written = 0
+                except OSError as exc:  # EPIPE: the child is gone
+                    raise WriterProcessLost(f"writer process gone ({exc})", sent=False) from None
+                view = view[written:]
+                if view and not select.select([], [fd], [], timeout)[1]:
+                    raise WriterProcessLost(f"writer process took nothing for {timeout:.0f} s", sent=False)
+
+    def _read_message(self, timeout: float) -> bytes:
+        fd = self._from_child.fileno()
+        header = self._read_exact(fd, _HEADER.size, timeout)
+        return self._read_exact(fd, _HEADER.unpack(header)[0], timeout)
+
+    @staticmethod
+    def _read_exact(fd: int, size: int, timeout: float) -> bytes:
+        parts: list[bytes] = []
+        left = size
+        while left:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise WriterProcessLost(f"writer process did not answer for {timeout:.0f} s", sent=True)
+            data = os.read(fd, left)
+            if not data:
+                raise WriterProcessLost("writer process gone (EOF)", sent=True)
+            parts.append(data)
+            left -= len(data)
+        return b"".join(parts)
+
+    def _give_up(self, why: str) -> None:
+        self.lost = why
+        self._close_pipes()
+        try:
+            self._proc.kill()
+            self._proc.wait(timeout=5.0)
+        except Exception:
+            pass
+
+    def _close_pipes(self) -> None:
+        for pipe in (self._to_child, self._from_child):
+            try:
+                pipe.close()  # unbuffered (bufsize=0): closing writes nothing
+            except Exception:
+                pass
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Close the child's stdin (it ends once it has answered everything) and reap it."""
+        with self._lock:
+            if self.lost is None:
+                self.lost = "stopped"
+            self._close_pipes()
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5.0)
+            except Exception:
+                pass
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this process's copies of the pipes, send nothing, never wait for the child."""
+        self.lost = "forked"
+        self._close_pipes()
+        self._proc.returncode = 0  # not our child: Popen must never wait for it or signal it from here
+
+
+_shared: WriterProcess | None = None
+_shared_lock = threading.Lock()
+_spawn_failed: str | None = None
+_stale: list[WriterProcess] = []  # a forked child's copies of its parent's handles: kept, never used
+
+
+def shared(spawn: bool = True) -> WriterProcess | None:
+    """This process's writer process, spawned on first use (`spawn`); None when unavailable, switched off, lost,
+    or its spawn failed (the caller then writes in-thread)."""
+    global _shared, _spawn_failed
+    if not available():
+        return None
+    writer = _shared
+    if writer is not None and writer.pid_of_parent == os.getpid():
+        return None if writer.lost else writer
+    if not spawn or _spawn_failed is not None:
+        return None
+    with _shared_lock:
+        if _shared is None or _shared.pid_of_parent != os.getpid():
+            try:
+                _shared = WriterProcess()
+            except Exception as exc:  # no interpreter, no fds, no memory: the in-thread writer instead
+                _spawn_failed = f"{type(exc).__name__}: {exc}"
+                return None
+        return None if _shared.lost else _shared
+
+
+def stop_shared(timeout: float = 30.0) -> None:
+    """Stop this process's writer process, if any, after it has answered everything it was sent (exit hooks)."""
+    global _shared
+    writer = _shared
+    if writer is not None and writer.pid_of_parent == os.getpid():
+        writer.stop(timeout)
+        _shared = None
+
+
+def _after_fork_child() -> None:
+    global _shared, _shared_lock, _spawn_failed
+    _shared_lock = threading.Lock()
+    _spawn_failed = None
+    writer, _shared = _shared, None
+    if writer is not None:
+        _stale.append(writer)
+        try:
+            writer.forget_after_fork()
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_child)
+
+
+# ---- the child ------------------------------------------------------------------------------------------------------
+
+
+def _read_exact_blocking(fd: int, size: int) -> bytes | None:
+    """`size` bytes from fd, or None at EOF (a message cut short by the parent's death is dropped)."""
+    parts: list[bytes] = []
+    left = size
+    while left:
+        data = os.read(fd, min(left, 1 << 20))
+        if not data:
+            return None
+        parts.append(data)
+        left -= len(data)
+    return b"".join(parts)
+
+
+def _reply(fd: int, value: Any) -> None:
+    data = marshal.dumps(value, MARSHAL_VERSION)
+    view = memoryview(_HEADER.pack(len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def main() -> int:
+    """Serve one recording process until its end (EOF on stdin)."""
+    for name in ("SIGINT", "SIGTERM"):
+        try:
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        except (AttributeError, OSError, ValueError):
+            pass
+    replies = os.dup(1)
+    os.dup2(2, 1)  # a stray print must never garble a reply
+    from pdtrace.recording.recorder import holds_bytes, warm_up_pyarrow, write_rows
+
+    warm_up_pyarrow()  # pyarrow's one-time costs now, not in the first part (see recorder.warm_up)
+    try:
+        _reply(replies, READY)
+    except OSError:  # the parent is gone already
+        return 0
+
+    parent_gone = False
+    while True:
+        header = _read_exact_blocking(0, _HEADER.size)
+        if header is None:
+            return 0
+        payload = _read_exact_blocking(0, _HEADER.unpack(header)[0])
+        if payload is None:
+            return 0
+        try:
+            checked, rows, *header = marshal.loads(payload)
+            del payload
+            if not checked and holds_bytes(rows):
+                error: Any = RESEND_SANITISED
+            else:
+                write_rows(rows, *header)
+                error = None
+        except Exception as exc:  # disk full, an odd value: the recorder counts the batch as dropped
+            error = f"{type(exc).__name__}: {exc}"
+        if not parent_gone:
+            try:
+                _reply(replies, error)
+            except OSError:  # the parent died after sending: keep writing what it sent, until EOF
+                parent_gone = True
+
+
+def serve() -> None:
+    """The child's entry point: `main`, then os._exit: every part is on disk and answered, and the interpreter's
+    teardown (pyarrow's modules: ~20-40 ms of CPU per writer process) has nothing left to do for us."""
+    try:
+        status = main()
+    except BaseException:
+        status = 1
+        import traceback
+
+        traceback.print_exc()
+    try:
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
+
+
+if __name__ == "__main__":
+    serve()
