@@ -136,9 +136,11 @@ def _loads_without_wait_kv(ctx: Any, alloc_row: np.ndarray, owner: np.ndarray) -
     rows, which = np.unique(alloc_row, return_inverse=True)
     external = detail_int(ctx, rows, "external", fill=0)[which] > 0
     add_pos = st.add_pos[owner]
-    add_rows, at = np.unique(np.where(add_pos >= 0, cols.order[np.maximum(add_pos, 0)], NO), return_inverse=True)
-    remote = (detail_numbers(ctx, add_rows, ["remote_prefill"], optional=["remote_prefill"])["remote_prefill"]
-              == 1)[at] & (add_pos >= 0)
+    added = add_pos >= 0  # an owner without a req_add row (a trace cut at its start) is not remote_prefill
+    add_rows, at = np.unique(cols.order[add_pos[added]], return_inverse=True)
+    remote = np.zeros(len(owner), bool)
+    remote[added] = (detail_numbers(ctx, add_rows, ["remote_prefill"], optional=["remote_prefill"])["remote_prefill"]
+                     == 1)[at]
     a_rows = cols.req_rows("blocks_alloc")
     first = first_per_key(cols.rk[a_rows], cols.pos[a_rows], cols.n_requests)[owner]
     waits = np.bincount(cols.sk[cols.req_rows("req_wait_kv")], minlength=len(cols.sk_names)) > 0
