@@ -36,4 +36,9 @@ def test_regenerate_command_reproduces_the_sample(cli, tmp_path: Path, sample: s
     assert f"pdtrace analyze {out}" in result.stderr
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["dry_run"]["faults"] == [sample]
+    from pdtrace.recording.vllm import table_for
+
+    table = table_for(H.release()).name
+    assert (manifest["vllm_version"], manifest["vllm_table"]) == (H.release(), table)
+    assert f"pdtrace: vLLM {H.release()}, hook table {table}" in result.stderr
     assert _findings(out) == _findings(folder, H.sample_req)  # the sample's ids as this release names them
