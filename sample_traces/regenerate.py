@@ -139,8 +139,9 @@ ANALYZE_ARGS: dict[str, list[str]] = {}
 
 README_TEMPLATE = """# Sample traces
 
-Small traces made on vLLM 0.33.0 (each trace's `_manifest.json` names the release; the dry run runs on every
-release pdtrace supports: docs/vllm-releases.md) by `pdtrace record --dry-run` (the release's real EngineCore and
+Small traces made on vLLM 0.33.0 (each trace's `_manifest.json` and `engine_config` events name the release and
+the hook table, `v0_33`, which `pdtrace info` shows; the dry run runs on every release pdtrace supports, with that
+release's semantics: docs/vllm-releases.md) by `pdtrace record --dry-run` (the release's real EngineCore and
 Scheduler, with the NIXL
 connector's scheduler side, on pdtrace's simulated workers and transfer engine; see `pdtrace/dryrun/`). They need
 nothing but pdtrace to read:

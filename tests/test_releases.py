@@ -52,6 +52,8 @@ def test_behaviour_per_release_range():
     assert (new.deferred_frees, new.abort_while_receiving, new.connector_timeout_s) == (True, "delayed", 480.0)
     assert "KeyError" in old.unknown_send and "warning" in behaviour_of("0.11.0").unknown_send
     assert "asserts" in new.unknown_send and behaviour_of(None) == new and behaviour_of("9.9.9") == new
+    assert [behaviour_of(v).steps_for_pending_sends for v in ("0.10.1.1", "0.11.0", "0.11.2", "0.28.0", "0.33.0")] \
+        == [False, False, False, True, True]
 
 
 def _unknown_completion_trace(version: str | None, sources: bool = False):

@@ -72,6 +72,19 @@ def test_sample_is_regenerable_and_documented(name: str) -> None:
     assert manifest["source"] == "dryrun" and manifest["dry_run"]["seed"] == json.loads(
         (sample / "expected.json").read_text())["config"]["seed"]
     assert f"`{name}`" in (SAMPLES_DIR / "README.md").read_text()
+    # The release that made it, and the hook table: in the manifest, in every engine_config event, in REGENERATE.
+    from pdtrace.recording.vllm import table_for
+
+    release = manifest["vllm_version"]
+    assert manifest["vllm_table"] == table_for(release).name and f"needs vLLM {release}" in regen
+    import pyarrow.compute as pc
+
+    from pdtrace import open_trace
+
+    table = open_trace(sample / "trace").table
+    details = table.filter(pc.equal(table["kind"].cast("string"), "engine_config"))["detail"].to_pylist()
+    named = {(d["vllm_version"], d["table"]) for d in map(json.loads, details)}
+    assert details and named == {(release, manifest["vllm_table"])}
 
 
 def test_healthy_samples_have_no_errors_and_fault_samples_do() -> None:

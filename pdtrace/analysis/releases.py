@@ -36,6 +36,12 @@ class ReleaseBehaviour:
     #: VLLM_NIXL_ABORT_REQUEST_TIMEOUT default (envs.py: 120 up to 0.11.0, 480 from 0.11.1; 0.28+: NIXL's and
     #: Mooncake's 480). The default grace period of the leak and stuck-wait rules.
     connector_timeout_s: float
+    #: Whether an engine whose only requests are finished ones waiting for their KV send keeps stepping, to collect
+    #: the completion and free the blocks (0.28+: `has_finished_requests` counts requests held for connector
+    #: cleanup). Before (0.10 / 0.11: `has_requests` is waiting + running + `finished_req_ids`), the engine core
+    #: sleeps on its input queue after one more step: the send completions and frees of its last requests wait for
+    #: the next request, and a trace that ends there shows them still held.
+    steps_for_pending_sends: bool
     #: What `_update_from_kv_xfer_finished` does with a send completion for an id the scheduler no longer knows.
     unknown_send: str
     #: ... and with a receive completion for such an id.
@@ -58,23 +64,28 @@ _ASSERTS = "vLLM asserts req_id in self.requests (_update_from_kv_xfer_finished)
 _STALE = "vLLM keeps the id in finished_recving_kv_req_ids unchecked (a stale entry)"
 
 #: Oldest first. The rows' sources: each release's vllm/v1/core/sched/scheduler.py (finish_requests,
-#: _update_from_kv_xfer_finished, _free_request_blocks) and vllm/envs.py.
+#: _update_from_kv_xfer_finished, _free_request_blocks, has_finished_requests), vllm/v1/core/sched/interface.py
+#: (has_requests) and vllm/envs.py.
 BEHAVIOURS: tuple[ReleaseBehaviour, ...] = (
     ReleaseBehaviour(
         "0.10.1.1", "0.11.0", deferred_frees=False, abort_while_receiving="immediate", connector_timeout_s=120.0,
+        steps_for_pending_sends=False,
         unknown_send="vLLM raises KeyError (self.requests[req_id] in _update_from_kv_xfer_finished) and the engine "
                      "dies",
         unknown_recv=_STALE),
     ReleaseBehaviour(
         "0.11.0", "0.11.1", deferred_frees=False, abort_while_receiving="immediate", connector_timeout_s=120.0,
+        steps_for_pending_sends=False,
         unknown_send="vLLM logs a warning and ignores it (_update_from_kv_xfer_finished)",
         unknown_recv=_STALE),
     ReleaseBehaviour(
         "0.11.1", "0.12", deferred_frees=False, abort_while_receiving="immediate", connector_timeout_s=480.0,
+        steps_for_pending_sends=False,
         unknown_send=_ASSERTS,
         unknown_recv=_STALE),
     ReleaseBehaviour(
         "0.28.0", "0.34", deferred_frees=True, abort_while_receiving="delayed", connector_timeout_s=480.0,
+        steps_for_pending_sends=True,
         unknown_send=_ASSERTS, unknown_recv=_ASSERTS),
 )
 NEWEST = BEHAVIOURS[-1]

@@ -50,6 +50,13 @@ def _vllm_table(version: str | None) -> str | None:
     return entry.name if entry is not None else None
 
 
+def _print_release(vllm_version: str | None, table: str | None) -> None:
+    """The stderr line naming the vLLM release and the hook table a recording uses (also in the manifest)."""
+    err_console.print(f"pdtrace: vLLM {vllm_version or '(not installed)'}, hook table "
+                      f"{table or '(none: this release is not supported, nothing is recorded)'}",
+                      markup=False, highlight=False)
+
+
 def _iso(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat()
 
@@ -125,10 +132,7 @@ def run_recorded(command: list[str], output: Path) -> int:
         except OSError as exc:
             (output / MANIFEST_NAME).unlink(missing_ok=True)
             raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
-        table = manifest["vllm_table"]
-        err_console.print(f"pdtrace: vLLM {vllm_version or '(not installed)'}, hook table "
-                          f"{table or '(none: this release is not supported, nothing is recorded)'}",
-                          markup=False, highlight=False)
+        _print_release(vllm_version, manifest["vllm_table"])
         for signum in pending:
             forward(signum, None)
         while True:
@@ -164,6 +168,8 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
     config = DryRunConfig(**{name: value for name, value in options.items() if value is not None}).validate()
     output = prepare_output(output, force)
     result = run_dry_run(config, output)
+    manifest = json.loads((output / MANIFEST_NAME).read_text())
+    _print_release(manifest.get("vllm_version"), manifest.get("vllm_table"))
     if result.error:
         err_console.print(f"pdtrace: vLLM raised during the dry run (recorded as engine_error): {result.error}",
                           markup=False)

@@ -1,4 +1,4 @@
-"""`pdtrace record --dry-run`: vLLM 0.33.0's real EngineCore and Scheduler on a simulated cluster.
+"""`pdtrace record --dry-run`: the installed vLLM's real EngineCore and Scheduler on a simulated cluster.
 
 The real engine loop, scheduler, KV cache manager, block pool and NixlConnector scheduler side run unchanged; only
 the workers, the KV transfer engine and the client are simulated (pdtrace/dryrun/executor.py, transfer.py,
@@ -7,6 +7,10 @@ sim.py), on a virtual clock. Recording goes through the same hooks as a live run
 the hooks' durations, `dur_ns` and `wait_ns`, come from that virtual clock); only what no
 real vLLM code runs for here (the workers' exec spans, per-rank transfer reports, the persistent batch) is emitted
 by the simulated workers, on the "worker" channel of each instance's recorder.
+
+It runs on every release pdtrace records (`pdtrace.recording.vllm._TABLES`, 0.10.1.1 to 0.33.x), with that
+release's own engine loop and semantics; what the dry run itself must do differently per release (constructors, the
+executor's replies, NIXL's metadata, one request id on P and D before 0.28) is in pdtrace/dryrun/compat.py.
 
 Importing this package does not import vLLM: `DryRunConfig` is usable without it; `run_dry_run` imports vLLM.
 """
@@ -26,9 +30,6 @@ from pdtrace.errors import RecordingError
 
 #: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
 SUPPORTED_VLLM = "0.33.0"
-#: The hook tables whose releases the dry run is validated on (its vLLM tier tests pass there). On 0.10 / 0.11 the
-#: dry run builds and steps (pdtrace.dryrun.compat), but parts of its tier still fail: it refuses them.
-DRY_RUN_TABLES = ("v0_28", "v0_33")
 
 __all__ = [
     "FAULTS",
@@ -79,9 +80,9 @@ def _check_vllm() -> str:
                              f"README.md): {exc}") from None
     version = installed_vllm_version() or "unknown"
     entry = table_for(version)
-    if entry is None or entry.name not in DRY_RUN_TABLES:
-        raise RecordingError(f"the dry run drives vLLM 0.28.0 to 0.33.x (0.10 / 0.11: not validated yet; supported "
-                             f"for recording: {', '.join(supported_versions())}); this is vLLM {version}")
+    if entry is None:
+        raise RecordingError(f"the dry run drives the vLLM releases pdtrace records ({', '.join(supported_versions())}"
+                             f"); this is vLLM {version}")
     return version
 
 

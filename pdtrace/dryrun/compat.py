@@ -39,11 +39,34 @@ def recv_plan(meta: Any) -> tuple[int, bool, str | None, str | None]:
     local = meta.local_block_ids
     remote = getattr(meta, "remote", None)
     if remote is not None or hasattr(meta, "awaiting_kvs") or (local and isinstance(local[0], (list, tuple))):
-        n_blocks = len(local[0]) if local and len(local) else 0
+        n_blocks = remote_block_count(local)
         if remote is None:
             return n_blocks, bool(getattr(meta, "awaiting_kvs", True)), None, None
         return n_blocks, bool(getattr(meta, "awaiting_kvs", True)), remote.engine_id, remote.request_id
-    return len(local or ()), True, getattr(meta, "remote_engine_id", None), None
+    return remote_block_count(local), True, getattr(meta, "remote_engine_id", None), None
+
+
+def shared_request_ids() -> bool:
+    """Whether a request keeps one id on P and D. 0.10 / 0.11: NIXL's kv_transfer_params name no remote request,
+    and D's read notifies P with D's own id (nixl_connector.py `_read_blocks`: `notif_id = f"{request_id}:..."`),
+    which P looks up among its own requests; so those releases' proxy gives both sides one X-Request-Id. 0.28+:
+    P returns `remote_request_id` (nixl/metadata.py `RemoteMeta.request_id`) and D names its request itself."""
+    import dataclasses
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta
+    except ImportError:  # 0.10 / 0.11: one module, nixl_connector.py, and no RemoteMeta
+        return True
+    return "request_id" not in {f.name for f in dataclasses.fields(RemoteMeta)}
+
+
+def remote_block_count(block_ids: Any) -> int:
+    """How many blocks P's kv_transfer_params `remote_block_ids` lists: one list per KV cache group (0.28+; the
+    first group's) or a flat list (0.10 / 0.11)."""
+    if not block_ids:
+        return 0
+    first = block_ids[0]
+    return len(first) if isinstance(first, (list, tuple)) else len(block_ids)
 
 
 def ensure_cpu_platform() -> None:
@@ -165,7 +188,7 @@ def post_step(core: Any, executed: bool) -> None:
 
 
 def batch_queue_busy(core: Any) -> bool:
-    """Whether the engine's batch queue holds a step: a deque (0.11+) or a queue.Queue (0.10)."""
+    """Whether the engine's batch queue holds a step: a deque (0.10.2+) or a queue.Queue (0.10.1.1)."""
     queue = core.batch_queue
     if queue is None:
         return False

@@ -69,11 +69,10 @@ class FaultInjector:
         self.cluster = cluster
         cfg = cluster.config
         self.faults = set(cfg.faults)
-        self.p_target = {f: f"r{fault_target(cfg, f):05d}" + ("" if cfg.instances == "single" else "-p")
-                         for f in self.faults}
-        self.d_target = {f: f"r{fault_target(cfg, f):05d}-d" for f in self.faults}
+        self.p_target = {f: cluster.req_id(f"r{fault_target(cfg, f):05d}", "p") for f in self.faults}
+        self.d_target = {f: cluster.req_id(f"r{fault_target(cfg, f):05d}", "d") for f in self.faults}
         # starve: the request whose lost send completion pins blocks for good (shrinking P's pool).
-        self.pin_target = "r00000-p" if "starve" in self.faults else None
+        self.pin_target = cluster.req_id("r00000", "p") if "starve" in self.faults else None
         self._cbf_step: Any = None
         self._dup_armed = False
         self._dup_done = False

@@ -1,5 +1,6 @@
-"""The simulated cluster: vLLM 0.33.0's real EngineCore + Scheduler (+ NixlConnector scheduler side) per instance,
-driven cooperatively in one process on virtual time, with simulated workers and a simulated KV transfer engine.
+"""The simulated cluster: the installed vLLM's real EngineCore + Scheduler (+ NixlConnector scheduler side) per
+instance, driven cooperatively in one process on virtual time, with simulated workers and a simulated KV transfer
+engine (what differs per release: pdtrace/dryrun/compat.py).
 
 Why one process: two EngineCores share a process without trouble. `EngineCore.__init__`'s process-wide side
 effects are `gc.freeze()` (moves the startup heap to the permanent generation; harmless to repeat) and
@@ -34,8 +35,8 @@ from typing import Any
 
 from pdtrace.dryrun.clock import Timeline, VirtualClock
 from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine_step, ensure_cpu_platform,
-                                   full_attention_spec, new_request, post_step, split_sampling, use_v1_scheduler,
-                                   warm_up_reply)
+                                   full_attention_spec, new_request, post_step, shared_request_ids, split_sampling,
+                                   use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
 from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
@@ -274,9 +275,11 @@ class SimEngine:
             begin = max(issue, self.stage_free[s], prev_end if forward else 0)
             dur_us = (cfg.compute_us_fixed + cfg.compute_us_per_token * tokens) if forward else NO_FORWARD_US
             end = begin + int(dur_us * NS_PER_US)
-            if forward:
-                sample_end = end + int((SAMPLE_US_LAST if s == self.pp - 1 else SAMPLE_US_OTHER) * NS_PER_US)
-            else:
+            if forward and s == self.pp - 1:
+                sample_end = end + int(SAMPLE_US_LAST * NS_PER_US)
+            elif forward and split:  # a non-last stage's kv-connector-only sample_tokens reply
+                sample_end = end + int(SAMPLE_US_OTHER * NS_PER_US)
+            else:  # one RPC (0.10 / 0.11.0): a non-last stage replies once its activations are sent
                 sample_end = end
             self.stage_free[s] = sample_end
             prev_end = end
@@ -419,11 +422,22 @@ class SimEngine:
                 if item.payload in self.core.scheduler.requests:
                     self.core.abort_requests([item.payload])
                     # The client sees its request end (a closed-loop client may send the next one).
-                    self.cluster._client_done(item.payload.removesuffix("-d").removesuffix("-p"), now)
+                    self.cluster._client_done(base_id(item.payload), now)
 
 
 _RPC_EXEC = '{"rpc":"execute_model"}'
 _RPC_SAMPLE = '{"rpc":"sample_tokens"}'
+
+
+def engine_req_id(base: str, side: str, shared: bool) -> str:
+    """Client request `base`'s id on the prefill (`side` "p") or decode ("d") engine: `base` itself where P and D
+    share one id (one instance; compat.shared_request_ids), else `base-p` / `base-d`."""
+    return base if shared else f"{base}-{side}"
+
+
+def base_id(req_id: str) -> str:
+    """The client's id of an engine request (`r00001-p`, `r00001-d`, `r00001` -> `r00001`)."""
+    return req_id.removesuffix("-d").removesuffix("-p")
 
 
 def _emit_rows(chan: Any, kind: str, step: int | None, reqs: list[str], reason: str) -> None:
@@ -467,6 +481,8 @@ class SimCluster:
             self.max_model_len = (config.num_blocks - 1) * config.block_size
         self._order = 0
         self.want_eos: dict[str, bool] = {}
+        # P and D name a request `rNNNNN-p` / `rNNNNN-d`, or both `rNNNNN` where the release has one id for both.
+        self.shared_ids = config.instances == "single" or shared_request_ids()
         self.faults = FaultInjector(self)
         self.transfers = SimTransferEngine(self)
         self.workload = workload
@@ -492,6 +508,10 @@ class SimCluster:
         for e in self.engines:
             self.by_engine_id[e.engine_id] = e
         self.client_limit = self.faults.client_concurrency()
+
+    def req_id(self, base: str, side: str) -> str:
+        """The engine request id of client request `base` on the prefill (`side` "p") or decode ("d") side."""
+        return engine_req_id(base, side, self.shared_ids)
 
     def next_order(self) -> int:
         self._order += 1
@@ -531,7 +551,7 @@ class SimCluster:
                 self.want_eos[req_id] = c.wl.index % 2 == 0
                 req = self._make_request(req_id, c.wl, c.wl.max_tokens, None, start)
             else:
-                req_id = f"{c.base_id}-p"
+                req_id = self.req_id(c.base_id, "p")
                 params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
                 req = self._make_request(req_id, c.wl, 1, params, start)
@@ -548,12 +568,12 @@ class SimCluster:
                     continue
                 self.stats.requests_finished += 1
                 rid = o.request_id
+                base = base_id(rid)
                 if engine is self.prefill and engine.has_connector:
-                    base = rid[:-2]
                     params = o.kv_transfer_params
                     client = self._client(base)
                     if params and self.decode is not None and client is not None:
-                        d_id = f"{base}-d"
+                        d_id = self.req_id(base, "d")
                         self.want_eos[d_id] = client.wl.index % 2 == 0
                         d_params = dict(params)
                         arrival = now + int(self.config.proxy_delay_us * NS_PER_US)
@@ -564,7 +584,6 @@ class SimCluster:
                         self.transfers.phantom_read(engine, rid, params, now)
                     self._client_done(base, now)
                 else:
-                    base = rid.removesuffix("-d")
                     self._client_done(base, now)
 
     def _client(self, base: str) -> ClientRequest | None:

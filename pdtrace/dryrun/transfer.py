@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdtrace.dryrun.compat import recv_plan
+from pdtrace.dryrun.compat import recv_plan, remote_block_count
 
 if TYPE_CHECKING:
     from pdtrace.dryrun.sim import SimCluster, SimEngine
@@ -65,16 +65,15 @@ class SimTransferEngine:
             producer = self.cluster.by_engine_id.get(remote_engine)
             if producer is None:
                 continue
-            if remote_req is None:  # 0.10 / 0.11 share one id between P and D; the simulation names them -p / -d
-                remote_req = req_id.removesuffix("-d") + "-p"
+            if remote_req is None:  # 0.10 / 0.11: P and D share one id (compat.shared_request_ids)
+                remote_req = req_id
             p_rank = producer.ranks.get((rank.pp_rank, rank.tp_rank))
             if p_rank is not None:
                 p_rank.done_sends.append((done, remote_req))
 
     def phantom_read(self, producer: SimEngine, req_id: str, params: dict, now: int) -> None:
         """P-only runs: an unrecorded decoder reads the finished request's blocks after the proxy's delay."""
-        blocks = params.get("remote_block_ids") or ()
-        n_blocks = len(blocks[0]) if blocks and len(blocks) else 0
+        n_blocks = remote_block_count(params.get("remote_block_ids"))
         start = now + int(self.cluster.config.proxy_delay_us * NS_PER_US)
         done = start + self.read_ns(n_blocks)
         self.reads_started += 1

@@ -215,13 +215,20 @@ def vllm_source_line(module_file: str, where: str) -> str:
     return (Path(vllm.__file__).parent / module_file).read_text().splitlines()[line - 1]
 
 
-def dry_run_validated() -> bool:
-    """Whether the dry run accepts the installed release (pdtrace.dryrun.DRY_RUN_TABLES; 0.10 / 0.11: not yet)."""
-    from pdtrace.dryrun import DRY_RUN_TABLES
-    from pdtrace.recording.vllm import table_for
+def dry_req(base: str, side: str) -> str:
+    """The dry run's id of client request `base` (`r00001`) on P (`side` "p") or D ("d"): `r00001-p` / `r00001-d`,
+    or `r00001` on both where the release keeps one id on P and D (0.10 / 0.11: compat.shared_request_ids)."""
+    from pdtrace.dryrun.sim import engine_req_id
 
-    entry = table_for(release())
-    return entry is not None and entry.name in DRY_RUN_TABLES
+    return engine_req_id(base, side, compat.shared_request_ids())
+
+
+def sample_req(req: Any) -> Any:
+    """The installed release's dry-run id for request `req` of a shipped sample (made with two ids, `r00001-p` /
+    `r00001-d`): the same, or `r00001` where the release keeps one id on P and D (dry_req)."""
+    from pdtrace.dryrun.sim import base_id
+
+    return dry_req(base_id(req), req[-1]) if isinstance(req, str) and req.endswith(("-p", "-d")) else req
 
 
 def num_free_blocks(scheduler: Any) -> int:

@@ -14,11 +14,10 @@ pytest.importorskip("vllm.version", reason="needs a supported vLLM (.ci/install-
 
 import harness as H  # noqa: E402
 
-from pdtrace.dryrun import DryRunConfig, run_dry_run  # noqa: E402
+from pdtrace.dryrun import DryRunConfig, compat, run_dry_run  # noqa: E402
 from pdtrace.errors import RecordingError, UsageError  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
-    not H.dry_run_validated(), reason=f"the dry run refuses vLLM {H.release()} (not validated on 0.10 / 0.11 yet)")]
+pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +48,10 @@ def test_pd_lifecycle_through_the_hooks(tmp_path: Path) -> None:
     d_add = d[d.kind == "req_add"]
     details = [json.loads(x) for x in d_add.detail]
     assert {x["remote_instance"] for x in details} == {"prefill-0"}
-    assert sorted(x["remote_req"] for x in details) == sorted(p_fin.req)
+    if compat.shared_request_ids():  # 0.10 / 0.11: NIXL names no remote request; D keeps P's id
+        assert {x["remote_req"] for x in details} == {None} and sorted(d_add.req) == sorted(p_fin.req)
+    else:
+        assert sorted(x["remote_req"] for x in details) == sorted(p_fin.req)
     # Each D request waited for KV, got it, and finished after exactly 4 output tokens (1 from the promotion).
     assert set(d[d.kind == "req_wait_kv"].req) == set(d_add.req) == set(d[d.kind == "kv_recv_done"].req)
     assert len(d[(d.kind == "req_finish")]) == 6
@@ -57,17 +59,36 @@ def test_pd_lifecycle_through_the_hooks(tmp_path: Path) -> None:
     # read starts after D parked the request; it takes at least the setup time plus a block's latency).
     cfg = DryRunConfig()
     min_read_ns = int((cfg.transfer_setup_us + cfg.transfer_latency_us_per_block) * 1000)
+    unsent = [req for req in p_fin.req if p[(p.req == req) & (p.kind == "kv_send_done")].empty]
     for req in p_fin.req:
         rows = p[p.req == req]
+        d_req = H.dry_req(req.removesuffix("-p"), "d")
+        if req in unsent:
+            continue
         send = rows[rows.kind == "kv_send_done"].seq.min()
         assert rows[rows.kind == "req_finish"].seq.min() < send <= rows[rows.kind == "blocks_free"].seq.min()
-        d_req = req[:-2] + "-d"
         wait_ts = d[(d.req == d_req) & (d.kind == "req_wait_kv")].ts_ns.min()
         assert rows[rows.kind == "kv_send_rank"].ts_ns.min() >= wait_ts + min_read_ns
+    assert_unsent_only_after_p_slept(p, d, unsent)
     # One writer per instance: seq strictly increasing and ts never going back in seq order.
     for _, g in df.groupby("instance"):
         assert g.seq.is_unique and g.ts_ns.is_monotonic_increasing
     assert [f for f in analyze_json(tmp_path / "t") if f["severity"] != "info"] == []
+
+
+def assert_unsent_only_after_p_slept(p: pd.DataFrame, d: pd.DataFrame, unsent: list[str]) -> None:
+    """P requests without a send completion (`unsent`): none where the release keeps an engine stepping for pending
+    sends (0.28+); on 0.10 / 0.11 P's engine sleeps once only such requests are left, so only requests whose read
+    on D ended after P's last step may still hold their blocks (the next request would wake P)."""
+    if H.behaviour().steps_for_pending_sends:
+        assert unsent == []
+        return
+    last_p_step = p[p.kind == "exec_end"].ts_ns.max()
+    for req in unsent:  # a D rank reports its read at the end of a forward, after the read ended
+        d_rows = d[(d.req == H.dry_req(req.removesuffix("-p"), "d")) & (d.kind == "kv_recv_rank")]
+        assert d_rows.ts_ns.min() > last_p_step, req
+    assert 0 < len(unsent) < p[p.kind == "req_finish"].req.nunique()  # P slept at the end, after the others
+    assert p[p.req.isin(unsent) & (p.kind == "blocks_free")].empty
 
 
 def test_same_seed_same_trace(tmp_path: Path) -> None:
@@ -125,11 +146,12 @@ def test_vllm_assert_is_recorded_and_the_trace_kept(tmp_path: Path) -> None:
     df = events(tmp_path / "t")
     p = df[(df.instance == "prefill-0") & (df.component != "worker")]
     assert p.kind.iloc[-1] == "engine_error"
-    sent = p[(p.kind == "kv_send_done") & (p.req == "r00001-p")]  # the fault's target: workload request 1
+    target = H.dry_req("r00001", "p")  # the fault's target: workload request 1
+    sent = p[(p.kind == "kv_send_done") & (p.req == target)]
     assert list(sent.status) == ["RUNNING"]  # the completion reached vLLM while the request was still running
-    assert p[(p.kind == "req_finish") & (p.req == "r00001-p")].empty
+    assert p[(p.kind == "req_finish") & (p.req == target)].empty
     rules = {(f["rule"], f["req"]) for f in analyze_json(tmp_path / "t") if f["severity"] == "error"}
-    assert ("completion_before_finish", "r00001-p") in rules
+    assert ("completion_before_finish", target) in rules
 
 
 def test_missing_rank_completion_leaks(tmp_path: Path) -> None:
@@ -138,13 +160,18 @@ def test_missing_rank_completion_leaks(tmp_path: Path) -> None:
     assert res.error is None
     df = events(tmp_path / "t")
     p = df[df.instance == "prefill-0"]
-    target = "r00002-p"
+    target = H.dry_req("r00002", "p")
     assert sorted(p[(p.kind == "kv_send_rank") & (p.req == target)].tp_rank) == [0.0]  # rank 1 never reports
     assert p[(p.kind == "kv_send_done") & (p.req == target)].empty
-    others = p[(p.kind == "kv_send_done")].req
-    assert len(others) == 5  # every other request completed normally
+    sent = set(p[p.kind == "kv_send_done"].req)
+    unsent = [r for r in p[p.kind == "req_finish"].req if r != target and r not in sent]
+    assert_unsent_only_after_p_slept(p, df[df.instance == "decode-0"], unsent)  # every other one completed normally
     leaks = [f for f in analyze_json(tmp_path / "t") if f["rule"] == "leaked_blocks"]
-    assert [(f["instance"], f["req"]) for f in leaks] == [("prefill-0", target)]
+    if H.behaviour().steps_for_pending_sends:  # P kept stepping through the 500 s hold: past the grace period
+        assert [(f["instance"], f["req"], f["severity"]) for f in leaks] == [("prefill-0", target, "error")]
+    else:  # P slept: the trace ends within the grace period, the target and the last reads still held
+        assert sorted((f["instance"], f["req"], f["subrule"]) for f in leaks) == sorted(
+            ("prefill-0", r, "still_held") for r in [target, *unsent])
 
 
 def test_regenerated_sample_matches_its_expected_findings(tmp_path: Path) -> None:
@@ -160,14 +187,28 @@ def test_regenerated_sample_matches_its_expected_findings(tmp_path: Path) -> Non
     run_dry_run(DryRunConfig(**manifest["dry_run"]), tmp_path / "t")
     from pdtrace.analysis import analyze
 
+    own_id = H.sample_req
     findings = analyze(str(tmp_path / "t")).to_dict("records")
-    assert mod.summarize_findings(findings) == expected["findings"]
+    summary = mod.summarize_findings(findings)
+    if H.behaviour().steps_for_pending_sends:
+        assert summary == [{**f, "reqs": [own_id(r) for r in f["reqs"]]} for f in expected["findings"]]
+    else:
+        # 0.10 / 0.11: P sleeps once only requests awaiting their send are left (no 500 s of P steps to pass the
+        # grace period): the lost send and the reads that ended after P's last step are still held, nothing else.
+        df = events(tmp_path / "t")
+        p, d = df[df.instance == "prefill-0"], df[df.instance == "decode-0"]
+        target = own_id(expected["findings"][0]["reqs"][0])
+        sent = set(p[p.kind == "kv_send_done"].req)
+        unsent = [r for r in p[p.kind == "req_finish"].req if r != target and r not in sent]
+        assert_unsent_only_after_p_slept(p, d, unsent)
+        assert summary == [{"rule": "leaked_blocks", "subrule": "still_held", "severity": "info",
+                            "instance": "prefill-0", "count": 1 + len(unsent), "reqs": sorted([target, *unsent])}]
     # The same workload went through: the same requests finished on both instances as in the shipped trace.
-    def finishes(trace: Path) -> list[tuple[str, str]]:
+    def finishes(trace: Path, ids=lambda r: r) -> list[tuple[str, str]]:
         df = events(trace)
-        return sorted(zip(df[df.kind == "req_finish"].instance, df[df.kind == "req_finish"].req))
+        return sorted(zip(df[df.kind == "req_finish"].instance, df[df.kind == "req_finish"].req.map(ids)))
 
-    assert finishes(tmp_path / "t") == finishes(sample / "trace")
+    assert finishes(tmp_path / "t") == finishes(sample / "trace", own_id)
 
 
 def test_config_refusals() -> None:
@@ -192,16 +233,17 @@ def test_abort_while_waiting_kv_frees_only_after_the_read(tmp_path: Path) -> Non
     scheduler.py:3015-3024); 0.10 / 0.11 free them at once, while the read may still write them: pdtrace reports it."""
     res = run_dry_run(DryRunConfig(requests=4, rate=200.0, faults=["abort_while_waiting_kv"], fault_request=1,
                                    seed=4), tmp_path / "t")
-    assert res.error is None and any("abort r00001-d" in x for x in res.injected)
+    d_target = H.dry_req("r00001", "d")
+    assert res.error is None and any(f"abort {d_target} " in x for x in res.injected)
     df = events(tmp_path / "t")
-    d = df[(df.instance == "decode-0") & (df.req == "r00001-d")]
+    d = df[(df.instance == "decode-0") & (df.req == d_target)]
     fin = d[d.kind == "req_finish"]
     if H.behaviour().abort_while_receiving == "immediate":
         assert list(fin.status) == ["FINISHED_ABORTED"] and not fin.delay_free.any()
         free = d[d.kind == "blocks_free"]
         assert list(free.reason) == ["aborted"] and fin.seq.iloc[0] < free.seq.iloc[0]
         found = {(f["rule"], f["req"]) for f in analyze_json(tmp_path / "t") if f["severity"] == "error"}
-        assert ("premature_free", "r00001-d") in found
+        assert ("premature_free", d_target) in found
         return
     assert list(fin.reason) == ["abort"] and list(fin.status) == ["FINISHED_ABORTED"] and fin.delay_free.all()
     assert fin.step.isna().all()  # aborts arrive between steps
@@ -211,7 +253,7 @@ def test_abort_while_waiting_kv_frees_only_after_the_read(tmp_path: Path) -> Non
     assert fin.seq.iloc[0] < recv.seq.iloc[0] <= free.seq.iloc[0]
     assert d[d.kind == "req_sched"].empty  # never ran on D
     # P still gets its send completion: the read did happen.
-    p = df[(df.instance == "prefill-0") & (df.req == "r00001-p")]
+    p = df[(df.instance == "prefill-0") & (df.req == H.dry_req("r00001", "p"))]
     assert not p[p.kind == "kv_send_done"].empty
 
 
@@ -224,13 +266,13 @@ def test_starve_blocks_the_head_of_the_line(tmp_path: Path) -> None:
     p = df[df.instance == "prefill-0"]
     added = set(p[p.kind == "req_add"].req)
     scheduled = set(p[p.kind == "req_sched"].req)
-    target = "r00003-p"  # requests // 3
+    target = H.dry_req("r00003", "p")  # requests // 3
     prompt = int(p[(p.kind == "req_add") & (p.req == target)].n.iloc[0])
     assert prompt == (48 - 1) * 16 - 1  # the whole usable pool
     assert target in added and target not in scheduled
-    assert {f"r{i:05d}-p" for i in range(3)} <= scheduled  # ahead of it: served
-    assert not ({f"r{i:05d}-p" for i in range(4, 9)} & scheduled)  # behind it: stuck (FCFS)
-    assert p[(p.kind == "kv_send_done") & (p.req == "r00000-p")].empty  # the pinned blocks
+    assert {H.dry_req(f"r{i:05d}", "p") for i in range(3)} <= scheduled  # ahead of it: served
+    assert not ({H.dry_req(f"r{i:05d}", "p") for i in range(4, 9)} & scheduled)  # behind it: stuck (FCFS)
+    assert p[(p.kind == "kv_send_done") & (p.req == H.dry_req("r00000", "p"))].empty  # the pinned blocks
 
 
 def test_prefill_only_with_a_phantom_decoder(tmp_path: Path) -> None:
@@ -242,7 +284,17 @@ def test_prefill_only_with_a_phantom_decoder(tmp_path: Path) -> None:
     fin = df[df.kind == "req_finish"]
     assert len(fin) == 5 and fin.delay_free.all()
     sent = df[df.kind == "kv_send_done"]
-    assert sorted(sent.req) == sorted(fin.req) and set(sent.status) == {"FINISHED_LENGTH_CAPPED"}
-    for req in fin.req:  # the blocks go back only after the send completed
+    assert set(sent.status) == {"FINISHED_LENGTH_CAPPED"} and set(sent.req) <= set(fin.req)
+    unsent = sorted(set(fin.req) - set(sent.req))
+    if H.behaviour().steps_for_pending_sends:
+        assert unsent == []
+    else:  # 0.10 / 0.11: P sleeps once only requests awaiting their send are left
+        cfg = DryRunConfig()
+        last_p_step = df[df.kind == "exec_end"].ts_ns.max()
+        earliest_read_end = (cfg.proxy_delay_us + cfg.transfer_setup_us) * 1000
+        assert 0 < len(unsent) < len(fin)
+        assert (fin[fin.req.isin(unsent)].ts_ns + earliest_read_end > last_p_step).all()
+        assert df[df.req.isin(unsent) & (df.kind == "blocks_free")].empty
+    for req in sent.req:  # the blocks go back only after the send completed
         rows = df[df.req == req]
         assert rows[rows.kind == "kv_send_done"].seq.iloc[0] < rows[rows.kind == "blocks_free"].seq.iloc[0]

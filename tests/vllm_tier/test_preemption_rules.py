@@ -21,8 +21,7 @@ from pdtrace.analysis.rules.preemption_race import preempt_handovers  # noqa: E4
 from pdtrace.dryrun import DryRunConfig, run_dry_run  # noqa: E402
 from pdtrace.trace.reader import open_trace  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
-    not H.dry_run_validated(), reason=f"the dry run refuses vLLM {H.release()} (not validated on 0.10 / 0.11 yet)")]
+pytestmark = pytest.mark.vllm
 
 PRESSURE = dict(num_blocks=72, requests=32, rate=0.0, prompt_len="uniform:64:256", output_len="exp:96", seed=0)
 

@@ -4,6 +4,7 @@ vLLM EngineCore (fake executor) that loads pdtrace through vLLM's plugin loader 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,11 +54,17 @@ def test_record_a_process_running_vllm(tmp_path):
     assert steps == list(range(len(steps))) and [e["step"] for e in H.of_kind(events, "step_output")] == updated
 
 
-def test_the_dry_run_refuses_a_release_it_is_not_validated_on(tmp_path):
+def test_the_dry_run_refuses_a_release_without_a_hook_table(tmp_path, monkeypatch):
+    import pdtrace.recording.vllm as hooks
     from pdtrace.dryrun import DryRunConfig, run_dry_run
     from pdtrace.errors import RecordingError
 
-    if H.dry_run_validated():
-        pytest.skip(f"the dry run runs on vLLM {H.release()} (test_dryrun.py)")
-    with pytest.raises(RecordingError, match=f"dry run drives vLLM 0.28.0 to 0.33.x.*this is vLLM {H.release()}"):
-        run_dry_run(DryRunConfig(requests=1), tmp_path / "t")
+    from pdtrace.dryrun import _ENV_DEFAULTS
+
+    for key, value in _ENV_DEFAULTS.items():  # what an in-process dry run sets, restored after the test
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.9.2")
+    with pytest.raises(RecordingError, match=r"dry run drives the vLLM releases pdtrace records \(0\.10\.1\.1 to .*"
+                                             r"this is vLLM 0\.9\.2"):
+        run_dry_run(DryRunConfig(requests=1), tmp_path / "t", in_process=True)
+    assert not (tmp_path / "t").exists()  # refused before anything was written

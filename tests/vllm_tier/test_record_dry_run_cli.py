@@ -12,17 +12,16 @@ pytest.importorskip("vllm.version", reason="needs a supported vLLM (.ci/install-
 
 import harness as H  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
-    not H.dry_run_validated(), reason=f"the dry run refuses vLLM {H.release()} (not validated on 0.10 / 0.11 yet)")]
+pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _findings(trace: Path) -> list[tuple]:
+def _findings(trace: Path, ids=lambda req: req) -> list[tuple]:
     from pdtrace.analysis import analyze
 
     found = analyze(str(trace))
-    return sorted(zip(found["rule"], found["subrule"], found["severity"], found["instance"], found["req"]))
+    return sorted(zip(found["rule"], found["subrule"], found["severity"], found["instance"], found["req"].map(ids)))
 
 
 @pytest.mark.parametrize("sample", ["starve"])
@@ -37,4 +36,9 @@ def test_regenerate_command_reproduces_the_sample(cli, tmp_path: Path, sample: s
     assert f"pdtrace analyze {out}" in result.stderr
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["dry_run"]["faults"] == [sample]
-    assert _findings(out) == _findings(folder)
+    from pdtrace.recording.vllm import table_for
+
+    table = table_for(H.release()).name
+    assert (manifest["vllm_version"], manifest["vllm_table"]) == (H.release(), table)
+    assert f"pdtrace: vLLM {H.release()}, hook table {table}" in result.stderr
+    assert _findings(out) == _findings(folder, H.sample_req)  # the sample's ids as this release names them

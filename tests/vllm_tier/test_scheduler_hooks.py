@@ -73,6 +73,37 @@ def test_prefill_side_lifecycle(recording, model_dir):
     assert [e["step"] for e in H.of_kind(events, "step_output")] == [0, 1, 2]
 
 
+def test_partial_tail_pin_returns_to_the_pool_with_its_request(recording, model_dir):
+    """0.28.0: a producer's copy-on-write tail block handed to an offloading connector is pinned outside the
+    request's block table (KVCacheManager.take_partial_tail_offloads) and unpinned first thing in
+    KVCacheManager.free; its return to the pool is recorded, and it is no block of the request."""
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0"))
+    kvm = s.kv_cache_manager
+    if not hasattr(kvm, "_partial_tail_pins"):
+        pytest.skip(f"vLLM {H.release()} pins no partial-tail blocks (0.28.0 only)")
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("r1", 40, remote_decode=True))
+    H.step(s, faker)                                   # step 0: prefill, finishes with length, blocks held
+    # What the CoW leaves pinned once its copy ran: a block off the table, held by the pin alone (0.28.0
+    # single_type_kv_cache_manager.py:1629-1655 takes it with get_new_blocks; take_partial_tail_offloads pins it).
+    (pin,) = kvm.block_pool.get_new_blocks(1)
+    kvm._partial_tail_pins["r1"] = [pin]
+    assert H.num_free_blocks(s) == 95
+    H.step(s, faker, finished_sending={"r1"})          # step 1: the send completes, blocks and pin freed
+    assert H.num_free_blocks(s) == 99 and pin.ref_cnt == 0
+
+    events = H.close_and_read(recording)
+    (free,) = H.of_kind(events, "blocks_free", req="r1")
+    assert free["blocks"] == [1, 2, 3]
+    returned = [b for e in H.of_kind(events, "blocks_pool_free", req="r1") for b in e["blocks"]]
+    assert sorted(returned) == sorted([1, 2, 3, pin.block_id])
+
+    from pdtrace.analysis import analyze
+
+    found = analyze(str(recording))
+    assert found[found.severity != "info"].empty, found[["rule", "message"]].to_dict("records")
+
+
 def test_decode_side_lifecycle(recording, model_dir):
     s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0_dp1"))
     faker = H.OutputFaker()

@@ -51,7 +51,7 @@ class TableRange:
 #: Supported vLLM release ranges -> their hook tables, oldest first.
 _TABLES: tuple[TableRange, ...] = (
     TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0"),
-               ("0.10.1.1", "0.11.0")),  # 0.10.2: test_step_ids_consistent_between_scheduler_submit_and_output fails
+               ("0.10.1.1", "0.10.2", "0.11.0")),
     TableRange("0.11.1", "0.12", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2"), ("0.11.1", "0.11.2")),
     TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
                ("0.28.0", "0.29.0", "0.30.0", "0.31.0")),
