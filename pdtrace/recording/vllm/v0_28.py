@@ -80,12 +80,12 @@ def _w_kvm_free(orig: Any) -> Any:
     recorded = v0_33._w_kvm_free(orig)
 
     def free(self: Any, request: Any) -> Any:
-        pins = self.__dict__.get("_partial_tail_pins")
+        pins = getattr(self, "_partial_tail_pins", None)  # never self.__dict__: see _common.attach_state
         pinned = list(pins.get(request.request_id, ())) if pins and _RT.active else ()
         out = recorded(self, request)
         if pinned and _RT.active:
             try:
-                st = self.__dict__.get(STATE_ATTR)
+                st = state_get(id(self))
                 if st is not None:
                     v0_33._record_pool_return(st, request.request_id, pinned)
             except Exception as exc:
