@@ -256,3 +256,33 @@ def test_cli_export_short_request_flag_selects_like_the_long_one(cli, tmp_path: 
     assert r.exit_code == 0, r.stderr
     doc = json.loads((tmp_path / "short.json").read_text())
     assert {v for v in names(doc, "thread_name").values() if v.startswith("req ")} == {"req r2"}
+
+
+def test_chrome_flow_pairs_p_and_d_without_remote_req(tmp_path: Path) -> None:
+    """vLLM before 0.28 has no remote_request_id: D's request carries P's id and its req_add names only the
+    remote_instance. The send -> receive flow is still drawn, as it is with remote_req."""
+    import json as _json
+
+    import pyarrow as pa
+
+    from pdtrace.trace.model import Trace
+    from scenarios import healthy_pd
+
+    trace = healthy_pd()
+    table = trace.table
+    detail = table.column("detail").to_pylist()
+    kinds = table.column("kind").cast(pa.string()).to_pylist()
+    stripped = []
+    for kind, text in zip(kinds, detail):
+        d = _json.loads(text) if (kind == "req_add" and text) else None
+        if d and d.pop("remote_req", None) is not None:
+            text = _json.dumps(d)
+        stripped.append(text)
+    assert stripped != detail
+    bare = Trace(table=table.set_column(table.schema.get_field_index("detail"), "detail",
+                                        pa.array(stripped, table.schema.field("detail").type)), path="bare")
+    flows = []
+    for source in (trace, bare):
+        ev = by_ph(chrome(source, tmp_path))
+        flows.append((len(ev.get("s", [])), len(ev.get("f", []))))
+    assert flows[0] == flows[1] == (1, 1)

@@ -158,7 +158,9 @@ def _first_after(cols: Columns, kinds: tuple[str, ...], after: np.ndarray, n: in
 
 def remote_flags(cols: Columns, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(remote_prefill, remote_decode, remote_instance, remote_req) per request key, from the detail of its
-    `req_add` rows (one JSON parse per request that has one)."""
+    `req_add` rows (one JSON parse per request that has one). A request naming its `remote_instance` without a
+    `remote_req` has the peer's request under its own id (vLLM before 0.28 has no remote_request_id: one id on
+    both sides), as the rules and `show --req` read it."""
     prefill = np.zeros(n, bool)
     decode = np.zeros(n, bool)
     instance = np.full(n, None, object)
@@ -176,6 +178,9 @@ def remote_flags(cols: Columns, n: int) -> tuple[np.ndarray, np.ndarray, np.ndar
             instance[key] = str(d["remote_instance"])
         if d.get("remote_req") is not None:
             remote_req[key] = str(d["remote_req"])
+    named = np.flatnonzero(pd.notna(instance) & pd.isna(remote_req))
+    if len(named):
+        remote_req[named] = cols.rk_names["req"].to_numpy(object)[named]
     return prefill, decode, instance, remote_req
 
 
