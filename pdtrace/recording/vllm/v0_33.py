@@ -956,6 +956,11 @@ def _record_engine_error(st: Any, exc: BaseException, where: str, **more: Any) -
 
 
 def _w_engine_step(where: str) -> Any:
+    # The ~9 us per step this wrapper seemed to cost (cProfile of bench/engine_overhead.py: 18-21 ms tottime over
+    # 580 steps) is not its own: the profiler charges the freeing of a callee's locals, which happens after the
+    # callee's return event, to the caller. A function that builds and drops 2000 objects shows 42 us tottime per
+    # call in its one-line wrapper under cProfile, and 119.5 us per call with or without the wrapper (timeit).
+    # What the frame does per step (a global and a slot read, one dict lookup) is ~0.1 us.
     def factory(orig: Any) -> Any:
         def step(self: Any) -> Any:
             st = None
