@@ -30,8 +30,8 @@ process CPU.
 Events are counted from the trace written.
 
 `--decompose` splits the cost: each round runs four children (order rotating), `plain` (no plugin), `off` (hooks
-installed, RUNTIME.active False: the wrappers' pass-through, and the remove_skipped_blocks wrapper, which stays on
-the class there since no state is made), `null` (the hooks' own work: Channel.emit / emit_many do nothing, no
+installed, RUNTIME.active False: the wrappers' pass-through; the remove_skipped_blocks wrapper sets itself aside at
+its first call there, as a scheduler's first state does in the other modes), `null` (the hooks' own work: Channel.emit / emit_many do nothing, no
 writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
 ns per event of the full run, and the loop's garbage collections (count, ms). Measured 2026-12-01, 2 shared CPUs
 (four engineers' jobs; rounds vary by +-5 %, so read differences under ~3 % as noise), 1000 requests, 580 steps,
@@ -42,6 +42,14 @@ ns per event of the full run, and the loop's garbage collections (count, ms). Me
                               full +10.2 % (1 740 ns/event); GC 3 / 3 / 3 / 27
     main vs this tree in the same rounds (/tmp A/B of the child runs, 8 and 6 rounds): null +8.0 -> +7.2 %;
                               full +9.9 -> +14.2 % and +13.0 -> +8.5 % (noise of that size)
+    main (22c1b2e) vs this tree (the remove_skipped_blocks wrapper with vLLM's own parameters, and set aside at its
+    first call with no state), 5 rounds, each mode's children of both trees back to back (alternating which first):
+                              main: off +5.9 %, null +4.2 % (711 ns/event), full +9.4 % (1 590 ns/event)
+                              this: off +1.2 %, null +5.1 % (863 ns/event), full +10.6 % (1 802 ns/event)
+                              paired this - main, loop thread: plain -0.1, off -17.4, null +3.1, full -0.4 ms
+    So "off" above null was the remove_skipped_blocks wrapper left on the class (17 230 calls, ~1 us each in the
+    loop, against 0.28 us in timeit): no state is made there, so it was never set aside; null and full, where it
+    was, did not change (their differences are noise of this size).
 So on this workload about two thirds of the loop thread's added time is the hooks' own work with nothing
 recorded (null), the rest emit + the garbage collector scanning the buffered rows (27 collections instead of 3) +
 the writer thread beside the loop.
@@ -271,7 +279,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", help="keep the traces under this directory")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--profile", help="with --child: cProfile the loop into this pstats file")
+    ap.add_argument("--profile", help="with --child: cProfile the loop into this pstats file (a wrapper's "
+                    "tottime there includes the freeing of its callee's locals: see v0_33._w_engine_step)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="with --child: " + "; ".join(f"{k}: {v}" for k, v in MODES.items()))
     ap.add_argument("--decompose", action="store_true",

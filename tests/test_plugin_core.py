@@ -339,3 +339,20 @@ def test_hook_state_is_kept_beside_vllm_objects_never_on_them():
     del other
     gc.collect()
     assert all(state_of(Pool()) is None for _ in range(100))
+
+
+def test_takes_exactly_matches_names_defaults_and_kinds_only():
+    class Coordinator:
+        def trim(self, request_id, processed_computed_tokens, num_prompt_tokens=None): ...
+        def older(self, request_id, num_computed_tokens): ...
+        def general(self, request_id, *args, **kwargs): ...
+        def keyword_only(self, request_id, processed_computed_tokens, *, num_prompt_tokens=None): ...
+
+    expected = (("request_id", _patching.REQUIRED), ("processed_computed_tokens", _patching.REQUIRED),
+                ("num_prompt_tokens", None))
+    assert _patching.takes_exactly(Coordinator.trim, expected)
+    assert _patching.takes_exactly(Coordinator().trim, expected)  # bound: self already taken
+    assert not _patching.takes_exactly(Coordinator.trim, expected[:2])  # one parameter more than expected
+    assert not _patching.takes_exactly(Coordinator.trim, expected[:2] + (("num_prompt_tokens", 0),))  # default
+    for other in (Coordinator.older, Coordinator.general, Coordinator.keyword_only, len):
+        assert not _patching.takes_exactly(other, expected)

@@ -9,6 +9,8 @@ no finish.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 pytest.importorskip("vllm.version", reason="needs vLLM 0.33.0 (build its venv with .ci/install-vllm.sh VENV)")
@@ -95,6 +97,41 @@ def test_full_attention_coordinators_carry_no_trimming_state(recording, model_di
     third.add_request(H.make_request("r-third", 20))
     third.schedule()
     assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is wrapper
+
+
+def test_with_recording_off_from_the_start_the_trimming_wrapper_is_set_aside_too(recording, model_dir, monkeypatch):
+    # No state is ever made with recording off: the wrapper's first pass-through sets itself aside as a first
+    # state would, and a coordinator that trims still gets it back (and recorded) once recording is on.
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._common import state_of
+    from pdtrace.recording.vllm._patching import ORIGINAL_ATTR
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    monkeypatch.setattr(v0_33, "_TRIMMING_SEEN", False)  # as in a fresh process
+    monkeypatch.setattr(v0_33, "_SET_ASIDE", {})
+    wrapper = KVCacheCoordinator.__dict__["remove_skipped_blocks"]
+    monkeypatch.setattr(KVCacheCoordinator, "remove_skipped_blocks", wrapper)  # put back after the test
+    if H.release_key() >= (0, 33):  # vLLM's own signature, no *args / **kwargs (_patching.takes_exactly)
+        assert tuple(inspect.signature(wrapper).parameters) == (
+            "self", "request_id", "processed_computed_tokens", "num_prompt_tokens")
+    monkeypatch.setattr(RUNTIME, "active", False)
+    full = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None))
+    full.add_request(H.make_request("r-off", 20))
+    full.schedule()
+    assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is getattr(wrapper, ORIGINAL_ATTR)
+    assert state_of(full) is None and state_of(full.kv_cache_manager.coordinator) is None
+    monkeypatch.setattr(RUNTIME, "active", True)
+    swa = _swa_scheduler(model_dir)
+    faker = H.OutputFaker()
+    swa.add_request(H.make_request("r-swa", PROMPT, max_tokens=4))
+    H.step(swa, faker)
+    H.step(swa, faker)  # allocate_slots trims
+    assert KVCacheCoordinator.__dict__["remove_skipped_blocks"] is wrapper
+    skipped = [e for e in H.of_kind(H.close_and_read(recording), "blocks_free", req="r-swa")
+               if e["reason"] == "skipped"]
+    assert len(skipped) == 1 and len(skipped[0]["blocks"]) == OUT_OF_WINDOW
 
 
 @pytest.mark.skipif(H.release_key() < (0, 28), reason="before 0.28 _connector_finished does not prune the window")
