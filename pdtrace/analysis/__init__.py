@@ -37,7 +37,7 @@ from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
-from pdtrace.trace.model import Trace
+from pdtrace.trace.model import Trace, dictionary_decoded
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
            "allocation_settings", "checked_findings", "ordered_findings"]
@@ -80,9 +80,7 @@ def window(trace: Trace, config: AnalysisConfig) -> Trace:
         m = pc.less(table.column("ts_ns"), pa.scalar(int(config.until_ns), pa.int64()))
         mask = m if mask is None else pc.and_(mask, m)
     if config.instances:
-        inst = table.column("instance")
-        if pa.types.is_dictionary(inst.type):
-            inst = inst.cast(inst.type.value_type)
+        inst = dictionary_decoded(table.column("instance"))
         m = pc.is_in(inst, value_set=pa.array(list(config.instances), pa.string()))
         mask = m if mask is None else pc.and_(mask, m)
     if mask is None:

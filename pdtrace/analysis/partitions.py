@@ -62,7 +62,7 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
 from pdtrace.errors import PdtraceError, TraceError
-from pdtrace.trace.model import Trace
+from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
 
 #: Below this many events (footer rows) a multi-instance trace is analysed whole, in this process: partitions
@@ -123,9 +123,7 @@ def file_instances(path: str, metadata: pq.FileMetaData) -> list[str]:
             return [name.decode() if isinstance(name, bytes) else str(name)]
     if metadata.num_rows == 0:
         return []
-    column = read_columns(path, ["instance"]).column("instance")
-    if pa.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)
+    column = dictionary_decoded(read_columns(path, ["instance"]).column("instance"))
     return sorted(str(v) for v in pc.unique(column).drop_null().to_pylist())
 
 
@@ -224,18 +222,14 @@ def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
                                   filters=ds.field("kind").isin(kinds))
         except (OSError, pa.ArrowException):
             continue
-        detail = table.column("detail")
-        if pa.types.is_dictionary(detail.type):
-            detail = detail.cast(detail.type.value_type)
+        detail = dictionary_decoded(table.column("detail"))
         named = pc.match_substring(detail, "remote_instance")
         table, detail = table.filter(named), detail.filter(named)
         if not table.num_rows:
             continue
         found = pc.extract_regex(detail, _REMOTE_INSTANCE)
-        instance = table.column("instance")
-        if pa.types.is_dictionary(instance.type):
-            instance = instance.cast(instance.type.value_type)
-        both = pa.table({"instance": instance, "name": pc.struct_field(found, "name")}).drop_null()
+        both = pa.table({"instance": dictionary_decoded(table.column("instance")),
+                         "name": pc.struct_field(found, "name")}).drop_null()
         for row in both.group_by(["instance", "name"]).aggregate([]).to_pylist():
             try:
                 name = json.loads(f'"{row["name"]}"')
@@ -642,9 +636,7 @@ def _files_of(parts: Sequence[Partition], base: dict[str, Any]) -> dict[str, Any
 
 
 def _memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
-    column = trace.table.column("instance")
-    if pa.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)
+    column = dictionary_decoded(trace.table.column("instance"))
     names = [str(v) for v in pc.unique(column).drop_null().to_pylist()]  # in order of first appearance
     return [Partition(name, (), 0, True) for name in names if not config.instances or name in config.instances]
 

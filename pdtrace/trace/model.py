@@ -21,6 +21,11 @@ import pyarrow.compute as pc
 from pdtrace.format import SCALAR_COLUMNS
 
 
+def dictionary_decoded(column: Any) -> Any:
+    """A column (Array or ChunkedArray) with dictionary encoding undone (its values' type); others as they are."""
+    return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
+
+
 @dataclass(frozen=True)
 class TraceFile:
     """One Parquet part file that was loaded, with its pdtrace metadata."""
@@ -83,9 +88,7 @@ class Trace:
         col = self.table.column(name)
         if fill is not None and col.null_count:
             col = pc.fill_null(col, fill)
-        if pa.types.is_dictionary(col.type):
-            col = col.cast(col.type.value_type)
-        return col.to_numpy()
+        return dictionary_decoded(col).to_numpy()
 
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The `blocks` column flattened: (row index of each block, block id). No per-row Python objects."""
