@@ -92,8 +92,10 @@ def _child_command() -> list[str]:
 
 def _child_env() -> dict[str, str]:
     """The child's environment: this process's without the recording switch (the child records nothing)."""
+    from pdtrace.recording.session import TRACE_DIR_ENV
+
     env = dict(os.environ)
-    env.pop("PDTRACE_TRACE_DIR", None)
+    env.pop(TRACE_DIR_ENV, None)
     return env
 
 
@@ -103,8 +105,8 @@ class WriterProcess:
     def __init__(self) -> None:
         self.pid_of_parent = os.getpid()
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True,
-                                      env=_child_env())
+        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                      close_fds=True, env=_child_env())
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to_child = self._proc.stdin
         self._from_child = self._proc.stdout
@@ -321,12 +323,12 @@ def main() -> int:
         if payload is None:
             return 0
         try:
-            checked, rows, *header = marshal.loads(payload)
+            checked, rows, *arguments = marshal.loads(payload)  # encode_batch's message: write_rows's arguments
             del payload
             if not checked and holds_bytes(rows):
                 error: Any = RESEND_SANITISED
             else:
-                write_rows(rows, *header)
+                write_rows(rows, *arguments)
                 error = None
         except Exception as exc:  # disk full, an odd value: the recorder counts the batch as dropped
             error = f"{type(exc).__name__}: {exc}"
