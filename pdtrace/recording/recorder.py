@@ -21,27 +21,36 @@ Why a flat list rather than a list of row tuples: the tuple is then a temporary 
 GC-tracked object that lives until the writer takes it. vLLM `gc.freeze()`s its heap after start-up, so the
 recorder's buffered rows were what triggered the engine loop's young collections, and each scanned every buffered
 row; the flat list adds only the objects an event brings (block lists, detail dicts, emit_many's lists).
-Measured (/work/probe/ab.py-style in-process A/B, a fresh EngineCore per run, 1000 requests, 8 alternating
-rounds, loop-thread CPU against no hooks, shared 2-core machine): FLAT_FIGURES
+Measured on vLLM 0.33.0 (bench/engine_overhead.py's workload: 1000 requests, 580 steps, 24 423 events; a shared
+2-core machine, so differences of ~1-2 % are noise), one tuple per row -> the flat buffer:
+    in one process, a fresh EngineCore per run, the two recorders' modes alternating (10 rounds, writer in-thread
+    for both): loop-thread CPU +9.8 -> +9.4 % over no hooks, paired median -2.8 ms of a 344 ms loop; the loop's
+    garbage collections 26 (5.7 ms) -> 12 (4.2 ms);
+    bench/engine_overhead.py --rounds 7 (separate processes, one tree after the other): loop wall +11.6 ->
+    +9.8 %, process CPU (+flush) +14.0 -> +11.4 %;
+    the emit alone (a loop of 24 000 adds, the heap frozen): ~190 -> ~130 ns, 42 -> 11 young collections;
+    bench/recorder.py: emit p99.9 45 -> 3 us with the writer running; conversion + write 1392 -> 1111 ns/event.
+So the buffer's own share is small now: most of recording's cost on the loop is the hooks' work and the emit
+calls themselves.
 
 The writer thread (a daemon, started lazily on the first event of each process) wakes every `flush_interval_s` or
 when `flush_events` rows are waiting, and takes the rows out of the list with one slice copy and one slice delete
 (each atomic, so an extend that races the take simply stays for the next part; every add is one whole row, so the
-take is whole rows). It numbers them (`seq`), then hands them to this process's writer process (`pdtrace.recording.writer_process`, spawned once per pid, at
-`warm_up` or by the first writer thread): `encode_batch` marshals them (~250 ns per event on the engine's GIL,
-against ~1200 ns for conversion and Parquet: bench/recorder.py), the child converts and writes them with `write_rows`, and
-answers once the part is on disk; the writer thread waits for that answer without the GIL. Without a writer
-process (`PDTRACE_WRITER_PROCESS=0`, a platform without one, a spawn that failed, a child lost or stalled past its
-timeout, a recorder given its own `part_writer`) the writer thread calls `write_rows` itself: the same code,
-the same files.
+take is whole rows). It numbers them (`seq`), then hands them to this process's writer process
+(`pdtrace.recording.writer_process`, spawned once per pid, at `warm_up` or by the first writer thread):
+`encode_batch` marshals them (~300 ns per event on the engine's GIL, against ~1100 ns for conversion and Parquet:
+bench/recorder.py), the child converts and writes them with `write_rows`, and answers once the part is on disk; the
+writer thread waits for that answer without the GIL. Without a writer process (`PDTRACE_WRITER_PROCESS=0`, a
+platform without one, a spawn that failed, a child lost or stalled past its timeout, a recorder given its own
+`part_writer`) the writer thread calls `write_rows` itself: the same code, the same files.
 
 `write_rows` converts column by column (`flat_rows_to_table`: each column one C-level slice
 `flat[field::ROW_WIDTH]`, then Arrow buffers filled by C-level iteration, with the garbage collector paused, since
 that creates many short-lived objects; never `pa.array` on Python lists, which would import pandas; a batch entry's
-columns are built once and repeated per request by an Arrow `take`), JSON-encodes dict details there, maps channel ids to component/dp/pp/tp, and writes
-`<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary encoding for the dictionary columns
-and `req`; `pid` is the recording process's) under a temporary name starting with `.`, then links it to its
-name: a crash leaves only whole part files (and perhaps a hidden temporary file).
+columns are built once and repeated per request by an Arrow `take`), JSON-encodes dict details there, maps channel
+ids to component/dp/pp/tp, and writes `<directory>/<instance>/<pid>/part-NNNNNN.parquet` (zstd, Parquet dictionary
+encoding for the dictionary columns and `req`; `pid` is the recording process's) under a temporary name starting
+with `.`, then links it to its name: a crash leaves only whole part files (and perhaps a hidden temporary file).
 
 Memory is bounded: events waiting plus events being written never exceed `max_buffered_events` (a batch entry
 counts for its events). Past that, new events
@@ -61,15 +70,15 @@ received whole, and ends, so it never outlives the recording process. A forked c
 recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on its
 first event, through its own writer process (it closes its copies of the parent's pipes).
 
-Measured, not adopted: handing rows to the writer process more often than once a second cuts the engine loop's
-garbage collections (bench/engine_overhead.py: 24 young collections in the loop at 1 s, ~15 at 0.1 s, ~6 at
-0.03 s; their CPU ~9 -> ~6 -> ~3 ms) but the extra hand-overs cost as much as they save (process CPU over the
-loop unchanged or higher at 0.03 s), multiply the part files, and split more runs of empty steps that the vLLM
-hooks coalesce while they are still buffered (`edit_recent`). Storing `blocks` and `emit_many`'s lists as tuples
-(so that the GC untracks buffered rows) did not change the loop's collections either (24 young, ~9 ms of CPU).
-Flattening `blocks` too (one array('i') of block ids beside the buffer, the row holding a count) left the loop
-5 young collections instead of 13 but was no faster in a prototype (+6.5 % loop-thread CPU against +6.1 % for
-the plain flat list): the block lists are a small share of the buffered objects.
+Measured, not adopted (the first two with one tuple per buffered row, before the flat buffer): handing rows to the
+writer process more often than once a second cuts the engine loop's garbage collections (bench/engine_overhead.py:
+24 young collections in the loop at 1 s, ~15 at 0.1 s, ~6 at 0.03 s; their CPU ~9 -> ~6 -> ~3 ms) but the extra
+hand-overs cost as much as they save (process CPU over the loop unchanged or higher at 0.03 s), multiply the part
+files, and split more runs of empty steps that the vLLM hooks coalesce while they are still buffered
+(`edit_recent`). Storing `blocks` and `emit_many`'s lists as tuples (so that the GC untracks buffered rows) did not
+change the loop's collections either (24 young, ~9 ms of CPU). Flattening `blocks` too (one array('i') of block ids
+beside the flat buffer, the row holding a count) left the loop 5 collections instead of 13, but was no faster in a
+prototype (+6.5 % loop-thread CPU against +6.1 % for the plain flat list, in-process A/B, 8 rounds).
 
 Callers must not mutate a `blocks` list or `detail` dict after passing it: the writer reads it later.
 
@@ -331,9 +340,10 @@ def encode_batch(flat: list[Any], *header: Any, sanitise: bool = False) -> bytes
     buffer's slice (ROW_WIDTH slots per row) and header the rest of `write_rows`'s arguments. Measured:
     bench/recorder.py's mix, 247 ns of the writer thread's CPU per event against 1218 ns for the in-thread
     conversion + write (4.9x); bench/engine_overhead.py's rows (8760 entries for 24 423 events), marshal v4
-    ~200-240 ns per entry (v2 ~330, pickle 5 ~295), ~4 ms in all. The flat list marshals ~5 % faster than the
-    same rows as a list of tuples (196 608 rows of bench/recorder.py's mix: 360 vs 380 ns per row, 49.5 vs
-    51.5 B) and unmarshals ~30 % faster in the child (162 vs 240 ns).
+    ~200-240 ns per entry (v2 ~330, pickle 5 ~295), ~4 ms in all (measured with one tuple per row). The flat
+    buffer marshals faster than the same rows as a list of tuples (196 608 rows of bench/recorder.py's mix in
+    parts of 65 536, 7 alternating rounds in one process: 302 vs 351 ns per row, 49.5 vs 51.5 B) and unmarshals
+    faster in the child (162 vs 240 ns).
 
     marshal takes the exact built-in types only: it raises on other objects (then, or with `sanitise`, each row
     holding a value that is not plain is replaced by its sanitised copy, `_plain_row`, and `checked` is True), but
@@ -1122,7 +1132,8 @@ def flat_rows_to_table(flat: list[Any], seq_start: int, channels: list[tuple[str
     `Channel.emit_many` add them), to a table with exactly `pdtrace.format.SCHEMA`.
 
     seq_start: the seq of the first row (rows are numbered in order); channels: id -> (component, dp, pp, tp).
-    Each column of the rows is one C-level slice, `flat[field::ROW_WIDTH]`.
+    Each column of the rows is one C-level slice, `flat[field::ROW_WIDTH]` (bench/recorder.py's mix, 7
+    alternating rounds: 850 ns per row against 970 for `zip(*rows)` over a list of row tuples).
     Values of the wrong type are coerced (a numeric string, a numpy integer) or nulled; a row is never lost.
     A batch entry of `emit_many` becomes its rows in its place: `req` and `n` are read from its lists, every
     other column is built once per entry and repeated by one Arrow `take` (bench/engine_overhead.py's mix, 2/3
