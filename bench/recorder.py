@@ -12,7 +12,7 @@
    leaves out time lost to other processes on a loaded machine). Run twice: with the writer thread running
    (default flush settings; it takes the GIL to convert rows, as it would in vLLM, which is what the tail and the
    mean show) and with the writer asleep until the end (the emit alone). Target: median <= 300 ns.
-2. Writer alone. The same mix as buffered rows, converted (`rows_to_table`, 65536 rows per part) and written
+2. Writer alone. The same mix as buffered rows, converted (`flat_rows_to_table`, 65536 rows per part) and written
    (`write_part`: zstd Parquet, temporary name, then linked to its name), timed separately and together, on the main thread.
    Target: >= 1M events/s for conversion + write.
 3. Hand-over. The same parts marshalled for the writer process (`encode_batch`: what the recording process's
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdtrace.recording.recorder import Recorder, encode_batch, rows_to_table, write_part
+from pdtrace.recording.recorder import ROW_WIDTH, Recorder, encode_batch, flat_rows_to_table, write_part
 
 PART_ROWS = 65536
 
@@ -173,9 +173,9 @@ def bench_emit(directory: Path, count: int, writer_idle: bool = False) -> None:
           f"part files {sum(1 for _ in rec.directory.rglob('part-*.parquet'))}")
 
 
-def buffered_rows(count: int) -> tuple[list[tuple], list[tuple]]:
-    """The mix as the rows Channel.emit appends, and the channel table, without a running writer."""
-    captured: list[tuple] = []
+def buffered_rows(count: int) -> tuple[list, list[tuple]]:
+    """The mix as Channel.emit buffers it (the recorder's flat buffer: ROW_WIDTH slots per row), and the channel
+    table, without a running writer."""
     rec = Recorder(tempfile.mkdtemp(), instance="bench", role="both", source="bench", handle_sigterm=False,
                    max_buffered_events=count + 1, flush_events=count + 1)
     rec.clock = iter(range(1_700_000_000_000_000_000, 1_700_000_000_000_000_000 + 2 * count, 1)).__next__
@@ -189,7 +189,7 @@ def buffered_rows(count: int) -> tuple[list[tuple], list[tuple]]:
 
 
 def bench_writer(directory: Path, count: int) -> None:
-    rows, channels = buffered_rows(count)
+    flat, channels = buffered_rows(count)
     folder = directory / "writer"
     folder.mkdir(parents=True, exist_ok=True)
     wall = [0.0, 0.0]  # conversion, write
@@ -197,9 +197,9 @@ def bench_writer(directory: Path, count: int) -> None:
     parts = 0
     gc.collect()
     for index, offset in enumerate(range(0, count, PART_ROWS)):
-        batch = rows[offset:offset + PART_ROWS]
+        batch = flat[offset * ROW_WIDTH:(offset + PART_ROWS) * ROW_WIDTH]
         w0, c0 = time.perf_counter(), time.thread_time()
-        table = rows_to_table(batch, offset, channels, "bench", "both", os.getpid())
+        table = flat_rows_to_table(batch, offset, channels, "bench", "both", os.getpid())
         w1, c1 = time.perf_counter(), time.thread_time()
         write_part(table, folder / f"part-{index:06d}.parquet")
         w2, c2 = time.perf_counter(), time.thread_time()
@@ -215,22 +215,22 @@ def bench_writer(directory: Path, count: int) -> None:
               f"M events/s   together {count / sum(times) / 1e6:.2f} M events/s")
     print("  (thread CPU time excludes time this thread waited for a CPU: the figure for an idle machine; Arrow's "
           "own threads, if any, are not counted)")
-    bench_handover(directory, rows, channels, sum(cpu))
+    bench_handover(directory, flat, channels, sum(cpu))
 
 
-def bench_handover(directory: Path, rows: list[tuple], channels: list[tuple], in_thread_cpu: float) -> None:
+def bench_handover(directory: Path, flat: list, channels: list[tuple], in_thread_cpu: float) -> None:
     """What the recording process pays with a writer process: `encode_batch` (marshal) per part, on this thread,
     against the in-thread conversion + write above; and the round trip of one part through a real writer process
     (wall: the child converts and writes meanwhile, this thread only waits)."""
     from pdtrace.recording.writer_process import WriterProcess
 
-    count = len(rows)
+    count = len(flat) // ROW_WIDTH
     folder = directory / "handover"
     folder.mkdir(parents=True, exist_ok=True)
     cpu = 0.0
     payloads = []
     for offset in range(0, count, PART_ROWS):
-        batch = rows[offset:offset + PART_ROWS]
+        batch = flat[offset * ROW_WIDTH:(offset + PART_ROWS) * ROW_WIDTH]
         c0 = time.thread_time()
         payload = encode_batch(batch, offset, channels, "bench", "both", os.getpid(), "bench", 0,
                                (str(folder), "bench", os.getpid()), str(folder))

@@ -363,6 +363,39 @@ def test_emit_many_counts_its_events_in_the_bound_and_drops_them_whole(tmp_path:
         assert len({r["ts_ns"] for r in step_rows}) == 1
 
 
+def test_edit_recent_replaces_and_deletes_buffered_rows_in_place(tmp_path: Path) -> None:
+    # The buffer is flat (ROW_WIDTH slots per row); edit_recent hands a view of whole rows: what it replaces or
+    # deletes is what gets written, and the rows around (a batch entry included) keep their order and events.
+    from pdtrace.recording.recorder import _BATCH
+
+    rec = make(tmp_path, clock=counter_clock())
+    rec.emit("sched", step=1, n=0, detail={"running": 0})
+    rec.emit_many("req_sched", step=2, reqs=["a", "b", "c"], ns=[1, 2, 3])
+    rec.emit("step_submit", step=2)
+    rec.emit("sched", step=3, n=5)
+
+    def edit(rows):
+        assert len(rows) == 4
+        assert rows[1][4:7] == (["a", "b", "c"], _BATCH, [1, 2, 3])
+        assert rows[-1] == rows[3] and rows[3][2:4] == ("sched", 3)
+        with pytest.raises(IndexError):
+            rows[4]
+        with pytest.raises(ValueError):
+            rows[0] = ("too", "short")
+        rows[0] = rows[0][:11] + ({"running": 0, "empty_run": 2},)
+        del rows[2]
+        return [row[2] for row in rows]
+
+    assert rec.edit_recent(edit) == ["sched", "req_sched", "sched"]
+    assert rec.buffered_events == 5
+    rec.close()
+    rows = rows_of(tmp_path)
+    assert [(r["kind"], r["step"], r["req"]) for r in rows] == [
+        ("sched", 1, None), ("req_sched", 2, "a"), ("req_sched", 2, "b"), ("req_sched", 2, "c"), ("sched", 3, None)]
+    assert json.loads(rows[0]["detail"]) == {"running": 0, "empty_run": 2}
+    assert [r["seq"] for r in rows] == list(range(5))
+
+
 def test_emit_many_pairs_requests_and_ns_as_zip_does(tmp_path: Path) -> None:
     rec = make(tmp_path, clock=counter_clock())
     rec.emit_many("req_sched", step=1, reqs=["a", "b", "c"], ns=[1, 2])

@@ -9,7 +9,7 @@ happens in this child process, on another core. The child's own CPU is reported 
 
 The engine side (`WriterProcess`, one per recording process, shared by its recorders): the recorder's writer
 thread takes its rows as before, encodes one batch as a marshal payload (`pdtrace.recording.recorder` builds it:
-what `write_rows` takes, rows included) and `send`s it: a 4-byte little-endian length, then the payload, on the
+what `write_rows` takes, the rows as the recorder's flat buffer: 12 slots per row) and `send`s it: a 4-byte little-endian length, then the payload, on the
 child's stdin (the first one after the child's `READY`: a child that cannot start has taken nothing, and the batch
 is written in-thread); then it waits for the child's reply on the child's stdout (the same framing; the payload is the
 marshalled error text, or None once the part file is on disk, or `RESEND_SANITISED`: see
@@ -323,12 +323,12 @@ def main() -> int:
         if payload is None:
             return 0
         try:
-            checked, rows, *arguments = marshal.loads(payload)  # encode_batch's message: write_rows's arguments
+            checked, flat, *arguments = marshal.loads(payload)  # encode_batch's message: write_rows's arguments
             del payload
-            if not checked and holds_bytes(rows):
+            if not checked and holds_bytes(flat):
                 error: Any = RESEND_SANITISED
             else:
-                write_rows(rows, *arguments)
+                write_rows(flat, *arguments)
                 error = None
         except Exception as exc:  # disk full, an odd value: the recorder counts the batch as dropped
             error = f"{type(exc).__name__}: {exc}"

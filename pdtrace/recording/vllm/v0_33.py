@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdtrace.recording import session
 from pdtrace.recording.vllm._common import (
@@ -57,6 +57,9 @@ from pdtrace.recording.vllm._common import (
 )
 from pdtrace.recording.vllm._patching import ORIGINAL_ATTR, REQUIRED, Hook, takes_exactly
 from pdtrace.recording.vllm._runtime import RUNTIME
+
+if TYPE_CHECKING:  # the hooks load without pyarrow; the recorder is imported once recording starts
+    from pdtrace.recording.recorder import RowView
 
 _RT = RUNTIME
 
@@ -404,14 +407,14 @@ def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
     head, k = st.run_head, st.run_k
     sched_id, engine_id = st.ch.channel_id, st.eng.channel_id
 
-    def edit(rows: list[tuple]) -> tuple[tuple | None, int]:
+    def edit(rows: RowView) -> tuple[tuple | None, int]:
         mine: list[int] = []  # this step's rows, newest first
         sched_at = head_at = -1
         i = len(rows) - 1
         stop = max(-1, i - _RUN_WINDOW)
         while i > stop:
             row = rows[i]
-            if row is head:
+            if row == head:  # by value: the view's rows are new tuples (the head: one step's sched row, unique)
                 head_at = i
                 break
             cid = row[1]
