@@ -66,6 +66,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_tier"))
@@ -73,16 +74,15 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm_tier"))
 from record_overhead import workload  # noqa: E402  (the scheduler-only bench's workload, the same requests)
 
 
-def child(args: argparse.Namespace) -> dict:
-    """One run in this process: build the engine, drive it until empty, return the measurements."""
+def _engine_maker() -> Any:
+    """A function building the benchmark's EngineCore (a new one per call; vLLM's plugin loading runs in the first
+    one's __init__: pdtrace's entry point when PDTRACE_TRACE_DIR is set), and the executor class it uses."""
     import logging
 
     import harness as H
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     model_dir = H.tiny_model_dir(tempfile.mkdtemp(prefix="pdtrace-bench-model-"))
-    vc = H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="bench-p", max_num_seqs=64,
-                            max_num_batched_tokens=2048, num_blocks=4000, pp=2)
     from vllm.v1.engine.core import EngineCore
 
     class Executor(H.fake_executor_class(pp=2)):  # type: ignore[misc, valid-type]
@@ -94,10 +94,20 @@ def child(args: argparse.Namespace) -> dict:
             sending, Executor.to_send = Executor.to_send, set()
             return self.faker.output(so, finished_sending=sending)
 
-    # EngineCore.__init__ runs vLLM's plugin loading: pdtrace's entry point when PDTRACE_TRACE_DIR is set.
-    engine = EngineCore(vc, executor_class=Executor, log_stats=False)
-    _set_mode(args.mode)
-    reqs = [H.make_request(r["id"], len(r["prompt"]), prompt=r["prompt"], max_tokens=r["max_tokens"],
+    def make() -> Any:
+        vc = H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="bench-p", max_num_seqs=64,
+                                max_num_batched_tokens=2048, num_blocks=4000, pp=2)
+        return EngineCore(vc, executor_class=Executor, log_stats=False)
+
+    return make, Executor
+
+
+def _drive(engine: Any, executor_class: Any, args: argparse.Namespace, id_prefix: str = "") -> dict:
+    """Drive `engine` through the workload until it is empty; the loop's wall, thread CPU and process CPU, steps,
+    requests sent, garbage collections (count, ns)."""
+    import harness as H
+
+    reqs = [H.make_request(id_prefix + r["id"], len(r["prompt"]), prompt=r["prompt"], max_tokens=r["max_tokens"],
                            remote_decode=r["remote_decode"]) for r in workload(args.requests, args.seed)]
     remote = {r.request_id for r in reqs if r.kv_transfer_params}
     sched = engine.scheduler
@@ -105,14 +115,6 @@ def child(args: argparse.Namespace) -> dict:
     sent: set[str] = set()
     steps = 0
     step_fn, post_step = engine.step_fn, engine.post_step
-
-    profiler = None
-    if args.profile:
-        import cProfile
-
-        profiler = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: the machine may be shared
-        profiler.enable()
-    writer_pid, writer_start = _writer_process()
     gc_stats = _gc_counter()
     wall0, thread0, proc0 = time.perf_counter_ns(), time.thread_time_ns(), time.process_time_ns()
     while pending or sched.has_requests() or engine.batch_queue:
@@ -127,13 +129,30 @@ def child(args: argparse.Namespace) -> dict:
             for out in eco.outputs:
                 if out.finish_reason is not None and out.request_id in remote:
                     sent.add(out.request_id)
-                    Executor.to_send.add(out.request_id)
+                    executor_class.to_send.add(out.request_id)
         if steps > 200_000:
             raise RuntimeError("workload did not drain")
     wall, thread, proc = (time.perf_counter_ns() - wall0, time.thread_time_ns() - thread0,
                           time.process_time_ns() - proc0)
-    writer = _writer_cpu_ns()  # the recorder's writer thread started with the loop's first event
     gc_stats.stop()
+    return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "steps": steps, "sent": len(sent),
+            "gc_collections": gc_stats.collections, "gc_ns": gc_stats.ns}
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One run in this process: build the engine, drive it until empty, return the measurements."""
+    make, executor_class = _engine_maker()
+    engine = make()
+    _set_mode(args.mode)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile(time.thread_time_ns, 1e-9)  # CPU time: the machine may be shared
+        profiler.enable()
+    writer_pid, writer_start = _writer_process()
+    result = _drive(engine, executor_class, args)
+    writer = _writer_cpu_ns()  # the recorder's writer thread started with the loop's first event
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -153,11 +172,10 @@ def child(args: argparse.Namespace) -> dict:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         writer_process_ns = int((usage.ru_utime + usage.ru_stime) * 1e9)
         writer_loop_ns = writer_process_ns - writer_start
-    return {"wall_ns": wall, "thread_ns": thread, "process_ns": proc, "total_ns": proc + close, "writer_ns": writer,
-            "writer_process_ns": writer_process_ns, "writer_process_loop_ns": writer_loop_ns,
-            "tree_ns": proc + close + writer_loop_ns, "steps": steps,
-            "recording": recording, "sent": len(sent), "gc_collections": gc_stats.collections,
-            "gc_ns": gc_stats.ns}
+    proc = result["process_ns"]
+    return {**result, "total_ns": proc + close, "writer_ns": writer, "writer_process_ns": writer_process_ns,
+            "writer_process_loop_ns": writer_loop_ns, "tree_ns": proc + close + writer_loop_ns,
+            "recording": recording}
 
 
 #: --mode of a child run (--decompose runs all four): what of pdtrace is live in the loop.
@@ -283,6 +301,8 @@ def main() -> None:
                     "tottime there includes the freeing of its callee's locals: see v0_33._w_engine_step)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="with --child: " + "; ".join(f"{k}: {v}" for k, v in MODES.items()))
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the four --mode variants in one process (fresh engine per run): a tighter A/B")
     ap.add_argument("--decompose", action="store_true",
                     help="run the four --mode variants per round (rotating order) and print each one's cost")
     args = ap.parse_args()
@@ -293,6 +313,9 @@ def main() -> None:
         return
     if args.decompose:
         decompose(args)
+        return
+    if args.in_process:
+        in_process(args)
         return
 
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
@@ -334,6 +357,66 @@ def main() -> None:
         print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
               f"{(b - a) / events:10.0f}")
     print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
+
+
+def in_process(args: argparse.Namespace) -> None:
+    """--in-process: the four --mode variants in ONE process, a fresh EngineCore per run, the order rotating per
+    round; each mode's median loop-thread CPU and its paired ratio to `plain`. A second view for changes of 1-2 %,
+    which the separate-process runs (interpreter start, import, a new heap each) blur: no first-step costs, the
+    hooks installed and removed between runs (install_hooks / uninstall_hooks), the recorder's buffer flushed
+    between runs, outside the timing."""
+    import gc
+
+    os.environ.setdefault("PDTRACE_TRACE_DIR", str(Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))))
+    from pdtrace.recording import session
+    from pdtrace.recording.recorder import Channel
+    from pdtrace.recording.vllm import install_hooks, uninstall_hooks
+    from pdtrace.recording.vllm._runtime import RUNTIME
+
+    make, executor_class = _engine_maker()
+    session.configure_from_env(source="vllm-bench")
+    emit, emit_many = Channel.emit, Channel.emit_many
+
+    def set_mode(mode: str) -> None:
+        Channel.emit, Channel.emit_many = emit, emit_many
+        if mode == "plain":
+            uninstall_hooks()
+            return
+        install_hooks()
+        if mode == "off":
+            RUNTIME.active = False
+        elif mode == "null":
+            _set_mode("null")
+
+    modes = list(MODES)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    set_mode("plain")
+    engine = make()  # warm-up run: vLLM's and pdtrace's first-call costs, out of every mode's figures
+    _drive(engine, executor_class, args, "warm-")
+    for i in range(args.rounds):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            set_mode(mode)
+            engine = make()
+            runs[mode].append(_drive(engine, executor_class, args, f"r{i}-{mode}-"))
+            engine.shutdown()
+            del engine
+            session.flush_all()
+            gc.collect()
+        print(f"round {i}: " + "  ".join(f"{m} {runs[m][-1]['thread_ns'] / 1e6:6.1f}" for m in modes)
+              + " ms loop-thread CPU", file=sys.stderr, flush=True)
+        if len({runs[m][-1]["steps"] for m in modes}) != 1:
+            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    set_mode("plain")
+    print(f"in one process: {args.requests} requests, {runs['full'][0]['steps']} steps, {args.rounds} rounds "
+          f"rotating the order, a fresh EngineCore per run; medians, paired ratios to plain")
+    print(f"{'mode':8s}{'loop thread CPU':>24s}{'rounds':>18s}{'GC n':>6s}{'GC ms':>7s}")
+    for mode in modes:
+        value = statistics.median(r["thread_ns"] for r in runs[mode])
+        ratios = [(r["thread_ns"] - p["thread_ns"]) / p["thread_ns"] for r, p in zip(runs[mode], runs["plain"])]
+        print(f"{mode:8s}{value / 1e6:13.1f}ms {statistics.median(ratios) * 100:+7.1f}%{spread(ratios):>18s}"
+              f"{statistics.median(r['gc_collections'] for r in runs[mode]):6.0f}"
+              f"{statistics.median(r['gc_ns'] for r in runs[mode]) / 1e6:7.1f}")
+    print("; ".join(f"{k}: {v}" for k, v in MODES.items()))
 
 
 def decompose(args: argparse.Namespace) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from pdtrace.recording import session
@@ -104,6 +105,8 @@ def _finish_reason(request: Any) -> str | None:
 
 
 def _sched_state(sched: Any) -> SchedulerState:
+    """The scheduler's state, made at its first hooked call. The scheduler's wrappers spell this out as
+    `state_get(id(self)) or _new_sched_state(self)` (a state is never falsy): one Python frame less per call."""
     st = state_get(id(sched))
     if st is None:
         st = _new_sched_state(sched)
@@ -232,11 +235,11 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
             hit = min(hit_info[0], len(ids)) if hit_info and not k else 0
             ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None, {"hit": hit} if hit else None)
     cached = so.scheduled_cached_reqs
-    if any(cached.new_block_ids):
+    grew = cached.new_block_ids
+    if any(grew):
         resumed = _resumed_ids(cached)
-        for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
-            if grown is None:
-                continue
+        # Only the requests that grew (compress in C: a step's few growths among dozens of running requests).
+        for req_id, grown in compress(zip(cached.req_ids, grew), grew):
             ids = grown[0]
             k = known.get(req_id, 0)
             if req_id in resumed:  # the whole table again
@@ -275,7 +278,7 @@ def _w_add_request(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             req_id = request.request_id
             new = req_id not in self.requests  # an existing id is a streaming-input chunk, not a new request
             if new:
@@ -312,7 +315,7 @@ def _w_schedule(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, *args, **kwargs)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             step = st.next_step
             st.next_step = step + 1
             st.cur_step = step
@@ -362,7 +365,7 @@ def _w_update_from_output(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, scheduler_output, model_runner_output)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             step = getattr(scheduler_output, STEP_ATTR, None)
             st.cur_step = step
             wait_ns, st.wait_ns = st.wait_ns, None
@@ -452,7 +455,7 @@ def _w_preempt_request(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request, *args, **kwargs)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
             previous, st.free_reason = st.free_reason, "preempted"
         except Exception as exc:
@@ -472,7 +475,7 @@ def _w_finish_requests(orig: Any) -> Any:
     def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
         if _RT.active:
             try:
-                st = _sched_state(self)
+                st = state_get(id(self)) or _new_sched_state(self)
                 if isinstance(request_ids, str):
                     ids: Any = (request_ids,)
                 elif request_ids is None:
@@ -500,7 +503,7 @@ def _w_connector_finished(orig: Any) -> Any:
         # sliding-window prune (test_swa_inflight_window_free), which the remove_skipped_blocks hook records.
         if _RT.active and request.is_finished():
             try:
-                st = _sched_state(self)
+                st = state_get(id(self)) or _new_sched_state(self)
                 req_id = request.request_id
                 st.waiting_kv.discard(req_id)
                 st.hits.pop(req_id, None)
@@ -521,7 +524,7 @@ def _w_update_from_kv_xfer_finished(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, kv_connector_output)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             step = st.cur_step
             requests = self.requests
             recving = kv_connector_output.finished_recving or ()
@@ -554,7 +557,7 @@ def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             st.waiting_kv.discard(request.request_id)
             previous, st.free_reason = st.free_reason, "load_failed"  # its only free is the failed-load path
         except Exception as exc:
@@ -574,7 +577,7 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
         if not pending or not _RT.active:
             return orig(self)
         try:
-            st = _sched_state(self)
+            st = state_get(id(self)) or _new_sched_state(self)
             before = list(pending)
         except Exception as exc:
             _RT.fail("_drain_deferred_frees", exc)
@@ -631,7 +634,7 @@ def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
 
 def _prefix_hit_seen(sched: Any, request: Any, out: Any) -> None:
     try:
-        _note_prefix_hit(_sched_state(sched), request, out)
+        _note_prefix_hit(state_get(id(sched)) or _new_sched_state(sched), request, out)
     except Exception as exc:
         _RT.fail("_get_local_prefix_cache_hit", exc)
 
@@ -645,7 +648,8 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
         out = orig(self, request, stage)
         if stage == KV_FETCH_IN_PROGRESS and _RT.active:
             try:
-                _record_growth(_sched_state(self), request.request_id, wait_kv_request=request)
+                _record_growth(state_get(id(self)) or _new_sched_state(self), request.request_id,
+                               wait_kv_request=request)
             except Exception as exc:
                 _RT.fail("_set_kv_fetch_stage", exc)
         return out
@@ -656,7 +660,7 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
 def _record_pool_return(st: SchedulerState, req_id: str, given_up: list[Any]) -> None:
     """blocks_pool_free for the blocks a request just gave up whose ref count reached 0 (shared prefix blocks stay
     referenced by their other owners), tail first as vLLM frees them."""
-    ids = [b.block_id for b in reversed(given_up) if b.ref_cnt == 0]
+    ids = [b.block_id for b in reversed(given_up) if b.ref_cnt == 0 and not b.is_null]
     if ids:
         st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
 
@@ -673,26 +677,29 @@ def _w_kvm_free(orig: Any) -> Any:
             known = st.known.pop(req_id, 0)
             tbl0 = st.tbl0
             if tbl0 is not None:
-                table = tbl0.get(req_id)
-                if table and len(table) > known:  # grown in this very step (then preempted): growth first
-                    ids = [b.block_id for b in table[known:] if not b.is_null]
-                    if ids:
-                        st.ch.emit("blocks_alloc", st.cur_step, req_id, ids)
-                blocks = [b for b in table if not b.is_null] if table else None
+                # One pass for the ids; the pool return below reads the same list (vLLM pops it from the table,
+                # it does not change it), null blocks skipped there as here.
+                blocks = tbl0.get(req_id)
+                ids = [b.block_id for b in blocks if not b.is_null] if blocks else None
+                if blocks and len(blocks) > known:  # grown in this very step (then preempted): growth first
+                    grown = [b.block_id for b in blocks[known:] if not b.is_null]
+                    if grown:
+                        st.ch.emit("blocks_alloc", st.cur_step, req_id, grown)
             else:
                 if known:
                     st.known[req_id] = known
                 _record_growth(st, req_id)
                 st.known.pop(req_id, None)
                 blocks = _table_blocks(st, req_id)
-            if blocks:
-                st.ch.emit("blocks_free", st.cur_step, req_id, [b.block_id for b in blocks], None,
-                           _free_reason(st, request), None, None, False)
+                ids = [b.block_id for b in blocks]
+            if ids:
+                st.ch.emit("blocks_free", st.cur_step, req_id, ids, None, _free_reason(st, request), None, None,
+                           False)
         except Exception as exc:
             _RT.fail("KVCacheManager.free", exc)
             return orig(self, request)
         out = orig(self, request)
-        if blocks and _RT.active:
+        if ids and _RT.active:
             try:
                 _record_pool_return(st, req_id, blocks)
             except Exception as exc:
@@ -737,7 +744,7 @@ def _w_free_cow_retained_blocks(orig: Any) -> Any:
             try:
                 ids = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
                 if ids:
-                    st = _sched_state(self)
+                    st = state_get(id(self)) or _new_sched_state(self)
                     st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"cow": True})
             except Exception as exc:
                 _RT.fail("_free_cow_retained_blocks", exc)
