@@ -266,9 +266,10 @@ def count_events(trace: Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in trace.rglob("part-*.parquet"))
 
 
-def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None) -> dict:
+def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None, tree: Path = ROOT) -> dict:
+    """One child run (this script with --child) importing pdtrace from `tree` (default this checkout)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "ERROR",
-           "PYTHONPATH": str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+           "PYTHONPATH": str(tree) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     env.pop("PDTRACE_TRACE_DIR", None)
     if trace is not None:
         env["PDTRACE_TRACE_DIR"] = str(trace)
@@ -301,6 +302,8 @@ def main() -> None:
                     "tottime there includes the freeing of its callee's locals: see v0_33._w_engine_step)")
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="with --child: " + "; ".join(f"{k}: {v}" for k, v in MODES.items()))
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="compare this tree's pdtrace with the pdtrace source tree DIR (separate processes)")
     ap.add_argument("--in-process", action="store_true",
                     help="run the four --mode variants in one process (fresh engine per run): a tighter A/B")
     ap.add_argument("--decompose", action="store_true",
@@ -316,6 +319,9 @@ def main() -> None:
         return
     if args.in_process:
         in_process(args)
+        return
+    if args.baseline:
+        against_baseline(args)
         return
 
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
@@ -357,6 +363,43 @@ def main() -> None:
         print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
               f"{(b - a) / events:10.0f}")
     print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
+
+
+def against_baseline(args: argparse.Namespace) -> None:
+    """--baseline DIR: this checkout's pdtrace against another source tree's (e.g. `git worktree add /tmp/base
+    main`), in separate processes as users run it: per round a plain child, a recorded child importing this tree's
+    pdtrace and one importing DIR's (this script drives both), the order rotating; each row is the median of the
+    paired ratios to the round's plain child, and `this - base` the median of the paired differences."""
+    baseline = Path(args.baseline).resolve()
+    if not (baseline / "pdtrace" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {baseline}: not a pdtrace source tree (no pdtrace/__init__.py)")
+    tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
+    runs: dict[str, list[dict]] = {"plain": [], "this": [], "base": []}
+    kinds = list(runs)
+    for i in range(args.rounds):
+        for kind in kinds[i % 3:] + kinds[:i % 3]:
+            trace = None if kind == "plain" else tmp / f"trace-{kind}-{i}"
+            runs[kind].append(run_child(args, trace, tree=baseline if kind == "base" else ROOT))
+        print(f"round {i}: " + "  ".join(f"{k} {runs[k][-1]['wall_ns'] / 1e6:6.1f}" for k in kinds) + " ms loop wall",
+              file=sys.stderr, flush=True)
+        if len({runs[k][-1]["steps"] for k in kinds}) != 1:
+            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    print(f"this tree ({ROOT}) against {baseline}: {args.requests} requests, {runs['this'][0]['steps']} steps, "
+          f"{runs['this'][0]['events']} events, {args.rounds} rounds rotating the order; medians of paired ratios to "
+          f"the round's plain child")
+    print(f"{'':22s}{'plain':>10s}{'base':>10s}{'this':>10s}{'this - base':>14s}")
+    for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"), ("process_ns", "process CPU (loop)"),
+                       ("total_ns", "process CPU (+flush)"), ("tree_ns", "tree CPU (+flush)")):
+        plain_key = "total_ns" if key == "tree_ns" else key
+        cells = [f"{statistics.median(r[plain_key] for r in runs['plain']) / 1e6:8.1f}ms"]
+        for kind in ("base", "this"):
+            ratios = [(r[key] - p[plain_key]) / p[plain_key] for r, p in zip(runs[kind], runs["plain"])]
+            cells.append(f"{statistics.median(ratios) * 100:+9.1f}%")
+        diff = statistics.median(t[key] - b[key] for t, b in zip(runs["this"], runs["base"]))
+        print(f"{label:22s}" + "".join(cells) + f"{diff / 1e6:+12.1f}ms")
+    gc_line = "  ".join(f"{k} {statistics.median(r['gc_collections'] for r in runs[k]):.0f} / "
+                        f"{statistics.median(r['gc_ns'] for r in runs[k]) / 1e6:.1f} ms" for k in kinds)
+    print(f"GC in the loop (collections / ms): {gc_line}")
 
 
 def in_process(args: argparse.Namespace) -> None:
