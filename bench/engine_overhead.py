@@ -33,26 +33,34 @@ Events are counted from the trace written.
 installed, RUNTIME.active False: the wrappers' pass-through; the remove_skipped_blocks wrapper sets itself aside at
 its first call there, as a scheduler's first state does in the other modes), `null` (the hooks' own work: Channel.emit / emit_many do nothing, no
 writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
-ns per event of the full run, and the loop's garbage collections (count, ms). Measured 2026-12-01, 2 shared CPUs
-(four engineers' jobs; rounds vary by +-5 %, so read differences under ~3 % as noise), 1000 requests, 580 steps,
-24 423 events, loop-thread CPU added:
-    main (0d07de5), 7 rounds: off +4.3 %, null +9.1 % (1 540 ns/event), full +11.2 % (1 840 ns/event);
-                              GC collections in the loop 3 / 3 / 3 / 26 (0.4 / 0.4 / 0.4 / 8.1 ms)
-    hook state kept off vLLM's objects (_common._STATES), 7 rounds: off +5.3 %, null +7.4 % (1 240 ns/event),
-                              full +10.2 % (1 740 ns/event); GC 3 / 3 / 3 / 27
-    main vs this tree in the same rounds (/tmp A/B of the child runs, 8 and 6 rounds): null +8.0 -> +7.2 %;
-                              full +9.9 -> +14.2 % and +13.0 -> +8.5 % (noise of that size)
-    main (22c1b2e) vs this tree (the remove_skipped_blocks wrapper with vLLM's own parameters, and set aside at its
-    first call with no state), 5 rounds, each mode's children of both trees back to back (alternating which first):
-                              main: off +5.9 %, null +4.2 % (711 ns/event), full +9.4 % (1 590 ns/event)
-                              this: off +1.2 %, null +5.1 % (863 ns/event), full +10.6 % (1 802 ns/event)
-                              paired this - main, loop thread: plain -0.1, off -17.4, null +3.1, full -0.4 ms
-    So "off" above null was the remove_skipped_blocks wrapper left on the class (17 230 calls, ~1 us each in the
-    loop, against 0.28 us in timeit): no state is made there, so it was never set aside; null and full, where it
-    was, did not change (their differences are noise of this size).
-So on this workload about two thirds of the loop thread's added time is the hooks' own work with nothing
-recorded (null), the rest emit + the garbage collector scanning the buffered rows (27 collections instead of 3) +
-the writer thread beside the loop.
+ns per event of the full run, and the loop's garbage collections (count, ms).
+
+`--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
+between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
+ratios spread less (a second view, for changes of 1-2 %). `--baseline DIR` alternates, in separate processes, a
+plain child and a recorded child of this tree and of another pdtrace tree DIR per round, and prints both trees'
+paired ratios and their paired difference: the way to measure a change to the recording path on a shared machine,
+where the same tree measured twice minutes apart gave +8.0 % and +12.5 %.
+
+Measured 2026-12-01 (2 CPUs, nothing else running; 1000 requests, 580 steps, 24 423 events; vLLM 0.33.0):
+    --baseline (d84b7fc, the start of the day's third session) --rounds 8:
+                          plain      d84b7fc   this tree   this - d84b7fc
+      loop wall           355.4 ms   +11.4 %   +10.0 %     -2.1 ms
+      process CPU (loop)             +11.3 %   +10.1 %     -2.1 ms
+      process CPU (+flush)           +13.4 %   +12.0 %     -2.6 ms
+      tree CPU (+flush)              +34.2 %   +33.5 %     +5.0 ms
+      GC in the loop: plain 3 (0.3 ms), d84b7fc 25 (6.9 ms), this tree 12 (4.9 ms)
+    --in-process --rounds 8, loop-thread CPU over plain (351.8 ms):
+      d84b7fc:   off +1.5 %, null +4.9 %, full +9.8 % (GC 25, 6.7 ms)
+      this tree: off +0.2 %, null +4.4 %, full +8.0 % (GC 12, 4.3 ms)
+    The loop itself is ~13 % faster than in this bench's earlier figures (402 -> 350 ms plain, the same vLLM and
+    pdtrace, child runs alternating) since the loop moved into its own function (_drive); the cause was not found.
+    So the same added milliseconds are a larger share now: compare trees with --baseline, not with old figures.
+Where the rest is (py-spy, 997 Hz, 12 in-process rounds of `null`, the hooks' own frames as a share of the loop):
+the schedule wrapper with the step's block growth and the `sched` row 1.4 %, KVCacheManager.free 1.0 %, the
+prefix-hit hook 0.5 %, _connector_finished 0.4 %, update_from_output 0.4 %, the executor wrappers and their timed
+futures 0.9 %, _set_kv_fetch_stage 0.2 %, _update_from_kv_xfer_finished 0.15 %; then full adds the emits, the
+buffered rows' garbage collections (12 instead of 3) and the hand-off to the writer process at each flush.
 """
 
 from __future__ import annotations

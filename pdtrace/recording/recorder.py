@@ -76,9 +76,12 @@ writer process more often than once a second cuts the engine loop's garbage coll
 hand-overs cost as much as they save (process CPU over the loop unchanged or higher at 0.03 s), multiply the part
 files, and split more runs of empty steps that the vLLM hooks coalesce while they are still buffered
 (`edit_recent`). Storing `blocks` and `emit_many`'s lists as tuples (so that the GC untracks buffered rows) did not
-change the loop's collections either (24 young, ~9 ms of CPU). Flattening `blocks` too (one array('i') of block ids
-beside the flat buffer, the row holding a count) left the loop 5 collections instead of 13, but was no faster in a
-prototype (+6.5 % loop-thread CPU against +6.1 % for the plain flat list, in-process A/B, 8 rounds).
+change the loop's collections either (24 young, ~9 ms of CPU). Block ids in one side list beside the flat buffer (the
+row holding their count; both extends under a per-recorder lock, since they are two operations, and a SIGTERM
+flush that interrupts a block emit must not wait on that lock): built and tested (branch issue-13h, ed5f88a), same
+rows, the loop's collections 12 (4.4 ms) -> 6 (1.1 ms), but no measurable change of the loop's CPU (in-process
+A/B, 10 rounds: -0.7 ms median of ~386 ms, rounds -11 .. +4 ms), since an emit of a 20-id list costs ~640 ns
+instead of ~430 with the lock and the copy; not worth a lock and a second buffer on the emit path.
 
 Callers must not mutate a `blocks` list or `detail` dict after passing it: the writer reads it later.
 
