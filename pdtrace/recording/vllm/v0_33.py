@@ -105,8 +105,7 @@ def _finish_reason(request: Any) -> str | None:
 
 
 def _sched_state(sched: Any) -> SchedulerState:
-    """The scheduler's state, made at its first hooked call. The scheduler's wrappers spell this out as
-    `state_get(id(self)) or _new_sched_state(self)` (a state is never falsy): one Python frame less per call."""
+    """The scheduler's state, made at its first hooked call."""
     st = state_get(id(sched))
     if st is None:
         st = _new_sched_state(sched)
@@ -278,7 +277,7 @@ def _w_add_request(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             req_id = request.request_id
             new = req_id not in self.requests  # an existing id is a streaming-input chunk, not a new request
             if new:
@@ -315,7 +314,7 @@ def _w_schedule(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, *args, **kwargs)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             step = st.next_step
             st.next_step = step + 1
             st.cur_step = step
@@ -365,7 +364,7 @@ def _w_update_from_output(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, scheduler_output, model_runner_output)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             step = getattr(scheduler_output, STEP_ATTR, None)
             st.cur_step = step
             wait_ns, st.wait_ns = st.wait_ns, None
@@ -455,7 +454,7 @@ def _w_preempt_request(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request, *args, **kwargs)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
             previous, st.free_reason = st.free_reason, "preempted"
         except Exception as exc:
@@ -475,7 +474,7 @@ def _w_finish_requests(orig: Any) -> Any:
     def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
         if _RT.active:
             try:
-                st = state_get(id(self)) or _new_sched_state(self)
+                st = _sched_state(self)
                 if isinstance(request_ids, str):
                     ids: Any = (request_ids,)
                 elif request_ids is None:
@@ -503,7 +502,7 @@ def _w_connector_finished(orig: Any) -> Any:
         # sliding-window prune (test_swa_inflight_window_free), which the remove_skipped_blocks hook records.
         if _RT.active and request.is_finished():
             try:
-                st = state_get(id(self)) or _new_sched_state(self)
+                st = _sched_state(self)
                 req_id = request.request_id
                 st.waiting_kv.discard(req_id)
                 st.hits.pop(req_id, None)
@@ -524,7 +523,7 @@ def _w_update_from_kv_xfer_finished(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, kv_connector_output)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             step = st.cur_step
             requests = self.requests
             recving = kv_connector_output.finished_recving or ()
@@ -557,7 +556,7 @@ def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
         if not _RT.active:
             return orig(self, request)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             st.waiting_kv.discard(request.request_id)
             previous, st.free_reason = st.free_reason, "load_failed"  # its only free is the failed-load path
         except Exception as exc:
@@ -577,7 +576,7 @@ def _w_drain_deferred_frees(orig: Any) -> Any:
         if not pending or not _RT.active:
             return orig(self)
         try:
-            st = state_get(id(self)) or _new_sched_state(self)
+            st = _sched_state(self)
             before = list(pending)
         except Exception as exc:
             _RT.fail("_drain_deferred_frees", exc)
@@ -634,7 +633,7 @@ def _w_get_local_prefix_cache_hit(orig: Any) -> Any:
 
 def _prefix_hit_seen(sched: Any, request: Any, out: Any) -> None:
     try:
-        _note_prefix_hit(state_get(id(sched)) or _new_sched_state(sched), request, out)
+        _note_prefix_hit(_sched_state(sched), request, out)
     except Exception as exc:
         _RT.fail("_get_local_prefix_cache_hit", exc)
 
@@ -648,8 +647,7 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
         out = orig(self, request, stage)
         if stage == KV_FETCH_IN_PROGRESS and _RT.active:
             try:
-                _record_growth(state_get(id(self)) or _new_sched_state(self), request.request_id,
-                               wait_kv_request=request)
+                _record_growth(_sched_state(self), request.request_id, wait_kv_request=request)
             except Exception as exc:
                 _RT.fail("_set_kv_fetch_stage", exc)
         return out
@@ -744,7 +742,7 @@ def _w_free_cow_retained_blocks(orig: Any) -> Any:
             try:
                 ids = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
                 if ids:
-                    st = state_get(id(self)) or _new_sched_state(self)
+                    st = _sched_state(self)
                     st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"cow": True})
             except Exception as exc:
                 _RT.fail("_free_cow_retained_blocks", exc)
