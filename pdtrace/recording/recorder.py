@@ -389,8 +389,9 @@ def _is_plain_inner(value: Any) -> bool:
 
 
 def holds_bytes(rows: list[Any]) -> bool:
-    """Whether any value in the rows (a flat buffer, or any list), at any depth, is bytes: what marshal made of a buffer-protocol object. Level
-    by level with C-level iteration (type() of every value, then the containers' contents). Deeper than
+    """Whether any value in the rows (a flat buffer, or any list), at any depth, is bytes: what marshal made of a
+    buffer-protocol object. Level by level with C-level iteration (type() of every value, then the containers'
+    contents). Deeper than
     `_HOLDS_BYTES_DEPTH` (a circular detail) counts as holding bytes: the sanitised copy has no such nesting."""
     level: list[Any] = [rows]
     for _ in range(_HOLDS_BYTES_DEPTH):
@@ -688,21 +689,20 @@ class Recorder:
                     self._start()
                 if self._state != _ON:
                     return
-                count = events
                 room = self.max_buffered_events - self._in_flight
                 self._end_gap_locked(room)
                 buffered = len(self._rows) // ROW_WIDTH + self._batched
-                if self._gap_count == 0 and buffered + count <= room:
+                if self._gap_count == 0 and buffered + events <= room:
                     self._rows.extend(row)
-                    self._batched += count - 1
-                    if buffered + count >= self.flush_events and not self._wake_pending:
+                    self._batched += events - 1
+                    if buffered + events >= self.flush_events and not self._wake_pending:
                         self._wake_pending = True
                         self._wake.set()
                 else:
                     if self._gap_count == 0:
                         self._gap_start = row[_TS]
-                    self._gap_count += count
-                    self._dropped += count
+                    self._gap_count += events
+                    self._dropped += events
                 self._set_threshold()
         except Exception:
             self._count_error()
