@@ -74,7 +74,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm_tier"))
@@ -373,6 +373,22 @@ def main() -> None:
     print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
 
 
+def _rotating_rounds(rounds: int, kinds: list[str], run: Callable[[str, int], dict], key: str,
+                     label: str) -> dict[str, list[dict]]:
+    """`rounds` rounds of one `run(kind, round)` per kind, the order rotating per round so that drift on a shared
+    machine cancels; a progress line per round on stderr (each run's `key`, in ms, then `label`). Raises
+    SystemExit if a round's runs differ in steps (recording changed the engine's behaviour)."""
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for i in range(rounds):
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            runs[kind].append(run(kind, i))
+        print(f"round {i}: " + "  ".join(f"{k} {runs[k][-1][key] / 1e6:6.1f}" for k in kinds) + f" ms {label}",
+              file=sys.stderr, flush=True)
+        if len({runs[k][-1]["steps"] for k in kinds}) != 1:
+            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    return runs
+
+
 def against_baseline(args: argparse.Namespace) -> None:
     """--baseline DIR: this checkout's pdtrace against another source tree's (e.g. `git worktree add /tmp/base
     main`), in separate processes as users run it: per round a plain child, a recorded child importing this tree's
@@ -382,16 +398,13 @@ def against_baseline(args: argparse.Namespace) -> None:
     if not (baseline / "pdtrace" / "__init__.py").is_file():
         raise SystemExit(f"--baseline {baseline}: not a pdtrace source tree (no pdtrace/__init__.py)")
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
-    runs: dict[str, list[dict]] = {"plain": [], "this": [], "base": []}
-    kinds = list(runs)
-    for i in range(args.rounds):
-        for kind in kinds[i % 3:] + kinds[:i % 3]:
-            trace = None if kind == "plain" else tmp / f"trace-{kind}-{i}"
-            runs[kind].append(run_child(args, trace, tree=baseline if kind == "base" else ROOT))
-        print(f"round {i}: " + "  ".join(f"{k} {runs[k][-1]['wall_ns'] / 1e6:6.1f}" for k in kinds) + " ms loop wall",
-              file=sys.stderr, flush=True)
-        if len({runs[k][-1]["steps"] for k in kinds}) != 1:
-            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    kinds = ["plain", "this", "base"]
+
+    def run(kind: str, i: int) -> dict:
+        trace = None if kind == "plain" else tmp / f"trace-{kind}-{i}"
+        return run_child(args, trace, tree=baseline if kind == "base" else ROOT)
+
+    runs = _rotating_rounds(args.rounds, kinds, run, "wall_ns", "loop wall")
     print(f"this tree ({ROOT}) against {baseline}: {args.requests} requests, {runs['this'][0]['steps']} steps, "
           f"{runs['this'][0]['events']} events, {args.rounds} rounds rotating the order; medians of paired ratios to "
           f"the round's plain child")
@@ -439,24 +452,22 @@ def in_process(args: argparse.Namespace) -> None:
         elif mode == "null":
             _set_mode("null")
 
+    def run(mode: str, i: int) -> dict:
+        set_mode(mode)
+        engine = make()
+        result = _drive(engine, executor_class, args, f"r{i}-{mode}-")
+        engine.shutdown()
+        del engine
+        session.flush_all()
+        gc.collect()
+        return result
+
     modes = list(MODES)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
     set_mode("plain")
     engine = make()  # warm-up run: vLLM's and pdtrace's first-call costs, out of every mode's figures
     _drive(engine, executor_class, args, "warm-")
-    for i in range(args.rounds):
-        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
-            set_mode(mode)
-            engine = make()
-            runs[mode].append(_drive(engine, executor_class, args, f"r{i}-{mode}-"))
-            engine.shutdown()
-            del engine
-            session.flush_all()
-            gc.collect()
-        print(f"round {i}: " + "  ".join(f"{m} {runs[m][-1]['thread_ns'] / 1e6:6.1f}" for m in modes)
-              + " ms loop-thread CPU", file=sys.stderr, flush=True)
-        if len({runs[m][-1]["steps"] for m in modes}) != 1:
-            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+    del engine
+    runs = _rotating_rounds(args.rounds, modes, run, "thread_ns", "loop-thread CPU")
     set_mode("plain")
     print(f"in one process: {args.requests} requests, {runs['full'][0]['steps']} steps, {args.rounds} rounds "
           f"rotating the order, a fresh EngineCore per run; medians, paired ratios to plain")
@@ -474,17 +485,11 @@ def decompose(args: argparse.Namespace) -> None:
     """--decompose: where the recording's cost is, mode by mode (each against `plain`, median of paired ratios)."""
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
     modes = list(MODES)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for i in range(args.rounds):
-        order = modes[i % len(modes):] + modes[:i % len(modes)]
-        for mode in order:
-            trace = None if mode == "plain" else tmp / f"trace-{mode}-{i}"
-            res = run_child(args, trace, mode) if mode != "plain" else run_child(args, None, "plain")
-            runs[mode].append(res)
-        print(f"round {i}: " + "  ".join(f"{m} {runs[m][-1]['thread_ns'] / 1e6:6.1f}" for m in modes)
-              + " ms loop-thread CPU", file=sys.stderr, flush=True)
-        if len({runs[m][-1]["steps"] for m in modes}) != 1:
-            raise SystemExit("recording changed the engine's behaviour (step counts differ)")
+
+    def run(mode: str, i: int) -> dict:
+        return run_child(args, None if mode == "plain" else tmp / f"trace-{mode}-{i}", mode)
+
+    runs = _rotating_rounds(args.rounds, modes, run, "thread_ns", "loop-thread CPU")
     events = statistics.median(r["events"] for r in runs["full"])
     steps = statistics.median(r["steps"] for r in runs["full"])
     print(f"decomposition: {args.requests} requests, {steps:.0f} steps, {events:.0f} events (full), "
