@@ -178,6 +178,63 @@ def test_emit_many_one_row_per_request(tmp_path: Path) -> None:
     assert [r["seq"] for r in rows] == list(range(5))
 
 
+def test_emit_counts_one_row_per_request_of_a_copy(tmp_path: Path) -> None:
+    # What the vLLM hooks record a step's num_scheduled_tokens with: the mapping's order, its values as n, one
+    # timestamp; the dict is copied at the call, so a later change of the caller's dict is not recorded.
+    rec = make(tmp_path, clock=counter_clock())
+    scheduled = {"r1": 16, "r2": 1, "r3": 300}
+    rec.emit_counts("req_sched", 3, scheduled)
+    scheduled["r4"] = 5
+    scheduled["r1"] = 0
+    rec.channel("worker", pp_rank=1).emit_counts("batch_add", 4, {"r9": 2}, reason="new")
+    rec.emit_counts("req_sched", 5, {})  # nothing
+    rec.emit_counts("req_sched", 6, _ReadOnce({"r7": 7}))  # another mapping: read once, now
+    rec.close()
+    rows = rows_of(tmp_path)
+    got = [(r["kind"], r["step"], r["req"], r["n"], r["reason"], r["component"], r["pp_rank"]) for r in rows]
+    assert got == [
+        ("req_sched", 3, "r1", 16, None, "scheduler", None),
+        ("req_sched", 3, "r2", 1, None, "scheduler", None),
+        ("req_sched", 3, "r3", 300, None, "scheduler", None),
+        ("batch_add", 4, "r9", 2, "new", "worker", 1),
+        ("req_sched", 6, "r7", 7, None, "scheduler", None),
+    ]
+    assert len({r["ts_ns"] for r in rows[:3]}) == 1
+    assert [r["seq"] for r in rows] == list(range(5))
+    assert rec.errors == 0
+
+
+class _ReadOnce(dict):
+    """A mapping that is not a dict (a subclass): emit_counts must read it into its own dict."""
+
+
+def test_emit_counts_with_a_broken_mapping_never_raises(tmp_path: Path) -> None:
+    class Broken:
+        def keys(self):
+            raise RuntimeError("hook bug")
+
+        def __getitem__(self, key):
+            return 1
+
+    rec = make(tmp_path)
+    rec.emit_counts("req_sched", 1, Broken())  # type: ignore[arg-type]
+    rec.emit_counts("req_sched", 2, None)  # type: ignore[arg-type]
+    rec.emit("sched", step=1, n=1)
+    rec.close()
+    assert [r["kind"] for r in rows_of(tmp_path)] == ["sched"]
+    assert rec.errors == 2
+
+
+def test_emit_counts_counts_its_events_in_the_bound(tmp_path: Path) -> None:
+    sink = SlowSink()
+    rec = make(tmp_path, flush_events=10**6, max_buffered_events=100, part_writer=sink)
+    rec.emit_counts("req_sched", 1, {f"r{j}": j for j in range(60)})
+    rec.emit_counts("req_sched", 2, {f"r{j}": j for j in range(60)})  # 120 > 100: dropped whole
+    assert rec.buffered_events == 60 and rec.dropped_events == 60
+    sink.release.set()
+    rec.close()
+
+
 def test_emit_many_with_a_broken_iterable_never_raises(tmp_path: Path) -> None:
     def broken():
         yield "r1"

@@ -107,6 +107,7 @@ def odd_events(rec: Recorder) -> None:
     rec.emit("blocks_alloc", step=6, req="r3", blocks=range(3), detail=[np.float32(0.5)])
     rec.emit_many("req_sched", step=7, reqs=["r1", Label("r2"), np.str_("r3")], ns=[1, np.int64(2), None])
     rec.emit("sched", step=8, detail={"running": 2})
+    rec.emit_counts("req_sched", step=9, counts={"r1": 1, Label("r2"): np.int64(2)})
 
 
 def test_odd_values_give_the_same_rows_as_the_in_thread_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,8 +120,9 @@ def test_odd_values_give_the_same_rows_as_the_in_thread_writer(tmp_path: Path, m
         rec.close()
         assert rec.errors == 0
         tables[switch] = pdtrace.open_trace(directory).table.drop_columns(["pid"]).sort_by("seq").to_pylist()
-    assert len(tables["1"]) == 11
+    assert len(tables["1"]) == 13
     assert tables["1"] == tables["0"]
+    assert [(row["req"], row["n"]) for row in tables["1"] if row["step"] == 9] == [("r1", 1), ("r2", 2)]
     by_step = {row["step"]: row for row in tables["1"]}
     assert by_step[1]["blocks"] == [5, 6, 7] and by_step[1]["n"] == 3 and by_step[1]["detail"] == \
         '{"hit":"2","ids":["1",2]}'

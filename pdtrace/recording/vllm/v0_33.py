@@ -350,7 +350,7 @@ def _w_schedule(orig: Any) -> Any:
                     "dur_ns": dur,
                 })
                 if nst:
-                    st.ch.emit_many("req_sched", step, list(nst), list(nst.values()))
+                    st.ch.emit_counts("req_sched", step, nst)
             except Exception as exc:
                 _RT.fail("schedule", exc)
         st.cur_step = None
@@ -368,8 +368,10 @@ def _w_update_from_output(orig: Any) -> Any:
             step = getattr(scheduler_output, STEP_ATTR, None)
             st.cur_step = step
             wait_ns, st.wait_ns = st.wait_ns, None
+            # The detail as the writer's JSON encoder writes {"wait_ns": <int>}: a str, not a dict the garbage
+            # collector counts while it is buffered.
             st.eng.emit("step_output", step, None, None, None, None, None, None, None,
-                        None if wait_ns is None else {"wait_ns": wait_ns})
+                        None if wait_ns is None else '{"wait_ns":%d}' % wait_ns)
             kvo = model_runner_output.kv_connector_output
             if kvo is not None:
                 failed = getattr(kvo, "failed_recving", None)  # 0.30+
