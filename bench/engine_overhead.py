@@ -31,8 +31,8 @@ Events are counted from the trace written.
 
 `--decompose` splits the cost: each round runs four children (order rotating), `plain` (no plugin), `off` (hooks
 installed, RUNTIME.active False: the wrappers' pass-through; the remove_skipped_blocks wrapper sets itself aside at
-its first call there, as a scheduler's first state does in the other modes), `null` (the hooks' own work: Channel.emit / emit_many do nothing, no
-writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
+its first call there, as a scheduler's first state does in the other modes), `null` (the hooks' own work:
+Channel.emit / emit_many / emit_counts do nothing, no writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
 ns per event of the full run, and the loop's garbage collections (count, ms).
 
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
@@ -190,7 +190,7 @@ def child(args: argparse.Namespace) -> dict:
 MODES = {
     "plain": "no plugin (PDTRACE_TRACE_DIR unset)",
     "off": "hooks installed, RUNTIME.active False from the first step",
-    "null": "hooks recording into a null recorder (Channel.emit / emit_many do nothing, no writer)",
+    "null": "hooks recording into a null recorder (Channel.emit / emit_many / emit_counts do nothing, no writer)",
     "full": "pdtrace record as users run it",
 }
 
@@ -206,6 +206,7 @@ def _set_mode(mode: str) -> None:
 
         Channel.emit = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
         Channel.emit_many = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+        Channel.emit_counts = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
 
 
 class _gc_counter:
@@ -439,10 +440,10 @@ def in_process(args: argparse.Namespace) -> None:
 
     make, executor_class = _engine_maker()
     session.configure_from_env(source="vllm-bench")
-    emit, emit_many = Channel.emit, Channel.emit_many
+    emits = Channel.emit, Channel.emit_many, Channel.emit_counts
 
     def set_mode(mode: str) -> None:
-        Channel.emit, Channel.emit_many = emit, emit_many
+        Channel.emit, Channel.emit_many, Channel.emit_counts = emits
         if mode == "plain":
             uninstall_hooks()
             return
