@@ -32,8 +32,9 @@ Events are counted from the trace written.
 `--decompose` splits the cost: each round runs four children (order rotating), `plain` (no plugin), `off` (hooks
 installed, RUNTIME.active False: the wrappers' pass-through; the remove_skipped_blocks wrapper sets itself aside at
 its first call there, as a scheduler's first state does in the other modes), `null` (the hooks' own work:
-Channel.emit / emit_many / emit_counts do nothing, no writer, no rows kept) and `full`; it prints each one's medians of paired ratios to `plain`, the loop thread's added
-ns per event of the full run, and the loop's garbage collections (count, ms).
+Channel.emit / emit_many / emit_counts do nothing, no writer, no rows kept) and `full`; it prints each one's
+medians of paired ratios to `plain`, the loop thread's added ns per event of the full run, and the loop's garbage
+collections (count, ms).
 
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
 between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
