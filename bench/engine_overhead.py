@@ -357,7 +357,7 @@ def main() -> None:
     print(f"workload: {args.requests} requests (half do_remote_decode), {steps:.0f} steps, vLLM 0.33.0 EngineCore "
           f"step_with_batch_queue PP=2 + NixlConnector (scheduler side), fake executor; {args.rounds} alternating "
           f"rounds, separate processes, {os.cpu_count()} CPUs (shared machine: medians, spread of paired ratios)")
-    print(f"{'':22s}{'without':>12s}{'with':>12s}{'added':>9s}  {'rounds':>17s}{'ns/event':>10s}")
+    print(f"{'':22s}{'without':>12s}{'with':>12s}{'added':>9s}  {'rounds':>17s}{'ns/event':>10s}{'us/step':>9s}")
     for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
                        ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+flush)"),
                        ("writer_ns", "writer thread (loop)"), ("writer_process_loop_ns", "writer proc (+flush)"),
@@ -367,12 +367,16 @@ def main() -> None:
             a = med(off, "total_ns")
         if key.startswith("writer"):  # no writer without recording: its share of the plain run's process CPU
             a = med(off, "process_ns")
-            print(f"{label:22s}{'':12s}{b / 1e6:10.1f}ms{b / a * 100:+8.1f}%  {'':>17s}{b / events:10.0f}")
+            print(f"{label:22s}{'':12s}{b / 1e6:10.1f}ms{b / a * 100:+8.1f}%  {'':>17s}{b / events:10.0f}"
+                  f"{b / steps / 1e3:9.1f}")
             continue
         paired = [(y[key] - x[key]) / x[key] for x, y in zip(off, on)]
         print(f"{label:22s}{a / 1e6:10.1f}ms{b / 1e6:10.1f}ms{(b - a) / a * 100:+8.1f}%  {spread(paired):>17s}"
-              f"{(b - a) / events:10.0f}")
-    print(f"events: {events:.0f} per run, {events / steps:.1f} per step")
+              f"{(b - a) / events:10.0f}{(b - a) / steps / 1e3:9.1f}")
+    # The added time per step is what carries over to a real engine: there the step also waits on the GPU, so the
+    # same microseconds are a smaller share of a longer step.
+    print(f"events: {events:.0f} per run, {events / steps:.1f} per step; plain loop "
+          f"{med(off, 'wall_ns') / steps / 1e3:.0f} us per step")
 
 
 def _rotating_rounds(rounds: int, kinds: list[str], run: Callable[[str, int], dict], key: str,
