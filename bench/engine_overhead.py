@@ -300,6 +300,16 @@ def spread(values: list[float]) -> str:
     return f"{min(values) * 100:+.1f} .. {max(values) * 100:+.1f} %"
 
 
+def two_se(values: list[float]) -> float:
+    """Twice the standard error of the mean of paired differences: a difference inside +- this is noise. On the
+    shared 2-CPU machine of 2026-12-01, 25 in-process rounds of two modes gave +- 8 ms of a ~400 ms loop, and
+    --baseline of a tree against its own copy (5 rounds) gave -7 ms: the rounds needed to see a 1 % change there
+    are many more than the default."""
+    if len(values) < 2:
+        return float("nan")
+    return 2 * statistics.stdev(values) / len(values) ** 0.5
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
@@ -414,7 +424,7 @@ def against_baseline(args: argparse.Namespace) -> None:
     print(f"this tree ({ROOT}) against {baseline}: {args.requests} requests, {runs['this'][0]['steps']} steps, "
           f"{runs['this'][0]['events']} events, {args.rounds} rounds rotating the order; medians of paired ratios to "
           f"the round's plain child")
-    print(f"{'':22s}{'plain':>10s}{'base':>10s}{'this':>10s}{'this - base':>14s}")
+    print(f"{'':22s}{'plain':>10s}{'base':>10s}{'this':>10s}{'this - base':>14s}{'mean +- 2 s.e.':>22s}")
     for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"), ("process_ns", "process CPU (loop)"),
                        ("total_ns", "process CPU (+flush)"), ("tree_ns", "tree CPU (+flush)")):
         plain_key = "total_ns" if key == "tree_ns" else key
@@ -422,8 +432,9 @@ def against_baseline(args: argparse.Namespace) -> None:
         for kind in ("base", "this"):
             ratios = [(r[key] - p[plain_key]) / p[plain_key] for r, p in zip(runs[kind], runs["plain"])]
             cells.append(f"{statistics.median(ratios) * 100:+9.1f}%")
-        diff = statistics.median(t[key] - b[key] for t, b in zip(runs["this"], runs["base"]))
-        print(f"{label:22s}" + "".join(cells) + f"{diff / 1e6:+12.1f}ms")
+        diffs = [(t[key] - b[key]) / 1e6 for t, b in zip(runs["this"], runs["base"])]
+        print(f"{label:22s}" + "".join(cells) + f"{statistics.median(diffs):+12.1f}ms"
+              f"{statistics.mean(diffs):+12.1f} +- {two_se(diffs):.1f} ms")
     gc_line = "  ".join(f"{k} {statistics.median(r['gc_collections'] for r in runs[k]):.0f} / "
                         f"{statistics.median(r['gc_ns'] for r in runs[k]) / 1e6:.1f} ms" for k in kinds)
     print(f"GC in the loop (collections / ms): {gc_line}")
@@ -477,13 +488,15 @@ def in_process(args: argparse.Namespace) -> None:
     set_mode("plain")
     print(f"in one process: {args.requests} requests, {runs['full'][0]['steps']} steps, {args.rounds} rounds "
           f"rotating the order, a fresh EngineCore per run; medians, paired ratios to plain")
-    print(f"{'mode':8s}{'loop thread CPU':>24s}{'rounds':>18s}{'GC n':>6s}{'GC ms':>7s}")
+    print(f"{'mode':8s}{'loop thread CPU':>24s}{'rounds':>18s}{'GC n':>6s}{'GC ms':>7s}{'- plain, +- 2 s.e.':>24s}")
     for mode in modes:
         value = statistics.median(r["thread_ns"] for r in runs[mode])
         ratios = [(r["thread_ns"] - p["thread_ns"]) / p["thread_ns"] for r, p in zip(runs[mode], runs["plain"])]
+        diffs = [(r["thread_ns"] - p["thread_ns"]) / 1e6 for r, p in zip(runs[mode], runs["plain"])]
         print(f"{mode:8s}{value / 1e6:13.1f}ms {statistics.median(ratios) * 100:+7.1f}%{spread(ratios):>18s}"
               f"{statistics.median(r['gc_collections'] for r in runs[mode]):6.0f}"
-              f"{statistics.median(r['gc_ns'] for r in runs[mode]) / 1e6:7.1f}")
+              f"{statistics.median(r['gc_ns'] for r in runs[mode]) / 1e6:7.1f}"
+              f"{statistics.mean(diffs):+12.1f} +- {two_se(diffs):.1f} ms")
     print("; ".join(f"{k}: {v}" for k, v in MODES.items()))
 
 
