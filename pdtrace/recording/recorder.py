@@ -9,8 +9,8 @@
 How it stays cheap on the caller's thread: `emit` builds ONE tuple of the row's ROW_WIDTH = 12 fields (timestamp,
 channel id, the event's fields) and adds its fields to the end of ONE flat list with a pre-bound `list.extend`,
 after one length check (in slots) against a threshold that the slow path and the writer maintain. Nothing else
-happens there: no locks, no I/O, no JSON. `emit_many` (one event per request of a step) adds one batch entry
-(one row) for all of them, under the state lock, and the writer expands it. `seq` is not taken on the caller's
+happens there: no locks, no I/O, no JSON. `emit_many` and `emit_counts` (one event per request of a step) add one
+batch entry (one row) for all of them, under the state lock, and the writer expands it. `seq` is not taken on the caller's
 thread either: a `list.extend` from a tuple is atomic (it runs no Python code, so the GIL is not released in it),
 so the list order IS the writer's exact event order, and the writer numbers rows by their position in that stream
 (strictly increasing per writer, across part files too; rows lost to a drop or a failed write leave a hole).
@@ -20,7 +20,8 @@ be preempted between reading the clock and adding the row).
 Why a flat list rather than a list of row tuples: the tuple is then a temporary (freed at once) instead of a
 GC-tracked object that lives until the writer takes it. vLLM `gc.freeze()`s its heap after start-up, so the
 recorder's buffered rows were what triggered the engine loop's young collections, and each scanned every buffered
-row; the flat list adds only the objects an event brings (block lists, detail dicts, emit_many's lists).
+row; the flat list adds only the objects an event brings (block lists, detail dicts, emit_many's lists, and
+emit_counts's one dict copy, which is why the vLLM hooks record a step's req_sched batch with it).
 Measured on vLLM 0.33.0 (bench/engine_overhead.py's workload: 1000 requests, 580 steps, 24 423 events; a shared
 2-core machine, so differences of ~1-2 % are noise), one tuple per row -> the flat buffer:
     in one process, a fresh EngineCore per run, the two recorders' modes alternating (10 rounds, writer in-thread
