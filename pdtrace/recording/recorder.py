@@ -10,10 +10,11 @@ How it stays cheap on the caller's thread: `emit` builds ONE tuple of the row's 
 channel id, the event's fields) and adds its fields to the end of ONE flat list with a pre-bound `list.extend`,
 after one length check (in slots) against a threshold that the slow path and the writer maintain. Nothing else
 happens there: no locks, no I/O, no JSON. `emit_many` and `emit_counts` (one event per request of a step) add one
-batch entry (one row) for all of them, under the state lock, and the writer expands it. `seq` is not taken on the caller's
-thread either: a `list.extend` from a tuple is atomic (it runs no Python code, so the GIL is not released in it),
-so the list order IS the writer's exact event order, and the writer numbers rows by their position in that stream
-(strictly increasing per writer, across part files too; rows lost to a drop or a failed write leave a hole).
+batch entry (one row) for all of them, under the state lock, and the writer expands it. `seq` is not taken on the
+caller's thread either: a `list.extend` from a tuple is atomic (it runs no Python code, so the GIL is not released
+in it), so the list order IS the writer's exact event order, and the writer numbers rows by their position in that
+stream (strictly increasing per writer, across part files too; rows lost to a drop or a failed write leave a
+hole).
 Within one thread, seq order is call order; across threads, `ts_ns` can be slightly out of seq order (a thread can
 be preempted between reading the clock and adding the row).
 
