@@ -57,6 +57,12 @@ Measured 2026-12-01 (2 CPUs, nothing else running; 1000 requests, 580 steps, 24 
     The loop itself is ~13 % faster than in this bench's earlier figures (402 -> 350 ms plain, the same vLLM and
     pdtrace, child runs alternating) since the loop moved into its own function (_drive); the cause was not found.
     So the same added milliseconds are a larger share now: compare trees with --baseline, not with old figures.
+Later that day (the hooks' req_sched batch through emit_counts, step_output's wait_ns as JSON text: 1 158 fewer
+buffered objects per run), on a noisier machine (the plain loop 353-382 ms from round to round):
+    GC in the loop 12 -> 10 collections (4.7 ms); --baseline (e3b3ec0) --rounds 10: loop wall e3b3ec0 +8.7 %, this
+    tree +9.9 %, this - e3b3ec0 +3.2 +- 13.7 ms (mean +- 2 s.e.: noise; a tree against its own copy gave -7 ms in
+    5 rounds); --in-process --rounds 10: null +6.0 %, full +10.4 %; --rounds 7: loop wall +11.0 %, 71 us added
+    to a 643 us step (42 events per step).
 Where the rest is (py-spy, 997 Hz, 12 in-process rounds of `null`, the hooks' own frames as a share of the loop):
 the schedule wrapper with the step's block growth and the `sched` row 1.4 %, KVCacheManager.free 1.0 %, the
 prefix-hit hook 0.5 %, _connector_finished 0.4 %, update_from_output 0.4 %, the executor wrappers and their timed
