@@ -23,9 +23,15 @@ Per test, while switched on (the model is pytest-memray):
 
 Recording never changes a test's outcome by itself: a hook that fails switches recording off for the rest of that
 test (counted, as `RUNTIME.fail` does in production), and a recording that cannot start or a trace that cannot be
-analysed is counted and reported, never turned into a failure. `@pytest.mark.pdtrace_skip` leaves a test unrecorded. The terminal summary lists the
-tests with findings, and `<pdtrace-dir>/summary.json` holds one record per recorded test (its trace directory,
-events, findings per severity, the rules of the failing ones, hook errors) for scripts such as the CI tier.
+analysed is counted and reported, never turned into a failure. `@pytest.mark.pdtrace_skip` leaves a test
+unrecorded. The terminal summary lists the tests with findings, and `<pdtrace-dir>/summary.json` holds one record
+per recorded test (its trace directory, events, findings per severity, the rules of the failing ones, hook errors)
+for scripts such as the CI tier.
+
+Under pytest-xdist (`-n N`) each worker records and judges its own tests (a verdict travels back to the controller
+in the test's report, as any failure does) under the controller's root, passed in `workerinput`; the controller,
+which runs no test, gathers the workers' records from `workeroutput` when each worker ends, and writes the one
+summary.json and the summary of all of them.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ SKIP_MARKER = "pdtrace_skip"
 ALLOW_MARKER = "pdtrace_allow"
 FAIL_ON_CHOICES = ("error", "warning", "info")
 SUMMARY_FILE = "summary.json"
+#: Keys of pytest-xdist's workerinput (the controller's trace root) and workeroutput (a worker's records).
+_XDIST_ROOT = "pdtrace_root"
+_XDIST_RECORDS = "pdtrace_records"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _MAX_NAME = 120
 
@@ -112,7 +121,8 @@ class Recording:
         from pdtrace.analysis.findings import SEVERITY_ORDER
 
         self.config = config
-        given = config.getoption("pdtrace_dir")
+        # An xdist worker records under its controller's root, whatever --pdtrace-dir said (it is the same).
+        given = getattr(config, "workerinput", {}).get(_XDIST_ROOT) or config.getoption("pdtrace_dir")
         self.root = Path(given).resolve() if given else Path(tempfile.mkdtemp(prefix="pdtrace-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.report_only = bool(config.getoption("pdtrace_report"))
@@ -251,7 +261,24 @@ class Recording:
             from pdtrace.recording.vllm import uninstall_hooks
 
             uninstall_hooks()
+        workeroutput = getattr(self.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: its records go to the controller, which writes the summary
+            workeroutput[_XDIST_RECORDS] = [asdict(r) for r in self.records]
+            return
         (self.root / SUMMARY_FILE).write_text(json.dumps([asdict(r) for r in self.records], indent=1))
+
+    # ------------------------------------------------------------------ pytest-xdist (controller side only)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """Every worker records under this run's root (--pdtrace-dir, or the controller's temporary directory)."""
+        node.workerinput[_XDIST_ROOT] = str(self.root)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """A worker ended: its records join this run's summary (a worker that crashed sends none)."""
+        for record in getattr(node, "workeroutput", {}).get(_XDIST_RECORDS, ()):
+            self.records.append(RecordedTest(**record))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         records = self.records

@@ -284,3 +284,47 @@ def test_nothing_of_pdtrace_runs(request):
     result = pytester.runpytest_subprocess("--strict-markers", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "= pdtrace =" not in result.stdout.str()
+
+
+def test_under_xdist_the_controller_gathers_every_workers_records(pytester: pytest.Pytester, tmp_path: Path):
+    # With `-n 2` the tests run in two worker processes: each worker records and judges its own tests (a verdict
+    # travels back in the report), and the controller, which runs none, writes the one summary.json and prints the
+    # summary of all of them. Without --pdtrace-dir the workers write under the controller's temporary directory.
+    pytest.importorskip("xdist")
+    pytester.makepyfile(HELPERS + '''
+def test_double_free():
+    double_free(scheduler())
+
+
+def test_clean_1():
+    healthy_request(scheduler())
+
+
+def test_clean_2():
+    healthy_request(scheduler(), "r3", 3)
+
+
+def test_clean_3():
+    healthy_request(scheduler(), "r4", 4)
+''')
+    out = tmp_path / "traces"
+    result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "--pdtrace", "--pdtrace-dir", str(out),
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines([
+        "*pdtrace: findings reaching --pdtrace-fail-on=error: double_free/not_owned*",
+        "*= pdtrace =*",
+        "4 tests recorded, 4 with events, 0 with recording switched off*",
+        "*test_double_free: 1 error; reaching the level: FAILED double_free/not_owned",
+    ])
+    summary = _summary(out)
+    assert sorted(summary) == ["test_clean_1", "test_clean_2", "test_clean_3", "test_double_free"]
+    assert summary["test_double_free"]["failed_test"] and summary["test_clean_2"]["events"] == 6
+    assert all(Path(rec["trace"]).parent == out for rec in summary.values())
+
+    result = pytester.runpytest_subprocess("-p", "xdist", "-n", "2", "--pdtrace", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    line = next(line for line in result.stdout.lines if line.startswith("4 tests recorded"))
+    root = Path(line.rsplit("traces in ", 1)[1])
+    assert sorted(_summary(root)) == sorted(summary)
+    assert all(Path(rec["trace"]).parent == root for rec in _summary(root).values())
