@@ -166,23 +166,13 @@ class WriterProcess:
                     raise WriterProcessLost(f"writer process took nothing for {timeout:.0f} s", sent=False)
 
     def _read_message(self, timeout: float) -> bytes:
-        fd = self._from_child.fileno()
-        header = self._read_exact(fd, _HEADER.size, timeout)
-        return self._read_exact(fd, _HEADER.unpack(header)[0], timeout)
-
-    @staticmethod
-    def _read_exact(fd: int, size: int, timeout: float) -> bytes:
-        parts: list[bytes] = []
-        left = size
-        while left:
-            if not select.select([fd], [], [], timeout)[0]:
-                raise WriterProcessLost(f"writer process did not answer for {timeout:.0f} s", sent=True)
-            data = os.read(fd, left)
-            if not data:
-                raise WriterProcessLost("writer process gone (EOF)", sent=True)
-            parts.append(data)
-            left -= len(data)
-        return b"".join(parts)
+        try:
+            message = _read_message(self._from_child.fileno(), timeout)
+        except TimeoutError:
+            raise WriterProcessLost(f"writer process did not answer for {timeout:.0f} s", sent=True) from None
+        if message is None:
+            raise WriterProcessLost("writer process gone (EOF)", sent=True)
+        return message
 
     def _give_up(self, why: str) -> None:
         self.lost = why
@@ -277,11 +267,19 @@ if hasattr(os, "register_at_fork"):
 # ---- the child ------------------------------------------------------------------------------------------------------
 
 
-def _read_exact_blocking(fd: int, size: int) -> bytes | None:
-    """`size` bytes from fd, or None at EOF (a message cut short by the parent's death is dropped)."""
+def _read_message(fd: int, timeout: float | None = None) -> bytes | None:
+    """One length-prefixed message from fd (either side of the pipes), or None at EOF: a message cut short by the
+    other side's death is dropped. With `timeout`, each wait for data is bounded: TimeoutError past it."""
+    header = _read_exact(fd, _HEADER.size, timeout)
+    return None if header is None else _read_exact(fd, _HEADER.unpack(header)[0], timeout)
+
+
+def _read_exact(fd: int, size: int, timeout: float | None) -> bytes | None:
     parts: list[bytes] = []
     left = size
     while left:
+        if timeout is not None and not select.select([fd], [], [], timeout)[0]:
+            raise TimeoutError
         data = os.read(fd, min(left, 1 << 20))
         if not data:
             return None
@@ -316,10 +314,7 @@ def main() -> int:
 
     parent_gone = False
     while True:
-        header = _read_exact_blocking(0, _HEADER.size)
-        if header is None:
-            return 0
-        payload = _read_exact_blocking(0, _HEADER.unpack(header)[0])
+        payload = _read_message(0)
         if payload is None:
             return 0
         try:
