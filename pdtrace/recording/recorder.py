@@ -258,7 +258,7 @@ class Channel:
         """`emit_many` of a mapping: one event per request of `counts` (request id -> n), in its order. Never
         raises, never blocks. A dict is copied (one C-level copy; other mappings read once, now), and the copy is
         the batch entry's req: one object where `emit_many` keeps two lists (bench/engine_overhead.py's req_sched
-        batches of ~28 requests: 160 ns for the copy against 580 for `list(d)` and `list(d.values())`, and one
+        batches of ~28 requests: 73 ns for the copy against 307 for `list(d)` and `list(d.values())`, and one
         buffered object fewer for the garbage collector to count per step)."""
         try:
             ts = self._clock()
