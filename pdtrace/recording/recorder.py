@@ -135,8 +135,8 @@ _BLOCKS = 5
 
 #: The marker of a batch entry (`Channel.emit_many`): in the blocks slot, with a list of requests in req and a
 #: list of n (or None) in n, or (`Channel.emit_counts`) a dict request -> n in req and None in n; it stands for one
-#: row per request. `...` because marshal carries it to the writer
-#: process as itself (the writer finds batch entries by identity), and no hook passes `...` as blocks.
+#: row per request. `...` because marshal carries it to the writer process as itself (the writer finds batch
+#: entries by identity), and no hook passes `...` as blocks.
 _BATCH = Ellipsis
 
 # Recorder states.

@@ -264,7 +264,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_child)
 
 
-# ---- the child ------------------------------------------------------------------------------------------------------
+# ---- both ends of the pipes ------------------------------------------------------------------------------------------
 
 
 def _read_message(fd: int, timeout: float | None = None) -> bytes | None:
@@ -286,6 +286,9 @@ def _read_exact(fd: int, size: int, timeout: float | None) -> bytes | None:
         parts.append(data)
         left -= len(data)
     return b"".join(parts)
+
+
+# ---- the child ------------------------------------------------------------------------------------------------------
 
 
 def _reply(fd: int, value: Any) -> None:
