@@ -462,6 +462,45 @@ def receive_again_after_preemption(free_during_second_wait: bool = False) -> Tra
     return b.trace()
 
 
+def second_wait_after_preemption(second_receive: bool = False, steps: int = 60) -> Trace:
+    """vllm#53250 (MoRIIO write mode): a D request receives its KV (P writes it once, reports the send done and
+    frees), decodes, is preempted under pressure, and on re-admission asks for the same one-shot transfer again:
+    its second req_wait_kv never closes while the engine keeps serving another request. `second_receive`: the
+    healthy look-alike, whose second receive completes (a connector that can read again)."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    p.add("r1", n=40, remote_decode=True)
+    p.step({"r1": 40}, alloc={"r1": [1, 2, 3]})
+    p.output()
+    p.finish("r1", reason="length", delay_free=True)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=3)
+    d.add("other", n=16)
+    d.step({"other": 16}, wait_kv={"r1": [7, 8, 9]}, alloc={"other": [20]})
+    d.output()
+    p.step({})
+    p.output()
+    p.send_done("r1")
+    d.step({"other": 1})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 1, "other": 1}, alloc={"r1": [10]})
+    d.output()
+    d.step({"other": 1}, preempt={"r1": [7, 8, 9, 10]})
+    d.output()
+    d.step({"other": 1}, wait_kv={"r1": [7, 8, 9]})
+    d.output()
+    for i in range(steps):
+        d.step({"other": 1})
+        d.output()
+        if second_receive and i == 3:
+            d.recv_done("r1")
+            d.step({"r1": 1, "other": 1}, alloc={"r1": [10]})
+            d.output()
+            d.finish("r1", reason="stop")
+    return b.trace()
+
+
 HEALTHY: dict[str, Callable[[], Trace]] = {
     "prefill": healthy_prefill,
     "decode": healthy_decode,
@@ -476,6 +515,7 @@ HEALTHY: dict[str, Callable[[], Trace]] = {
     "abort_deferred_load": abort_deferred_load,
     "id_reuse": id_reuse,
     "receive_again_after_preemption": receive_again_after_preemption,
+    "second_receive_completes": lambda: second_wait_after_preemption(second_receive=True),
 }
 
 
@@ -701,4 +741,5 @@ FAULTY: dict[str, Callable[[], Trace]] = {
     "failed_load_freed_before_receive": lambda: failed_load(freed_at_failure=True),
     "abort_started_load": abort_started_load,
     "freed_during_second_receive": lambda: receive_again_after_preemption(free_during_second_wait=True),
+    "second_wait_stuck": second_wait_after_preemption,
 }
