@@ -11,10 +11,15 @@ import pandas as pd
 #: (plus optional instance, pid, pp_rank, tp_rank, blocks, note). `context` groups findings the way memcheck's
 #: "N errors from M contexts" does (same rule, subrule and code path). `extra` is a dict of rule-specific values
 #: (e.g. a leak's class, a bubble's duration).
+#: `req` names the finding's main request; `requests` (added in pdtrace 0.1, after `extra`) the other requests its
+#: evidence lies in (a list of ids of the same instance, empty when none), so that each can be looked up with
+#: `pdtrace show --req`.
 FINDING_COLUMNS: tuple[str, ...] = (
     "rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
-    "evidence", "context", "extra",
+    "evidence", "context", "extra", "requests",
 )
+#: Columns a rule (a plugin written before they existed) may leave out: filled with None.
+OPTIONAL_FINDING_COLUMNS: tuple[str, ...] = ("requests",)
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
 

@@ -159,7 +159,31 @@ def _build(ctx: Any) -> Produced:
     # the token exists once the step's output is processed
     placed = np.where(produced[keep] & has_out[keep], out_pos[keep], pos[keep])
     return Produced(np.concatenate([kept, rows[keep]]), np.concatenate([kept_sk, sk[keep]]).astype(np.int64),
-                    np.concatenate([kept_pos, placed]).astype(np.int64), rows[is_sched & next_preempt], busy)
+                    np.concatenate([kept_pos, placed]).astype(np.int64),
+                    rows[_discarded(rk, kind, is_sched, produced | finish, restart, cols)], busy)
+
+
+def _discarded(rk: np.ndarray, kind: np.ndarray, is_sched: np.ndarray, progress: np.ndarray, restart: np.ndarray,
+               cols: Any) -> np.ndarray:
+    """Over one request's rows in (request, time) order, segmented at each restart (`req_add`, `req_preempt`):
+    the `req_sched` rows whose work a preemption threw away, every schedule since the request's last token in the
+    segment (or the segment's start) when the segment ends with a `req_preempt` of the same request. vLLM resets
+    `num_computed_tokens` at a preemption, so all the chunks a prefill computed since its admission are lost, not
+    only the last (vllm#52520: four chunks per cycle, forever)."""
+    n = len(rk)
+    if n == 0:
+        return np.zeros(0, bool)
+    segment = np.cumsum(restart) - 1
+    start = np.flatnonzero(restart)
+    nxt = np.r_[start[1:], n]  # the row after each segment: the restart that ends it
+    ends_in_preempt = np.zeros(len(start), bool)
+    inside = nxt < n
+    ends_in_preempt[inside] = (kind[nxt[inside]] == cols.code_of("kind", "req_preempt")) & \
+        (rk[nxt[inside]] == rk[start[inside]])
+    # the index of the segment's last progress row (its last token), -1 where none
+    idx = np.where(progress, np.arange(n), -1)
+    last_progress = np.maximum.reduceat(idx, start)
+    return is_sched & ~progress & ends_in_preempt[segment] & (np.arange(n) > last_progress[segment])
 
 
 @shared_table(request_state, step_index, cost=0.1)
@@ -189,6 +213,14 @@ def _steps_without_sched(ctx: Any, busy: np.ndarray, window: Any) -> pd.DataFram
     return pd.DataFrame({"win": window(first), "sk": per["sk"].to_numpy(), "row": first, "pos": per["pos"].to_numpy(),
                          "weight": 1.0, "tokens": per["tokens"].to_numpy().astype(float), "waiting": np.nan,
                          "free": np.nan})
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def run(ctx: Any) -> pd.DataFrame:
@@ -257,7 +289,7 @@ def run(ctx: Any) -> pd.DataFrame:
         first_step, last_step = int(cols.step[first_row]), int(cols.step[last_row])
         severity = "warning"
         message = (f"scheduler {instance} ran {int(w['steps'])} steps ({first_step}..{last_step}) with "
-                   f"{int(w['preemptions'])} preemptions of {int(w['victims'])} requests"
+                   f"{int(w['preemptions'])} preemptions of {_count(int(w['victims']), 'request')}"
                    + (f" ({len(my_deferred)} of their frees deferred behind a step fence)" if len(my_deferred) else "")
                    + f" and produced no token while {queue} requests waited: a livelock ({int(w['wasted'])} of its "
                    f"{int(w['scheduled'])} schedules were thrown away by a later preemption)"
@@ -272,13 +304,20 @@ def run(ctx: Any) -> pd.DataFrame:
             severity = DOWNGRADE[severity]
             message += f" ({covered} on {instance} over this window: the tokens produced may have been dropped)"
             extra["downgraded"] = covered
+        # the requests it names: the victims, most preempted first (then by first preemption); `req` is the first
+        victims = pd.Series(cols.rk[my_preempts]).value_counts(sort=False)
+        first_at = pd.Series(np.arange(len(my_preempts)), index=cols.rk[my_preempts]).groupby(level=0).min()
+        named = sorted(victims.index.tolist(), key=lambda r: (-int(victims[r]), int(first_at[r])))
+        names = [str(cols.rk_names["req"].iloc[int(r)]) for r in named]
+        victims_text = f"of {_count(int(w['victims']), 'request')}"
+        message = message.replace(victims_text, f"{victims_text} ({_listed(names)})", 1)
         cite = [(first_row, "first step without progress")] + [(int(r), "preempted") for r in my_preempts[:6]]
         cite += [(int(r), "free deferred: the pool did not grow") for r in my_deferred[:2]]
         cite.append((last_row, "last step without progress"))
         ev.refs(r for r, _ in cite)
         records.append({
             "rule": "no_progress", "subrule": "livelock", "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": None, "blocks": [], "step": first_step, "ts_ns": int(cols.ts[first_row]), "message": message,
+            "req": names[0] if names else None, "requests": names[1:], "blocks": [], "step": first_step, "ts_ns": int(cols.ts[first_row]), "message": message,
             "evidence": [ev.ref(r, note) for r, note in cite], "context": "no_progress:livelock", "extra": extra,
         })
     return findings_frame(records)
