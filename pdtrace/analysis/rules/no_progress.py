@@ -20,7 +20,10 @@ rows of the kinds involved, one sort each):
    the token is placed) and not thrown away: the request's next event is not a `req_preempt` before that output.
    Without step_output rows for the scheduler the token is placed at the `req_sched`, thrown away by a preemption
    fewer steps later than the steps that can be in flight (engine_config `batch_queue_size` / `async_scheduling`,
-   else 1). A `req_finish` with reason stop, length or repetition is a token too.
+   else 1). A `req_finish` with reason stop, length or repetition is a token too. Thrown away (`_discarded`):
+   every `req_sched` of a segment (from the admission or a preemption to the next restart) that ends in a
+   `req_preempt`, after the segment's last token: vLLM resets `num_computed_tokens`, so a preemption loses every
+   chunk computed since (vllm#52520), not only the schedule right before it.
 2. Windows: per scheduler, the `sched` rows between two progress events (a searchsorted of each row's position
    among the production positions, keyed by scheduler). Per window (one pandas groupby): steps (a coalesced
    `sched` row counts its `empty_run`), tokens scheduled, the distinct requests scheduled, the largest `waiting`
@@ -28,12 +31,12 @@ rows of the kinds involved, one sort each):
    how many of the preemptions' `blocks_free` rows were deferred (a fence). A scheduler with no `sched` row at all
    (a trace written without the kind) counts the distinct steps of its `req_sched` / `req_preempt` rows instead.
 3. `livelock` (warning): a window of at least `livelock_steps` steps (AnalysisConfig, default 4) with at least two
-   preemptions, no progress, at least half of its `req_sched` rows thrown away (the request's next event is a
-   `req_preempt`), and
+   preemptions, no progress, at least half of its `req_sched` rows thrown away (step 1), and
    requests waiting (`waiting` > 0 on some step, or, where the detail lacks it, the preempted victims).
    `extra`: steps, preemptions, deferred_frees, tokens_produced (0), tokens_scheduled, requests, queue (the
-   largest `waiting`, or the distinct victims), min_free_blocks, open_at_end. A `recorder_gap` / `recorder_off`
-   over the window lowers it to info (the production may have been dropped).
+   largest `waiting`, or the distinct victims), min_free_blocks, open_at_end. The finding names its victims:
+   `req` the most preempted (the first preempted among equals), the finding's `requests` the others. A
+   `recorder_gap` / `recorder_off` over the window lowers it to info (the production may have been dropped).
 A busy scheduler that produces slowly has short windows; preemption with recompute produces once the victim is
 back; a long prefill that preempts decoders to fit keeps its work; an idle scheduler or one waiting for remote KV
 has no preemptions: all are silent. Cost: nothing on a scheduler with fewer than two preemptions; else one pass
