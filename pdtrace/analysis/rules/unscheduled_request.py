@@ -259,7 +259,7 @@ def _row(cols: Columns, pos: np.ndarray | int) -> Any:
     return np.where(np.asarray(pos) >= 0, cols.order[np.maximum(pos, 0)], NO)
 
 
-def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int) -> str | None:
+def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int) -> int | None:
     """The oldest other request of the scheduler, added before this one, that waited unscheduled through the whole
     window (a, b) (b = -1: to the end of the trace): the head of the line."""
     mine = np.flatnonzero(st.sk == sk)
@@ -273,7 +273,7 @@ def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int)
     cand = mine[waiting]
     if len(cand) == 0:
         return None
-    return str(cols.rk_names["req"].iloc[int(cand[np.argmin(st.add_pos[cand])])])
+    return int(cand[np.argmin(st.add_pos[cand])])
 
 
 def _remote_side(ctx: AnalysisContext, cols: Columns, st: RequestState, rk: int) -> dict[str, Any]:
@@ -429,9 +429,11 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps, {n_room} of them with room for "
                    f"it (token budget left, >= {int(need[r])} free blocks), other requests running in {n_busy}; "
                    f"{tail}")
-            if blocker:
-                msg += f"; head of line: {blocker}, waiting since before it"
-                extra["head_of_line"] = blocker
+            if blocker is not None:
+                blocker_name = str(cols.rk_names["req"].iloc[blocker])
+                msg += f"; head of line: {blocker_name}, waiting since before it"
+                extra["head_of_line"] = blocker_name
+                evidence.append((int(_row(cols, st.add_pos[blocker])), "head of line: waiting since"))
             out.add("starved", sev, r, srow, end_pos[i], msg, evidence, extra)
             reported[r] = True
             continue
