@@ -320,7 +320,8 @@ def run(ctx: Any) -> pd.DataFrame:
         ev.refs(r for r, _ in cite)
         records.append({
             "rule": "no_progress", "subrule": "livelock", "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": names[0] if names else None, "requests": names[1:], "blocks": [], "step": first_step, "ts_ns": int(cols.ts[first_row]), "message": message,
+            "req": names[0] if names else None, "requests": names[1:], "blocks": [], "step": first_step,
+            "ts_ns": int(cols.ts[first_row]), "message": message,
             "evidence": [ev.ref(r, note) for r, note in cite], "context": "no_progress:livelock", "extra": extra,
         })
     return findings_frame(records)

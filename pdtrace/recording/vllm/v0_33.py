@@ -883,9 +883,10 @@ def _trim_detail(st: SchedulerState, request_id: Any, manager: Any, last: int, b
     """What a trim was computed on, for premature_free to tell whether a step still in flight reads the trimmed
     blocks (vllm#47282: trims on the optimistic token count under async scheduling): `window` (the group's sliding
     window in tokens, where it is one), `block_size` (the group's), `upto` (every trimmed block holds only tokens
-    below it: the end of the last trimmed block), `tokens` (the count vLLM trimmed on: `processed_computed_tokens` since vllm#47728, before that
-    the request's optimistic `num_computed_tokens`), `computed` (the request's `num_computed_tokens` at the trim,
-    tokens of the steps in flight included). Keys that cannot be read are left out."""
+    below it: the end of the last trimmed block), `tokens` (the count vLLM trimmed on: `processed_computed_tokens`
+    since vllm#47728, before that the request's optimistic `num_computed_tokens`), `computed` (the request's
+    `num_computed_tokens` at the trim, tokens of the steps in flight included). Keys that cannot be read are left
+    out. Trims are rare (at most one per block of a request's tokens), so the dict costs nothing measurable."""
     detail: dict[str, int] = {}
     window = getattr(manager, "sliding_window", None)
     if isinstance(window, int):
