@@ -886,7 +886,7 @@ def _trim_detail(st: SchedulerState, request_id: Any, manager: Any, last: int, b
     below it: the end of the last trimmed block), `tokens` (the count vLLM trimmed on: `processed_computed_tokens`
     since vllm#47728, before that the request's optimistic `num_computed_tokens`), `computed` (the request's
     `num_computed_tokens` at the trim, tokens of the steps in flight included). Keys that cannot be read are left
-    out. Trims are rare (at most one per block of a request's tokens), so the dict costs nothing measurable."""
+    out. Only a call that trimmed builds it (at most one per block of a request's tokens)."""
     detail: dict[str, int] = {}
     window = getattr(manager, "sliding_window", None)
     if isinstance(window, int):
