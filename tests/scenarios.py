@@ -462,6 +462,127 @@ def receive_again_after_preemption(free_during_second_wait: bool = False) -> Tra
     return b.trace()
 
 
+def second_wait_after_preemption(second_receive: bool = False, steps: int = 60) -> Trace:
+    """vllm#53250 (MoRIIO write mode): a D request receives its KV (P writes it once, reports the send done and
+    frees), decodes, is preempted under pressure, and on re-admission asks for the same one-shot transfer again:
+    its second req_wait_kv never closes while the engine keeps serving another request. `second_receive`: the
+    healthy look-alike, whose second receive completes (a connector that can read again)."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    p.add("r1", n=40, remote_decode=True)
+    p.step({"r1": 40}, alloc={"r1": [1, 2, 3]})
+    p.output()
+    p.finish("r1", reason="length", delay_free=True)
+    d.add("r1", n=40, remote_prefill=True, remote_instance="P", remote_req="r1", remote_blocks=3)
+    d.add("other", n=16)
+    d.step({"other": 16}, wait_kv={"r1": [7, 8, 9]}, alloc={"other": [20]})
+    d.output()
+    p.step({})
+    p.output()
+    p.send_done("r1")
+    d.step({"other": 1})
+    d.output()
+    d.recv_done("r1")
+    d.step({"r1": 1, "other": 1}, alloc={"r1": [10]})
+    d.output()
+    d.step({"other": 1}, preempt={"r1": [7, 8, 9, 10]})
+    d.output()
+    d.step({"other": 1}, wait_kv={"r1": [7, 8, 9]})
+    d.output()
+    for i in range(steps):
+        d.step({"other": 1})
+        d.output()
+        if second_receive and i == 3:
+            d.recv_done("r1")
+            d.step({"r1": 1, "other": 1}, alloc={"r1": [10]})
+            d.output()
+            d.finish("r1", reason="stop")
+    return b.trace()
+
+
+def not_deferred_trace(deferred: bool) -> Trace:
+    """An abort that frees at once (`deferred` false) on a scheduler that defers frees, a step of the request in
+    flight: premature_free/not_deferred; `deferred`: the fenced free vLLM makes."""
+    b = builder()
+    d = Engine(b, instance="D", role="decode", pp=2, defer_block_free=True)
+    d.add("a", n=32)
+    d.add("b", n=32)
+    d.step({"a": 32}, alloc={"a": [1, 2]})
+    d._current = None
+    d.finish("a", reason="abort", deferred=deferred)
+    d.step({"b": 32}, alloc={"b": [3]})
+    d.output()
+    d.output()
+    if deferred:
+        d.drain([1, 2])
+    d.finish("b", reason="length")
+    return b.trace()
+
+
+def sliding_window_async(optimistic: bool = False, facts: bool = True, decode_steps: int = 64,
+                         window: int = 32) -> Trace:
+    """A decode instance serving a model with sliding-window layers (the hybrid KV cache manager trims the blocks
+    that left the window, `blocks_free reason=skipped`) under async scheduling (one step in flight when the next is
+    scheduled) with deferred frees (defer_block_free, a KV consumer): `long` decodes from a 64-token prompt, its
+    trimmed blocks go back to the pool at once (vLLM never fences a trim), and each is handed to a request that
+    waits for remote KV (an asynchronous load) in the same schedule(), while `long`'s previous step is in flight.
+    vLLM 0.33 (after vllm#47728) trims on the processed count (num_computed_tokens less the tokens in flight): the
+    step in flight never reads a trimmed block. `optimistic`: vllm#47282, trimming on the optimistic count, so the
+    first trim comes one step early and takes blocks the step in flight still attends to, which the load then
+    overwrites. `facts`: the trim rows carry the detail the vLLM hooks record (window, block_size, upto, tokens,
+    computed); without it (a recorder that cannot read them) the rule cannot tell."""
+    b = builder()
+    e = Engine(b, instance="D", role="decode", num_blocks=64, defer_block_free=True, config=False)
+    e.ev("engine_config", n=64, detail={
+        "block_size": 16, "pp": 1, "tp": 1, "dp": 1, "batch_queue_size": 1, "async_scheduling": True,
+        "defer_block_free": True, "kv_role": "kv_consumer", "connector": "NixlConnector", "runner": "v1",
+        "max_num_seqs": 64, "max_num_batched_tokens": 2048})
+    prompt = 64
+    e.add("long", n=prompt)
+    table = [1, 2, 3, 4]
+    free_ids = list(range(40, 64))
+    e.step({"long": prompt}, alloc={"long": list(table)})
+    computed, in_flight = prompt, [prompt]  # optimistic count; tokens of the steps in flight, oldest first
+    trimmed = 0  # table entries trimmed so far
+    loads = 0
+    for _ in range(decode_steps):
+        k = e.next_step
+        basis = computed if optimistic else computed - sum(in_flight)
+        skipped = max(0, basis - window + 1) // 16
+        give_up = [blk for blk in table[trimmed:skipped]]
+        wait_kv = None
+        if give_up:
+            detail = {"window": window, "block_size": 16, "upto": skipped * 16, "tokens": basis,
+                      "computed": computed} if facts else None
+            e.ev("blocks_free", step=k, req="long", blocks=give_up, reason="skipped", deferred=False, detail=detail)
+            e.ev("blocks_pool_free", step=k, req="long", blocks=give_up)
+            e.held["long"] = [blk for blk in e.held["long"] if blk not in give_up]
+            trimmed = skipped
+            loads += 1
+            name = f"load{loads}"
+            e.add(name, n=16 * len(give_up), remote_prefill=True, remote_instance="P", remote_req=name,
+                  remote_blocks=len(give_up))
+            wait_kv = {name: give_up}
+        alloc = None
+        if computed % 16 == 0:
+            table.append(free_ids.pop(0))
+            alloc = {"long": [table[-1]]}
+        e.step({"long": 1}, alloc=alloc, wait_kv=wait_kv)
+        computed += 1
+        in_flight.append(1)
+        e.output()  # the previous step's output comes after the next step was scheduled
+        in_flight.pop(0)
+        if wait_kv:
+            name = next(iter(wait_kv))
+            e.recv_done(name)
+            e.finish(name, reason="abort", status="WAITING_FOR_REMOTE_KVS", free=False)
+            e.free(name, reason="aborted")
+    e.run_out()
+    e.finish("long", reason="length")
+    return b.trace()
+
+
 HEALTHY: dict[str, Callable[[], Trace]] = {
     "prefill": healthy_prefill,
     "decode": healthy_decode,
@@ -476,6 +597,8 @@ HEALTHY: dict[str, Callable[[], Trace]] = {
     "abort_deferred_load": abort_deferred_load,
     "id_reuse": id_reuse,
     "receive_again_after_preemption": receive_again_after_preemption,
+    "second_receive_completes": lambda: second_wait_after_preemption(second_receive=True),
+    "sliding_window_async": sliding_window_async,
 }
 
 
@@ -701,4 +824,6 @@ FAULTY: dict[str, Callable[[], Trace]] = {
     "failed_load_freed_before_receive": lambda: failed_load(freed_at_failure=True),
     "abort_started_load": abort_started_load,
     "freed_during_second_receive": lambda: receive_again_after_preemption(free_during_second_wait=True),
+    "second_wait_stuck": second_wait_after_preemption,
+    "sliding_window_optimistic_trim": lambda: sliding_window_async(optimistic=True),
 }

@@ -260,6 +260,28 @@ def recompute_thrash(cycles: int = 16) -> Trace:
     return b.trace()
 
 
+def never_fits_self_preemption(cycles: int = 6, chunks: int = 4) -> Trace:
+    """A request that can never fit (vllm#52520: Mamba align mode, where the startup check accepts a pool one block
+    short of one request): its 160-token prompt prefills in chunks of 32 tokens (two blocks each) into a pool of
+    nine blocks; the fifth chunk cannot be allocated, so the scheduler preempts the request itself (the last
+    running), frees its eight blocks, re-admits it the next step and restarts from token 0, forever, while two
+    requests wait behind it. Each cycle throws away `chunks` schedules; no token ever comes out."""
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=9)
+    e.add("long", n=32 * (chunks + 1))
+    e.add("w1", n=16)
+    e.add("w2", n=16)
+    for _ in range(cycles):
+        for c in range(chunks):
+            k = e.step({"long": 32}, alloc={"long": [1 + 2 * c, 2 + 2 * c]})
+            set_queue(e, k, waiting=2, free_blocks=9 - 2 * (c + 1))
+            e.output()
+        k = e.step({}, preempt={"long": list(e.held["long"])})
+        set_queue(e, k, waiting=3, free_blocks=9)
+        e.output()
+    return b.trace()
+
+
 # -- negative controls of the livelocks --------------------------------------------------------------------------
 def slow_progress_under_preemption(steps: int = 24) -> Trace:
     """A busy scheduler that keeps preempting (every fourth step a victim goes, and comes back) while one decoder
@@ -291,6 +313,37 @@ def slow_progress_under_preemption(steps: int = 24) -> Trace:
         e.step({"v": 17}, alloc={"v": [2, 3]})
         e.output()
     e.finish("v", reason="length")
+    return b.trace()
+
+
+def preempt_and_resume_under_pressure(rounds: int = 3, chunks: int = 4) -> Trace:
+    """A healthy engine under memory pressure: a long prompt prefills in chunks while a decoder produces a token
+    every step; twice per round the long request is preempted mid-prefill to make room for the decoder's growth
+    and resumes (recomputing from 0) once the decoder's blocks are back, until it completes its prefill and
+    produces. Preemptions discard every chunk since the last restart, but tokens keep coming: load, not a
+    livelock (the healthy look-alike of vllm#52520)."""
+    b = builder()
+    e = Engine(b, instance="E", role="both", num_blocks=16)
+    e.add("d", n=16)
+    e.add("long", n=32 * chunks)
+    e.step({"d": 16}, alloc={"d": [1]})
+    e.output()
+    for r in range(rounds):
+        for c in range(chunks - 1):
+            k = e.step({"d": 1, "long": 32}, alloc={"long": [2 + 2 * c, 3 + 2 * c]})
+            set_queue(e, k, waiting=0, free_blocks=8)
+            e.output()
+        k = e.step({"d": 1}, preempt={"long": list(e.held["long"])})
+        set_queue(e, k, waiting=1, free_blocks=14)
+        e.output()
+    for c in range(chunks):
+        k = e.step({"d": 1, "long": 32}, alloc={"long": [2 + 2 * c, 3 + 2 * c]})
+        set_queue(e, k, waiting=0, free_blocks=6)
+        e.output()
+    e.step({"d": 1, "long": 1})
+    e.output()
+    e.finish("d", reason="length")
+    e.finish("long", reason="length")
     return b.trace()
 
 
@@ -328,6 +381,7 @@ RACES: dict[str, Callable[[], Trace]] = {
 LIVELOCKS: dict[str, Callable[[], Trace]] = {
     "deferred_free_cascade": deferred_free_cascade,
     "recompute_thrash": recompute_thrash,
+    "never_fits_self_preemption": never_fits_self_preemption,
 }
 CONTROLS: dict[str, Callable[[], Trace]] = {
     "store_done_before_preemption": store_done_before_preemption,
@@ -336,6 +390,7 @@ CONTROLS: dict[str, Callable[[], Trace]] = {
     "in_flight_plain_compute": in_flight_plain_compute,
     "slow_progress_under_preemption": slow_progress_under_preemption,
     "long_prefill_preempts_decoders": long_prefill_preempts_decoders,
+    "preempt_and_resume_under_pressure": preempt_and_resume_under_pressure,
 }
 
 #: The tracker threads each scenario follows, and the finding it must give (rule, subrule, severity).
@@ -345,6 +400,7 @@ EXPECTED: dict[str, tuple[str, str, str]] = {
     "preempted_under_step_in_flight": ("preemption_race", "step_in_flight", "warning"),
     "deferred_free_cascade": ("no_progress", "livelock", "warning"),
     "recompute_thrash": ("no_progress", "livelock", "warning"),
+    "never_fits_self_preemption": ("no_progress", "livelock", "warning"),
 }
 
 

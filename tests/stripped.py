@@ -9,7 +9,9 @@ hand-made trace, a recording that started late or lost a part file) would have w
   `remote_prefill` (the connector's decision follows from that and the finish);
 - `remote_read`: the rows of that kind;
 - `worker`: every worker / connector row (`exec_begin`, `exec_end`, `kv_send_rank`, `kv_recv_rank`, `batch_add`,
-  `batch_remove`, `remote_read`).
+  `batch_remove`, `remote_read`);
+- `trim`: the detail of sliding-window trims (`blocks_free` reason `skipped`: window, block_size, upto, tokens,
+  computed), which recorders before pdtrace 0.1's trim facts did not write.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.compute as pc
 
-PARTS = ("status", "expected_ranks", "engine_config", "delay_free", "remote_read", "worker")
+PARTS = ("status", "expected_ranks", "engine_config", "delay_free", "remote_read", "worker", "trim")
 WORKER_KINDS = ("exec_begin", "exec_end", "kv_send_rank", "kv_recv_rank", "batch_add", "batch_remove",
                 "remote_read")
 COMPLETIONS = ("kv_send_done", "kv_recv_done")
@@ -72,6 +74,11 @@ def strip(table: pa.Table, parts: Iterable[str] = PARTS) -> pa.Table:
                     d = json.dumps(obj) if obj else None
             out.append(d)
         table = _replace(table, "detail", out)
+    if "trim" in parts:
+        details = _text(table, "detail")
+        reasons = _text(table, "reason")
+        table = _replace(table, "detail", [None if k == "blocks_free" and r == "skipped" else d
+                                           for k, r, d in zip(kinds, reasons, details)])
     if "delay_free" in parts:
         details = _text(table, "detail")
         inst, dp, req = _text(table, "instance"), table.column("dp_rank").to_pylist(), _text(table, "req")

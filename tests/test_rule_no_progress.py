@@ -15,8 +15,9 @@ from pdtrace.analysis.registry import load_rules
 from pdtrace.analysis.rules.no_progress import RULE, run
 from pdtrace.trace.model import Trace
 from scenarios import random_healthy
-from scenarios_preemption import (EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, quiet_scenarios,
-                                  recompute_thrash, retable, set_queue, without)
+from scenarios_preemption import (EXPECTED, LIVELOCKS, RACES, deferred_free_cascade, never_fits_self_preemption,
+                                  preempt_and_resume_under_pressure, quiet_scenarios, recompute_thrash, retable,
+                                  set_queue, slow_progress_under_preemption, without)
 
 
 def findings(trace, **config):
@@ -160,9 +161,40 @@ def test_a_trace_without_sched_rows_counts_the_steps_of_its_request_rows(name):
     f = findings(without(LIVELOCKS[name](), ("sched",)))
     assert list(f["subrule"]) == ["livelock"]
     extra = f.iloc[0]["extra"]
-    assert extra["steps"] >= 15 and extra["queue"] >= 2 and extra["min_free_blocks"] is None
+    victims = {f.iloc[0]["req"], *f.iloc[0]["requests"]}  # without the waiting detail the victims are the queue
+    assert extra["steps"] >= 15 and extra["queue"] == len(victims) >= 1 and extra["min_free_blocks"] is None
 
 
 @pytest.mark.parametrize("name", sorted(quiet_scenarios()))
 def test_controls_without_sched_rows_stay_silent(name):
     assert len(findings(without(quiet_scenarios()[name](), ("sched",)))) == 0
+
+
+def test_a_request_that_never_fits_loses_every_chunk_it_prefilled():
+    """vllm#52520: four chunks per cycle, then the request preempts itself and restarts from token 0. Counting only
+    the schedule right before each preemption (one of four) stayed under the threshold; every schedule since the
+    request's admission is thrown away."""
+    f = findings(never_fits_self_preemption(cycles=6))
+    assert list(zip(f["subrule"], f["severity"])) == [("livelock", "warning")]
+    extra = f.iloc[0]["extra"]
+    assert (extra["schedules"], extra["schedules_thrown_away"], extra["preemptions"]) == (24, 24, 6)
+    assert f.iloc[0]["req"] == "long" and list(f.iloc[0]["requests"]) == []
+    assert "of 1 request (long)" in f.iloc[0]["message"]
+
+
+def test_work_kept_by_a_token_is_not_thrown_away():
+    """The healthy look-alike: a long prefill preempted mid-way (its chunks lost) and resumed while a decoder
+    produces every step, and a request that produced tokens before its preemption: nothing reported."""
+    assert len(findings(preempt_and_resume_under_pressure())) == 0
+    assert len(findings(slow_progress_under_preemption())) == 0
+
+
+def test_a_livelock_names_its_requests():
+    """Every request the finding's evidence lies in is named: the most preempted in `req`, the others in
+    `requests`, in the message too (a user can `pdtrace show --req` each)."""
+    f = findings(deferred_free_cascade(cycles=20))
+    row = f.iloc[0]
+    assert row["req"] == "a" and list(row["requests"]) == ["b", "c"]
+    assert "3 requests (a, b, c)" in row["message"]
+    thrash = findings(recompute_thrash()).iloc[0]
+    assert {thrash["req"], *thrash["requests"]} == {"a", "b"}

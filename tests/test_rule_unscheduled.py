@@ -193,6 +193,31 @@ def test_received_kv_is_not_stuck():
     assert list(late["severity"]) == ["warning"]
 
 
+def test_a_second_wait_never_closed_is_stuck():
+    """vllm#53250 (MoRIIO write mode): received, preempted, re-admitted, and waiting for the one-shot transfer a
+    second time while the engine keeps serving another request; the first (completed) wait is not reported."""
+    from scenarios import second_wait_after_preemption
+
+    f = findings(second_wait_after_preemption())
+    stuck = by_sub(f, "stuck_waiting_kv")
+    assert list(stuck["req"]) == ["r1"] and stuck.iloc[0]["severity"] == "error"  # P reported its send done
+    row = stuck.iloc[0]
+    assert row["extra"]["receive"] == 2 and row["extra"]["remote_sent"] is True
+    assert "receive #2" in row["message"]
+    notes = [ev.get("note") for ev in row["evidence"]]
+    assert "waiting for remote KV again" in notes and "its first receive" in notes
+    assert row["step"] == 4  # the second req_wait_kv, not the first (step 0)
+    assert len(f) == 1
+
+
+def test_a_second_wait_that_completes_and_a_first_wait_are_not_stuck():
+    from scenarios import second_wait_after_preemption
+
+    assert len(findings(second_wait_after_preemption(second_receive=True))) == 0
+    assert len(findings(HEALTHY["receive_again_after_preemption"]())) == 0
+    assert len(findings(waiting_kv(recv=True))) == 0  # one wait, completed normally
+
+
 def test_short_wait_at_end_is_not_reported():
     assert len(findings(waiting_kv(recv=False, steps=10))) == 0
 

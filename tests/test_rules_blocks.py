@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scenarios
-from scenarios import Engine, builder
+from scenarios import Engine, builder, not_deferred_trace
 from pdtrace.analysis import analyze
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
@@ -368,28 +368,11 @@ def test_blocks_handed_to_async_load_before_step_output_is_premature():
     assert len(found(async_reuse(output_first=True))) == 0
 
 
-def not_deferred(deferred: bool) -> Trace:
-    b = builder()
-    d = Engine(b, instance="D", role="decode", pp=2, defer_block_free=True)
-    d.add("a", n=32)
-    d.add("b", n=32)
-    d.step({"a": 32}, alloc={"a": [1, 2]})
-    d._current = None
-    d.finish("a", reason="abort", deferred=deferred)
-    d.step({"b": 32}, alloc={"b": [3]})
-    d.output()
-    d.output()
-    if deferred:
-        d.drain([1, 2])
-    d.finish("b", reason="length")
-    return b.trace()
-
-
 def test_immediate_free_under_defer_block_free_with_step_in_flight():
-    df = found(not_deferred(deferred=False))
+    df = found(not_deferred_trace(deferred=False))
     assert subrules(df) == {("premature_free", "not_deferred")}
     assert "step in flight at the free" in [e.get("note") for e in df.iloc[0]["evidence"]]
-    assert len(found(not_deferred(deferred=True))) == 0
+    assert len(found(not_deferred_trace(deferred=True))) == 0
 
 
 def quorum(ranks: list[int]) -> Trace:

@@ -34,6 +34,10 @@ EXCEPTIONS: dict[tuple[str, str, str | None], str] = {
     ("worker", "unscheduled_request", "dropped_from_batch"): "batch_add / batch_remove are worker rows",
     ("worker", "use_after_free", "remote_read"): "remote_read is a connector row",
     ("remote_read", "use_after_free", "remote_read"): "the peer's read is the finding's only evidence",
+    ("trim", "premature_free", "async_load_reuse"):
+        "a sliding-window trim handed to an asynchronous load under a step in flight: only the trim's window and "
+        "token counts say whether that step still reads the blocks; without them the rule reports a warning that "
+        "says so (`downgraded` = no_trim_window) on healthy trims too",
     ("status", "double_free", "unknown_id"):
         "a completion for an id the trace never saw: only its status said the scheduler knows it; without one the "
         "rule reports a warning that says so (`downgraded` = no_status)",

@@ -32,7 +32,8 @@ import pyarrow.compute as pc
 
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
-from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
+from pdtrace.analysis.findings import (FINDING_COLUMNS, OPTIONAL_FINDING_COLUMNS, SEVERITY_ORDER, empty_findings,
+                                       named_requests)
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
@@ -153,10 +154,13 @@ def checked_findings(frame: pd.DataFrame, rule: Rule) -> pd.DataFrame:
     """A rule's findings with exactly the finding columns (none: an empty frame); missing columns: UsageError."""
     if frame is None or len(frame) == 0:
         return empty_findings()
-    missing = [c for c in FINDING_COLUMNS if c not in frame.columns]
+    missing = [c for c in FINDING_COLUMNS if c not in frame.columns and c not in OPTIONAL_FINDING_COLUMNS]
     if missing:
         raise UsageError(f"rule {rule.id!r} returned findings without the columns {missing}")
-    return frame[list(FINDING_COLUMNS)]
+    absent = [c for c in OPTIONAL_FINDING_COLUMNS if c not in frame.columns]
+    if absent:
+        frame = frame.assign(**{c: pd.Series([None] * len(frame), index=frame.index, dtype=object) for c in absent})
+    return named_requests(frame[list(FINDING_COLUMNS)])
 
 
 def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,

@@ -11,10 +11,16 @@ import pandas as pd
 #: (plus optional instance, pid, pp_rank, tp_rank, blocks, note). `context` groups findings the way memcheck's
 #: "N errors from M contexts" does (same rule, subrule and code path). `extra` is a dict of rule-specific values
 #: (e.g. a leak's class, a bubble's duration).
+#: `req` names the finding's main request; `requests` (added in pdtrace 0.1, after `extra`) the other requests its
+#: evidence lies in (a list of ids of the same instance, empty when none), so that each can be looked up with
+#: `pdtrace show --req`. A rule may set `requests` itself (to name a request its evidence does not cite); where it
+#: leaves it out, `named_requests` derives it from the evidence.
 FINDING_COLUMNS: tuple[str, ...] = (
     "rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
-    "evidence", "context", "extra",
+    "evidence", "context", "extra", "requests",
 )
+#: Columns a rule (a plugin written before they existed) may leave out: filled with None.
+OPTIONAL_FINDING_COLUMNS: tuple[str, ...] = ("requests",)
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
 
@@ -30,3 +36,27 @@ def findings_frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
         return empty_findings()
     # object columns: a column of ints with a None would become float64 (ts_ns 1.7e18 loses its last digits)
     return pd.DataFrame({c: pd.Series([row[c] for row in rows], dtype=object) for c in FINDING_COLUMNS})
+
+
+def named_requests(frame: pd.DataFrame) -> pd.DataFrame:
+    """`requests` filled where the rule left it None: the distinct requests of the finding's evidence on the
+    finding's instance (evidence rows without an instance count as its own), in evidence order, less `req`. One
+    pass over the findings (few rows), no trace access."""
+    if len(frame) == 0 or "requests" not in frame.columns or frame["requests"].notna().all():
+        return frame
+    filled = []
+    for req, instance, evidence, given in zip(frame["req"], frame["instance"], frame["evidence"], frame["requests"]):
+        if isinstance(given, (list, tuple)):
+            filled.append(list(given))
+            continue
+        names: list[str] = []
+        for ev in evidence if isinstance(evidence, (list, tuple)) else []:
+            other = ev.get("req") if isinstance(ev, dict) else None
+            if other is None or str(other) == str(req) or str(other) in names:
+                continue
+            if ev.get("instance", instance) == instance:
+                names.append(str(other))
+        filled.append(names)
+    frame = frame.copy()
+    frame["requests"] = pd.Series(filled, index=frame.index, dtype=object)
+    return frame

@@ -1,7 +1,8 @@
 """`pdtrace analyze --format json`: the findings document of docs/trace-format.md ("Findings").
 
     {"pdtrace": "<version>", "trace": "<path>", "summary": {...}, "findings": [{rule, subrule, severity, instance,
-     dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}], context, extra}]}
+     dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}], context, extra,
+     requests}]}
 
 `summary` is `pdtrace.analysis.summarize_findings`. Only renders: numpy and pandas scalars become JSON numbers,
 missing values null.
@@ -46,6 +47,7 @@ def findings_document(findings: pd.DataFrame, summary: dict[str, Any], trace: st
         item["blocks"] = item["blocks"] or []
         item["evidence"] = item["evidence"] or []
         item["extra"] = item["extra"] or {}
+        item["requests"] = item["requests"] or []
         records.append(item)
     return {"pdtrace": __version__, "trace": trace, "summary": _plain(summary), "findings": records}
 

@@ -84,6 +84,9 @@ def _finding(console: Console, rec: dict[str, Any], start_ns: int | None, count:
     head.append(f" {rec.get('rule')}/{rec.get('subrule')}  [{_where(rec)}]", style="bold")
     if rec.get("req") is not None:
         head.append(f"  req {rec['req']}")
+    others = _others(rec)
+    if others:
+        head.append(f"  (and {others})")
     if rec.get("step") is not None and str(rec.get("step")) not in ("nan", "<NA>"):
         head.append(f"  step {rec['step']}")
     head.append(f"  at {_rel(rec.get('ts_ns'), start_ns)}")
@@ -98,10 +101,22 @@ def _finding(console: Console, rec: dict[str, Any], start_ns: int | None, count:
         console.print(Text(f"{PREFIX}     {label:>{width}}: " + _event_line(ev, start_ns)), soft_wrap=True)
 
 
+def _others(rec: dict[str, Any], limit: int = 8) -> str:
+    """The finding's other requests (`requests`), listed after its main one."""
+    names = [str(r) for r in (rec.get("requests") if isinstance(rec.get("requests"), (list, tuple)) else [])]
+    if not names:
+        return ""
+    shown = ", ".join(names[:limit]) + (f", ... +{len(names) - limit}" if len(names) > limit else "")
+    return f"req {shown}" if len(names) == 1 else f"reqs {shown}"
+
+
 def _one_line(rec: dict[str, Any], start_ns: int | None) -> str:
     bits = [f"{_rel(rec.get('ts_ns'), start_ns)}", _where(rec)]
     if rec.get("req") is not None:
         bits.append(f"req {rec['req']}")
+    others = _others(rec, 3)
+    if others:
+        bits.append(f"(and {others})")
     extra = rec.get("extra") or {}
     if isinstance(extra, dict) and extra.get("pp_rank") is not None:
         bits.append(f"pp{extra['pp_rank']}")

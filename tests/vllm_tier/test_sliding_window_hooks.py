@@ -56,6 +56,10 @@ def test_blocks_out_of_the_window_are_recorded_as_skipped(recording, model_dir):
     alloc = [b for e in H.of_kind(events, "blocks_alloc", req="r1") for b in e["blocks"]]
     skipped = [e for e in H.of_kind(events, "blocks_free", req="r1") if e["reason"] == "skipped"]
     assert len(skipped) == 1 and skipped[0]["step"] == 1 and len(skipped[0]["blocks"]) == OUT_OF_WINDOW
+    # what the trim was computed on (issue 22: premature_free judges a trim under a step in flight from it)
+    assert skipped[0]["detail"] == {"window": WINDOW, "block_size": H.BLOCK_SIZE,
+                                                "upto": OUT_OF_WINDOW * H.BLOCK_SIZE, "tokens": PROMPT,
+                                                "computed": PROMPT}
     assert skipped[0]["blocks"] == alloc[:OUT_OF_WINDOW]  # the oldest blocks, in table order
     pool = H.of_kind(events, "blocks_pool_free", req="r1")
     assert sorted(pool[0]["blocks"]) == sorted(skipped[0]["blocks"])
@@ -157,4 +161,38 @@ def test_connector_finished_on_a_running_request_is_no_finish(recording, model_d
     assert [e["reason"] for e in frees] == ["skipped", "finished"]
     assert events.index(frees[0]) < events.index(finishes[0])
     assert frees[0]["step"] is None  # between steps, as the test calls it
+    assert len(pdtrace.analyze(recording)) == 0
+
+
+@pytest.mark.skipif(H.release_key() < (0, 33), reason="trimming on the processed count (vllm#47728) is in 0.33")
+def test_a_trim_under_a_step_in_flight_records_the_tokens_in_flight(recording, model_dir):
+    """Async scheduling (vLLM's AsyncScheduler): step 2 is scheduled while step 1 is in flight; vLLM trims on the
+    processed count (num_computed_tokens less the tokens in flight), and the trim's detail says both, so that
+    premature_free can tell it from vllm#47282's optimistic trim: nothing is reported."""
+    import pdtrace
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = H.make_vllm_config(model_dir, kv_role=None, max_num_batched_tokens=128, enable_prefix_caching=False)
+    plain = H.make_scheduler(config, kv_spec=H.sliding_window_spec(WINDOW))
+    s = AsyncScheduler(vllm_config=config, kv_cache_config=plain.kv_cache_config, log_stats=True,
+                       structured_output_manager=plain.structured_output_manager,
+                       block_size=config.cache_config.block_size)
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("r1", PROMPT, max_tokens=4))
+    so0 = s.schedule()                                 # step 0: the prompt
+    so1 = s.schedule()                                 # step 1: the first decode, step 0 in flight: no trim
+    s.update_from_output(so0, faker.output(so0))
+    so2 = s.schedule()                                 # step 2: step 1 in flight; trims on 101 - 1 = 100
+    for so in (so1, so2):
+        s.update_from_output(so, faker.output(so))
+    while s.requests:
+        so = s.schedule()
+        s.update_from_output(so, faker.output(so))
+
+    events = H.close_and_read(recording)
+    skipped = [e for e in H.of_kind(events, "blocks_free", req="r1") if e["reason"] == "skipped"]
+    assert skipped and skipped[0]["step"] == 2
+    detail = skipped[0]["detail"]
+    assert (detail["tokens"], detail["computed"], detail["upto"]) == (PROMPT, PROMPT + 1,
+                                                                       OUT_OF_WINDOW * H.BLOCK_SIZE)
     assert len(pdtrace.analyze(recording)) == 0

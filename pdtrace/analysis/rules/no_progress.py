@@ -20,7 +20,10 @@ rows of the kinds involved, one sort each):
    the token is placed) and not thrown away: the request's next event is not a `req_preempt` before that output.
    Without step_output rows for the scheduler the token is placed at the `req_sched`, thrown away by a preemption
    fewer steps later than the steps that can be in flight (engine_config `batch_queue_size` / `async_scheduling`,
-   else 1). A `req_finish` with reason stop, length or repetition is a token too.
+   else 1). A `req_finish` with reason stop, length or repetition is a token too. Thrown away (`_discarded`):
+   every `req_sched` of a segment (from the admission or a preemption to the next restart) that ends in a
+   `req_preempt`, after the segment's last token: vLLM resets `num_computed_tokens`, so a preemption loses every
+   chunk computed since (vllm#52520), not only the schedule right before it.
 2. Windows: per scheduler, the `sched` rows between two progress events (a searchsorted of each row's position
    among the production positions, keyed by scheduler). Per window (one pandas groupby): steps (a coalesced
    `sched` row counts its `empty_run`), tokens scheduled, the distinct requests scheduled, the largest `waiting`
@@ -28,12 +31,12 @@ rows of the kinds involved, one sort each):
    how many of the preemptions' `blocks_free` rows were deferred (a fence). A scheduler with no `sched` row at all
    (a trace written without the kind) counts the distinct steps of its `req_sched` / `req_preempt` rows instead.
 3. `livelock` (warning): a window of at least `livelock_steps` steps (AnalysisConfig, default 4) with at least two
-   preemptions, no progress, at least half of its `req_sched` rows thrown away (the request's next event is a
-   `req_preempt`), and
+   preemptions, no progress, at least half of its `req_sched` rows thrown away (step 1), and
    requests waiting (`waiting` > 0 on some step, or, where the detail lacks it, the preempted victims).
    `extra`: steps, preemptions, deferred_frees, tokens_produced (0), tokens_scheduled, requests, queue (the
-   largest `waiting`, or the distinct victims), min_free_blocks, open_at_end. A `recorder_gap` / `recorder_off`
-   over the window lowers it to info (the production may have been dropped).
+   largest `waiting`, or the distinct victims), min_free_blocks, open_at_end. The finding names its victims:
+   `req` the most preempted (the first preempted among equals), the finding's `requests` the others. A
+   `recorder_gap` / `recorder_off` over the window lowers it to info (the production may have been dropped).
 A busy scheduler that produces slowly has short windows; preemption with recompute produces once the victim is
 back; a long prefill that preempts decoders to fit keeps its work; an idle scheduler or one waiting for remote KV
 has no preemptions: all are silent. Cost: nothing on a scheduler with fewer than two preemptions; else one pass
@@ -159,7 +162,31 @@ def _build(ctx: Any) -> Produced:
     # the token exists once the step's output is processed
     placed = np.where(produced[keep] & has_out[keep], out_pos[keep], pos[keep])
     return Produced(np.concatenate([kept, rows[keep]]), np.concatenate([kept_sk, sk[keep]]).astype(np.int64),
-                    np.concatenate([kept_pos, placed]).astype(np.int64), rows[is_sched & next_preempt], busy)
+                    np.concatenate([kept_pos, placed]).astype(np.int64),
+                    rows[_discarded(rk, kind, is_sched, produced | finish, restart, cols)], busy)
+
+
+def _discarded(rk: np.ndarray, kind: np.ndarray, is_sched: np.ndarray, progress: np.ndarray, restart: np.ndarray,
+               cols: Any) -> np.ndarray:
+    """Over one request's rows in (request, time) order, segmented at each restart (`req_add`, `req_preempt`):
+    the `req_sched` rows whose work a preemption threw away, every schedule since the request's last token in the
+    segment (or the segment's start) when the segment ends with a `req_preempt` of the same request. vLLM resets
+    `num_computed_tokens` at a preemption, so all the chunks a prefill computed since its admission are lost, not
+    only the last (vllm#52520: four chunks per cycle, forever)."""
+    n = len(rk)
+    if n == 0:
+        return np.zeros(0, bool)
+    segment = np.cumsum(restart) - 1
+    start = np.flatnonzero(restart)
+    nxt = np.r_[start[1:], n]  # the row after each segment: the restart that ends it
+    ends_in_preempt = np.zeros(len(start), bool)
+    inside = nxt < n
+    ends_in_preempt[inside] = (kind[nxt[inside]] == cols.code_of("kind", "req_preempt")) & \
+        (rk[nxt[inside]] == rk[start[inside]])
+    # the index of the segment's last progress row (its last token), -1 where none
+    idx = np.where(progress, np.arange(n), -1)
+    last_progress = np.maximum.reduceat(idx, start)
+    return is_sched & ~progress & ends_in_preempt[segment] & (np.arange(n) > last_progress[segment])
 
 
 @shared_table(request_state, step_index, cost=0.1)
@@ -189,6 +216,14 @@ def _steps_without_sched(ctx: Any, busy: np.ndarray, window: Any) -> pd.DataFram
     return pd.DataFrame({"win": window(first), "sk": per["sk"].to_numpy(), "row": first, "pos": per["pos"].to_numpy(),
                          "weight": 1.0, "tokens": per["tokens"].to_numpy().astype(float), "waiting": np.nan,
                          "free": np.nan})
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def run(ctx: Any) -> pd.DataFrame:
@@ -257,7 +292,7 @@ def run(ctx: Any) -> pd.DataFrame:
         first_step, last_step = int(cols.step[first_row]), int(cols.step[last_row])
         severity = "warning"
         message = (f"scheduler {instance} ran {int(w['steps'])} steps ({first_step}..{last_step}) with "
-                   f"{int(w['preemptions'])} preemptions of {int(w['victims'])} requests"
+                   f"{int(w['preemptions'])} preemptions of {_count(int(w['victims']), 'request')}"
                    + (f" ({len(my_deferred)} of their frees deferred behind a step fence)" if len(my_deferred) else "")
                    + f" and produced no token while {queue} requests waited: a livelock ({int(w['wasted'])} of its "
                    f"{int(w['scheduled'])} schedules were thrown away by a later preemption)"
@@ -272,13 +307,21 @@ def run(ctx: Any) -> pd.DataFrame:
             severity = DOWNGRADE[severity]
             message += f" ({covered} on {instance} over this window: the tokens produced may have been dropped)"
             extra["downgraded"] = covered
+        # the requests it names: the victims, most preempted first (then by first preemption); `req` is the first
+        victims = pd.Series(cols.rk[my_preempts]).value_counts(sort=False)
+        first_at = pd.Series(np.arange(len(my_preempts)), index=cols.rk[my_preempts]).groupby(level=0).min()
+        named = sorted(victims.index.tolist(), key=lambda r: (-int(victims[r]), int(first_at[r])))
+        names = [str(cols.rk_names["req"].iloc[int(r)]) for r in named]
+        victims_text = f"of {_count(int(w['victims']), 'request')}"
+        message = message.replace(victims_text, f"{victims_text} ({_listed(names)})", 1)
         cite = [(first_row, "first step without progress")] + [(int(r), "preempted") for r in my_preempts[:6]]
         cite += [(int(r), "free deferred: the pool did not grow") for r in my_deferred[:2]]
         cite.append((last_row, "last step without progress"))
         ev.refs(r for r, _ in cite)
         records.append({
             "rule": "no_progress", "subrule": "livelock", "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": None, "blocks": [], "step": first_step, "ts_ns": int(cols.ts[first_row]), "message": message,
+            "req": names[0] if names else None, "requests": names[1:], "blocks": [], "step": first_step,
+            "ts_ns": int(cols.ts[first_row]), "message": message,
             "evidence": [ev.ref(r, note) for r, note in cite], "context": "no_progress:livelock", "extra": extra,
         })
     return findings_frame(records)

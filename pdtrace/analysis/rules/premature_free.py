@@ -18,9 +18,12 @@ Algorithm (all over arrays of `blocks_free` rows and ownership intervals; positi
   for any request of the scheduler): the blocks are freed while some rank still transfers.
 - `async_load_reuse`: a freed block handed (a later `req_wait_kv` allocation) to a request whose KV arrives
   asynchronously before the step_output of the freeing request's last step: the remote write races that step.
-  Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported.
+  Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported. A sliding-window
+  trim (reason `skipped`) races only when that step still reads the trimmed block (`_trims_still_read`, from the
+  trim's detail; vllm#47282); a trim without that detail is reported as a warning (`downgraded` no_trim_window).
 - `not_deferred`: an immediate free (deferred=false) on a scheduler whose engine_config says `defer_block_free`
-  while the request's last scheduled step is still in flight (no step_output yet).
+  while the request's last scheduled step is still in flight (no step_output yet). Never a trim: vLLM does not
+  fence them, by design.
 One finding per free row and subrule (the first of unfinished, send_open, recv_open, not_deferred), blocks grouped.
 """
 
@@ -129,7 +132,10 @@ def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
     rows = fr["rows"]
     sk = cols.sk[rows]
     value, valid = cols.bools_at("deferred", rows)
-    cand = np.flatnonzero(defer[sk] & valid & ~value)
+    # a sliding-window trim (reason `skipped`) is never fenced, by design (remove_skipped_blocks returns the blocks
+    # at once): only a trim the step in flight still reads is premature, which `async_load_reuse` judges
+    trim = cols.codes("reason")[0][rows] == cols.code_of("reason", "skipped")
+    cand = np.flatnonzero(defer[sk] & valid & ~value & ~trim)
     if len(cand) == 0:
         return out
     si = step_index(ctx)
@@ -300,6 +306,11 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
         return []
     sched_hit = sched_row[flying][racing]
     wait_hit = wait_row[racing]
+    still_read, no_facts = _trims_still_read(ctx, hit)
+    keep = still_read | no_facts
+    hit, sched_hit, wait_hit, no_facts = hit[keep], sched_hit[keep], wait_hit[keep], no_facts[keep]
+    if len(hit) == 0:
+        return []
     records = []
     # one finding per (free row, wait_kv row)
     key = own.free_row[hit].astype(np.int64) * (cols.n + 1) + wait_hit
@@ -322,16 +333,76 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
             evidence.append(ev.ref(out_row, "the step's output came only here"))
         old = ev.ref(free_row).get("req")
         new = ev.ref(wait_row).get("req")
+        trim = ev.ref(free_row).get("reason") == "skipped"
+        severity, extra = "error", {"new_owner": new, "step_in_flight": step_k}
+        message = (f"blocks {fmt_blocks(blocks)} freed by {old} went to {new} (remote KV load) before step "
+                   f"{step_k}, which used them, had its output: the asynchronous write races that step")
+        if trim:
+            extra["trim"] = True
+            message = (f"blocks {fmt_blocks(blocks)} trimmed out of {old}'s sliding window went to {new} (remote KV "
+                       f"load) before step {step_k} had its output")
+            if bool(no_facts[group[0]]):
+                severity = "warning"
+                extra["downgraded"] = "no_trim_window"
+                message += (": the trim records no window or token counts, so whether that step still reads them "
+                            "is unknown")
+            else:
+                message += (", and that step still reads them (the trim counted tokens still in flight): the "
+                            "asynchronous write races the attention read")
         records.append({
-            "rule": "premature_free", "subrule": "async_load_reuse", "severity": "error", "instance": instance,
-            "dp_rank": dp, "req": old, "blocks": blocks, "step": ev.ref(free_row).get("step"),
-            "ts_ns": int(cols.ts[free_row]),
-            "message": f"blocks {fmt_blocks(blocks)} freed by {old} went to {new} (remote KV load) before step "
-                       f"{step_k}, which used them, had its output: the asynchronous write races that step",
-            "evidence": evidence, "context": "premature_free:async_load_reuse",
-            "extra": {"new_owner": new, "step_in_flight": step_k},
+            "rule": "premature_free", "subrule": "async_load_reuse", "severity": severity, "instance": instance,
+            "dp_rank": dp, "req": old, "requests": [new] if new is not None and new != old else [], "blocks": blocks,
+            "step": ev.ref(free_row).get("step"), "ts_ns": int(cols.ts[free_row]), "message": message,
+            "evidence": evidence, "context": "premature_free:async_load_reuse" + (":skipped" if trim else ""),
+            "extra": extra,
         })
     return records
+
+
+TRIM_FACTS = ("window", "block_size", "upto", "computed")
+
+
+def _trims_still_read(ctx: Any, intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ownership intervals closed by a free under a step in flight: (still_read, no_facts). Frees other than
+    sliding-window trims (reason `skipped`) are still read by definition (the step used the request's blocks).
+
+    A trim's detail (vLLM hooks since pdtrace 0.1) gives the window W, the group's block size B, `upto` (the
+    trimmed blocks hold tokens below it, the last one ending there, the others before it in table order) and
+    `computed` (the request's num_computed_tokens at the trim, tokens of its steps in flight included). The oldest
+    step in flight computes from token s = computed - (the request's `req_sched` tokens scheduled before the trim
+    whose step_output came after it), and its first query attends to tokens >= s - W + 1: a trimmed block ending
+    after that is still read (vllm#47282, trimming on the optimistic count; vLLM since #47728 trims on s and never
+    cuts in). A trim without those keys: no_facts (the rule reports it one level lower, saying why)."""
+    cols = columns(ctx)
+    own = ownership(ctx)
+    si = step_index(ctx)
+    free_rows = own.free_row[intervals]
+    trim = cols.codes("reason")[0][free_rows] == cols.code_of("reason", "skipped")
+    still = ~trim
+    no_facts = np.zeros(len(intervals), bool)
+    if not trim.any():
+        return still, no_facts
+    sched_rows = cols.req_rows("req_sched")
+    uniq = np.unique(free_rows[trim])
+    facts = dict(zip(uniq.tolist(), cols.details(uniq)))
+    for i in np.flatnonzero(trim).tolist():  # the racing trims only (few)
+        row = int(free_rows[i])
+        d = facts.get(row) or {}
+        if not all(isinstance(d.get(k), (int, float)) for k in TRIM_FACTS):
+            no_facts[i] = True
+            continue
+        pos = int(cols.pos[row])
+        mine = sched_rows[(cols.rk[sched_rows] == cols.rk[row]) & (cols.pos[sched_rows] < pos)]
+        out_pos = si.output_pos_of(cols.sk[mine], cols.step[mine])
+        flying = (out_pos > pos) | ((out_pos < 0) & si.has_outputs[cols.sk[mine]])
+        in_flight = int(np.maximum(cols.ints_at("n", mine[flying], fill=0), 0).sum())
+        settled = int(d["computed"]) - in_flight
+        blocks = list(cols.table.column("blocks")[row].as_py() or [])
+        block = int(own.block[intervals[i]])
+        after = len(blocks) - 1 - blocks.index(block) if block in blocks else 0  # trimmed blocks after it
+        end = int(d["upto"]) - after * int(d["block_size"])
+        still[i] = end > settled - int(d["window"]) + 1
+    return still, no_facts
 
 
 RULE = Rule(

@@ -22,7 +22,9 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
   req_add without room for it (with room it is `starved`): warning (an overloaded pool, not a scheduler bug).
 - `preempted_not_resumed`: preempted, unfinished, no req_sched after the preemption while starve_steps steps went
   by: error when starve_steps of them had room, warning otherwise.
-- `stuck_waiting_kv`: req_wait_kv with no kv_recv_done / kv_recv_fail after it, request unfinished. Error when it
+- `stuck_waiting_kv`: a receive (every req_wait_kv opens one: a request preempted after its KV arrived may wait
+  again when re-admitted, vllm#53250) never closed (no kv_recv_done / kv_recv_fail after it), request unfinished;
+  one finding per such receive, `extra.receive` = its number (2, 3, ...) when it is not the first. Error when it
   has waited longer than grace_s (past every connector timeout), or when its prefill side (req_add's
   remote_instance / remote_req, in the same trace) expired the transfer (kv_expire) or saw the send finish
   (kv_send_done) starve_steps steps before the end: the completion was lost, not late; warning when requests that
@@ -257,7 +259,7 @@ def _row(cols: Columns, pos: np.ndarray | int) -> Any:
     return np.where(np.asarray(pos) >= 0, cols.order[np.maximum(pos, 0)], NO)
 
 
-def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int) -> str | None:
+def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int) -> int | None:
     """The oldest other request of the scheduler, added before this one, that waited unscheduled through the whole
     window (a, b) (b = -1: to the end of the trace): the head of the line."""
     mine = np.flatnonzero(st.sk == sk)
@@ -271,7 +273,7 @@ def _blockers(cols: Columns, st: RequestState, sk: int, rk: int, a: int, b: int)
     cand = mine[waiting]
     if len(cand) == 0:
         return None
-    return str(cols.rk_names["req"].iloc[int(cand[np.argmin(st.add_pos[cand])])])
+    return int(cand[np.argmin(st.add_pos[cand])])
 
 
 def _remote_side(ctx: AnalysisContext, cols: Columns, st: RequestState, rk: int) -> dict[str, Any]:
@@ -427,9 +429,11 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps, {n_room} of them with room for "
                    f"it (token budget left, >= {int(need[r])} free blocks), other requests running in {n_busy}; "
                    f"{tail}")
-            if blocker:
-                msg += f"; head of line: {blocker}, waiting since before it"
-                extra["head_of_line"] = blocker
+            if blocker is not None:
+                blocker_name = str(cols.rk_names["req"].iloc[blocker])
+                msg += f"; head of line: {blocker_name}, waiting since before it"
+                extra["head_of_line"] = blocker_name
+                evidence.append((int(_row(cols, st.add_pos[blocker])), "head of line: waiting since"))
             out.add("starved", sev, r, srow, end_pos[i], msg, evidence, extra)
             reported[r] = True
             continue
@@ -444,11 +448,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     # --- stuck_waiting_kv -----------------------------------------------------------------------------------
     grace = grace_s(ctx)  # the recorded release's connector timeout unless configured
     grace_ns = int(grace * 1e9)
-    waiters = np.flatnonzero(st.wait_kv_pos >= 0)
+    # every req_wait_kv opens a receive (a request preempted after its KV arrived may wait again on re-admission,
+    # vllm#53250): each receive window is judged, not only the request's first
+    waiters = st.window_rk.astype(np.int64)
     if len(waiters):
-        wrow = _row(cols, st.wait_kv_pos[waiters]).astype(np.int64)
+        wait_pos = st.window_start
+        wrow = _row(cols, wait_pos).astype(np.int64)
         wts = cols.ts[wrow]
-        close = st.recv_close_pos[waiters]
+        close = st.window_close
         crow = _row(cols, close).astype(np.int64)
         closed = close >= 0
         cts = np.where(closed, cols.ts[np.maximum(crow, 0)], ts_end)
@@ -459,14 +466,20 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             m = wsk == s
             done_waits = np.sort(wts[m & closed])
             overtaken[m] = len(done_waits) - np.searchsorted(done_waits, wts[m], "right")
-        wsteps = sc.steps_between(wsk, st.wait_kv_pos[waiters], np.full(len(waiters), NO))
+        wsteps = sc.steps_between(wsk, wait_pos, np.full(len(waiters), NO))
         age = cts - wts
         for i in np.flatnonzero((closed & (age > grace_ns)) | (~closed & unfinished[waiters]
                                                                & ((age > grace_ns) | (wsteps >= threshold)))).tolist():
             r = int(waiters[i])
-            evidence = [(int(_row(cols, st.add_pos[r])), None), (int(wrow[i]), "waiting for remote KV")]
+            again = int(st.window_start[i] != st.wait_kv_pos[r])  # a later receive of the request
+            evidence = [(int(_row(cols, st.add_pos[r])), None)]
+            if again:
+                evidence.append((int(_row(cols, st.wait_kv_pos[r])), "its first receive"))
+            evidence.append((int(wrow[i]), "waiting for remote KV" + (" again" if again else "")))
             extra = {"waited_ns": int(age[i]), "steps_since": int(wsteps[i]), "overtaken_by": int(overtaken[i]),
                      "grace_s": grace, "open_at_end": not bool(closed[i])}
+            if again:
+                extra["receive"] = int(np.count_nonzero((st.window_rk == r) & (st.window_start <= wait_pos[i])))
             name = cols.rk_names["req"].iloc[r]
             if closed[i]:
                 evidence.append((int(crow[i]), "receive closed"))
@@ -508,7 +521,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                 extra["peer_engine_failed"] = {"instance": remote["instance"], "step": peer.step if peer.step >= 0
                                                else None, "ts_ns": peer.ts_ns, "error": peer.error}
                 why += f"; its KV source {remote['instance']} {peer.describe()}"
-            msg = (f"request {name} still waits for remote KV at the end of the trace: {_fmt_ms(age[i])}, "
+            which = f" (its receive #{extra['receive']}: it waits again after its KV arrived)" if again else ""
+            msg = (f"request {name} still waits for remote KV{which} at the end of the trace: {_fmt_ms(age[i])}, "
                    f"{int(wsteps[i])} steps, {why}")
             out.add("stuck_waiting_kv", sev, r, int(wrow[i]), NO, msg, evidence, extra)
 

@@ -861,15 +861,48 @@ def _trim_and_record(st: SchedulerState, orig: Any, coordinator: Any, request_id
     out = orig(coordinator, request_id, *args, **kwargs)
     if _RT.active:
         try:
-            freed = [b for table, old in zip(tables, before) if old
-                     for b, now in zip(old, table) if now is not b and not b.is_null]
-            if freed:
-                st.ch.emit("blocks_free", st.cur_step, request_id, [b.block_id for b in freed], None,
-                           "skipped", None, None, False)
-                _record_pool_return(st, request_id, freed)
+            trimmed = []
+            for manager, table, old in zip(coordinator.single_type_managers, tables, before):
+                if not old:
+                    continue
+                at = [i for i, (b, now) in enumerate(zip(old, table)) if now is not b and not b.is_null]
+                if at:
+                    trimmed.append((manager, [old[i] for i in at], at[-1]))
+            if trimmed:
+                basis = args[0] if args else next(iter(kwargs.values()), None)
+                for manager, freed, last in trimmed:  # one row per KV cache group that gave blocks up
+                    st.ch.emit("blocks_free", st.cur_step, request_id, [b.block_id for b in freed], None,
+                               "skipped", None, None, False, _trim_detail(st, request_id, manager, last, basis))
+                _record_pool_return(st, request_id, [b for _, freed, _ in trimmed for b in freed])
         except Exception as exc:
             _RT.fail("remove_skipped_blocks", exc)
     return out
+
+
+def _trim_detail(st: SchedulerState, request_id: Any, manager: Any, last: int, basis: Any) -> dict[str, int]:
+    """What a trim was computed on, for premature_free to tell whether a step still in flight reads the trimmed
+    blocks (vllm#47282: trims on the optimistic token count under async scheduling): `window` (the group's sliding
+    window in tokens, where it is one), `block_size` (the group's), `upto` (every trimmed block holds only tokens
+    below it: the end of the last trimmed block), `tokens` (the count vLLM trimmed on: `processed_computed_tokens`
+    since vllm#47728, before that the request's optimistic `num_computed_tokens`), `computed` (the request's
+    `num_computed_tokens` at the trim, tokens of the steps in flight included). Keys that cannot be read are left
+    out. Only a call that trimmed builds it (at most one per block of a request's tokens)."""
+    detail: dict[str, int] = {}
+    window = getattr(manager, "sliding_window", None)
+    if isinstance(window, int):
+        detail["window"] = window
+    block_size = getattr(manager, "block_size", None)
+    if isinstance(block_size, int):
+        detail["block_size"] = block_size
+        detail["upto"] = (last + 1) * block_size
+    if isinstance(basis, int):
+        detail["tokens"] = basis
+    sched = st.sched()
+    request = getattr(sched, "requests", {}).get(request_id) if sched is not None else None
+    computed = getattr(request, "num_computed_tokens", None)
+    if isinstance(computed, int):
+        detail["computed"] = computed
+    return detail
 
 
 # ------------------------------------------------------------------------------------------------ engine loop
