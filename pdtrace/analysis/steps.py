@@ -380,13 +380,17 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         begin_code = kind_names.index("exec_begin") if "exec_begin" in kind_names else -9
         fields = rows_columns(ctx, rows, ["pp_rank", "tp_rank", "pid", "seq"])
         is_begin = kind_codes[rows] == begin_code
-        # exec_end GPU times, in row order: a substring test, the regex only where `gpu_` appears (the RPC names
-        # are read by exec_spans(), which only plots and `show` need)
+        # exec_end GPU times, in row order: a substring test, the regex only where `gpu_` appears; the RPC names
+        # (0 execute_model, 1 sample_tokens, -1 not named) by two substring tests over the same text
         ends = np.flatnonzero(~is_begin)
         gpu_b = np.full(len(rows), _NULL, np.int64)
         gpu_e = np.full(len(rows), _NULL, np.int64)
+        named = np.full(len(rows), -1, np.int8)
         if len(ends):
             text = _detail_text(ctx, rows[ends])
+            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
+            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
+            named[ends] = np.where(ex, 0, np.where(sa, 1, -1))
             has_gpu = np.flatnonzero(pc.match_substring(text, '"gpu_').to_numpy(zero_copy_only=False))
             if len(has_gpu):
                 sub = text.take(pa.array(has_gpu))
@@ -403,7 +407,7 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         order = order_by_pair(lane_code, fields["seq"])
         if order is not None:
             rows, inst, dp, pp, tp, lane_code = (a[order] for a in (rows, inst, dp, pp, tp, lane_code))
-            is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
+            is_begin, gpu_b, gpu_e, named = is_begin[order], gpu_b[order], gpu_e[order], named[order]
         step = cols.step[rows].astype(np.int64)
         ts = cols.ts[rows]
         n = cols.numbers_at("n", rows)
@@ -433,30 +437,23 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         span_ge[has_end] = gpu_e[end_idx[has_end]]
         end_row = np.full(m, _NULL, np.int64)
         end_row[has_end] = rows[end_idx[has_end]]
+        rpc_named = np.full(m, -1, np.int8)
+        rpc_named[has_end] = named[end_idx[has_end]]
         return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head],
                              "step": step[head], "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok,
-                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row}, copy=False)
+                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row,
+                             "rpc_named": rpc_named}, copy=False)
 
     return ctx.cached("steps:span_frame", build)
 
 
 def span_rpcs(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.Categorical:
-    """The RPC of each span of `_span_frame`: `execute_model` / `sample_tokens` from the exec_end detail (two
-    substring tests over those rows), else the span's position within its step on the lane (first
-    execute_model, second sample_tokens, later ones `rpc`)."""
+    """The RPC of each span of `_span_frame` (or a subset of whole (lane, step) groups): `execute_model` /
+    `sample_tokens` as the exec_end detail names it (`rpc_named`, read with the frame), else the span's position
+    within its step on the lane (first execute_model, second sample_tokens, later ones `rpc`)."""
     names = ["execute_model", "sample_tokens", "rpc"]
     m = len(frame)
-    code = np.full(m, -1, np.int8)
-    end_row = frame["end_row"].to_numpy()
-    has_end = np.flatnonzero(end_row >= 0)
-    if len(has_end):
-        rows = end_row[has_end]
-        order = np.argsort(rows, kind="stable")
-        text = _detail_text(ctx, rows[order])  # ascending rows: one filter, no reordering take
-        ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
-        sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
-        named = np.where(ex, 0, np.where(sa, 1, -1)).astype(np.int8)
-        code[has_end[order]] = named
+    code = frame["rpc_named"].to_numpy()
     lane = frame[["inst", "dp", "pp", "tp", "step"]].to_numpy()
     new_group = np.r_[True, (lane[1:] != lane[:-1]).any(axis=1)] if m else np.empty(0, bool)
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
