@@ -26,9 +26,14 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                       stage_ns: Sequence[int] | None = None, sched_ns: int = 50 * US, update_ns: int = 50 * US,
                       empty_ns: int = 20 * US, arrivals: Sequence[int] | None = None, tp: int = 1,
                       instance: str = "E", config: bool = True, gpu_times: bool = False,
-                      wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None) -> Trace:
+                      wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None,
+                      sample_rpc: str | None = None, sample_ns: int = 100 * US) -> Trace:
     """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
-    remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done)."""
+    remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done).
+    `sample_rpc` adds each token-carrying step's second RPC, `sample_tokens` (vLLM 0.11.1+), on every rank right
+    after its `execute_model`: the last stage samples for `sample_ns` and broadcasts the tokens; a non-last stage
+    takes them from a side stream and returns in 20 us ("async", vLLM 0.33's V2 runner) or blocks until the
+    broadcast ("blocking": vllm-ascend#10855, vllm#42187), which keeps it from starting its next step."""
     stage_ns = list(stage_ns or [MS] * pp)
     b = builder or EventBuilder(instance=instance, role="both", start_ns=START_NS)
     reqs = [f"r{i}" for i in range(n_requests)]
@@ -138,6 +143,17 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                         worker("exec_end", end, r_, q, step=k, n=n_tok, detail={"rpc": "execute_model"})
                     rank_free[r_][q] = end
                 prev_end = end
+            if sample_rpc and batch:
+                broadcast = prev_end + sample_ns  # the last stage samples right after its forward
+                for r_ in range(pp):
+                    for q in range(tp):
+                        begin = rank_free[r_][q]
+                        end = (begin + sample_ns if r_ == pp - 1 else
+                               max(broadcast, begin) if sample_rpc == "blocking" else begin + 20 * US)
+                        worker("exec_begin", begin, r_, q, step=k, n=n_tok)
+                        worker("exec_end", end, r_, q, step=k, n=n_tok, detail={"rpc": "sample_tokens"})
+                        rank_free[r_][q] = end
+                prev_end = broadcast
             queue.append((k, batch, prev_end))
             t += 1
             continue
@@ -193,3 +209,15 @@ def two_waves_pp4() -> Trace:
     """PP=4: one wave of requests, 200 ms with nothing to do, a second wave."""
     return simulate_pipeline(pp=4, n_requests=16, batch_cap=2, tokens=6,
                              arrivals=[0] * 8 + [200 * MS] * 8)
+
+
+def broadcast_wait_pp4() -> Trace:
+    """vllm-ascend#10855 / vllm#42187: prefill at PP=4 with MTP, each non-last stage blocked in sample_tokens until
+    the last stage broadcasts the step's tokens: 4 steps queued, one running at a time."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, sample_rpc="blocking")
+
+
+def healthy_sampling_pp4() -> Trace:
+    """The healthy look-alike: PP=4 recording both RPCs per step, the non-last stages' sample_tokens a short
+    receive (vLLM 0.33's V2 runner takes the broadcast on a side stream): the pipeline stays full."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, sample_rpc="async")

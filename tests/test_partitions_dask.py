@@ -22,7 +22,9 @@ from test_partitions import cross_instance_trace, report
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+                      dashboard_address=None) as cluster, Client(cluster, set_as_default=False) as client:
+        # nobody's default client, as in a user's process: a fallback to the default client fails here
+        # (tests/test_dask_cli_process.py runs the CLI itself in a process of its own)
         yield client
 
 

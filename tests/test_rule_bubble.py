@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,10 +10,12 @@ from hypothesis import strategies as st
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.rules.pipeline_bubble import RULE, run
-from pdtrace.analysis.steps import bubbles
+from pdtrace.analysis.steps import bubbles, exec_spans
+from pdtrace.trace.model import Trace
 from scenarios import HEALTHY
-from scenarios_pipeline import (MS, US, few_requests_pp4, healthy_pp4, one_microbatch_pp4, simulate_pipeline,
-                                slow_scheduler_pp4, slow_stage_pp4, two_waves_pp4)
+from scenarios_pipeline import (MS, US, broadcast_wait_pp4, few_requests_pp4, healthy_pp4, healthy_sampling_pp4,
+                                one_microbatch_pp4, simulate_pipeline, slow_scheduler_pp4, slow_stage_pp4,
+                                two_waves_pp4)
 
 
 def findings(trace, **config):
@@ -163,3 +166,57 @@ def test_json_keeps_integer_steps_and_timestamps(cli, tmp_path):
     assert len(with_step) == 3
     assert all(isinstance(f["step"], int) and isinstance(f["ts_ns"], int) for f in with_step)
     assert all(f["ts_ns"] % 1000 == 0 for f in with_step)  # the model's clock: whole microseconds, exactly
+
+
+def _by_stage(f):
+    return {e["pp_rank"]: (sub, sev, e) for sub, sev, e in zip(f["subrule"], f["severity"], f["extra"])}
+
+
+def test_waiting_for_the_token_broadcast_is_idle_with_its_own_cause():
+    """vllm-ascend#10855, vllm#42187: non-last stages blocked in sample_tokens until the last stage broadcasts
+    the step's tokens (4 steps queued, one running). Before: stage 0 at 0 % idle, the wait counted as busy."""
+    f = findings(broadcast_wait_pp4())
+    stages = _by_stage(f)
+    sub, severity, extra = stages[0]
+    assert (sub, severity) == ("sampled_token_wait", "warning")
+    assert extra["idle_ns_by_cause"]["sampled_token_wait"] > 0.6 * extra["wall_ns"]
+    assert extra["avoidable_fraction"] > 0.5
+    for rank in (1, 2):  # downstream stages also wait on the upstream forward: both causes, each its share
+        idle = stages[rank][2]["idle_ns_by_cause"]
+        assert idle["sampled_token_wait"] > 0 and idle["stage_imbalance"] > 0
+    # the last stage's sample_tokens samples: compute, never a wait
+    assert stages[3][2]["idle_ns_by_cause"]["sampled_token_wait"] == 0
+    b = bubbles(AnalysisContext(broadcast_wait_pp4()))
+    waits = b[b["cause"] == "sampled_token_wait"]
+    assert len(waits) and set(waits["pp_rank"]) == {0, 1, 2}
+    assert (waits["step_before"] == waits["step_after"]).all()  # the wait lies inside the step's own RPC
+    assert (waits["in_flight"] == 4).mean() > 0.9  # the queue was full while the stage waited (not in the drain)
+
+
+def test_the_rpc_found_by_position_when_the_detail_lacks_it():
+    """A recorder that names no RPC: the step's second RPC on a lane is sample_tokens."""
+    table = broadcast_wait_pp4().table
+    detail = table.column("detail").to_pylist()
+    bare = [None if d in ('{"rpc":"sample_tokens"}', '{"rpc":"execute_model"}') else d for d in detail]
+    assert bare != detail
+    field = table.schema.field("detail")
+    stripped = table.set_column(table.schema.get_field_index("detail"), field, pa.array(bare).cast(field.type))
+    got = findings(Trace.from_table(stripped))
+    assert _by_stage(got)[0][0] == "sampled_token_wait"
+
+
+def test_healthy_pipeline_with_both_rpcs_keeps_its_compute_busy():
+    """Negative: sample_tokens a short receive on non-last stages (vLLM 0.33's V2 runner): every execute_model
+    span stays busy, the short receives are the only sampled_token_wait time, nothing above info."""
+    trace = healthy_sampling_pp4()
+    f = findings(trace)
+    assert set(f["severity"]) == {"info"}
+    ctx = AnalysisContext(trace)
+    spans = exec_spans(ctx)
+    for rank, (_, _, extra) in _by_stage(f).items():
+        mine = spans[(spans["pp_rank"] == rank) & (spans["rpc"] == "execute_model") & (spans["n"] > 0)]
+        compute = int((mine["end_ts"] - mine["begin_ts"]).sum())
+        idle = sum(extra["idle_ns_by_cause"].values())
+        assert extra["wall_ns"] - idle >= compute  # the forwards are busy time
+        assert extra["idle_ns_by_cause"]["sampled_token_wait"] < 0.05 * extra["wall_ns"]
+        assert extra["lost_fraction"] < 0.10

@@ -25,7 +25,8 @@ def findings(trace):
 
 def test_rule_object_is_registered():
     assert RULE.id == "preemption_race"
-    assert set(RULE.subrules) == {"late_rank_report", "async_store", "async_load", "step_in_flight"}
+    assert set(RULE.subrules) == {"late_rank_report", "async_store", "async_load", "step_in_flight",
+                                  "finished_while_preempted"}
     assert load_rules()["preemption_race"] is RULE
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import scenarios
 import scenarios_pipeline
+import scenarios_reuse
 from conftest import SAMPLE_TRACES
 from stripped import PARTS, strip
 from pdtrace.analysis import analyze
@@ -33,6 +34,9 @@ EXCEPTIONS: dict[tuple[str, str, str | None], str] = {
         "the per-rank reports (kv_*_rank) are worker rows: nothing else says a completion came before a rank",
     ("worker", "unscheduled_request", "dropped_from_batch"): "batch_add / batch_remove are worker rows",
     ("worker", "use_after_free", "remote_read"): "remote_read is a connector row",
+    ("worker", "use_after_free", "transfer_after_reuse"):
+        "the late transfer's per-rank reports (kv_*_rank) are worker rows: without them only its aggregated "
+        "completion is seen (double_free's completion_after_free after a final free)",
     ("remote_read", "use_after_free", "remote_read"): "the peer's read is the finding's only evidence",
     ("trim", "premature_free", "async_load_reuse"):
         "a sliding-window trim handed to an asynchronous load under a step in flight: only the trim's window and "
@@ -52,6 +56,7 @@ def traces() -> dict[str, Callable[[], Trace]]:
     out.update({f"faulty:{k}": v for k, v in scenarios.FAULTY.items()})
     out.update({f"pipeline:{k}": getattr(scenarios_pipeline, k) for k in dir(scenarios_pipeline)
                 if k.endswith("_pp4")})
+    out.update({f"reuse:{k}": v for k, v in {**scenarios_reuse.FAULTY, **scenarios_reuse.HEALTHY}.items()})
     out.update({f"random:{s}": (lambda s=s: scenarios.random_healthy(s)) for s in range(3)})
     return out
 

@@ -67,7 +67,8 @@ class DaskRunner:
                                       priority=task.rows): i  # the largest partitions first
                    for i, task in enumerate(tasks)}
         try:
-            for future in distributed.as_completed(list(futures)):
+            # as_completed's own loop, not the process's default client's: the CLI's client is nobody's default
+            for future in distributed.as_completed(list(futures), loop=self.client.loop):
                 yield futures[future], future.result()
         finally:
             for future in futures:

@@ -21,7 +21,11 @@ ranks sat idle.
     spans are the spans of steps that carried tokens (an empty step's no-forward RPC is not work), on GPU time
     where the recorder gave it (CPU spans of non-last PP ranks do not show GPU time), merged where they overlap
     (running maximum of the end per lane). The lead before a lane's first span and the trail after its last are not
-    intervals. Each interval gets one cause, decided in this order:
+    intervals. An RPC that computes nothing on its stage (`sample_tokens` on a non-last PP rank: it waits for the
+    tokens the last rank broadcasts; `_waits_for_broadcast`) is not busy: the time inside it not covered by busy
+    spans is an interval of its own with cause `sampled_token_wait` (vllm-ascend#10855, vllm#42187: a stage
+    blocked there cannot start its next step, however many steps are queued). The other intervals get one cause,
+    decided in this order:
       1. `idle_no_requests`  the scheduler had no unfinished request for at least half the interval;
       2. `kv_transfer`       it had requests, but every one waited for remote KV, for at least half the interval;
       3. `scheduler_cpu`     (stage 0, and later stages that never saw the step upstream) the step that ends the
@@ -56,7 +60,8 @@ from pdtrace.analysis.requests import request_state
 from pdtrace.trace.model import take_rows
 from pdtrace.analysis.context import AnalysisContext
 
-BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests")
+BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests",
+                 "sampled_token_wait")
 
 STEP_COLUMNS = ("instance", "dp_rank", "step", "sched_ts", "tokens", "running", "waiting", "waiting_kv",
                 "free_blocks", "dur_ns", "empty_run", "submit_ts", "in_flight", "output_ts", "wait_ns")
@@ -375,13 +380,17 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         begin_code = kind_names.index("exec_begin") if "exec_begin" in kind_names else -9
         fields = rows_columns(ctx, rows, ["pp_rank", "tp_rank", "pid", "seq"])
         is_begin = kind_codes[rows] == begin_code
-        # exec_end GPU times, in row order: a substring test, the regex only where `gpu_` appears (the RPC names
-        # are read by exec_spans(), which only plots and `show` need)
+        # exec_end GPU times, in row order: a substring test, the regex only where `gpu_` appears; the RPC names
+        # (0 execute_model, 1 sample_tokens, -1 not named) by two substring tests over the same text
         ends = np.flatnonzero(~is_begin)
         gpu_b = np.full(len(rows), _NULL, np.int64)
         gpu_e = np.full(len(rows), _NULL, np.int64)
+        named = np.full(len(rows), -1, np.int8)
         if len(ends):
             text = _detail_text(ctx, rows[ends])
+            ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
+            sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
+            named[ends] = np.where(ex, 0, np.where(sa, 1, -1))
             has_gpu = np.flatnonzero(pc.match_substring(text, '"gpu_').to_numpy(zero_copy_only=False))
             if len(has_gpu):
                 sub = text.take(pa.array(has_gpu))
@@ -398,7 +407,7 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         order = order_by_pair(lane_code, fields["seq"])
         if order is not None:
             rows, inst, dp, pp, tp, lane_code = (a[order] for a in (rows, inst, dp, pp, tp, lane_code))
-            is_begin, gpu_b, gpu_e = is_begin[order], gpu_b[order], gpu_e[order]
+            is_begin, gpu_b, gpu_e, named = is_begin[order], gpu_b[order], gpu_e[order], named[order]
         step = cols.step[rows].astype(np.int64)
         ts = cols.ts[rows]
         n = cols.numbers_at("n", rows)
@@ -428,30 +437,23 @@ def _span_frame(ctx: AnalysisContext) -> pd.DataFrame:
         span_ge[has_end] = gpu_e[end_idx[has_end]]
         end_row = np.full(m, _NULL, np.int64)
         end_row[has_end] = rows[end_idx[has_end]]
+        rpc_named = np.full(m, -1, np.int8)
+        rpc_named[has_end] = named[end_idx[has_end]]
         return pd.DataFrame({"inst": inst[head], "dp": dp[head], "pp": pp[head], "tp": tp[head],
                              "step": step[head], "begin_ts": begin_ts, "end_ts": end_ts, "n": n_tok,
-                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row}, copy=False)
+                             "gpu_begin_ns": span_gb, "gpu_end_ns": span_ge, "end_row": end_row,
+                             "rpc_named": rpc_named}, copy=False)
 
     return ctx.cached("steps:span_frame", build)
 
 
 def span_rpcs(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.Categorical:
-    """The RPC of each span of `_span_frame`: `execute_model` / `sample_tokens` from the exec_end detail (two
-    substring tests over those rows), else the span's position within its step on the lane (first
-    execute_model, second sample_tokens, later ones `rpc`)."""
+    """The RPC of each span of `_span_frame` (or a subset of whole (lane, step) groups): `execute_model` /
+    `sample_tokens` as the exec_end detail names it (`rpc_named`, read with the frame), else the span's position
+    within its step on the lane (first execute_model, second sample_tokens, later ones `rpc`)."""
     names = ["execute_model", "sample_tokens", "rpc"]
     m = len(frame)
-    code = np.full(m, -1, np.int8)
-    end_row = frame["end_row"].to_numpy()
-    has_end = np.flatnonzero(end_row >= 0)
-    if len(has_end):
-        rows = end_row[has_end]
-        order = np.argsort(rows, kind="stable")
-        text = _detail_text(ctx, rows[order])  # ascending rows: one filter, no reordering take
-        ex = pc.match_substring(text, '"rpc":"execute_model"').to_numpy(zero_copy_only=False)
-        sa = pc.match_substring(text, '"rpc":"sample_tokens"').to_numpy(zero_copy_only=False)
-        named = np.where(ex, 0, np.where(sa, 1, -1)).astype(np.int8)
-        code[has_end[order]] = named
+    code = frame["rpc_named"].to_numpy()
     lane = frame[["inst", "dp", "pp", "tp", "step"]].to_numpy()
     new_group = np.r_[True, (lane[1:] != lane[:-1]).any(axis=1)] if m else np.empty(0, bool)
     group_start = np.maximum.accumulate(np.where(new_group, np.arange(m), 0)) if m else np.empty(0, np.int64)
@@ -680,9 +682,10 @@ class _Keys:
 
 @shared_table(_span_frame, cost=0.01)
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
-    """Busy intervals per lane (inst, dp, pp, tp, step, n, b, e, lane): spans of token-carrying steps with both
-    ends, on GPU time where the recorder gave it, sorted by lane code and begin (numpy; a lexsort unless the spans
-    are in that order already)."""
+    """Spans per lane (inst, dp, pp, tp, step, n, b, e, lane, wait): spans of token-carrying steps with both ends,
+    sorted by lane code and begin (numpy; a lexsort unless the spans are in that order already). Busy spans
+    (`wait` False) are on GPU time where the recorder gave it. `wait` marks a span that computes nothing on its
+    stage (`_waits_for_broadcast`), kept on CPU time: the time the stage sat blocked in it is idle time."""
 
     def build() -> pd.DataFrame:
         spans = _span_frame(ctx)
@@ -696,7 +699,8 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         gb = spans["gpu_begin_ns"].to_numpy()
         ge = spans["gpu_end_ns"].to_numpy()
         n = spans["n"].to_numpy(dtype=np.float64)
-        gpu = (gb >= 0) & (ge >= 0)
+        wait = _waits_for_broadcast(ctx, spans)
+        gpu = (gb >= 0) & (ge >= 0) & ~wait
         b = np.where(gpu, gb, begin)
         e = np.where(gpu, ge, end)
         if np.isnan(n).any():
@@ -714,9 +718,32 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         order = keep if by_lane is None else keep[by_lane]
         return pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
                              "step": step[order], "n": n[order], "b": b[order], "e": e[order],
-                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order])}, copy=False)
+                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order]),
+                             "wait": wait[order]}, copy=False)
 
     return ctx.cached("steps:busy_spans", build)
+
+
+def _waits_for_broadcast(ctx: AnalysisContext, spans: pd.DataFrame) -> np.ndarray:
+    """Per `_span_frame` row: an RPC that computes nothing on its stage, the stage only waiting inside it.
+
+    From vLLM's worker code (0.11.1 added `Worker.sample_tokens`, the step's second RPC; checked on 0.33.0):
+    `sample_tokens` on a non-last PP rank samples nothing. The V1 runner (`gpu_model_runner.py`
+    `sample_tokens`: `_pp_receive_prev_sampled_token_ids_to_input_batch`) and the V2 runner
+    (`v1/worker/gpu/model_runner.py` `sample_tokens`: `pp_handler.receive`) receive the tokens the last rank
+    sampled and broadcast, then pass the connector's output through; vllm-ascend's runner blocks there the same
+    way. The last rank's `sample_tokens` samples (and broadcasts): compute. `execute_model` computes on every
+    rank. So: rpc `sample_tokens` (named by the exec_end detail, else the step's second RPC on the lane) on a
+    stage with pp_rank < p - 1 of a scheduler with p > 1. The RPC names are read only on such stages."""
+    wait = np.zeros(len(spans), bool)
+    if len(spans) == 0:
+        return wait
+    p = sizes_of(pipeline_sizes(ctx), spans["inst"].to_numpy(), spans["dp"].to_numpy())
+    upstream = np.flatnonzero((p > 1) & (spans["pp"].to_numpy() < p - 1))
+    if len(upstream):  # whole (lane, step) groups: the position fallback of span_rpcs still holds
+        rpc = span_rpcs(ctx, spans.iloc[upstream])
+        wait[upstream[np.asarray(rpc.codes) == list(rpc.categories).index("sample_tokens")]] = True
+    return wait
 
 
 def _lane_cummax(lane: np.ndarray, e: np.ndarray) -> np.ndarray:
@@ -745,10 +772,10 @@ def _latest_before(times: np.ndarray, values: np.ndarray, query: np.ndarray) -> 
     return np.where(ok, times[kc], _NULL), np.where(ok, values[kc], _NULL)
 
 
-CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE = (
+CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE, CAUSE_BROADCAST = (
     BUBBLE_CAUSES.index("idle_no_requests"), BUBBLE_CAUSES.index("kv_transfer"),
     BUBBLE_CAUSES.index("stage_imbalance"), BUBBLE_CAUSES.index("scheduler_cpu"),
-    BUBBLE_CAUSES.index("queue_not_full"))
+    BUBBLE_CAUSES.index("queue_not_full"), BUBBLE_CAUSES.index("sampled_token_wait"))
 
 
 @shared_table(busy_spans, _count_functions, _step_frame, cost=0.08)
@@ -770,18 +797,33 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         begin = busy["b"].to_numpy()
         end = busy["e"].to_numpy()
         step = busy["step"].to_numpy()
+        waiting = busy["wait"].to_numpy()
         prev_end = _lane_cummax(lane, end)
         same_lane = np.r_[False, lane[1:] == lane[:-1]]
         gap_start = np.r_[0, prev_end[:-1]]
-        idx = np.flatnonzero(same_lane & (begin > gap_start))
+        gap_idx = np.flatnonzero(same_lane & (begin > gap_start))
+        # the time a stage sat blocked in an RPC that computes nothing on it: from the later of the RPC's begin and
+        # the end of everything before it on the lane to the earlier of its end and the next busy span's begin
+        w_idx = np.flatnonzero(waiting)
+        computing = np.flatnonzero(~waiting)
+        nxt = np.minimum(np.searchsorted(computing, w_idx, "right"), max(len(computing) - 1, 0))
+        nxt_row = computing[nxt] if len(computing) else w_idx
+        has_nxt = (nxt_row > w_idx) & (lane[nxt_row] == lane[w_idx])
+        w_start = np.where(same_lane[w_idx], np.maximum(begin[w_idx], gap_start[w_idx]), begin[w_idx])
+        w_end = np.where(has_nxt, np.minimum(end[w_idx], begin[nxt_row]), end[w_idx])
+        w_keep = w_end > w_start
+        w_idx, w_start, w_end = w_idx[w_keep], w_start[w_keep], w_end[w_keep]
+        idx = np.r_[gap_idx, w_idx]
+        is_wait = np.r_[np.zeros(len(gap_idx), bool), np.ones(len(w_idx), bool)]
         inst = busy["inst"].to_numpy()[idx]
         dp = busy["dp"].to_numpy()[idx]
         pp = busy["pp"].to_numpy()[idx]
         tp = busy["tp"].to_numpy()[idx]
-        s = gap_start[idx]
-        e = begin[idx]
+        s = np.r_[gap_start[gap_idx], w_start]
+        e = np.r_[begin[gap_idx], w_end]
         dur = e - s
         step_after = step[idx]
+        step_before = np.r_[step[gap_idx - 1], step[w_idx]]
         n = len(idx)
 
         steps = _step_frame(ctx)
@@ -793,6 +835,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         stage_step = keys.at_step(keys.stage(busy["inst"].to_numpy(), busy["dp"].to_numpy(), busy["pp"].to_numpy()),
                                   step)
         order = np.lexsort((begin, stage_step))
+        order = order[~waiting[order]]  # the stage's compute spans: a wait comes after the step's compute
         first = np.r_[True, stage_step[order][1:] != stage_step[order][:-1]]
         up_keys, up_begin_all = stage_step[order][first], begin[order][first]
         has_up = (pp > 0) & (lookup(up_keys, up_begin_all, keys.at_step(keys.stage(inst, dp, pp - 1), step_after),
@@ -851,7 +894,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         gap_key = keys.at_step(keys.stage(inst, dp, pp), step_after)
         for rank in distinct(pp[pp > 0]).tolist():  # per PP rank
             here = np.flatnonzero(pp == rank)
-            above = np.flatnonzero(pp == rank - 1)
+            above = np.flatnonzero((pp == rank - 1) & ~is_wait)  # a wait comes after the step left the stage
             up_key, up_gap, up_code = gap_key[above], dur[above], cause[above]
             o = order_by_pair(up_key, up_gap)  # per upstream stage and step, its longest gap (over TP ranks) last
             if o is not None:
@@ -864,11 +907,13 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
             inherit = (up_dur != _NULL) & (2 * up_dur >= dur[here])
             cause[here] = np.where(inherit, up_cause, np.where(has_up[here], CAUSE_IMBALANCE, engine_cause[here]))
         cause = np.where(2 * no_live >= dur, CAUSE_NO_REQUESTS, np.where(2 * no_run >= dur, CAUSE_KV, cause))
+        cause = np.where(is_wait, CAUSE_BROADCAST, cause)
+        out = np.lexsort((s, idx))  # in lane order, then time
         return pd.DataFrame({
-            "inst": inst, "dp": dp, "pp": pp, "tp": tp, "start_ns": s, "end_ns": e, "dur_ns": dur,
-            "step_before": step[idx - 1], "step_after": step_after,
-            "cause": pd.Categorical.from_codes(cause.astype(np.int8), categories=list(BUBBLE_CAUSES)),
-            "runnable": runnable, "in_flight": in_flight, "span_row": idx}, copy=False)
+            "inst": inst[out], "dp": dp[out], "pp": pp[out], "tp": tp[out], "start_ns": s[out], "end_ns": e[out],
+            "dur_ns": dur[out], "step_before": step_before[out], "step_after": step_after[out],
+            "cause": pd.Categorical.from_codes(cause[out].astype(np.int8), categories=list(BUBBLE_CAUSES)),
+            "runnable": runnable[out], "in_flight": in_flight[out], "span_row": idx[out]}, copy=False)
 
     return ctx.cached("steps:gap_frame", build)
 

@@ -44,6 +44,7 @@ CAUSE_COLORS = {
     "kv_transfer": "#9467bd",
     "stage_imbalance": "#ffbb78",
     "idle_no_requests": "#c7c7c7",
+    "sampled_token_wait": "#17becf",
 }
 PHASE_COLORS = {"waiting": "#fdd49e", "waiting_kv": "#b39ddb", "running": "#41ab5d",
                 "finished_holding": "#fd8d3c", "freed": "#eeeeee"}
@@ -326,7 +327,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     b_lane, b_keep = b_lane[on_lane], b_keep[on_lane]
     b_cause = bub["cause"].cat.codes.to_numpy()[b_keep]
     labels_left = MAX_LABELS
-    for cause in sorted(BUBBLE_CAUSES[c] for c in np.unique(b_cause).tolist()):  # per cause (five)
+    for cause in sorted(BUBBLE_CAUSES[c] for c in np.unique(b_cause).tolist()):  # per cause (six)
         part = np.flatnonzero(b_cause == BUBBLE_CAUSES.index(cause))
         b0 = np.maximum(b_start[b_keep[part]], sel.lo_ns)
         b1 = np.minimum(b_end[b_keep[part]], sel.hi_ns)

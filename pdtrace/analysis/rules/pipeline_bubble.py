@@ -6,7 +6,9 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    p = 1 the idle time between steps is host overhead, not a pipeline bubble; it stays visible in `bubbles()`.
 2. Per lane (instance, dp_rank, pp_rank, tp_rank): wall = last busy end - first busy begin; the idle gaps inside it
    (every gap, however short; `gap_frame`) summed by cause. Each gap has one cause (see steps.py):
-   `idle_no_requests`, `kv_transfer`, `stage_imbalance`, `scheduler_cpu`, `queue_not_full`.
+   `idle_no_requests`, `kv_transfer`, `stage_imbalance`, `scheduler_cpu`, `queue_not_full`, and
+   `sampled_token_wait` (the time a non-last stage sat inside `sample_tokens`, which computes nothing there: it
+   waits for the last stage's broadcast of the sampled tokens; vllm-ascend#10855, vllm#42187).
 3. vLLM pipelines continuously, so in steady state the ideal idle time is 0. The fill/drain cost (p-1)/(m+p-1) of m
    micro-batches applies per burst: bursts are the runs of busy spans between `idle_no_requests` gaps, m the
    distinct steps in a burst; the burst ideal is that fraction of the burst's wall time, summed.
@@ -18,8 +20,9 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
 5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the avoidable `queue_not_full`
    time alone (p runnable requests, fewer than p micro-batches in flight) is at least half the active time
    (`ERROR_FRACTION`): the pipeline is not pipelining although the work to fill it is there, vLLM #28270's
-   signature. Host time (`scheduler_cpu`) and `stage_imbalance` are tuning problems, not broken pipelining: at
-   most `warning`, given when all lost time is at least `config.bubble_warn_fraction`; `info` below.
+   signature. Host time (`scheduler_cpu`), `stage_imbalance` and `sampled_token_wait` (avoidable: the stage
+   could run a queued step, were it not blocked on the broadcast) are at most `warning`, given when all lost
+   time is at least `config.bubble_warn_fraction`; `info` below.
    extra: p, pp_rank, wall_ns, idle_fraction, lost_fraction, avoidable_fraction, unfilled_fraction,
    idle_ns_by_cause, intervals (gaps of at
    least bubble_min_ns), burst_ideal, bursts, tp_lanes. Evidence: the exec_end / exec_begin around the longest
@@ -44,7 +47,7 @@ from pdtrace.analysis.rulekit import engine_configs, sk_instance
 from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes, sizes_of
 
 ERROR_FRACTION = 0.5
-_CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance")
+_CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait")
 
 
 def _ms(ns: float) -> str:
@@ -85,7 +88,8 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         code = {c: BUBBLE_CAUSES.index(c) for c in BUBBLE_CAUSES}
         queue = cause == code["queue_not_full"]
         starved_queue = queue & (gaps["runnable"].to_numpy() >= p_gap)
-        avoidable_mask = (cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"]) | starved_queue
+        avoidable_mask = ((cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"])
+                          | (cause == code["sampled_token_wait"]) | starved_queue)
         min_ns = max(int(ctx.config.bubble_min_ns), 1)
 
         def per_lane(weights: np.ndarray) -> np.ndarray:
@@ -237,8 +241,8 @@ RULE = Rule(
     id="pipeline_bubble",
     summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
     run=run,
-    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "kv_transfer", "idle_no_requests",
-              "not_measured"),
+    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait", "kv_transfer",
+              "idle_no_requests", "not_measured"),
     needs=(gap_frame,),
     cost=0.03,
 )

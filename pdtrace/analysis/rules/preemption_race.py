@@ -40,6 +40,14 @@ Algorithm (positions are the global time order of `pdtrace.analysis.columns`):
      not finished at the time): warning, the step's save job may read the blocks after Q's write unless the
      connector flushes it on preemption (the trace cannot show the flush). Otherwise silent: plain compute on one
      stream is ordered.
+   - `finished_while_preempted` (error; before `step_in_flight`): the victim's KV is for a peer to read (`req_add`
+     detail `remote_decode`) and its `req_finish` (reason `stop`, `length` or `repetition`) came after the free and
+     before any resume, at or after the output of its last step before the free, which was still in flight at the
+     free (no `req_sched` of the victim in between): under async scheduling that older step's output finished the
+     preempted request (vLLM 0.33's `update_from_output` appends a preempted request's in-flight tokens and checks
+     the stop), holding no block, so the connector has nothing to send (`delay_free` false; NIXL's
+     `request_finished` delays only a request with blocks) and the decode side reads nothing, its KV now the new
+     owner's. Issue 22 item 7, on a prefill instance. `extra.finish_step`, `delay_free`.
 One finding per (free row, new owner, subrule), the blocks grouped; evidence: the preemption, the free, the step
 that used the blocks, the hand-over allocation, Q's first write, and the late completion (plus the earlier rank
 reports for `late_rank_report`).
@@ -64,7 +72,7 @@ from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_b
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.requests import remote_flags, request_state
 from pdtrace.analysis.rulekit import (Evidence, engine_configs, fmt_blocks, groups, int_column_at, sk_instance,
                                       step_index)
 from pdtrace.analysis.rules.premature_free import last_sched_before
@@ -73,7 +81,7 @@ from pdtrace.analysis.steps import detail_int, detail_numbers
 #: Words of an engine_config `connector` name that mark a connector saving running requests' KV in the background.
 STORE_CONNECTOR_WORDS = ("offload", "lmcache", "store", "flexkv", "3fs")
 
-SUBRULES = ("late_rank_report", "async_store", "async_load", "step_in_flight")
+SUBRULES = ("late_rank_report", "async_store", "async_load", "step_in_flight", "finished_while_preempted")
 
 
 @dataclass
@@ -242,10 +250,30 @@ _TEXT = {
     "step_in_flight": "step {step}, which used them for {victim}, was still in flight when {owner} began writing "
                       "them, and this instance's connector saves KV in the background: unless it flushed that "
                       "step's save on the preemption, the save read {owner}'s KV",
+    "finished_while_preempted": "step {step}, in flight when {victim} was preempted, then finished {victim} "
+                                "normally without a block: nothing is left to send, and the decode side that "
+                                "reads {victim}'s KV gets none ({owner} holds those blocks now)",
     "step_in_flight_load": "step {step}, which used them for {victim}, was still in flight when {owner}'s "
                            "asynchronous load (remote or offloaded KV) began writing them: the load is not ordered "
                            "after the step's writes",
 }
+
+
+def _finished_by_older_step(ctx: Any, h: Handovers, step: np.ndarray, out_pos: np.ndarray) -> np.ndarray:
+    """Per hand-over: `finished_while_preempted` (see the module docstring). Numpy over the hand-overs."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    fin = st.finish_pos[h.victim].astype(np.int64)
+    _, decode, _, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, cols.n_requests))
+    fin_row = np.where(fin >= 0, cols.order[np.maximum(fin, 0)], NO)
+    reason = cols.codes("reason")[0][np.maximum(fin_row, 0)]
+    normal = np.isin(reason, [cols.code_of("reason", r) for r in ("stop", "length", "repetition")])
+    before_resume = (h.resume_pos < 0) | (fin < h.resume_pos)
+    # the step that finished it: the victim's last step before the free, still in flight there, no schedule since
+    stale = (h.sched_row >= 0) & (out_pos > h.free_pos) & (fin >= out_pos)
+    last = last_sched_before(ctx, h.victim, np.maximum(fin, 0))
+    stale &= last == h.sched_row
+    return decode[h.victim] & (fin > h.free_pos) & normal & before_resume & stale & (step >= 0)
 
 
 def run(ctx: Any) -> pd.DataFrame:
@@ -295,6 +323,8 @@ def run(ctx: Any) -> pd.DataFrame:
     step = np.where(h.sched_row >= 0, cols.step[np.maximum(h.sched_row, 0)], NO).astype(np.int64)
     out_pos = si.output_pos_of(h.sk, step)
     flying = (h.sched_row >= 0) & ((out_pos > h.write_pos) | ((out_pos < 0) & si.has_outputs[h.sk]))
+    finished_stale = _finished_by_older_step(ctx, h, step, out_pos)
+    subrule[(subrule == "") & finished_stale] = "finished_while_preempted"
     storing = _storing_schedulers(ctx)
     async_write = h.load_unseen
     subrule[ok & (subrule == "") & flying & ~h.write_is_load & (storing[h.sk] | async_write)] = "step_in_flight"
@@ -354,6 +384,15 @@ def run(ctx: Any) -> pd.DataFrame:
             out_row = si.output_row_of(np.array([h.sk[i]]), np.array([step[i]]))[0]
             if out_row >= 0:
                 evidence.append(ev.ref(int(out_row), f"step {int(step[i])}'s output came only here"))
+        elif sub == "finished_while_preempted":
+            fin_row = int(cols.order[st.finish_pos[h.victim[i]]])
+            out_row = si.output_row_of(np.array([h.sk[i]]), np.array([step[i]]))[0]
+            if out_row >= 0:
+                evidence.append(ev.ref(int(out_row), f"step {int(step[i])}'s output, after the preemption"))
+            fin_ref = ev.ref(fin_row, f"{victim} finished by that output, holding no block")
+            evidence.append(fin_ref)
+            delay = cols.table.column("delay_free")[fin_row].as_py()
+            extra.update(finish_step=fin_ref.get("step"), delay_free=delay)
         text = _TEXT["step_in_flight_load" if sub == "step_in_flight" and async_write[i] else sub]
         message = (f"blocks {fmt_blocks(blocks)} of preempted {victim} went to {owner}, and "
                    + text.format(victim=victim, owner=owner, what=what, verb=verb, step=int(step[i])))

@@ -17,6 +17,15 @@ Algorithm:
   allocated to another request before that transfer closed: the still-running transfer reads or writes another
   request's KV. (A still-running *step* writing reused blocks is safe on one CUDA stream, except for asynchronous
   loads, which premature_free reports as `async_load_reuse`.)
+- `transfer_after_reuse`: a rank's report of a transfer (`kv_recv_rank` / `kv_send_rank`) of a request inside one
+  of its release gaps, after a block that gap's free gave up went to another request (the block's next holder was
+  allocated before the report): that rank's transfer was still writing (a load) or reading (a store) the block,
+  now the new owner's KV. vllm#53049: MultiConnector broadcasts `start_load_kv`, two loads start for one request,
+  one completes, the request runs, finishes and is freed, its blocks go to the next request, and the late NIXL
+  load lands in them (its `kv_recv_done` after the final free stays double_free's `completion_after_free`).
+  Left to the rules that own them: a free with reason `preempted` (preemption_race), a free made while the same
+  direction's transfer was open (`reused_during_transfer` above). One finding per (free, direction); `extra`:
+  `new_owner`, `direction`, `ranks` (the late reports' tp ranks), `reports`.
 Lookups are searchsorted joins on (request key, position); one finding per offending event or per free.
 """
 
@@ -185,7 +194,83 @@ def run(ctx: Any) -> pd.DataFrame:
                 "evidence": evidence, "context": f"use_after_free:reused_during_transfer:{d}",
                 "extra": {"new_owner": new, "direction": d},
             })
+    records += _transfer_after_reuse(ctx, ev)
     return findings_frame(records)
+
+
+def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
+    """`transfer_after_reuse` (see the module docstring): rank reports inside a release gap, after a block of the
+    gap's free went to its next holder. Numpy up to the few hits (one searchsorted per lookup); a loop per finding."""
+    cols = columns(ctx)
+    gaps = release_gaps(ctx)
+    rows = cols.req_rows("kv_recv_rank", "kv_send_rank")
+    if len(gaps) == 0 or len(rows) == 0:
+        return []
+    rk = cols.rk[rows]
+    g = gaps.find(rk, cols.pos[rows])
+    inside = np.flatnonzero(g >= 0)
+    if len(inside) == 0:
+        return []
+    st = request_state(ctx)
+    own = ownership(ctx)
+    rows, rk, g = rows[inside], rk[inside], g[inside]
+    free_row = gaps.free_row[g].astype(np.int64)
+    kind_codes, _ = cols.codes("kind")
+    is_recv = kind_codes[rows] == cols.code_of("kind", "kv_recv_rank")
+    reason_codes, reason_names = cols.codes("reason")
+    preempted = cols.code_of("reason", "preempted")
+    fpos = cols.pos[free_row]
+    open_then = np.where(is_recv, st.recv_open_at(rk, fpos), st.send_open_at(rk, fpos))
+    keep = (reason_codes[free_row] != preempted) & ~open_then
+    rows, rk, free_row, is_recv = rows[keep], rk[keep], free_row[keep], is_recv[keep]
+    if len(rows) == 0:
+        return []
+    # the intervals each free closed, and their blocks' next holders
+    by_free = np.argsort(own.free_row, kind="stable")
+    sorted_free = own.free_row[by_free]
+    lo = np.searchsorted(sorted_free, free_row, "left")
+    hi = np.searchsorted(sorted_free, free_row, "right")
+    records: list[dict[str, Any]] = []
+    hits: list[tuple[int, int, int, int]] = []  # (report row, free row, recv, next holder's interval)
+    reused_of: dict[int, set[int]] = {}  # free row -> its blocks in another request's hands at a late report
+    for i in range(len(rows)):  # reports inside a gap after a non-preemption free: a handful
+        intervals = by_free[lo[i]:hi[i]]
+        nxt = own.next_alloc_after(intervals) if len(intervals) else intervals
+        taken = (nxt >= 0) & (own.alloc_pos[np.maximum(nxt, 0)] < cols.pos[rows[i]])
+        if taken.any():
+            first = nxt[taken][np.argmin(own.alloc_pos[nxt[taken]])]
+            hits.append((int(rows[i]), int(free_row[i]), int(is_recv[i]), int(first)))
+            reused_of.setdefault(int(free_row[i]), set()).update(own.block[intervals[taken]].tolist())
+    if not hits:
+        return []
+    h = np.array(hits, dtype=np.int64)
+    for group in groups(h[:, 1] * 2 + h[:, 2]):
+        reports = h[group, 0]
+        free = int(h[group[0], 1])
+        first_new = int(h[group, 3][np.argmin(own.alloc_pos[h[group, 3]])])
+        new_row = int(own.alloc_row[first_new])
+        d = "recv" if h[group[0], 2] else "send"
+        ev.refs([*reports.tolist(), free, new_row])
+        new = ev.ref(new_row).get("req")
+        old = ev.ref(free).get("req")
+        reused = sorted(int(b) for b in reused_of[free])
+        ranks = sorted({int(r) for r in cols.ints_at("tp_rank", reports).tolist() if r >= 0})
+        instance, dp = sk_instance(cols, int(cols.sk[free]))
+        evidence = [ev.ref(int(reports[0]), f"a rank's {d} of {old} reported after its blocks went to {new}"),
+                    ev.ref(free, "blocks given up here"), ev.ref(new_row, f"reallocated to {new}")]
+        evidence += [ev.ref(int(r), "reported after the reuse too") for r in reports[1:4].tolist()]
+        verb = "wrote into" if d == "recv" else "read"
+        records.append({
+            "rule": "use_after_free", "subrule": "transfer_after_reuse", "severity": "error", "instance": instance,
+            "dp_rank": dp, "req": old, "blocks": reused, "step": ev.ref(int(reports[0])).get("step"),
+            "ts_ns": int(cols.ts[reports[0]]),
+            "message": f"a KV {d} of {old} was still running on {len(reports)} rank report(s) after its blocks "
+                       f"{fmt_blocks(reused)} went to {new}: it {verb} {new}'s KV",
+            "evidence": evidence, "context": f"use_after_free:transfer_after_reuse:{d}",
+            "extra": {"new_owner": new, "direction": d, "ranks": ranks, "reports": len(reports),
+                      "free_reason": reason_names[reason_codes[free]] if reason_codes[free] >= 0 else None},
+        })
+    return records
 
 
 RULE = Rule(
@@ -193,7 +278,8 @@ RULE = Rule(
     summary="a block used again by its old owner after the free, or reused while the old owner's transfer still "
             "runs",
     run=run,
-    subrules=("sched_after_free", "remote_read", "completion_after_free", "reused_during_transfer"),
+    subrules=("sched_after_free", "remote_read", "completion_after_free", "reused_during_transfer",
+              "transfer_after_reuse"),
     needs=(request_state, ownership, release_gaps),
     cost=0.02,
 )
