@@ -16,6 +16,7 @@ import pytest
 import scenarios
 import scenarios_pipeline
 import scenarios_preemption
+import scenarios_reuse
 from conftest import REPO, SAMPLE_TRACES
 from pdtrace.analysis import analyze, checked_findings
 from pdtrace.analysis.findings import FINDING_COLUMNS, findings_frame
@@ -31,6 +32,8 @@ def _traces() -> dict:
     out.update({f"preemption:{k}": v for k, v in scenarios_preemption.all_scenarios().items()})
     out.update({f"pipeline:{k}": getattr(scenarios_pipeline, k) for k in dir(scenarios_pipeline)
                 if k.endswith("_pp4")})
+    out.update({"reuse:late_load_into_reused_blocks": scenarios_reuse.double_load,
+                "reuse:preempted_finished_by_older_step": scenarios_reuse.preempted_then_finished})
     return out
 
 
