@@ -297,11 +297,15 @@ class FlightRecorder(Recorder):
                 bound = max(MIN_ROWS, int(self.max_bytes / self.row_bytes)) if self.row_bytes else rows
                 by_time = _first_at_or_after(flat, rows, oldest)
                 cut = max(by_time, rows - bound)
+                if cut > by_time:  # cut at a ts boundary: the window then starts right after the newest cut row
+                    newest = max(flat[0:cut * ROW_WIDTH:ROW_WIDTH])
+                    while cut < rows and flat[cut * ROW_WIDTH] <= newest:
+                        cut += 1
                 if cut > 0:
                     extra = _batch_extra(flat, cut)
                     if cut > by_time:  # the MB bound cut into the window
                         self.trimmed_events += cut - by_time + extra - _batch_extra(flat, by_time)
-                        self._trim_cut_ts = max(self._trim_cut_ts or 0, flat[(cut - 1) * ROW_WIDTH])
+                        self._trim_cut_ts = max(self._trim_cut_ts or 0, newest)
                     del flat[:cut * ROW_WIDTH]
                     self._batched = max(0, self._batched - extra)
                 # The slow path wakes this thread at the bound, and drops the newest past twice the bound.
