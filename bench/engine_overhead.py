@@ -282,13 +282,18 @@ def count_events(trace: Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in trace.rglob("part-*.parquet"))
 
 
-def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None, tree: Path = ROOT) -> dict:
-    """One child run (this script with --child) importing pdtrace from `tree` (default this checkout)."""
+def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None, tree: Path = ROOT,
+              flight: float | None = None) -> dict:
+    """One child run (this script with --child) importing pdtrace from `tree` (default this checkout); with
+    `flight`, in flight mode (PDTRACE_FLIGHT: nothing written, so its events are not counted here)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPATH": str(tree) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    env.pop("PDTRACE_TRACE_DIR", None)
+    for name in ("PDTRACE_TRACE_DIR", "PDTRACE_FLIGHT", "PDTRACE_FLIGHT_MB", "PDTRACE_FLIGHT_DUMP_ON_EXIT"):
+        env.pop(name, None)
     if trace is not None:
         env["PDTRACE_TRACE_DIR"] = str(trace)
+    if flight is not None:
+        env["PDTRACE_FLIGHT"] = str(flight)
     cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests), "--seed", str(args.seed),
            "--arrivals", str(args.arrivals), "--mode", mode or ("full" if trace is not None else "plain")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -298,8 +303,44 @@ def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = N
     if result["recording"] != (trace is not None):
         raise SystemExit("the child's recording state is not what was asked (is pdtrace's entry point installed "
                          "in this venv?)")
-    result["events"] = count_events(trace) if trace is not None else 0
+    result["events"] = count_events(trace) if trace is not None and flight is None else 0
+    if flight is not None and any(trace.rglob("*.parquet")):
+        raise SystemExit("flight mode wrote part files while healthy")
     return result
+
+
+def flight_rounds(args: argparse.Namespace) -> None:
+    """--flight SECONDS: per round a plain child, a fully recorded child and a child in flight mode (the ring of
+    the last SECONDS, trimmed every 0.5 s, nothing written), in separate processes, the order rotating. Prints
+    each mode's median added time per step over plain, with the spread of the rounds' paired differences, and the
+    flight - full difference: flight mode must cost no more per event than full recording."""
+    tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
+
+    def run(kind: str, i: int) -> dict:
+        if kind == "plain":
+            return run_child(args, None)
+        return run_child(args, tmp / f"{kind}-{i}", flight=args.flight if kind == "flight" else None)
+
+    runs = _rotating_rounds(args.rounds, ["plain", "full", "flight"], run, "wall_ns", "loop wall")
+    steps = statistics.median(r["steps"] for r in runs["full"])
+    events = statistics.median(r["events"] for r in runs["full"])
+    print(f"workload: {args.requests} requests, {steps:.0f} steps, {events:.0f} events (full recording); "
+          f"--flight {args.flight} s; {args.rounds} rotating rounds, separate processes, {os.cpu_count()} CPUs")
+    print(f"{'':22s}{'plain':>10s}  {'full: us/step added':>30s}  {'flight: us/step added':>30s}  "
+          f"{'flight - full':>22s}")
+    for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
+                       ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+exit)"),
+                       ("tree_ns", "tree CPU (+exit)")):
+        plain = runs["plain"]
+        base = statistics.median(r[key] for r in plain) / steps / 1e3
+
+        def added(kind: str) -> list[float]:
+            return [(y[key] - x[key]) / steps / 1e3 for x, y in zip(plain, runs[kind])]
+
+        full, fl = added("full"), added("flight")
+        diff = [b - a for a, b in zip(full, fl)]
+        cells = [f"{statistics.median(v):+7.1f} ({min(v):+6.1f} .. {max(v):+6.1f})" for v in (full, fl, diff)]
+        print(f"{label:22s}{base:8.0f}us  {cells[0]:>30s}  {cells[1]:>30s}  {cells[2]:>22s}")
 
 
 def spread(values: list[float]) -> str:
@@ -334,7 +375,12 @@ def main() -> None:
                     help="run the four --mode variants in one process (fresh engine per run): a tighter A/B")
     ap.add_argument("--decompose", action="store_true",
                     help="run the four --mode variants per round (rotating order) and print each one's cost")
+    ap.add_argument("--flight", type=float, metavar="SECONDS",
+                    help="compare plain, full recording and flight mode (PDTRACE_FLIGHT=SECONDS) per round")
     args = ap.parse_args()
+    if args.flight is not None and not args.child:
+        flight_rounds(args)
+        return
     if args.child:
         if args.mode is None:
             args.mode = "full" if os.environ.get("PDTRACE_TRACE_DIR") else "plain"
