@@ -376,9 +376,10 @@ def main() -> None:
     ap.add_argument("--decompose", action="store_true",
                     help="run the four --mode variants per round (rotating order) and print each one's cost")
     ap.add_argument("--flight", type=float, metavar="SECONDS",
-                    help="compare plain, full recording and flight mode (PDTRACE_FLIGHT=SECONDS) per round")
+                    help="compare plain, full recording and flight mode (PDTRACE_FLIGHT=SECONDS) per round (with "
+                         "--in-process: in one process)")
     args = ap.parse_args()
-    if args.flight is not None and not args.child:
+    if args.flight is not None and not args.child and not args.in_process:
         flight_rounds(args)
         return
     if args.child:
@@ -510,8 +511,15 @@ def in_process(args: argparse.Namespace) -> None:
     session.configure_from_env(source="vllm-bench")
     emits = Channel.emit, Channel.emit_many, Channel.emit_counts
 
+    directory = os.environ["PDTRACE_TRACE_DIR"]
+
     def set_mode(mode: str) -> None:
         Channel.emit, Channel.emit_many, Channel.emit_counts = emits
+        if args.flight is not None and mode in ("full", "flight"):  # a new session: fresh recorders of the mode
+            from pdtrace.recording.flight import FlightConfig
+
+            session.configure(directory, source="vllm-bench",
+                              flight=FlightConfig(args.flight) if mode == "flight" else None)
         if mode == "plain":
             uninstall_hooks()
             return
@@ -531,7 +539,7 @@ def in_process(args: argparse.Namespace) -> None:
         gc.collect()
         return result
 
-    modes = list(MODES)
+    modes = list(MODES) if args.flight is None else ["plain", "full", "flight"]
     set_mode("plain")
     engine = make()  # warm-up run: vLLM's and pdtrace's first-call costs, out of every mode's figures
     _drive(engine, executor_class, args, "warm-")
@@ -549,7 +557,8 @@ def in_process(args: argparse.Namespace) -> None:
               f"{statistics.median(r['gc_collections'] for r in runs[mode]):6.0f}"
               f"{statistics.median(r['gc_ns'] for r in runs[mode]) / 1e6:7.1f}"
               f"{statistics.mean(diffs):+12.1f} +- {two_se(diffs):.1f} ms")
-    print("; ".join(f"{k}: {v}" for k, v in MODES.items()))
+    print("; ".join(f"{k}: {v}" for k, v in {**MODES, "flight": f"flight mode, {args.flight} s"}.items()
+                    if k in modes))
 
 
 def decompose(args: argparse.Namespace) -> None:

@@ -250,6 +250,9 @@ def test_pdtrace_dump_asks_every_process_and_the_dump_is_a_trace(tmp_path, worke
     analysis = pdtrace("analyze", dump)
     assert analysis.returncode == 0, analysis.stdout + analysis.stderr
     assert all(p.poll() is None for p in (a1, a2, b))
+    whole = pdtrace("analyze", trace)  # the run's folder holds overlapping windows: not one trace
+    assert whole.returncode == 2 and whole.stderr.count("\n") == 1 and "flight recording" in whole.stderr
+    assert str(dump) in whole.stderr
     assert pdtrace("dump", trace).returncode == 0 and (trace / "dump-0002").is_dir()  # a second dump: its own folder
     assert parts(dump) == {"A": sorted([a1.pid, a2.pid]), "B": [b.pid]}
 

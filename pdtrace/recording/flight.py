@@ -274,6 +274,12 @@ class FlightRecorder(Recorder):
             self._controller.at_exit()
         super().close()
 
+    def _after_fork_child(self) -> None:
+        # The parent's recorder, copied into a forked child: inert there (the child opens its own, with its own
+        # controller); it must never dump or register as the parent.
+        super()._after_fork_child()
+        self._controller = None
+
     def flush(self) -> None:
         """What a hook calls when the process may die next (after recording `engine_error`): for a flight
         recorder, dump this instance's window, across its processes. Returns at once. Never raises."""
