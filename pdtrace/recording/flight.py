@@ -331,9 +331,15 @@ class FlightRecorder(Recorder):
             trimmed = self.trimmed_events
             cut_ts = self._trim_cut_ts
         window_start = now_ns - int(self.seconds * 1e9)
-        if cut_ts is not None and cut_ts >= window_start:
-            window_start = cut_ts + 1
         rows = len(flat) // ROW_WIDTH
+        if cut_ts is not None and cut_ts >= window_start:
+            # Rows stamped at or before the cut that came in after it (another thread's, or the rest of a step
+            # stamped with one clock read) are outside the window as well: cut, and counted.
+            in_time = _first_at_or_after(flat, rows, window_start)
+            window_start = cut_ts + 1
+            late = _first_at_or_after(flat, rows, window_start)
+            if late > in_time:
+                trimmed += late - in_time + _batch_extra(flat, late) - _batch_extra(flat, in_time)
         first = _first_at_or_after(flat, rows, window_start)
         if first:
             del flat[:first * ROW_WIDTH]
