@@ -153,6 +153,7 @@ def test_ring_memory_bound_cuts_the_window_and_says_so(tmp_path):
     assert rows >= flight.MIN_ROWS
     emitted = 20_000 * 4
     flat, events, facts = rec.snapshot(clock.now)
+    assert rec.dropped_events == 0  # the ring dropped its oldest events, never the newest
     assert facts["trimmed"] == emitted - events  # every event cut is counted (batch entries as their events)
     first_kept = flat[0]
     assert facts["window_start_ns"] > clock.now - 600 * 10**9  # the window really reaches less far back

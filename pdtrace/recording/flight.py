@@ -15,8 +15,9 @@ the MB bound (the bound in rows is MB over the bytes per row, estimated each tri
 rows: the buffer slots and the objects they hold, one level deep; request ids shared with vLLM are counted too, so
 the estimate errs high). Events the MB bound cuts from inside the SECONDS window are counted
 (`pdtrace.flight_trimmed_events`) and the dump's window then starts after the newest of them: the dump says how
-far back it really reaches. Past twice the row bound (a trimmer that cannot keep up) the Recorder drops the newest
-events as it does when full, with its `recorder_gap` row and drop counter.
+far back it really reaches. Past the row bound the emitting thread trims (to 90 % of it) in the slow path, so a
+starved trimmer thread costs the oldest events, never the newest; the Recorder's own drop of the newest (its
+`recorder_gap` row and drop counter) is left for four times past it.
 
 Dumps. A dump N is a trace directory of format v1, `DIR/dump-NNNN/`: its `_manifest.json` (`flight: true`,
 `window_start_ns`, the reason, and per process its status, events and window) and one part file per writer,
@@ -241,6 +242,7 @@ class FlightRecorder(Recorder):
         self.trimmed_events = 0  # events the MB bound cut from inside the time window
         self._trim_cut_ts: int | None = None  # ts of the newest of them
         self.row_bytes = 0.0
+        self._row_bound = self.flush_events
         self.started_ns = self._clock()
         if controller is not None:
             controller.add(self)
@@ -289,8 +291,17 @@ class FlightRecorder(Recorder):
         except Exception:
             self._count_error()
 
-    def trim(self, now_ns: int | None = None) -> None:
-        """Drop the rows older than the window, then the oldest past the memory bound (counted). Never raises."""
+    def _slow_add(self, row: tuple, events: int = 1) -> None:
+        # Past the row bound the ring makes room itself, on the emitting thread, down to 90 % of it (so once per
+        # tenth of a window at most): a busy machine can starve the trimmer thread, and a ring drops its oldest
+        # events, not the newest.
+        if len(self._rows) >= self._row_bound * ROW_WIDTH and self._state == _recorder._ON:
+            self.trim(slack=0.9)
+        super()._slow_add(row, events)
+
+    def trim(self, now_ns: int | None = None, slack: float = 1.0) -> None:
+        """Drop the rows older than the window, then the oldest past the memory bound (times `slack`; counted).
+        Never raises."""
         try:
             now = self._clock() if now_ns is None else now_ns
             oldest = now - int(self.seconds * 1e9)
@@ -302,7 +313,7 @@ class FlightRecorder(Recorder):
                 self.row_bytes = estimate_row_bytes(flat, rows) or self.row_bytes
                 bound = max(MIN_ROWS, int(self.max_bytes / self.row_bytes)) if self.row_bytes else rows
                 by_time = _first_at_or_after(flat, rows, oldest)
-                cut = max(by_time, rows - bound)
+                cut = max(by_time, rows - int(bound * slack))
                 if cut > by_time:  # cut at a ts boundary: the window then starts right after the newest cut row
                     newest = max(flat[0:cut * ROW_WIDTH:ROW_WIDTH])
                     while cut < rows and flat[cut * ROW_WIDTH] <= newest:
@@ -314,9 +325,12 @@ class FlightRecorder(Recorder):
                         self._trim_cut_ts = max(self._trim_cut_ts or 0, newest)
                     del flat[:cut * ROW_WIDTH]
                     self._batched = max(0, self._batched - extra)
-                # The slow path wakes this thread at the bound, and drops the newest past twice the bound.
-                self.flush_events = bound
-                self.max_buffered_events = 2 * bound
+                # The Recorder counts its limits in events (a batch entry's extra events included), the ring in
+                # rows: the hot path hands over to the slow path (which trims) at the row bound, and the Recorder
+                # drops the newest only far past it.
+                self._row_bound = bound
+                self.flush_events = bound + self._batched
+                self.max_buffered_events = 4 * self.flush_events
                 self._wake_pending = False
                 self._set_threshold()
         except Exception:
@@ -574,7 +588,7 @@ class FlightController:
                 self._thread.start()
 
     def _loop(self) -> None:
-        while True:
+        while not (self._exited and not self._busy):  # ends once the process's session is over (at_exit)
             self._wake.wait(POLL_S)
             self._wake.clear()
             self.serve()
@@ -724,6 +738,7 @@ class FlightController:
                     self.trigger("exit", self.instances())
             self.wait_idle(EXIT_WAIT_S)
             (self.directory / REGISTRY / "procs" / f"{self.pid}.json").unlink(missing_ok=True)
+            self._wake.set()  # let the thread see the end
         except Exception as exc:
             self._count(exc)
 
