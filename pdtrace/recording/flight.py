@@ -6,7 +6,8 @@
 
 Modelled on PyTorch's Flight Recorder (a ring buffer per rank, always on, dumped on a watchdog timeout or on
 demand). While the engine is healthy nothing is written: no part file, no writer process; the only file a process
-writes is its registration, `DIR/_flight/procs/<pid>.json` (its instances, its start time, the dump signal).
+writes is its registration, `DIR/_flight/procs/<pid>.json` (its host, instances, start time, the dump signal;
+touched every `HEARTBEAT_S`, so that a `pdtrace dump` on another host sharing the directory knows it is alive).
 
 The ring (`FlightRecorder`): the Recorder's own flat buffer and hot path, unchanged, so an event costs what it costs
 in full recording. Its writer thread, instead of taking rows to write them, trims the buffer every
@@ -41,7 +42,8 @@ process's flight thread serves the requests naming it: it wakes on the signal, a
 (one stat every `POLL_S`), so a process whose main thread is stuck in C code (where Python runs no signal handler)
 still dumps, and so does one whose handler could not be installed. A signal goes only to a process that is alive,
 has the start time it registered (not a reused pid) and catches that signal (Linux's /proc SigCgt; elsewhere no
-signal, the poll serves it): the default action of SIGUSR2 would kill it.
+signal, the poll serves it): the default action of SIGUSR2 would kill it. Processes on other hosts (a shared trace
+directory) are never signalled: their poll serves the request.
 
 A dump never blocks or kills the engine: the engine's thread only appends a trigger and sets an event; the copy of
 the ring (one slice under the recorder's state lock, which the hot path never takes), the conversion and the write
@@ -97,6 +99,8 @@ POLL_S = 0.5
 SAMPLE_ROWS = 32
 #: How long a request's announced signal is waited for (then a signal is taken as a user's).
 SIGNAL_GRACE_S = 5.0
+#: How often a process touches its registration (liveness, as another host sees it).
+HEARTBEAT_S = 10.0
 #: How long exit and SIGTERM wait for a dump in progress.
 EXIT_WAIT_S = 20.0
 #: The row bound never goes below this (an odd sample cannot make the ring useless).
@@ -430,13 +434,31 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _host() -> str:
+    import socket
+
+    try:
+        return socket.gethostname()
+    except OSError:
+        return ""
+
+
 def live_processes(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The registrations under `directory/_flight/procs` of processes still alive with the start time they
-    registered (a reused pid is not one of them)."""
+    """The registrations under `directory/_flight/procs` of processes still alive: on this host, alive with the
+    start time they registered (a reused pid is not one of them); on another host (a shared trace directory),
+    their registration touched within 3 heartbeats."""
     found = []
+    host = _host()
     for path in sorted(Path(directory, REGISTRY, "procs").glob("*.json")):
         entry = _read_json(path)
         if not isinstance(entry, dict) or not isinstance(entry.get("pid"), int):
+            continue
+        if entry.get("host", host) != host:
+            try:
+                if time.time() - path.stat().st_mtime <= 3 * HEARTBEAT_S:
+                    found.append(entry)
+            except OSError:
+                pass
             continue
         pid = entry["pid"]
         try:
@@ -482,12 +504,13 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
             if key in top:
                 manifest.setdefault(key, top[key])
     _write_json(folder / MANIFEST_NAME, manifest)
-    me = os.getpid()
+    me, host = os.getpid(), _host()
     signals: dict[int, int] = {}
     for target in targets:
         pid, name = target["pid"], target.get("signal")
         signum = getattr(signal, name, None) if isinstance(name, str) else None
-        if pid != me and isinstance(signum, int) and _catches(pid, signum):
+        if (pid != me and isinstance(signum, int) and target.get("host", host) == host
+                and _catches(pid, signum)):
             signals[pid] = signum  # the others: their poll serves the request
     _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
                                                   "pids": [t["pid"] for t in targets],
@@ -588,10 +611,17 @@ class FlightController:
                 self._thread.start()
 
     def _loop(self) -> None:
+        beat = time.monotonic()
         while not (self._exited and not self._busy):  # ends once the process's session is over (at_exit)
             self._wake.wait(POLL_S)
             self._wake.clear()
             self.serve()
+            if time.monotonic() - beat >= HEARTBEAT_S:  # alive, for a `pdtrace dump` on another host
+                beat = time.monotonic()
+                try:
+                    os.utime(self.directory / REGISTRY / "procs" / f"{self.pid}.json")
+                except OSError:
+                    pass
 
     def serve(self) -> None:
         """Create the requests of pending triggers and signals, then write this process's part of every request
@@ -654,9 +684,11 @@ class FlightController:
             mtime = folder.stat().st_mtime_ns
         except OSError:
             return
-        names = sorted(p.name for p in folder.glob("*.json"))
-        if mtime == self._requests_mtime and all(name in self._seen for name in names):
+        # One stat per poll while nothing changes; a folder changed within the last 2 s is listed again (a
+        # filesystem with coarse timestamps can give two requests one mtime).
+        if mtime == self._requests_mtime and time.time_ns() - mtime > 2e9:
             return
+        names = sorted(p.name for p in folder.glob("*.json"))
         self._requests_mtime = mtime
         for name in names:
             if name in self._seen:
@@ -714,7 +746,8 @@ class FlightController:
     # -- registration --
 
     def _registration(self) -> dict[str, Any]:
-        return {"pid": self.pid, "start_time": _proc_start_time(self.pid), "instances": self.instances(),
+        return {"pid": self.pid, "host": _host(), "start_time": _proc_start_time(self.pid),
+                "instances": self.instances(),
                 "signal": self.config.signal_name if _installed_signal == self.config.signum else None,
                 "seconds": self.config.seconds, "mb": self.config.mb, "registered_ns": time.time_ns(),
                 "argv": sys.argv[:4]}
