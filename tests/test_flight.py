@@ -272,6 +272,54 @@ def test_engine_failure_dumps_every_process_of_the_instance(tmp_path, worker):
     assert healthy_a.poll() is None and b.poll() is None
 
 
+FORKING_WORKER = """
+import os, sys, time
+from pdtrace.recording import session
+session.configure_from_env("test")
+rec = session.recorder("A", "both")
+rec.emit("sched", step=0)
+child = os.fork()  # as vLLM forks its workers after the plugin ran: the child opens its own recorder
+if child == 0:
+    worker = session.recorder("A", "both").channel("worker", tp_rank=1)
+    for step in range(100000):
+        worker.emit("step_submit", step=step)
+        time.sleep(0.001)
+    os._exit(0)
+print(child, flush=True)
+for step in range(1, 100000):
+    rec.emit("sched", step=step)
+    time.sleep(0.001)
+"""
+
+
+def test_forked_child_registers_and_dumps_with_its_parent(tmp_path):
+    trace = tmp_path / "trace"
+    script = tmp_path / "forking.py"
+    script.write_text(FORKING_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PDTRACE_TRACE_DIR": str(trace), flight.ENV_SECONDS: "30"}
+    parent = subprocess.Popen([PY, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert wait_for(lambda: len(list((trace / "_flight" / "procs").glob("*.json"))) == 2)
+        os.kill(child, signal.SIGUSR2)  # the child's handler is its parent's, inherited through fork
+        dump = trace / "dump-0001"
+        assert wait_for(lambda: done(dump))
+        assert parts(dump) == {"A": sorted([parent.pid, child])}
+        kinds = {pid: set(pq.read_table(next(dump.glob(f"A/{pid}/part-*.parquet")), columns=["kind"])
+                          .column("kind").to_pylist()) for pid in (parent.pid, child)}
+        assert kinds == {parent.pid: {"sched"}, child: {"step_submit"}}  # each its own events only
+        assert parent.poll() is None
+        os.kill(child, 0)
+    finally:
+        parent.kill()
+        parent.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
 def test_dump_on_exit_only_when_asked(tmp_path, worker):
     asked, plain = tmp_path / "asked", tmp_path / "plain"
     first = worker(asked, "A", "end", "0.5", PDTRACE_FLIGHT_DUMP_ON_EXIT="1")
