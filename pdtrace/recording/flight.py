@@ -9,16 +9,16 @@ demand). While the engine is healthy nothing is written: no part file, no writer
 writes is its registration, `DIR/_flight/procs/<pid>.json` (its host, instances, start time, the dump signal;
 touched every `HEARTBEAT_S`, so that a `pdtrace dump` on another host sharing the directory knows it is alive).
 
-The ring (`FlightRecorder`): the Recorder's own flat buffer and hot path, unchanged, so an event costs what it costs
-in full recording. Its writer thread, instead of taking rows to write them, trims the buffer every
-`TRIM_INTERVAL_S` (and when the buffer passes its row bound): rows older than SECONDS go, then the oldest rows past
-the MB bound (the bound in rows is MB over the bytes per row, estimated each trim from a sample of `SAMPLE_ROWS`
-rows: the buffer slots and the objects they hold, one level deep; request ids shared with vLLM are counted too, so
-the estimate errs high). Events the MB bound cuts from inside the SECONDS window are counted
-(`pdtrace.flight_trimmed_events`) and the dump's window then starts after the newest of them: the dump says how
-far back it really reaches. Past the row bound the emitting thread trims (to 90 % of it) in the slow path, so a
-starved trimmer thread costs the oldest events, never the newest; the Recorder's own drop of the newest (its
-`recorder_gap` row and drop counter) is left for four times past it.
+The ring (`FlightRecorder`): the Recorder's own buffer and hot path, unchanged, so an event costs the emitting
+thread what it costs in full recording. Its writer thread takes the buffered rows as full recording's does (every
+`TRIM_INTERVAL_S`, or when `flush_events` rows wait), but keeps them as chunks of the ring instead of writing them:
+chunks older than SECONDS go, then the oldest chunks past the MB bound (bytes estimated per chunk from a sample of
+`SAMPLE_ROWS` rows: the buffer slots and the objects they hold, one level deep; request ids shared with vLLM are
+counted too, so the estimate errs high; a chunk is at most an eighth of the bound). Events the MB bound cuts from
+inside the SECONDS window are counted (`pdtrace.flight_trimmed_events`) and the dump's window then starts after
+the newest of them: the dump says how far back it really reaches. The Recorder's own drop of the newest events
+(its `recorder_gap` row and drop counter) happens only where full recording's would: the trimmer thread starved
+while `max_buffered_events` rows wait.
 
 Dumps. A dump N is a trace directory of format v1, `DIR/dump-NNNN/`: its `_manifest.json` (`flight: true`,
 `window_start_ns`, the reason, and per process its status, events and window) and one part file per writer,
@@ -63,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -104,8 +105,8 @@ SIGNAL_GRACE_S = 5.0
 HEARTBEAT_S = 10.0
 #: How long exit and SIGTERM wait for a dump in progress.
 EXIT_WAIT_S = 20.0
-#: The row bound never goes below this (an odd sample cannot make the ring useless).
-MIN_ROWS = 1024
+#: The smallest chunk the ring cuts the taken rows into (a chunk is an eighth of the bound, at most).
+MIN_PIECE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -230,27 +231,56 @@ def _batch_extra(flat: list[Any], rows: int) -> int:
     return extra
 
 
+class _Chunk:
+    """Rows the trimmer took from the Recorder's buffer, as they were (a flat list), with what trimming needs."""
+
+    __slots__ = ("flat", "rows", "events", "last_ts", "bytes")
+
+    def __init__(self, flat: list[Any], row_bytes: float) -> None:
+        self.flat = flat
+        self.rows = len(flat) // ROW_WIDTH
+        self.events = self.rows + _batch_extra(flat, self.rows)
+        self.last_ts = max(flat[0::ROW_WIDTH])
+        self.bytes = row_bytes * self.rows
+
+
 class FlightRecorder(Recorder):
     """A Recorder that keeps its last `seconds` of events in memory (about `max_bytes` at most) and writes only
-    when dumped (see the module docstring). The emit path is the Recorder's own; the writer thread trims."""
+    when dumped (see the module docstring). The emit path is the Recorder's own, and so is the buffer: its writer
+    thread takes the rows every TRIM_INTERVAL_S (or at `flush_events`) as full recording's does, but keeps them as
+    chunks of the ring instead of writing them, and drops the chunks that fall out of the window or the bound.
+
+    Why chunks, not one list of the whole window: with the window in the Recorder's flat list (trimmed by deleting
+    its head), the emitting thread paid +450 ns per event over full recording (bench/flight.py, a 2 s window of
+    100k events/s: 976 vs 526 ns, the list's growth past millions of slots); with the buffer taken as in full
+    recording and kept as chunks, the emitting thread's work is full recording's."""
 
     def __init__(self, directory: str | os.PathLike[str], instance: str, *, seconds: float,
                  max_bytes: int = int(DEFAULT_MB * 1024 * 1024), controller: "FlightController | None" = None,
                  **kwargs: Any) -> None:
         kwargs.setdefault("flush_interval_s", TRIM_INTERVAL_S)
-        kwargs.setdefault("flush_events", 1 << 20)
-        kwargs.setdefault("max_buffered_events", 1 << 21)
         super().__init__(directory, instance, **kwargs)
         self.seconds = float(seconds)
         self.max_bytes = int(max_bytes)
         self._controller = controller
+        self._chunks: deque[_Chunk] = deque()
+        self._ring_lock = threading.Lock()  # the chunks: the trimmer and a dump (never the emitting thread)
         self.trimmed_events = 0  # events the MB bound cut from inside the time window
         self._trim_cut_ts: int | None = None  # ts of the newest of them
         self.row_bytes = 0.0
-        self._row_bound = self.flush_events
         self.started_ns = self._clock()
         if controller is not None:
             controller.add(self)
+
+    @property
+    def buffered_events(self) -> int:
+        """Events held: the ring's chunks and the rows not taken yet."""
+        return super().buffered_events + sum(chunk.events for chunk in list(self._chunks))
+
+    @property
+    def ring_bytes(self) -> float:
+        """The estimated bytes of the ring's chunks (what `max_bytes` bounds)."""
+        return sum(chunk.bytes for chunk in list(self._chunks))
 
     # The writer thread is the trimmer: it never writes, and never starts a writer process.
     def _run(self) -> None:
@@ -283,9 +313,11 @@ class FlightRecorder(Recorder):
 
     def _after_fork_child(self) -> None:
         # The parent's recorder, copied into a forked child: inert there (the child opens its own, with its own
-        # controller); it must never dump or register as the parent.
+        # controller); it must never dump or register as the parent, nor keep the parent's window alive.
         super()._after_fork_child()
         self._controller = None
+        self._ring_lock = threading.Lock()
+        self._chunks = deque()
 
     def flush(self) -> None:
         """What a hook calls when the process may die next (after recording `engine_error`): for a flight
@@ -296,60 +328,70 @@ class FlightRecorder(Recorder):
         except Exception:
             self._count_error()
 
-    def _slow_add(self, row: tuple, events: int = 1) -> None:
-        # Past the row bound the ring makes room itself, on the emitting thread, down to 90 % of it (so once per
-        # tenth of a window at most): a busy machine can starve the trimmer thread, and a ring drops its oldest
-        # events, not the newest.
-        if len(self._rows) >= self._row_bound * ROW_WIDTH and self._state == _recorder._ON:
-            self.trim(slack=0.9)
-        super()._slow_add(row, events)
+    def _take(self) -> list[Any]:
+        """The rows not taken yet, out of the Recorder's buffer (as its writer takes them)."""
+        with self._state_lock:
+            slots = len(self._rows)
+            if not slots:
+                return []
+            taken = self._rows[:slots]
+            del self._rows[:slots]
+            self._batched = 0
+            self._wake_pending = False
+            self._set_threshold()
+        return taken
 
-    def trim(self, now_ns: int | None = None, slack: float = 1.0) -> None:
-        """Drop the rows older than the window, then the oldest past the memory bound (times `slack`; counted).
-        Never raises."""
+    def trim(self, now_ns: int | None = None) -> None:
+        """Take the new rows into the ring (in chunks of at most an eighth of the bound), drop the chunks older
+        than the window, then the oldest past the memory bound (their events in the window counted). Never
+        raises."""
         try:
+            taken = self._take()
             now = self._clock() if now_ns is None else now_ns
             oldest = now - int(self.seconds * 1e9)
-            with self._state_lock:
-                flat = self._rows
-                rows = len(flat) // ROW_WIDTH
-                if rows == 0:
-                    return
-                self.row_bytes = estimate_row_bytes(flat, rows) or self.row_bytes
-                bound = max(MIN_ROWS, int(self.max_bytes / self.row_bytes)) if self.row_bytes else rows
-                by_time = _first_at_or_after(flat, rows, oldest)
-                cut = max(by_time, rows - int(bound * slack))
-                if cut > by_time:  # cut at a ts boundary: the window then starts right after the newest cut row
-                    newest = max(flat[0:cut * ROW_WIDTH:ROW_WIDTH])
-                    while cut < rows and flat[cut * ROW_WIDTH] <= newest:
-                        cut += 1
-                if cut > 0:
-                    extra = _batch_extra(flat, cut)
-                    if cut > by_time:  # the MB bound cut into the window
-                        self.trimmed_events += cut - by_time + extra - _batch_extra(flat, by_time)
-                        self._trim_cut_ts = max(self._trim_cut_ts or 0, newest)
-                    del flat[:cut * ROW_WIDTH]
-                    self._batched = max(0, self._batched - extra)
-                # The Recorder counts its limits in events (a batch entry's extra events included), the ring in
-                # rows: the hot path hands over to the slow path (which trims) at the row bound, and the Recorder
-                # drops the newest only far past it.
-                self._row_bound = bound
-                self.flush_events = bound + self._batched
-                self.max_buffered_events = 4 * self.flush_events
-                self._wake_pending = False
-                self._set_threshold()
+            with self._ring_lock:
+                if taken:
+                    rows = len(taken) // ROW_WIDTH
+                    self.row_bytes = estimate_row_bytes(taken, rows) or self.row_bytes
+                    bound_rows = int(self.max_bytes / self.row_bytes) if self.row_bytes else rows
+                    piece = max(MIN_PIECE_ROWS, bound_rows // 8)
+                    # The buffer's hand-over threshold follows the bound (full recording's is 65536 rows).
+                    self.flush_events = min(65536, piece)
+                    for start in range(0, rows, piece):
+                        part = taken if rows <= piece else taken[start * ROW_WIDTH:(start + piece) * ROW_WIDTH]
+                        self._chunks.append(_Chunk(part, self.row_bytes))
+                chunks = self._chunks
+                while chunks and chunks[0].last_ts < oldest:
+                    chunks.popleft()
+                total = sum(chunk.bytes for chunk in chunks)
+                while len(chunks) > 1 and total > self.max_bytes:
+                    chunk = chunks.popleft()
+                    total -= chunk.bytes
+                    inside = _first_at_or_after(chunk.flat, chunk.rows, oldest)
+                    self.trimmed_events += (chunk.rows - inside + _batch_extra(chunk.flat, chunk.rows)
+                                            - _batch_extra(chunk.flat, inside))
+                    self._trim_cut_ts = max(self._trim_cut_ts or 0, chunk.last_ts)
         except Exception:
             self._count_error()
 
     def snapshot(self, now_ns: int) -> tuple[list[Any], int, dict[str, Any]]:
-        """(flat rows of the window, events, facts) at `now_ns`: one slice copy under the state lock."""
-        with self._state_lock:
-            flat = self._rows[:]
-            channels = list(self._channel_keys)
-            dropped = self._dropped
+        """(flat rows of the window, events, facts) at `now_ns`: the ring's chunks and the rows not taken yet,
+        copied into one flat list (on the dumping thread; the emitting thread only waits for the state lock's
+        slice copy, as for a take of full recording's writer)."""
+        with self._ring_lock:
+            chunks = list(self._chunks)
             trimmed = self.trimmed_events
             cut_ts = self._trim_cut_ts
+        with self._state_lock:
+            current = self._rows[:]
+            channels = list(self._channel_keys)
+            dropped = self._dropped
         window_start = now_ns - int(self.seconds * 1e9)
+        flat: list[Any] = []
+        for chunk in chunks:
+            if chunk.last_ts >= window_start:
+                flat += chunk.flat
+        flat += current
         rows = len(flat) // ROW_WIDTH
         if cut_ts is not None and cut_ts >= window_start:
             # Rows stamped at or before the cut that came in after it (another thread's, or the rest of a step
@@ -370,9 +412,13 @@ class FlightRecorder(Recorder):
     def newest_ts(self) -> int | None:
         flat = self._rows
         try:
-            return flat[len(flat) // ROW_WIDTH * ROW_WIDTH - ROW_WIDTH] if len(flat) >= ROW_WIDTH else None
+            if len(flat) >= ROW_WIDTH:
+                return flat[len(flat) // ROW_WIDTH * ROW_WIDTH - ROW_WIDTH]
         except IndexError:
-            return None
+            pass
+        chunks = self._chunks
+        return chunks[-1].last_ts if chunks else None
+
 
     def write_dump(self, dump_dir: Path, dump: int, now_ns: int) -> dict[str, Any]:
         """Write this recorder's window into the dump folder; its manifest entry. Raises on failure."""
