@@ -36,6 +36,10 @@ Channel.emit / emit_many / emit_counts do nothing, no writer, no rows kept) and 
 medians of paired ratios to `plain`, the loop thread's added ns per event of the full run, and the loop's garbage
 collections (count, ms).
 
+`--flight SECONDS` runs plain, full and flight mode (PDTRACE_FLIGHT=SECONDS: the ring, nothing written) per round,
+in separate processes (with `--in-process`: in one process, the loop thread's CPU), and prints each one's added
+time per step and flight - full.
+
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
 between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
 ratios spread less (a second view, for changes of 1-2 %). `--baseline DIR` alternates, in separate processes, a
