@@ -101,6 +101,8 @@ POLL_S = 0.5
 SAMPLE_ROWS = 32
 #: How long a request's announced signal is waited for (then a signal is taken as a user's).
 SIGNAL_GRACE_S = 5.0
+#: Reasons for which the asking process writes its own part in-thread (it is likely to die next).
+DYING_REASONS = ("engine_error", "exit")
 #: How often a process touches its registration (liveness, as another host sees it).
 HEARTBEAT_S = 10.0
 #: How long exit and SIGTERM wait for a dump in progress.
@@ -420,8 +422,11 @@ class FlightRecorder(Recorder):
         return chunks[-1].last_ts if chunks else None
 
 
-    def write_dump(self, dump_dir: Path, dump: int, now_ns: int) -> dict[str, Any]:
-        """Write this recorder's window into the dump folder; its manifest entry. Raises on failure."""
+    def write_dump(self, dump_dir: Path, dump: int, now_ns: int, in_thread: bool = False) -> dict[str, Any]:
+        """Write this recorder's window into the dump folder; its manifest entry. Through the writer process
+        (started now), or with `in_thread` on this thread: a process that is about to die (an engine error, its
+        exit) has no GIL left to spare, and the writer process's start (~1 s, more on a loaded machine) would be
+        most of the dump's time. Raises on failure."""
         flat, events, facts = self.snapshot(now_ns)
         entry: dict[str, Any] = {"instance": self.instance, "events": events,
                                  "window_start_ns": facts["window_start_ns"], "trimmed_events": facts["trimmed"],
@@ -434,7 +439,8 @@ class FlightRecorder(Recorder):
                     META_FLIGHT_TRIMMED: str(facts["trimmed"]), META_FLIGHT_DUMP: str(dump)}
         header = (0, facts["channels"], self.instance, self.role, self._pid, self.source, facts["dropped"],
                   (os.path.abspath(dump_dir), self.instance, self._pid), str(folder))
-        error = self._send_to_writer_process(flat, (*header, None, metadata))
+        error = (_recorder._IN_THREAD if in_thread
+                 else self._send_to_writer_process(flat, (*header, None, metadata)))
         if error is _recorder._IN_THREAD:
             _recorder.write_rows(flat, *header, part_writer=self._part_writer, metadata=metadata)
         elif error is not None:
@@ -578,6 +584,7 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
                 and _catches(pid, signum)):
             signals[pid] = signum  # the others: their poll serves the request
     _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
+                                                  "by_pid": by_pid,
                                                   "pids": [t["pid"] for t in targets],
                                                   "signalled": sorted(signals)})
     for pid, signum in signals.items():
@@ -765,9 +772,10 @@ class FlightController:
             if self.pid in request.get("pids", ()) and int(request.get("requested_ns", 0)) >= self._registered_ns:
                 if self.pid in request.get("signalled", ()):
                     self._expected.append(time.monotonic())
-                self._dump(int(request["dump"]), int(request["requested_ns"]))
+                self._dump(int(request["dump"]), int(request["requested_ns"]),
+                           in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid)
 
-    def _dump(self, number: int, requested_ns: int) -> None:
+    def _dump(self, number: int, requested_ns: int, in_thread: bool = False) -> None:
         folder = self.directory / f"{DUMP_PREFIX}{number:04d}"
         self._busy = True
         now = time.time_ns()
@@ -775,7 +783,7 @@ class FlightController:
         entries = []
         for rec in [r for r in self._recorders if r._pid == self.pid]:
             try:
-                entries.append(rec.write_dump(folder, number, now))
+                entries.append(rec.write_dump(folder, number, now, in_thread=in_thread))
             except Exception as exc:
                 self._count(exc)
                 entries.append({"instance": rec.instance, "status": "error", "error": self.last_error})
