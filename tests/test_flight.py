@@ -346,6 +346,22 @@ def test_dump_on_exit_only_when_asked(tmp_path, worker):
     assert not list((asked / "_flight" / "procs").iterdir())  # unregistered at exit
 
 
+def test_sigterm_dumps_on_exit_into_one_folder_per_shutdown(tmp_path, worker):
+    """vLLM stops its EngineCore and workers with SIGTERM (then SIGKILL): with dump on exit, each writes its window
+    from the SIGTERM handler, and the processes of one server stopping together share one exit dump."""
+    trace = tmp_path / "trace"
+    first = worker(trace, "A", PDTRACE_FLIGHT_DUMP_ON_EXIT="1", same_session=True)
+    second = worker(trace, "B", PDTRACE_FLIGHT_DUMP_ON_EXIT="1", same_session=True)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == -signal.SIGTERM  # then dies of it, as without pdtrace
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(30) == -signal.SIGTERM
+    assert [p.name for p in trace.glob("dump-*")] == ["dump-0001"]
+    assert manifest(trace / "dump-0001")["reason"] == "exit" and done(trace / "dump-0001")
+    assert parts(trace / "dump-0001") == {"A": [first.pid], "B": [second.pid]}
+
+
 def test_record_flight_as_users_run_it(tmp_path):
     trace = tmp_path / "trace"
     script = tmp_path / "w.py"

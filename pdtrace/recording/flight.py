@@ -34,7 +34,9 @@ window is whole. What triggers one:
     then chains to the handler it replaced; a signal that no request explains (a user's `kill -USR2`) dumps the
     process's instances;
   - `pdtrace dump DIR`: a request for every registered live process;
-  - the process exits, with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its last event.
+  - the process exits or receives SIGTERM (vLLM stops its EngineCore and workers so, with a SIGKILL about a second
+    later: no exit hook runs), with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its
+    last event; the processes of one server that stop together join one exit dump (`exit_dump`).
 A request is `DIR/_flight/requests/NNNN.json` (the dump number is taken by an exclusive mkdir of `dump-NNNN`, so two
 requests never share a folder) naming its target pids: a trigger in one process names every live process
 registered under one of its instances (the scheduler and every worker rank) or of the same server (same host and
@@ -103,6 +105,8 @@ SAMPLE_ROWS = 32
 SIGNAL_GRACE_S = 5.0
 #: Reasons for which the asking process writes its own part in-thread (it is likely to die next).
 DYING_REASONS = ("engine_error", "exit")
+#: An exiting process joins an exit dump begun this recently by a process of its server or instance.
+EXIT_JOIN_S = 10.0
 #: How often a process touches its registration (liveness, as another host sees it).
 HEARTBEAT_S = 10.0
 #: How long exit and SIGTERM wait for a dump in progress.
@@ -301,8 +305,10 @@ class FlightRecorder(Recorder):
         return False
 
     def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
-        # close() and the SIGTERM handler: let a dump in progress finish (bounded), write nothing else.
+        # close() and the SIGTERM handler (vLLM's way to stop its processes, a SIGKILL following within about a
+        # second): the dump on exit now, if asked for; let a dump in progress finish (bounded); nothing else.
         if until_empty and self._controller is not None:
+            self._controller.exit_dump()
             self._controller.wait_idle(EXIT_WAIT_S)
         self.trim()
 
@@ -584,7 +590,9 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
                 and _catches(pid, signum)):
             signals[pid] = signum  # the others: their poll serves the request
     _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
-                                                  "by_pid": by_pid,
+                                                  "by_pid": by_pid, "by": next(
+                                                      ({k: t.get(k) for k in ("host", "sid", "instances")}
+                                                       for t in targets if t["pid"] == by_pid), None),
                                                   "pids": [t["pid"] for t in targets],
                                                   "signalled": sorted(signals)})
     for pid, signum in signals.items():
@@ -643,6 +651,8 @@ class FlightController:
         self._busy = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._serve_lock = threading.RLock()
+        self._exit_dumped = False
         self._registered_ns = time.time_ns() - int(1e9)  # (a second's slack for clocks of other processes)
         self._exited = False
 
@@ -718,10 +728,14 @@ class FlightController:
         except Exception as exc:
             self._count(exc)
         finally:
-            with self._idle:
-                if not self._triggers and self._signals == self._signals_seen:
-                    self._busy = False
-                    self._idle.notify_all()
+            self._settle()
+
+    def _settle(self) -> None:
+        """Not busy any more, unless a trigger or a signal is waiting."""
+        with self._idle:
+            if not self._triggers and self._signals == self._signals_seen:
+                self._busy = False
+                self._idle.notify_all()
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait (at most `timeout` s) until no trigger or dump is pending; True when idle. Not on the flight thread."""
@@ -750,6 +764,16 @@ class FlightController:
         request_dump(self.directory, reason, targets, by_pid=self.pid)
 
     def _serve_requests(self) -> None:
+        # One serving thread at a time (the flight thread; the exit dump on a SIGTERM), bounded: the thread that
+        # holds it may wait for a lock the interrupted one holds.
+        if not self._serve_lock.acquire(timeout=EXIT_WAIT_S):
+            return
+        try:
+            self._serve_requests_locked()
+        finally:
+            self._serve_lock.release()
+
+    def _serve_requests_locked(self) -> None:
         folder = self.directory / REGISTRY / "requests"
         try:
             mtime = folder.stat().st_mtime_ns
@@ -829,6 +853,46 @@ class FlightController:
         procs.mkdir(parents=True, exist_ok=True)
         _write_json(procs / f"{self.pid}.json", self._registration())
 
+    def exit_dump(self) -> None:
+        """The dump on exit, now, on the calling thread, once (with `dump_on_exit`, and only if the process recorded
+        something since its last dump): at the process's exit, and on SIGTERM, since vLLM stops its EngineCore and
+        workers with SIGTERM and then SIGKILL within about a second, before any exit hook runs. It joins an exit
+        dump that a process of the same server or instance began within `EXIT_JOIN_S` (one folder for a whole
+        shutdown), or begins one. Written in-thread. Never raises."""
+        if not self.config.dump_on_exit or self._exit_dumped or os.getpid() != self.pid:
+            return
+        self._exit_dumped = True
+        try:
+            newest = max((ts for ts in (rec.newest_ts() for rec in self._recorders) if ts is not None), default=None)
+            if newest is None or (self._last_dump_ns is not None and newest <= self._last_dump_ns):
+                return
+            if not self._serve_lock.acquire(timeout=EXIT_WAIT_S / 4):
+                return
+            try:
+                mine = self._registration()
+                number = self._recent_exit_dump(mine)
+                if number is None:
+                    number, _ = request_dump(self.directory, "exit", [mine], by_pid=self.pid)
+                    self._seen.add(f"{number:04d}.json")
+                self._dump(number, time.time_ns(), in_thread=True)
+            finally:
+                self._serve_lock.release()
+                self._settle()
+        except Exception as exc:
+            self._count(exc)
+
+    def _recent_exit_dump(self, mine: dict[str, Any]) -> int | None:
+        """The newest exit dump begun within EXIT_JOIN_S by a process linked to this one, or None."""
+        recent = time.time_ns() - int(EXIT_JOIN_S * 1e9)
+        for path in sorted((self.directory / REGISTRY / "requests").glob("*.json"), reverse=True):
+            request = _read_json(path)
+            if not isinstance(request, dict) or int(request.get("requested_ns", 0)) < recent:
+                continue
+            by = request.get("by")  # the asking process, as it registered (it may be gone by now)
+            if request.get("reason") == "exit" and isinstance(by, dict) and _linked(mine, by, set(self.instances())):
+                return int(request["dump"])
+        return None
+
     def at_exit(self) -> None:
         """Exit: the dump on exit (when asked for and the process recorded something since its last dump), wait for
         dumps in progress, then unregister. Never raises."""
@@ -836,11 +900,7 @@ class FlightController:
             return
         self._exited = True
         try:
-            if self.config.dump_on_exit:
-                newest = max((ts for ts in (rec.newest_ts() for rec in self._recorders) if ts is not None),
-                             default=None)
-                if newest is not None and (self._last_dump_ns is None or newest > self._last_dump_ns):
-                    self.trigger("exit", self.instances())
+            self.exit_dump()
             self.wait_idle(EXIT_WAIT_S)
             (self.directory / REGISTRY / "procs" / f"{self.pid}.json").unlink(missing_ok=True)
             self._wake.set()  # let the thread see the end
