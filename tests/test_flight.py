@@ -377,6 +377,26 @@ def test_record_flight_as_users_run_it(tmp_path):
     assert f"pdtrace analyze {trace.resolve() / 'dump-0001'}" in result.stderr
 
 
+def test_dump_signal_to_pdtrace_record_dumps_the_run(tmp_path):
+    trace = tmp_path / "trace"
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    record = subprocess.Popen([PY, "-m", "pdtrace", "record", "--flight", "30", "-o", str(trace), "--", PY,
+                               str(script), "A", "end", "20"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: len(list((trace / "_flight" / "procs").glob("*.json"))) == 1, 60)
+        time.sleep(0.5)
+        record.send_signal(signal.SIGUSR2)
+        assert wait_for(lambda: done(trace / "dump-0001"))
+        assert manifest(trace / "dump-0001")["reason"] == "signal" and len(parts(trace / "dump-0001")["A"]) == 1
+        assert record.poll() is None  # the wrapper survived its own dump signal
+    finally:
+        record.send_signal(signal.SIGINT)
+        record.wait(60)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--flight", "0"], "> 0 seconds"),
     (["--flight", "10", "--flight-mb", "-1"], "> 0 MB"),

@@ -139,10 +139,24 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
         except ProcessLookupError:
             pass
 
+    def dump_run(_signum: int, _frame: Any) -> None:
+        # The dump signal sent to `pdtrace record` itself (whose pid the user sees): a dump of the whole run, as
+        # `pdtrace dump OUTPUT` asks for (its default action would kill this wrapper and orphan the command).
+        from pdtrace.recording.flight import live_processes, request_dump
+
+        try:
+            targets = live_processes(output)
+            if targets:
+                request_dump(output, "signal", targets)
+        except OSError as exc:
+            err_console.print(f"pdtrace: warning: could not ask for a dump: {exc}", markup=False)
+
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():  # handlers first: no window without forwarding
         for sig in _FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, forward)
+        if flight is not None:
+            previous[flight.signum] = signal.signal(flight.signum, dump_run)
     try:
         try:
             child.append(subprocess.Popen(command, env=recording_env(output, flight=flight)))
