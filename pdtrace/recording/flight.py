@@ -59,6 +59,7 @@ Recording path: the standard library only (the Recorder brings pyarrow).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pdtrace.format import MANIFEST_NAME
 from pdtrace.recording import recorder as _recorder
@@ -643,7 +644,6 @@ class FlightController:
         self._signals_seen = 0
         self._expected: list[float] = []  # when a served request announced a signal to this process
         self._seen: set[str] = set()
-        self._served_ns: list[int] = []  # requested_ns of the requests this process served
         self._last_dump_ns: int | None = None
         self._requests_mtime: int | None = None
         self._wake = threading.Event()
@@ -803,7 +803,6 @@ class FlightController:
         folder = self.directory / f"{DUMP_PREFIX}{number:04d}"
         self._busy = True
         now = time.time_ns()
-        self._served_ns.append(requested_ns)
         entries = []
         for rec in [r for r in self._recorders if r._pid == self.pid]:
             try:
@@ -993,12 +992,7 @@ def _after_fork_child() -> None:
     _state_lock = threading.Lock()
 
 
-import atexit  # noqa: E402
-
 atexit.register(_at_exit)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_child)
 
-
-def instances_of(processes: Iterable[dict[str, Any]]) -> list[str]:
-    return sorted({name for p in processes for name in p.get("instances", [])})
