@@ -40,6 +40,10 @@ collections (count, ms).
 in separate processes (with `--in-process`: in one process, the loop thread's CPU), and prints each one's added
 time per step and flight - full.
 
+Measured 2026-12-02 (load average 25-33 from other sessions: the spreads are wide), --in-process --flight 0.2
+--rounds 12, 580 steps, loop-thread CPU: plain 556 ms; full +40.4 % (rounds +6.6 .. +66.7 %; +346 +- 108 us per
+step, mean +- 2 s.e.), flight +14.1 % (-20.3 .. +94.6 %; +125 +- 165 us per step): flight no dearer than full.
+
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
 between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
 ratios spread less (a second view, for changes of 1-2 %). `--baseline DIR` alternates, in separate processes, a
