@@ -43,6 +43,9 @@ time per step and flight - full.
 Measured 2026-12-02 (load average 25-33 from other sessions: the spreads are wide), --in-process --flight 0.2
 --rounds 12, 580 steps, loop-thread CPU: plain 556 ms; full +40.4 % (rounds +6.6 .. +66.7 %; +346 +- 108 us per
 step, mean +- 2 s.e.), flight +14.1 % (-20.3 .. +94.6 %; +125 +- 165 us per step): flight no dearer than full.
+--flight 0.2 --rounds 4 (separate processes, load ~40): loop-thread CPU per step plain 860 us, full +227 (-166 ..
++1197), flight +300 (-174 .. +731), flight - full -120 (-561 .. +474) us; tree CPU flight - full -725 us (no writer
+process). Noise at that load; bench/flight.py is the tighter view of the per-event cost.
 
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
 between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
