@@ -36,6 +36,17 @@ Channel.emit / emit_many / emit_counts do nothing, no writer, no rows kept) and 
 medians of paired ratios to `plain`, the loop thread's added ns per event of the full run, and the loop's garbage
 collections (count, ms).
 
+`--flight SECONDS` runs plain, full and flight mode (PDTRACE_FLIGHT=SECONDS: the ring, nothing written) per round,
+in separate processes (with `--in-process`: in one process, the loop thread's CPU), and prints each one's added
+time per step and flight - full.
+
+Measured 2026-12-02 (load average 25-33 from other sessions: the spreads are wide), --in-process --flight 0.2
+--rounds 12, 580 steps, loop-thread CPU: plain 556 ms; full +40.4 % (rounds +6.6 .. +66.7 %; +346 +- 108 us per
+step, mean +- 2 s.e.), flight +14.1 % (-20.3 .. +94.6 %; +125 +- 165 us per step): flight no dearer than full.
+--flight 0.2 --rounds 4 (separate processes, load ~40): loop-thread CPU per step plain 860 us, full +227 (-166 ..
++1197), flight +300 (-174 .. +731), flight - full -120 (-561 .. +474) us; tree CPU flight - full -725 us (no writer
+process). Noise at that load; bench/flight.py is the tighter view of the per-event cost.
+
 `--in-process` runs the same four modes in ONE process, a fresh EngineCore per run (hooks installed and removed
 between runs, the buffer flushed outside the timing): no interpreter start or first-step costs, so its paired
 ratios spread less (a second view, for changes of 1-2 %). `--baseline DIR` alternates, in separate processes, a
@@ -282,13 +293,18 @@ def count_events(trace: Path) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in trace.rglob("part-*.parquet"))
 
 
-def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None, tree: Path = ROOT) -> dict:
-    """One child run (this script with --child) importing pdtrace from `tree` (default this checkout)."""
+def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = None, tree: Path = ROOT,
+              flight: float | None = None) -> dict:
+    """One child run (this script with --child) importing pdtrace from `tree` (default this checkout); with
+    `flight`, in flight mode (PDTRACE_FLIGHT: nothing written, so its events are not counted here)."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "VLLM_LOGGING_LEVEL": "ERROR",
            "PYTHONPATH": str(tree) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    env.pop("PDTRACE_TRACE_DIR", None)
+    for name in ("PDTRACE_TRACE_DIR", "PDTRACE_FLIGHT", "PDTRACE_FLIGHT_MB", "PDTRACE_FLIGHT_DUMP_ON_EXIT"):
+        env.pop(name, None)
     if trace is not None:
         env["PDTRACE_TRACE_DIR"] = str(trace)
+    if flight is not None:
+        env["PDTRACE_FLIGHT"] = str(flight)
     cmd = [sys.executable, __file__, "--child", "--requests", str(args.requests), "--seed", str(args.seed),
            "--arrivals", str(args.arrivals), "--mode", mode or ("full" if trace is not None else "plain")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -298,8 +314,44 @@ def run_child(args: argparse.Namespace, trace: Path | None, mode: str | None = N
     if result["recording"] != (trace is not None):
         raise SystemExit("the child's recording state is not what was asked (is pdtrace's entry point installed "
                          "in this venv?)")
-    result["events"] = count_events(trace) if trace is not None else 0
+    result["events"] = count_events(trace) if trace is not None and flight is None else 0
+    if flight is not None and any(trace.rglob("*.parquet")):
+        raise SystemExit("flight mode wrote part files while healthy")
     return result
+
+
+def flight_rounds(args: argparse.Namespace) -> None:
+    """--flight SECONDS: per round a plain child, a fully recorded child and a child in flight mode (the ring of
+    the last SECONDS, trimmed every 0.5 s, nothing written), in separate processes, the order rotating. Prints
+    each mode's median added time per step over plain, with the spread of the rounds' paired differences, and the
+    flight - full difference: flight mode must cost no more per event than full recording."""
+    tmp = Path(args.keep or tempfile.mkdtemp(prefix="pdtrace-engine-bench-"))
+
+    def run(kind: str, i: int) -> dict:
+        if kind == "plain":
+            return run_child(args, None)
+        return run_child(args, tmp / f"{kind}-{i}", flight=args.flight if kind == "flight" else None)
+
+    runs = _rotating_rounds(args.rounds, ["plain", "full", "flight"], run, "wall_ns", "loop wall")
+    steps = statistics.median(r["steps"] for r in runs["full"])
+    events = statistics.median(r["events"] for r in runs["full"])
+    print(f"workload: {args.requests} requests, {steps:.0f} steps, {events:.0f} events (full recording); "
+          f"--flight {args.flight} s; {args.rounds} rotating rounds, separate processes, {os.cpu_count()} CPUs")
+    print(f"{'':22s}{'plain':>10s}  {'full: us/step added':>30s}  {'flight: us/step added':>30s}  "
+          f"{'flight - full':>22s}")
+    for key, label in (("wall_ns", "loop wall"), ("thread_ns", "loop thread CPU"),
+                       ("process_ns", "process CPU (loop)"), ("total_ns", "process CPU (+exit)"),
+                       ("tree_ns", "tree CPU (+exit)")):
+        plain = runs["plain"]
+        base = statistics.median(r[key] for r in plain) / steps / 1e3
+
+        def added(kind: str) -> list[float]:
+            return [(y[key] - x[key]) / steps / 1e3 for x, y in zip(plain, runs[kind])]
+
+        full, fl = added("full"), added("flight")
+        diff = [b - a for a, b in zip(full, fl)]
+        cells = [f"{statistics.median(v):+7.1f} ({min(v):+6.1f} .. {max(v):+6.1f})" for v in (full, fl, diff)]
+        print(f"{label:22s}{base:8.0f}us  {cells[0]:>30s}  {cells[1]:>30s}  {cells[2]:>22s}")
 
 
 def spread(values: list[float]) -> str:
@@ -334,7 +386,13 @@ def main() -> None:
                     help="run the four --mode variants in one process (fresh engine per run): a tighter A/B")
     ap.add_argument("--decompose", action="store_true",
                     help="run the four --mode variants per round (rotating order) and print each one's cost")
+    ap.add_argument("--flight", type=float, metavar="SECONDS",
+                    help="compare plain, full recording and flight mode (PDTRACE_FLIGHT=SECONDS) per round (with "
+                         "--in-process: in one process)")
     args = ap.parse_args()
+    if args.flight is not None and not args.child and not args.in_process:
+        flight_rounds(args)
+        return
     if args.child:
         if args.mode is None:
             args.mode = "full" if os.environ.get("PDTRACE_TRACE_DIR") else "plain"
@@ -464,8 +522,15 @@ def in_process(args: argparse.Namespace) -> None:
     session.configure_from_env(source="vllm-bench")
     emits = Channel.emit, Channel.emit_many, Channel.emit_counts
 
+    directory = os.environ["PDTRACE_TRACE_DIR"]
+
     def set_mode(mode: str) -> None:
         Channel.emit, Channel.emit_many, Channel.emit_counts = emits
+        if args.flight is not None and mode in ("full", "flight"):  # a new session: fresh recorders of the mode
+            from pdtrace.recording.flight import FlightConfig
+
+            session.configure(directory, source="vllm-bench",
+                              flight=FlightConfig(args.flight) if mode == "flight" else None)
         if mode == "plain":
             uninstall_hooks()
             return
@@ -481,11 +546,12 @@ def in_process(args: argparse.Namespace) -> None:
         result = _drive(engine, executor_class, args, f"r{i}-{mode}-")
         engine.shutdown()
         del engine
-        session.flush_all()
+        if mode != "flight":  # a flight recorder's flush is a dump (the engine-error path): nothing to write here
+            session.flush_all()
         gc.collect()
         return result
 
-    modes = list(MODES)
+    modes = list(MODES) if args.flight is None else ["plain", "full", "flight"]
     set_mode("plain")
     engine = make()  # warm-up run: vLLM's and pdtrace's first-call costs, out of every mode's figures
     _drive(engine, executor_class, args, "warm-")
@@ -503,7 +569,8 @@ def in_process(args: argparse.Namespace) -> None:
               f"{statistics.median(r['gc_collections'] for r in runs[mode]):6.0f}"
               f"{statistics.median(r['gc_ns'] for r in runs[mode]) / 1e6:7.1f}"
               f"{statistics.mean(diffs):+12.1f} +- {two_se(diffs):.1f} ms")
-    print("; ".join(f"{k}: {v}" for k, v in MODES.items()))
+    print("; ".join(f"{k}: {v}" for k, v in {**MODES, "flight": f"flight mode, {args.flight} s"}.items()
+                    if k in modes))
 
 
 def decompose(args: argparse.Namespace) -> None:

@@ -12,7 +12,7 @@ from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
 from pdtrace.malloc import single_arena
 
 # Each import registers one verb on `app`, in the order `pdtrace --help` lists them.
-from pdtrace.cli import record, info, analyze, show, plot, export  # noqa: E402,F401  isort: skip
+from pdtrace.cli import record, dump, info, analyze, show, plot, export  # noqa: E402,F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,10 @@
-"""`pdtrace record -o TRACE [--force] -- CMD ARGS...`: run a command (a vLLM server, a benchmark) with recording on.
+"""`pdtrace record -o TRACE [--force] [--flight SECONDS] -- CMD ARGS...`: run a command (a vLLM server, a benchmark)
+with recording on.
+
+`--flight SECONDS [--flight-mb MB] [--flight-dump-on-exit]`: flight mode (pdtrace.recording.flight). Every process
+keeps its last SECONDS of events in memory and writes nothing until a dump: an engine error, the dump signal
+(SIGUSR2), `pdtrace dump TRACE`, or (with --flight-dump-on-exit) its exit; each dump is a trace of its own,
+`TRACE/dump-NNNN/`. The settings travel as PDTRACE_FLIGHT, PDTRACE_FLIGHT_MB, PDTRACE_FLIGHT_DUMP_ON_EXIT.
 
 Recording is switched on for the command and every process it starts by `PDTRACE_TRACE_DIR` (read by pdtrace's
 `vllm.general_plugins` entry point in each vLLM process). If the user restricts vLLM's plugins with `VLLM_PLUGINS`,
@@ -22,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version as dist_version
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -31,6 +37,9 @@ from pdtrace.cli.app import app, err_console
 from pdtrace.errors import RecordingError, UsageError
 from pdtrace.format import MANIFEST_NAME
 from pdtrace.recording.session import TRACE_DIR_ENV
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.recording.flight import FlightConfig
 
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -81,10 +90,14 @@ def write_manifest(output: Path, manifest: dict[str, Any]) -> None:
     os.replace(tmp, output / MANIFEST_NAME)
 
 
-def recording_env(output: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The command's environment: the recording switch on, and pdtrace allowed if VLLM_PLUGINS filters plugins."""
+def recording_env(output: Path, base: dict[str, str] | None = None,
+                  flight: "FlightConfig | None" = None) -> dict[str, str]:
+    """The command's environment: the recording switch on (in flight mode with `flight`), and pdtrace allowed if
+    VLLM_PLUGINS filters plugins."""
     env = dict(os.environ if base is None else base)
     env[TRACE_DIR_ENV] = str(output)
+    if flight is not None:
+        env.update(flight.env())
     plugins = env.get("VLLM_PLUGINS")
     if plugins:  # unset or empty means "all plugins" to vLLM; a list must name pdtrace
         names = [p.strip() for p in plugins.split(",") if p.strip()]
@@ -93,8 +106,9 @@ def recording_env(output: Path, base: dict[str, str] | None = None) -> dict[str,
     return env
 
 
-def run_recorded(command: list[str], output: Path) -> int:
-    """Run `command` with recording into `output`; forward SIGINT/SIGTERM; write the manifest; return its status."""
+def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None" = None) -> int:
+    """Run `command` with recording into `output` (in flight mode with `flight`: nothing is written until a dump);
+    forward SIGINT/SIGTERM; write the manifest; return its status."""
     start_ns = time.time_ns()
     vllm_version = _vllm_version()
     manifest: dict[str, Any] = {
@@ -109,6 +123,9 @@ def run_recorded(command: list[str], output: Path) -> int:
         "exit_status": None,
         "trace_dir": str(output),
     }
+    if flight is not None:
+        manifest["flight"] = {"seconds": flight.seconds, "mb": flight.mb, "dump_on_exit": flight.dump_on_exit,
+                              "signal": flight.signal_name}
     write_manifest(output, manifest)
     child: list[subprocess.Popen] = []
     pending: list[int] = []
@@ -122,13 +139,27 @@ def run_recorded(command: list[str], output: Path) -> int:
         except ProcessLookupError:
             pass
 
+    def dump_run(_signum: int, _frame: Any) -> None:
+        # The dump signal sent to `pdtrace record` itself (whose pid the user sees): a dump of the whole run, as
+        # `pdtrace dump OUTPUT` asks for (its default action would kill this wrapper and orphan the command).
+        from pdtrace.recording.flight import live_processes, request_dump
+
+        try:
+            targets = live_processes(output)
+            if targets:
+                request_dump(output, "signal", targets)
+        except OSError as exc:
+            err_console.print(f"pdtrace: warning: could not ask for a dump: {exc}", markup=False)
+
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():  # handlers first: no window without forwarding
         for sig in _FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, forward)
+        if flight is not None:
+            previous[flight.signum] = signal.signal(flight.signum, dump_run)
     try:
         try:
-            child.append(subprocess.Popen(command, env=recording_env(output)))
+            child.append(subprocess.Popen(command, env=recording_env(output, flight=flight)))
         except OSError as exc:
             (output / MANIFEST_NAME).unlink(missing_ok=True)
             raise RecordingError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
@@ -150,6 +181,18 @@ def run_recorded(command: list[str], output: Path) -> int:
                     signal=-returncode if returncode < 0 else None)
     write_manifest(output, manifest)
     return status
+
+
+def _announce_flight(output: Path) -> None:
+    dumps = sorted(p.name for p in output.glob("dump-*") if p.is_dir())
+    if dumps:
+        err_console.print(f"pdtrace: flight recorder dumps in {output}: {', '.join(dumps)}", markup=False,
+                          highlight=False)
+        err_console.print(f"pdtrace: analyze one with: pdtrace analyze {output / dumps[-1]}", markup=False,
+                          highlight=False)
+    else:
+        err_console.print(f"pdtrace: flight recorder: no dump was asked for, nothing written to {output}",
+                          markup=False, highlight=False)
 
 
 def _announce(output: Path) -> None:
@@ -174,6 +217,23 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
         err_console.print(f"pdtrace: vLLM raised during the dry run (recorded as engine_error): {result.error}",
                           markup=False)
     return 0
+
+
+def _flight_config(seconds: float | None, mb: float | None, dump_on_exit: bool) -> "FlightConfig | None":
+    """The flight settings of --flight/--flight-mb/--flight-dump-on-exit (None: full recording); UsageError on bad
+    values. The dump signal comes from PDTRACE_FLIGHT_SIGNAL if the user set it."""
+    from pdtrace.recording.flight import DEFAULT_MB, ENV_SIGNAL, SIGNAL_DEFAULT, FlightConfig
+
+    if seconds is None:
+        if mb is not None or dump_on_exit:
+            raise UsageError("--flight-mb and --flight-dump-on-exit need --flight SECONDS")
+        return None
+    config = FlightConfig(seconds=seconds, mb=DEFAULT_MB if mb is None else mb, dump_on_exit=dump_on_exit,
+                          signal_name=os.environ.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT)
+    try:
+        return config.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 _DRY_PREFIX = "dry_"
@@ -209,6 +269,14 @@ def record(
     force: bool = typer.Option(False, "--force", help="Record into a non-empty output directory."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Record vLLM's real EngineCore on a simulated cluster; no command."),
+    flight_seconds: Optional[float] = typer.Option(
+        None, "--flight", metavar="SECONDS", rich_help_panel="Flight recorder",
+        help="Flight mode: every process keeps its last SECONDS of events in memory and writes them only when "
+             "dumped (engine error, the dump signal SIGUSR2, `pdtrace dump OUTPUT`)."),
+    flight_mb: Optional[float] = typer.Option(None, "--flight-mb", metavar="MB", rich_help_panel="Flight recorder",
+                                              help="Memory bound of each process's window [default: 256]."),
+    flight_dump_on_exit: bool = typer.Option(False, "--flight-dump-on-exit", rich_help_panel="Flight recorder",
+                                             help="Also dump each process's window when it exits."),
     command: list[str] = typer.Argument(None, metavar="-- CMD [ARGS]...",
                                         help="The command to run with recording on (after `--`)."),
     **dry_options: Any,
@@ -220,6 +288,8 @@ def record(
     if dry_run:
         if command:
             raise UsageError("--dry-run takes no command")
+        if flight_seconds is not None or flight_mb is not None or flight_dump_on_exit:
+            raise UsageError("--flight records a command, not a dry run")
         status = _record_dry_run(output, force, options)
         out = output.resolve()
     else:
@@ -228,8 +298,12 @@ def record(
             raise UsageError(f"--{given[0].replace('_', '-')} is a dry-run option: add --dry-run")
         if not command:
             raise UsageError("no command to record: pdtrace record -o TRACE -- CMD [ARGS]...")
+        flight = _flight_config(flight_seconds, flight_mb, flight_dump_on_exit)
         out = prepare_output(output, force)
-        status = run_recorded(command, out)
+        status = run_recorded(command, out, flight)
+        if flight is not None:
+            _announce_flight(out)
+            raise typer.Exit(status)
     _announce(out)
     raise typer.Exit(status)
 

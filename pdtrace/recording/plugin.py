@@ -32,7 +32,8 @@ def install() -> None:
             # Parquet write are warmed up here too (~30 ms off the first part file; see warm_up).
             from pdtrace.recording.recorder import warm_up
 
-            warm_up()
+            if session.flight() is None:  # flight mode starts no writer process until a dump
+                warm_up()
     except Exception as exc:  # the plugin must never stop vLLM from starting
         from pdtrace.recording.vllm._runtime import RUNTIME
 

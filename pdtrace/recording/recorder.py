@@ -337,14 +337,17 @@ def write_part(table: pa.Table, path: Path) -> None:
 
 def write_rows(flat: list[Any], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
                role: str, pid: int, source: str, dropped: int, writer_key: tuple[str, str, int], folder: str,
-               part_writer: PartWriter | None = None) -> None:
+               part_writer: PartWriter | None = None, metadata: Mapping[str, str] | None = None) -> None:
     """Convert one batch of buffered rows (a flat buffer: ROW_WIDTH slots per row) and write it as the writer's next
     part file (`<folder>/part-NNNNNN.parquet`, numbered per `writer_key`, after any part already there). What the
     recorder's writer thread does in-process, and what the writer process does with each message (`encode_batch`
-    packs these arguments). Raises on failure."""
+    packs these arguments). `metadata`: more file metadata keys (a flight dump's window). Raises on failure."""
     table = flat_rows_to_table(flat, seq_start, channels, instance, role, pid)
     del flat
-    table = table.replace_schema_metadata(file_metadata(__version__, source, dropped))
+    meta = file_metadata(__version__, source, dropped)
+    if metadata:
+        meta.update({str(key).encode(): str(value).encode() for key, value in metadata.items()})
+    table = table.replace_schema_metadata(meta)
     write = part_writer or _write_part_default
     directory = Path(folder)
     key = (writer_key[0], writer_key[1], int(writer_key[2]))

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.recording.flight import FlightConfig
     from pdtrace.recording.recorder import Recorder
 
 #: The recording switch: the directory a live vLLM run records into. Unset or empty: the plugin does nothing.
@@ -29,29 +31,52 @@ _lock = threading.Lock()
 _directory: str | None = None
 _source = "dryrun"
 _clock: Callable[[], int] | None = None
+_flight: "FlightConfig | None" = None
 #: (pid, instance, dp_rank) -> Recorder. Keyed by pid so that a forked child never reuses its parent's writers.
 _recorders: dict[tuple[int, str, int | None], "Recorder"] = {}
 
 
 def configure(directory: str | os.PathLike[str], source: str = "dryrun",
-              clock: Callable[[], int] | None = None) -> None:
-    """Record into `directory` from now on (closing this process's recorders of an earlier session first)."""
-    global _directory, _source, _clock
+              clock: Callable[[], int] | None = None, flight: "FlightConfig | None" = None) -> None:
+    """Record into `directory` from now on (closing this process's recorders of an earlier session first); with
+    `flight`, in flight mode (pdtrace.recording.flight: a ring per process, written only on a dump)."""
+    global _directory, _source, _clock, _flight
     close_all()
     with _lock:
         _directory = os.fspath(directory)
         _source = source
         _clock = clock
+        _flight = flight
+    if flight is not None or "pdtrace.recording.flight" in sys.modules:
+        from pdtrace.recording import flight as flight_mode
+
+        flight_mode.configure(_directory if flight is not None else None, flight)
 
 
 def configure_from_env(source: str) -> bool:
-    """Configure from `PDTRACE_TRACE_DIR` unless a session is already configured; False when the switch is off."""
+    """Configure from `PDTRACE_TRACE_DIR` (and flight mode from `PDTRACE_FLIGHT`) unless a session is already
+    configured; False when the switch is off, or when flight mode's settings are bad (one line on stderr: a
+    production process asked to keep a window must not write a full trace instead)."""
     directory = os.environ.get(TRACE_DIR_ENV)
     if not directory:
         return False
     if _directory is None:
-        configure(directory, source=source)
+        flight = None
+        if os.environ.get("PDTRACE_FLIGHT", "").strip():
+            from pdtrace.recording.flight import config_from_env
+
+            try:
+                flight = config_from_env()
+            except ValueError as exc:
+                sys.stderr.write(f"pdtrace: recording off: {exc}\n")
+                return False
+        configure(directory, source=source, flight=flight)
     return True
+
+
+def flight() -> "FlightConfig | None":
+    """Flight mode's settings of this session, or None (full recording, or no session)."""
+    return _flight
 
 
 def is_configured() -> bool:
@@ -83,10 +108,13 @@ def recorder(instance: str, role: str, dp_rank: int | None = None) -> "Recorder"
         if rec is None:
             if _directory is None:
                 raise RuntimeError("pdtrace recording session is not configured")
-            from pdtrace.recording.recorder import Recorder
+            if _flight is not None:
+                from pdtrace.recording.flight import make_recorder as make
+            else:
+                from pdtrace.recording.recorder import Recorder as make  # type: ignore[assignment]
 
-            rec = Recorder(_directory, instance=instance, role=role, source=_source, dp_rank=dp_rank,
-                           component="scheduler", clock=_clock)
+            rec = make(_directory, instance=instance, role=role, source=_source, dp_rank=dp_rank,
+                       component="scheduler", clock=_clock)
             _recorders[key] = rec
     return rec
 
@@ -129,8 +157,11 @@ def close_all() -> None:
 
 def reset() -> None:
     """Close everything and forget the configuration (tests, and a dry run that ends its session)."""
-    global _directory, _clock
+    global _directory, _clock, _flight
     close_all()
     with _lock:
         _directory = None
         _clock = None
+        _flight = None
+    if "pdtrace.recording.flight" in sys.modules:
+        sys.modules["pdtrace.recording.flight"].configure(None, None)

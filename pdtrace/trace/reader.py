@@ -125,6 +125,20 @@ def _find_remote_part_files(fs: pafs.FileSystem, root: str, inner: str) -> list[
     return sorted(found)
 
 
+def _refuse_flight_root(root: Path) -> None:
+    """A flight recording's directory (it holds the `_flight/` registry) is not one trace: each of its dumps is
+    (`dump-NNNN/`, windows that overlap), so reading them together would replay events twice. TraceError naming
+    them."""
+    if not (root / "_flight").is_dir():
+        return
+    dumps = sorted(p.name for p in root.glob("dump-*") if p.is_dir())
+    if dumps:
+        shown = ", ".join(dumps[-3:]) + (f" (and {len(dumps) - 3} more)" if len(dumps) > 3 else "")
+        raise TraceError(f"{root} is a flight recording, not one trace: read one of its dumps ({shown}), e.g. "
+                         f"{root / dumps[-1]}")
+    raise TraceError(f"{root} is a flight recording with no dump yet (ask for one with: pdtrace dump {root})")
+
+
 def find_part_files(directory: Path) -> list[Path]:
     """Every `*.parquet` under `directory`, sorted by path; names starting with `_` or `.` are pruned at any level
     (so a folder `_tmp/` hides everything below it)."""
@@ -401,6 +415,8 @@ def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None 
     elif not root.exists():
         raise TraceError(f"{root}: no such file or directory")
     elif root.is_dir():
+        if only_files is None:
+            _refuse_flight_root(root)
         candidates = find_part_files(root) if only_files is None else [Path(f) for f in only_files]
         manifest = _read_manifest(root, notes)
         if not candidates:

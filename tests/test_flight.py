@@ -1,0 +1,461 @@
+"""Flight mode (pdtrace.recording.flight, `pdtrace record --flight`, `pdtrace dump`): core tier, no vLLM.
+
+The ring's bounds are tested in-process with an injected clock; the triggers as users meet them, in subprocesses:
+recording processes (`WORKER`, which records through the session as the vLLM plugin does) signalled, asked by
+`pdtrace dump`, failing, exiting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from pdtrace.recording import flight, session
+from pdtrace.recording.flight import FlightConfig, FlightController, FlightRecorder
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+
+#: A recording process in flight mode (its settings from the environment): emits a step every ms on instance
+#: argv[1]; `fail S`: after S seconds records engine_error and flushes, as the vLLM hooks do, then lingers;
+#: `end S`: returns after S seconds. Prints "ready" once its recorder is registered.
+WORKER = """
+import sys, time
+from pdtrace.recording import session
+session.configure_from_env("test")
+rec = session.recorder(sys.argv[1], "both")
+engine = rec.channel("engine")
+mode, after = (sys.argv[2], float(sys.argv[3])) if len(sys.argv) > 3 else ("run", 120.0)
+rec.emit("sched", step=0)
+print("ready", flush=True)
+start = time.time()
+step = 1
+while time.time() - start < after:
+    rec.emit("sched", step=step)
+    step += 1
+    time.sleep(0.001)
+if mode == "fail":
+    engine.emit("engine_error", step=step, detail={"error": "AssertionError: request.is_finished()", "where": "step"})
+    rec.flush()
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def worker(tmp_path):
+    """`start(trace, instance, *args, env=...)`: a WORKER process recording into `trace` in flight mode."""
+    script = tmp_path / "flight_worker.py"
+    script.write_text(WORKER)
+    procs: list[subprocess.Popen] = []
+
+    def start(trace: Path, instance: str, *args: str, seconds: str = "30", **env: Any) -> subprocess.Popen:
+        same_session = env.pop("same_session", False)
+        full = {**os.environ, "PYTHONPATH": str(REPO), "PDTRACE_TRACE_DIR": str(trace), flight.ENV_SECONDS: seconds,
+                **env}
+        # Each in its own session: only the instance links them (processes of one session are one server's).
+        proc = subprocess.Popen([PY, str(script), instance, *args], env=full, stdout=subprocess.PIPE, text=True,
+                                start_new_session=not same_session)
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def pdtrace(*args: object, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "pdtrace", *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def manifest(folder: Path) -> dict:
+    return json.loads((folder / "_manifest.json").read_text())
+
+
+def done(folder: Path) -> bool:
+    try:
+        processes = manifest(folder)["processes"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(processes) and all(entry["status"] != "pending" for entry in processes.values())
+
+
+def parts(folder: Path) -> dict[str, list[int]]:
+    """instance -> pids with a part file in the dump."""
+    found: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("*/*/part-*.parquet")):
+        found.setdefault(path.parent.parent.name, []).append(int(path.parent.name))
+    return found
+
+
+# ---- the ring ----------------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def ring(tmp_path: Path, seconds: float = 10.0, mb: float = 64.0, **kwargs) -> tuple[FlightRecorder, FakeClock]:
+    clock = FakeClock()
+    rec = FlightRecorder(tmp_path, "inst", seconds=seconds, max_bytes=int(mb * 2**20), clock=clock,
+                         handle_sigterm=False, **kwargs)
+    return rec, clock
+
+
+def test_ring_keeps_the_last_seconds(tmp_path):
+    rec, clock = ring(tmp_path, seconds=10.0)
+    for second in range(30):  # 100 events a second for 30 s
+        for i in range(100):
+            rec.emit("sched", step=second * 100 + i)
+            clock.now += 10_000_000
+    rec.trim()
+    flat, events, facts = rec.snapshot(clock.now)
+    steps = flat[3::12]
+    assert events == 1000 and steps[0] == 2000 and steps[-1] == 2999
+    assert facts["window_start_ns"] == clock.now - 10 * 10**9 and facts["trimmed"] == 0
+    assert rec.trimmed_events == 0 and rec.dropped_events == 0
+    rec.close()
+    assert not any(tmp_path.rglob("*.parquet"))  # healthy: nothing written, not even at close
+
+
+def test_ring_memory_bound_cuts_the_window_and_says_so(tmp_path):
+    rec, clock = ring(tmp_path, seconds=600.0, mb=1.0)
+    for i in range(20_000):  # all inside the 600 s window; each with a detail dict and a block list
+        rec.emit("blocks_alloc", step=i, req=f"req-{i % 50}", blocks=list(range(i % 7, i % 7 + 8)),
+                 detail={"hit": i % 3})
+        rec.emit_many("req_sched", step=i, reqs=["a", "b", "c"], ns=[1, 2, 3])
+        clock.now += 1_000_000
+    rec.trim()
+    assert rec.row_bytes > 100
+    assert 2**20 / 2 < rec.ring_bytes <= 2**20  # the bound holds (estimated bytes), and the ring is not emptied
+    emitted = 20_000 * 4
+    flat, events, facts = rec.snapshot(clock.now)
+    assert rec.dropped_events == 0  # the ring dropped its oldest events, never the newest
+    assert facts["trimmed"] == emitted - events  # every event cut is counted (batch entries as their events)
+    first_kept = flat[0]
+    assert facts["window_start_ns"] > clock.now - 600 * 10**9  # the window really reaches less far back
+    assert facts["window_start_ns"] <= first_kept
+    assert facts["trimmed"] >= rec.trimmed_events > 0
+    rec.close()
+
+
+def test_ring_under_its_memory_bound_cuts_nothing(tmp_path):
+    rec, clock = ring(tmp_path, seconds=600.0, mb=64.0)
+    for i in range(5000):
+        rec.emit("blocks_alloc", step=i, req="r", blocks=[1, 2, 3], detail={"hit": 1})
+        clock.now += 1_000_000
+    rec.trim()
+    _, events, facts = rec.snapshot(clock.now)
+    assert events == 5000 and rec.trimmed_events == 0
+    assert facts["window_start_ns"] == clock.now - 600 * 10**9
+
+
+def test_failing_dump_write_is_counted_and_the_engine_goes_on(tmp_path):
+    def broken(table, path):
+        raise OSError("disk full")
+
+    config = FlightConfig(seconds=60.0)
+    ctl = FlightController(tmp_path, config)
+    rec = FlightRecorder(tmp_path, "inst", seconds=60.0, controller=ctl, handle_sigterm=False, part_writer=broken)
+    for i in range(100):
+        rec.emit("sched", step=i)
+    rec.flush()  # the engine-error trigger: returns at once, never raises
+    assert ctl.wait_idle(20.0)
+    dump = tmp_path / "dump-0001"
+    entry = manifest(dump)["processes"][str(os.getpid())]
+    assert entry["status"] == "error" and "disk full" in entry["error"]
+    assert ctl.errors >= 1 and not any(dump.rglob("*.parquet"))
+    rec.emit("sched", step=100)  # still recording
+    assert rec.buffered_events == 101 and not rec.closed
+    rec.close()
+
+
+# ---- triggers, as users meet them ----------------------------------------------------------------------------------
+
+
+def test_nothing_is_written_while_healthy(tmp_path, worker):
+    trace = tmp_path / "trace"
+    proc = worker(trace, "A")
+    time.sleep(2.0)  # four trims
+    assert proc.poll() is None
+    files = sorted(str(p.relative_to(trace)) for p in trace.rglob("*") if p.is_file())
+    assert files == [f"_flight/procs/{proc.pid}.json"]
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    if children.exists():
+        assert children.read_text().split() == []  # no writer process until a dump
+    registration = json.loads((trace / "_flight" / "procs" / f"{proc.pid}.json").read_text())
+    assert registration["instances"] == ["A"] and registration["signal"] == "SIGUSR2"
+
+
+def test_signal_dumps_the_process_and_its_instance(tmp_path, worker):
+    trace = tmp_path / "trace"
+    a1, a2, b = worker(trace, "A"), worker(trace, "A"), worker(trace, "B")
+    time.sleep(1.0)
+    os.kill(a1.pid, signal.SIGUSR2)
+    dump = trace / "dump-0001"
+    assert wait_for(lambda: done(dump))
+    assert parts(dump) == {"A": sorted([a1.pid, a2.pid])}  # the whole instance, not B
+    assert manifest(dump)["reason"] == "signal"
+    assert all(p.poll() is None for p in (a1, a2, b))  # the signal killed nobody
+    time.sleep(1.5)
+    assert not (trace / "dump-0002").exists()  # the instance's other process dumped once, not twice
+
+
+def test_pdtrace_dump_asks_every_process_and_the_dump_is_a_trace(tmp_path, worker):
+    trace = tmp_path / "trace"
+    a1, a2, b = worker(trace, "A", seconds="2"), worker(trace, "A", seconds="2"), worker(trace, "B", seconds="2")
+    time.sleep(3.0)
+    result = pdtrace("dump", trace)
+    assert result.returncode == 0, result.stderr
+    dump = trace / "dump-0001"
+    assert result.stdout.strip() == str(dump)
+    assert "3 of 3 processes" in result.stderr
+    assert parts(dump) == {"A": sorted([a1.pid, a2.pid]), "B": [b.pid]}
+    info = manifest(dump)
+    assert info["flight"] is True and info["reason"] == "pdtrace dump" and info["flight_seconds"] == 2.0
+    starts = []
+    for path in dump.glob("*/*/part-*.parquet"):
+        meta = pq.read_metadata(path).metadata
+        start = int(meta[b"pdtrace.window_start_ns"])
+        assert meta[b"pdtrace.schema_version"] == b"1" and meta[b"pdtrace.flight_seconds"] == b"2"
+        ts = pq.read_table(path, columns=["ts_ns"]).column("ts_ns").to_pylist()
+        assert min(ts) >= start and max(ts) - start <= 2.5e9  # only the last 2 s of a 4 s run
+        starts.append(start)
+    assert info["window_start_ns"] == max(starts)
+    summary = pdtrace("info", dump, "--format", "json")
+    assert summary.returncode == 0, summary.stderr
+    assert {i["instance"] for i in json.loads(summary.stdout)["instances"]} == {"A", "B"}
+    analysis = pdtrace("analyze", dump)
+    assert analysis.returncode == 0, analysis.stdout + analysis.stderr
+    assert all(p.poll() is None for p in (a1, a2, b))
+    whole = pdtrace("analyze", trace)  # the run's folder holds overlapping windows: not one trace
+    assert whole.returncode == 2 and whole.stderr.count("\n") == 1 and "flight recording" in whole.stderr
+    assert str(dump) in whole.stderr
+    assert pdtrace("dump", trace).returncode == 0 and (trace / "dump-0002").is_dir()  # a second dump: its own folder
+    assert parts(dump) == {"A": sorted([a1.pid, a2.pid]), "B": [b.pid]}
+
+
+def test_engine_failure_dumps_every_process_of_the_same_server(tmp_path, worker):
+    """Processes of one session (one server's API server, EngineCore, workers) dump together even when their
+    instance names differ; a process of another session and instance does not."""
+    trace = tmp_path / "trace"
+    other = worker(trace, "C")
+    sibling = worker(trace, "B", same_session=True)
+    failing = worker(trace, "A", "fail", "1.0", same_session=True)
+    dump = trace / "dump-0001"
+    assert wait_for(lambda: done(dump))
+    assert parts(dump) == {"A": [failing.pid], "B": [sibling.pid]}
+    assert other.poll() is None and sibling.poll() is None
+
+
+def test_engine_failure_dumps_every_process_of_the_instance(tmp_path, worker):
+    trace = tmp_path / "trace"
+    healthy_a, b = worker(trace, "A"), worker(trace, "B")
+    failing = worker(trace, "A", "fail", "1.0")
+    dump = trace / "dump-0001"
+    assert wait_for(lambda: done(dump))
+    assert parts(dump) == {"A": sorted([healthy_a.pid, failing.pid])}
+    info = manifest(dump)
+    assert info["reason"] == "engine_error" and info["requested_by"] == failing.pid
+    table = pq.read_table(next(dump.glob(f"A/{failing.pid}/part-*.parquet")), columns=["kind"])
+    assert "engine_error" in table.column("kind").to_pylist()
+    assert healthy_a.poll() is None and b.poll() is None
+
+
+FORKING_WORKER = """
+import os, sys, time
+from pdtrace.recording import session
+session.configure_from_env("test")
+rec = session.recorder("A", "both")
+rec.emit("sched", step=0)
+child = os.fork()  # as vLLM forks its workers after the plugin ran: the child opens its own recorder
+if child == 0:
+    worker = session.recorder("A", "both").channel("worker", tp_rank=1)
+    for step in range(100000):
+        worker.emit("step_submit", step=step)
+        time.sleep(0.001)
+    os._exit(0)
+print(child, flush=True)
+for step in range(1, 100000):
+    rec.emit("sched", step=step)
+    time.sleep(0.001)
+"""
+
+
+def test_forked_child_registers_and_dumps_with_its_parent(tmp_path):
+    trace = tmp_path / "trace"
+    script = tmp_path / "forking.py"
+    script.write_text(FORKING_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PDTRACE_TRACE_DIR": str(trace), flight.ENV_SECONDS: "30"}
+    parent = subprocess.Popen([PY, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert wait_for(lambda: len(list((trace / "_flight" / "procs").glob("*.json"))) == 2)
+        os.kill(child, signal.SIGUSR2)  # the child's handler is its parent's, inherited through fork
+        dump = trace / "dump-0001"
+        assert wait_for(lambda: done(dump))
+        assert parts(dump) == {"A": sorted([parent.pid, child])}
+        kinds = {pid: set(pq.read_table(next(dump.glob(f"A/{pid}/part-*.parquet")), columns=["kind"])
+                          .column("kind").to_pylist()) for pid in (parent.pid, child)}
+        assert kinds == {parent.pid: {"sched"}, child: {"step_submit"}}  # each its own events only
+        assert parent.poll() is None
+        os.kill(child, 0)
+    finally:
+        parent.kill()
+        parent.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
+def test_dump_on_exit_only_when_asked(tmp_path, worker):
+    asked, plain = tmp_path / "asked", tmp_path / "plain"
+    first = worker(asked, "A", "end", "0.5", PDTRACE_FLIGHT_DUMP_ON_EXIT="1")
+    second = worker(plain, "A", "end", "0.5")
+    assert first.wait(30) == 0 and second.wait(30) == 0
+    assert done(asked / "dump-0001") and manifest(asked / "dump-0001")["reason"] == "exit"
+    assert parts(asked / "dump-0001") == {"A": [first.pid]}
+    assert not list(plain.glob("dump-*")) and not any(plain.rglob("*.parquet"))
+    assert not list((asked / "_flight" / "procs").iterdir())  # unregistered at exit
+
+
+def test_sigterm_dumps_on_exit_into_one_folder_per_shutdown(tmp_path, worker):
+    """vLLM stops its EngineCore and workers with SIGTERM (then SIGKILL): with dump on exit, each writes its window
+    from the SIGTERM handler, and the processes of one server stopping together share one exit dump."""
+    trace = tmp_path / "trace"
+    first = worker(trace, "A", PDTRACE_FLIGHT_DUMP_ON_EXIT="1", same_session=True)
+    second = worker(trace, "B", PDTRACE_FLIGHT_DUMP_ON_EXIT="1", same_session=True)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == -signal.SIGTERM  # then dies of it, as without pdtrace
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(30) == -signal.SIGTERM
+    assert [p.name for p in trace.glob("dump-*")] == ["dump-0001"]
+    assert manifest(trace / "dump-0001")["reason"] == "exit" and done(trace / "dump-0001")
+    assert parts(trace / "dump-0001") == {"A": [first.pid], "B": [second.pid]}
+
+
+def test_record_flight_as_users_run_it(tmp_path):
+    trace = tmp_path / "trace"
+    script = tmp_path / "w.py"
+    script.write_text(WORKER.replace("time.sleep(120)", "raise SystemExit(1)"))
+    result = pdtrace("record", "--flight", "30", "--flight-mb", "64", "-o", trace, "--", PY, script, "A", "fail",
+                     "0.5")
+    assert result.returncode == 1, result.stderr
+    top = manifest(trace)
+    assert top["flight"] == {"seconds": 30.0, "mb": 64.0, "dump_on_exit": False, "signal": "SIGUSR2"}
+    dumped = [int(pid) for pid in manifest(trace / "dump-0001")["processes"]]
+    assert done(trace / "dump-0001") and len(dumped) == 1 and parts(trace / "dump-0001") == {"A": dumped}
+    assert manifest(trace / "dump-0001")["command"] == top["command"]
+    assert f"pdtrace analyze {trace.resolve() / 'dump-0001'}" in result.stderr
+
+
+def test_dump_signal_to_pdtrace_record_dumps_the_run(tmp_path):
+    trace = tmp_path / "trace"
+    script = tmp_path / "w.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    record = subprocess.Popen([PY, "-m", "pdtrace", "record", "--flight", "30", "-o", str(trace), "--", PY,
+                               str(script), "A", "end", "20"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: len(list((trace / "_flight" / "procs").glob("*.json"))) == 1, 60)
+        time.sleep(0.5)
+        record.send_signal(signal.SIGUSR2)
+        assert wait_for(lambda: done(trace / "dump-0001"))
+        assert manifest(trace / "dump-0001")["reason"] == "signal" and len(parts(trace / "dump-0001")["A"]) == 1
+        assert record.poll() is None  # the wrapper survived its own dump signal
+    finally:
+        record.send_signal(signal.SIGINT)
+        record.wait(60)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--flight", "0"], "> 0 seconds"),
+    (["--flight", "10", "--flight-mb", "-1"], "> 0 MB"),
+    (["--flight-mb", "10"], "need --flight"),
+])
+def test_record_flight_bad_values(tmp_path, args, words):
+    result = pdtrace("record", *args, "-o", tmp_path / "t", "--", PY, "-c", "pass")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr
+    assert not (tmp_path / "t").exists()
+
+
+def test_bad_flight_environment_turns_recording_off_with_one_line(tmp_path):
+    code = ("from pdtrace.recording import session\n"
+            "print(session.configure_from_env('test'), session.is_configured())")
+    result = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "PDTRACE_TRACE_DIR": str(tmp_path),
+                                 "PDTRACE_FLIGHT": "five minutes"})
+    assert result.stdout.split() == ["False", "False"]
+    assert result.stderr.count("\n") == 1 and "PDTRACE_FLIGHT" in result.stderr
+
+
+def test_pdtrace_dump_bad_input(tmp_path):
+    missing = pdtrace("dump", tmp_path / "nowhere")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "part-000000.parquet").write_text("x")
+    not_flight = pdtrace("dump", plain)
+    ended = tmp_path / "ended"
+    (ended / "_flight" / "procs").mkdir(parents=True)
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    (ended / "_flight" / "procs" / f"{dead.pid}.json").write_text(json.dumps({"pid": dead.pid, "instances": ["A"]}))
+    no_live = pdtrace("dump", ended)
+    for result, words in ((missing, "not a flight recording"), (not_flight, "not a flight recording"),
+                          (no_live, "no live process")):
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not list(ended.glob("dump-*"))
+
+
+def test_pdtrace_dump_never_signals_a_process_that_does_not_catch_it(tmp_path):
+    trace = tmp_path / "trace"
+    (trace / "_flight" / "procs").mkdir(parents=True)
+    bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])  # SIGUSR2 would kill it
+    try:
+        time.sleep(0.3)
+        (trace / "_flight" / "procs" / f"{bystander.pid}.json").write_text(json.dumps(
+            {"pid": bystander.pid, "start_time": flight._proc_start_time(bystander.pid), "instances": ["A"],
+             "signal": "SIGUSR2"}))
+        result = pdtrace("dump", trace, "--timeout", "1")
+        assert result.returncode == 1 and "no answer" in result.stderr
+        time.sleep(0.3)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.fixture(autouse=True)
+def _no_session_left():
+    yield
+    session.reset()
