@@ -33,11 +33,12 @@ import pyarrow.compute as pc
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
+from pdtrace.analysis.history import window_findings
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
-from pdtrace.trace.model import Trace, dictionary_decoded
+from pdtrace.trace.model import Trace, dictionary_decoded, later_window, since_mask
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
            "allocation_settings", "checked_findings", "ordered_findings"]
@@ -71,11 +72,12 @@ def select_rules(rules: Iterable[str | Rule] | None, registered: dict[str, Rule]
 
 
 def window(trace: Trace, config: AnalysisConfig) -> Trace:
-    """The rows of the trace inside the config's time window and instances (the trace itself if unbounded)."""
+    """The rows of the trace inside the config's time window and instances (the trace itself if unbounded). A
+    `since_ns` that leaves earlier rows out marks the result as a window starting there (`Trace.window_start_ns`)."""
     table = trace.table
     mask = None
     if config.since_ns is not None:
-        mask = pc.greater_equal(table.column("ts_ns"), pa.scalar(int(config.since_ns), pa.int64()))
+        mask = since_mask(table, int(config.since_ns))  # engine_config rows stay: configuration, not history
     if config.until_ns is not None:
         m = pc.less(table.column("ts_ns"), pa.scalar(int(config.until_ns), pa.int64()))
         mask = m if mask is None else pc.and_(mask, m)
@@ -87,6 +89,10 @@ def window(trace: Trace, config: AnalysisConfig) -> Trace:
         return trace
     filtered = trace.filter(mask)
     filtered.__dict__.pop("events", None)
+    if config.since_ns is not None and len(table) and int(pc.min(table.column("ts_ns")).as_py()) < config.since_ns:
+        # earlier rows were left out: the rest is a window of the run (pdtrace.analysis.history)
+        filtered.window_start_ns, filtered.window_source = later_window(
+            trace.window_start_ns, trace.window_source, int(config.since_ns), "since")
     return filtered
 
 
@@ -198,7 +204,8 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
     with allocation_settings():
-        frames = [checked_findings(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
+        frames = [window_findings(ctx, checked_findings(frame, rule))
+                  for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
                       "warnings": notes}

@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, MANIFEST_NAME, SCHEMA
-from pdtrace.trace.model import SkippedFile, Trace, TraceFile
+from pdtrace.trace.model import SkippedFile, Trace, TraceFile, later_window
 from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
                                     first_seq_violation)
 
@@ -523,12 +523,35 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         for note in notes:
             warnings.warn(note, TraceWarning, stacklevel=3)
     trace = Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
+    trace.window_start_ns, trace.window_source = trace_window(manifest, files, footers, since_ns)
     if req_parts and all(part is not None for part in req_parts):
         req = pa.chunked_array([c for part in req_parts for c in part.chunks],  # type: ignore[union-attr]
                                pa.dictionary(pa.int32(), pa.string()))
         if len(req) == table.num_rows:
             setattr(trace, REQ_DICTIONARY_ATTR, (table, req))
     return trace
+
+
+def trace_window(manifest: dict[str, Any] | None, files: list[TraceFile], footers: TraceFooters,
+                 since_ns: int | None) -> tuple[int | None, str | None]:
+    """(start, source) of the window a loaded trace holds, or (None, None) for a whole run: the latest of the files'
+    `pdtrace.window_start_ns` ("metadata": from then on every dumping writer is recorded), a flight dump's manifest
+    `window_start_ns` ("manifest") and a `since_ns` cut that left out earlier rows by the files' `ts_ns` statistics
+    ("since"). docs/trace-format.md, "Traces that start mid-run"."""
+    start: int | None = None
+    source: str | None = None
+    for file in files:
+        start, source = later_window(start, source, file.window_start_ns, "metadata")
+    if isinstance(manifest, dict) and manifest.get("window_start_ns") is not None:
+        try:
+            start, source = later_window(start, source, int(manifest["window_start_ns"]), "manifest")
+        except (TypeError, ValueError):
+            pass
+    if since_ns is not None:
+        lows = [low for f in files for low, _ in (column_stats(footers.metadata[f.path], "ts_ns") or [])]
+        if not lows or min(lows) < since_ns:
+            start, source = later_window(start, source, int(since_ns), "since")
+    return start, source
 
 
 def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> None:

@@ -1,0 +1,148 @@
+"""The window property: a trace cut at any time (tests/windowed.py: what a flight-recorder dump or `pdtrace analyze
+--since` holds) gives no finding the cut itself made, and keeps the findings whose evidence lies inside it.
+
+On every sample trace and every scenario of tests/scenarios*.py (the stripped-fields property's set), cut at EVEN
+evenly spaced times plus right after the first event of each NOTABLE kind, with the cut marked as a window:
+(a) every error of the window is an error of the uncut trace (same rule, subrule and request; or a
+    re-classification named in RECLASSIFIED, with its reason);
+(b) every finding of the uncut trace whose evidence lies inside the window (every row it cites, its moment, and the
+    whole life of every request it names: each one's first event at or after the cut) is in the window's findings
+    with the same rule, subrule, request and blocks, at the same severity or a lower one that says why
+    (`extra.downgraded`), except those AGGREGATE rules measure over the trace's span and the EXCEPTIONS below.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import scenarios_preemption
+from test_rules_stripped import TRACES as STRIPPED_TRACES
+from windowed import cut_times
+from pdtrace.analysis import analyze
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.trace.model import Trace
+
+SEVERITY = {"info": 0, "warning": 1, "error": 2}
+#: the stripped-fields property's traces (samples, tests/scenarios.py, the PP runs) and the preemption scenarios
+TRACES = {**STRIPPED_TRACES, **{f"preemption:{k}": v for k, v in scenarios_preemption.all_scenarios().items()}}
+
+#: one thread per analysis: many small traces, where the rule threads cost more than they save
+CONFIG = AnalysisConfig(jobs=1)
+
+#: rules whose findings measure the analysed span (idle fractions of a rank, stretches of steps), so a window
+#: measures its own: compared for (a) only
+AGGREGATE = {"pipeline_bubble": "idle fractions over the analysed span", "no_progress": "stretches of steps"}
+
+#: (rule, subrule in the window) -> (subrule of the uncut trace's error it stands for, why)
+RECLASSIFIED: dict[tuple[str, str], tuple[str, str]] = {
+    ("double_free", "unknown_id"): (
+        "completion_after_free", "the final free that explains the completion lies before the window; the "
+        "completion's recorded status `unknown` still proves vLLM's assert"),
+}
+
+
+def _excepted(rec: dict[str, Any]) -> str | None:
+    """Why a finding of the uncut trace may be missing from a window although its rows lie inside it."""
+    extra = rec.get("extra") or {}
+    if rec["rule"] == "premature_free" and rec["subrule"] == "quorum" and \
+            str(extra.get("ranks_source", "")).startswith("the ranks that reported for other requests"):
+        return "the expected rank count came from other requests' reports, which may lie before the window"
+    return None
+
+
+@lru_cache(maxsize=None)
+def table_of(name: str) -> Any:
+    return TRACES[name]().table
+
+
+@lru_cache(maxsize=None)
+def findings_of(name: str, cut: int | None) -> pd.DataFrame:
+    trace = Trace.from_table(table_of(name))
+    return analyze(trace if cut is None else trace.cut(cut), config=CONFIG)
+
+
+@lru_cache(maxsize=None)
+def first_event(name: str) -> dict[tuple[str, str], int]:
+    """(instance, req) -> ts_ns of the request id's first event in the uncut trace."""
+    frame = table_of(name).select(["ts_ns", "instance", "req"]).to_pandas()
+    frame = frame[frame["req"].notna()]
+    frame["instance"] = frame["instance"].astype(str)
+    return frame.groupby(["instance", "req"])["ts_ns"].min().to_dict()
+
+
+def inside(name: str, rec: dict[str, Any], cut: int) -> bool:
+    """Whether a finding of the uncut trace has all its evidence inside the window that starts at cut."""
+    first = first_event(name)
+    refs = [r for r in rec.get("evidence") or [] if isinstance(r, dict)]
+    times = [r.get("ts_ns") for r in refs] + [rec.get("ts_ns")]
+    if any(t is not None and not pd.isna(t) and int(t) < cut for t in times):
+        return False
+    named = [(str(rec["instance"]), rec["req"])] + [(str(r.get("instance") or rec["instance"]), r.get("req"))
+                                                   for r in refs]
+    return all(first.get((inst, req), cut) >= cut for inst, req in named if req is not None and not pd.isna(req))
+
+
+def _key(rec: dict[str, Any]) -> tuple:
+    return rec["rule"], rec["subrule"], str(rec["req"]), tuple(rec["blocks"] or ())
+
+
+def problems(name: str, cut: int) -> list[str]:
+    base = findings_of(name, None).to_dict("records")
+    got = findings_of(name, cut).to_dict("records")
+    out = []
+    base_errors = {(r["rule"], r["subrule"], str(r["req"])) for r in base if r["severity"] == "error"}
+    for rec in got:  # (a)
+        if rec["severity"] != "error":
+            continue
+        rule, subrule, req = rec["rule"], rec["subrule"], str(rec["req"])
+        if (rule, subrule, req) in base_errors:
+            continue
+        stands_for = RECLASSIFIED.get((rule, subrule))
+        if stands_for and (rule, stands_for[0], req) in base_errors:
+            continue
+        out.append(f"(a) error from the cut: {rule}/{subrule} {req}: {rec['message']}")
+    available = Counter(_key(r) for r in got)
+    by_key: dict[tuple, list[dict[str, Any]]] = {}
+    for rec in got:
+        by_key.setdefault(_key(rec), []).append(rec)
+    for rec in base:  # (b)
+        if rec["rule"] in AGGREGATE or not inside(name, rec, cut) or _excepted(rec):
+            continue
+        key = _key(rec)
+        match = [g for g in by_key.get(key, []) if SEVERITY[g["severity"]] == SEVERITY[rec["severity"]]
+                 or (SEVERITY[g["severity"]] < SEVERITY[rec["severity"]] and (g.get("extra") or {}).get("downgraded"))]
+        if available[key] and match:
+            available[key] -= 1
+            continue
+        out.append(f"(b) lost though inside the window: {rec['severity']} {key}: {rec['message']}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_a_window_gives_no_finding_from_the_cut_and_keeps_the_rest(name: str) -> None:
+    cuts = cut_times(table_of(name))
+    assert len(cuts) >= 6
+    found = {cut: problems(name, cut) for cut in cuts}
+    assert {cut: p for cut, p in found.items() if p} == {}
+
+
+def test_the_cuts_start_windows_with_history_behind_them() -> None:
+    # the property is only as good as its cuts: most of them must leave requests, blocks and steps before the window
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.history import history
+
+    touched = Counter()
+    for name in ("sample:healthy_pd_pp1", "scenario:pd", "sample:lost_send_completion"):
+        for cut in cut_times(table_of(name)):
+            hist = history(AnalysisContext(trace=Trace.from_table(table_of(name)).cut(cut)))
+            assert hist is not None and hist.window.source == "since" and hist.window.start_ns == cut
+            touched["requests"] += bool(hist.requests)
+            touched["blocks"] += bool(hist.blocks)
+            touched["steps"] += bool(hist.in_flight_until)
+    assert min(touched.values()) >= 5, touched
