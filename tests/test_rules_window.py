@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -146,3 +147,132 @@ def test_the_cuts_start_windows_with_history_behind_them() -> None:
             touched["blocks"] += bool(hist.blocks)
             touched["steps"] += bool(hist.in_flight_until)
     assert min(touched.values()) >= 5, touched
+
+
+# --- how a window is known, and what a report says about it ------------------------------------------------------
+
+def _window_dir(tmp_path: Any, name: str, cut: int, how: str) -> Any:
+    """The uncut rows from `cut` on (engine_config kept) written as a trace, the window said by `how`: the files'
+    metadata, the manifest, or nothing."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pdtrace.format import META_WINDOW_START, MANIFEST_NAME
+    from pdtrace.trace.builder import write_table
+    from pdtrace.trace.model import since_mask
+
+    table = table_of(name)
+    out = write_table(table.filter(since_mask(table, cut)), tmp_path / how)
+    if how == "metadata":
+        for path in out.rglob("*.parquet"):
+            part = pq.read_table(path)
+            meta = dict(part.schema.metadata or {})
+            meta[META_WINDOW_START.encode()] = str(cut).encode()
+            pq.write_table(part.replace_schema_metadata(meta), path)
+    elif how == "manifest":
+        (out / MANIFEST_NAME).write_text(json.dumps({"flight": True, "window_start_ns": cut}))
+    return out
+
+
+def _ids(frame: pd.DataFrame) -> list[tuple]:
+    return sorted(zip(frame["rule"], frame["subrule"], frame["severity"], frame["req"].astype(str)))
+
+
+@pytest.mark.parametrize("how", ["metadata", "manifest"])
+def test_the_reader_takes_the_window_from_a_dump(tmp_path: Any, how: str) -> None:
+    from pdtrace.trace.reader import open_trace
+
+    name = "faulty:abort_received_then_second_completion"
+    cut = cut_times(table_of(name))[0]
+    trace = open_trace(_window_dir(tmp_path, name, cut, how))
+    assert (trace.window_start_ns, trace.window_source) == (cut, how)
+    got = analyze(trace, config=CONFIG)
+    assert got.attrs["window"]["start_ns"] == cut and got.attrs["window"]["source"] == how
+    assert _ids(got) == _ids(findings_of(name, cut))
+
+
+def test_a_since_cut_is_a_window_and_a_whole_trace_is_not(tmp_path: Any) -> None:
+    from pdtrace.trace.reader import open_trace
+
+    name = "faulty:abort_received_then_second_completion"
+    cut = cut_times(table_of(name))[0]
+    path = _window_dir(tmp_path, name, int(table_of(name).column("ts_ns").to_numpy().min()), "plain")
+    assert open_trace(path).window_start_ns is None
+    assert open_trace(path, since_ns=cut).window_source == "since"
+    assert analyze(path, config=AnalysisConfig(jobs=1)).attrs["window"] is None
+    got = analyze(path, config=AnalysisConfig(jobs=1, since_ns=cut))
+    assert got.attrs["window"]["source"] == "since" and _ids(got) == _ids(findings_of(name, cut))
+
+
+def test_a_trace_whose_first_step_is_above_zero_is_an_inferred_window() -> None:
+    name = "faulty:abort_received_then_second_completion"
+    table = table_of(name)
+    cut = 134_912 + int(table.column("ts_ns").to_numpy().min())  # after step 0's sched, before its output
+    unmarked = Trace.from_table(table.filter(pa_greater_equal(table, cut)))  # no engine_config, no mark
+    assert unmarked.window_start_ns is None
+    got = analyze(unmarked, config=CONFIG)
+    assert got.attrs["window"]["source"] == "inferred"
+    assert _ids(got[got["severity"] == "error"]) == [("double_free", "unknown_id", "error", "r1")]
+    assert not (got["subrule"] == "not_owned").any()
+
+
+def pa_greater_equal(table: Any, cut: int) -> Any:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.greater_equal(table.column("ts_ns"), pa.scalar(cut, pa.int64()))
+
+
+def test_a_whole_trace_keeps_its_findings_about_ids_and_blocks_it_never_saw() -> None:
+    # no window: a free of blocks never allocated and a completion for an unknown id are what the rules exist for
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="e")
+    b.add("req_add", req="a", n=10)
+    b.add("sched", step=0, n=10)
+    b.add("req_sched", step=0, req="a", n=10)
+    b.add("blocks_free", step=0, req="a", blocks=[7], reason="preempted", deferred=False)
+    b.add("step_submit", component="engine", step=0, n=1)
+    b.add("step_output", component="engine", step=0)
+    got = analyze(b.trace(), config=CONFIG)
+    assert got.attrs["window"] is None
+    assert ("double_free", "not_owned", "error", "a") in _ids(got)
+
+
+def test_a_finding_that_rests_on_history_before_the_window_is_downgraded_and_says_why() -> None:
+    name = "faulty:abort_received_then_second_completion"
+    cut = cut_times(table_of(name))[0]
+    got = findings_of(name, cut)
+    weaker = got[got["extra"].map(lambda e: (e or {}).get("downgraded") == "window")]
+    assert len(weaker)
+    for rec in weaker.to_dict("records"):
+        assert rec["severity"] != "error"
+        assert rec["message"].startswith("history before the window unknown (")
+        assert rec["extra"]["window"]["start_ns"] == cut and rec["extra"]["window"]["before"]
+    # the vLLM assert the window's own rows prove (status unknown) stays an error
+    assert ("double_free", "unknown_id", "error", "r1") in _ids(got)
+
+
+def test_analyze_says_in_its_report_that_the_trace_is_a_window(tmp_path: Any) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SAMPLE_TRACES
+
+    sample = SAMPLE_TRACES / "lost_send_completion" / "trace"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdtrace", "analyze", str(sample), *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    window = run("--since", "0.02")
+    assert "WINDOW: the trace starts mid-run at ts_ns" in window.stdout and "--since cut" in window.stdout
+    assert "+0.020000 s from the trace's start" in window.stdout and "see only the window" in window.stdout
+    assert "WINDOW:" not in run().stdout
+    doc = json.loads(run("--since", "0.02", "--format", "json").stdout)
+    assert doc["summary"]["window"]["source"] == "since" and "meaning" in doc["summary"]["window"]
+    assert "window" not in json.loads(run("--format", "json").stdout)["summary"]

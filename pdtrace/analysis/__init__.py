@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import FINDING_COLUMNS, SEVERITY_ORDER, empty_findings
-from pdtrace.analysis.history import window_findings
+from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
@@ -208,7 +208,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
                   for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
-                      "warnings": notes}
+                      "warnings": notes, "window": window_summary(trace_window(ctx))}
     return findings
 
 
@@ -239,8 +239,25 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": events,
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
-                      "trace_warnings": trace_notes, "partitions": parts}
+                      "trace_warnings": trace_notes, "partitions": parts,
+                      "window": window_summary(_partitioned_window(source, config))}
     return findings
+
+
+def _partitioned_window(source: Any, config: AnalysisConfig) -> Any:
+    """The window a partitioned analysis reads (`history.Window`), from what the reader knows: a loaded trace's
+    own, else the files' footers and manifest and the config's since_ns (what each partition's reader finds)."""
+    from pdtrace.analysis.history import Window
+
+    if isinstance(source, Trace):
+        trace = window(source, config)
+        start, how = trace.window_start_ns, trace.window_source
+    else:
+        from pdtrace.trace.reader import read_footers, trace_window as reader_window
+
+        footers = read_footers(source)
+        start, how = reader_window(footers.manifest, footers.files, footers, config.since_ns)
+    return None if start is None else Window(int(start), str(how))
 
 
 def ordered_findings(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
@@ -308,7 +325,8 @@ def _bubble_summary(bubbles: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
-    """Counts per severity and rule, errors and contexts, leak summary per instance, bubble summary per rank."""
+    """Counts per severity and rule, errors and contexts, leak summary per instance, bubble summary per rank, and
+    `window` (start_ns, source, how, meaning) when the trace starts mid-run."""
     by_severity = {s: int((findings["severity"] == s).sum()) if len(findings) else 0 for s in SEVERITY_ORDER}
     by_rule: dict[str, int] = {}
     if len(findings):
@@ -317,7 +335,7 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
     contexts = int(errors["context"].astype(str).nunique()) if len(errors) else 0
     leaks = findings[findings["rule"] == "leaked_blocks"] if len(findings) else findings
     bubbles = findings[findings["rule"] == "pipeline_bubble"] if len(findings) else findings
-    return {
+    out: dict[str, Any] = {
         "findings": int(len(findings)),
         "by_severity": by_severity,
         "by_rule": by_rule,
@@ -328,3 +346,6 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
         "leaks": _leak_summary(leaks) if len(leaks) else [],
         "bubbles": _bubble_summary(bubbles) if len(bubbles) else [],
     }
+    if findings.attrs.get("window"):  # a trace that starts mid-run (pdtrace.analysis.history)
+        out["window"] = findings.attrs["window"]
+    return out

@@ -98,6 +98,24 @@ class Window:
         return f"the trace starts mid-run at ts_ns {self.start_ns} ({how})"
 
 
+#: What a window means for the rules, said once in every report of one (`summarize_findings` -> reporters).
+WINDOW_MEANING = (
+    "requests, blocks and steps begun before it are history this trace does not hold. Findings that rest on that "
+    "history are left out (a free of blocks allocated before the window is no double free, a completion for a "
+    "request added before it is no unknown id) or reported one severity lower with the reason. Rules that report "
+    "something missing (leaks, never-scheduled, starved or stuck requests, completions that never came, unfreed "
+    "blocks) see only the window: what was due before it is not checked, and a wait open at its end is measured "
+    "from the window's own events.")
+
+
+def window_summary(window: Window | None) -> dict[str, Any] | None:
+    """The report's `window` entry: start_ns, source, how the analysis knows (`how`) and what it means."""
+    if window is None:
+        return None
+    return {"start_ns": window.start_ns, "source": window.source, "how": window.describe(),
+            "meaning": WINDOW_MEANING}
+
+
 def trace_window(ctx: Any) -> Window | None:
     """The window the analysed trace holds (see the module docstring), None for a whole run."""
     def build() -> Window | None:
