@@ -64,8 +64,9 @@ WINDOW_POLICY: dict[tuple[str, str], dict[str, str]] = {
     ("double_free", "unknown_id"): {REQUEST: "drop"},
     # the request's req_finish may lie before the window
     ("premature_free", "unfinished"): {REQUEST: "drop"},
-    # the ranks' reports may lie before the window
-    ("premature_free", "quorum"): {STEP: "drop"},
+    # the ranks' reports may lie before the window: they follow the transfer's start (the finish for a send, the
+    # req_wait_kv for a receive), so a request whose start the window holds keeps the finding (one lower)
+    ("premature_free", "quorum"): {STEP: "drop", REQUEST: "drop_unless_started"},
     # the allocation that makes the use legal may lie before the window
     ("use_after_free", "sched_after_free"): {BLOCKS: "drop"},
     ("use_after_free", "reused_during_transfer"): {BLOCKS: "drop"},
@@ -144,6 +145,8 @@ class History:
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> {block: ts_ns until which it is a block owned before the window}
     blocks: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
+    #: (instance, req) -> ts_ns of the first req_finish / req_wait_kv in the window (where a transfer starts)
+    transfer_start: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> the first step scheduled in the window
     first_step: dict[tuple[str, int], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> ts_ns of the last step_output of a step begun before the window: until then a
@@ -228,6 +231,12 @@ def history(ctx: Any) -> History | None:
         for k in np.flatnonzero(add_pos < 0).tolist():  # per request that began before the window
             key = (key_inst[k], key_req[k])
             hist.requests[key] = max(hist.requests.get(key, 0), first_add.get(key, _BIG))
+        starts = cols.req_rows("req_finish", "req_wait_kv")
+        for inst_name, req_name, at in zip(key_inst[cols.rk[starts]].tolist(), key_req[cols.rk[starts]].tolist(),
+                                           cols.ts[starts].tolist()):  # per finish or wait: one or two a request
+            key = (inst_name, req_name)
+            if key in hist.requests:
+                hist.transfer_start[key] = min(hist.transfer_start.get(key, _BIG), int(at))
         # blocks: per (scheduler, block), the first row's kind; pre-window until the first allocation
         rows, blocks = cols.flat_blocks(cols.is_kind(*_BLOCK_KINDS))
         if len(rows):
@@ -262,13 +271,19 @@ def history(ctx: Any) -> History | None:
     return ctx.cached("history.history", build)
 
 
-def _action(rule: str, subrule: str, before: dict[str, list[str]], evidence: Any) -> str:
+def _action(hist: History, rec: dict[str, Any], before: dict[str, list[str]]) -> str:
+    rule, subrule, evidence = str(rec["rule"]), str(rec["subrule"]), rec.get("evidence") or []
     if (rule, subrule) in STATUS_PROVES and any(
             isinstance(ref, dict) and ref.get("kind") in _COMPLETIONS and ref.get("status") not in (None, "")
-            for ref in evidence or []):
+            for ref in evidence):
         return "keep"
     policy = WINDOW_POLICY.get((rule, subrule), {})
     actions = [policy.get(kind, "downgrade") for kind in before]
+    if "drop_unless_started" in actions:
+        started = hist.transfer_start.get((str(rec.get("instance")), str(rec.get("req"))), _BIG)
+        ts = _int(rec.get("ts_ns"))
+        actions = [("downgrade" if ts is not None and started <= ts else "drop") if a == "drop_unless_started"
+                   else a for a in actions]
     if "drop" in actions:
         return "drop"
     if "downgrade" in actions:
@@ -290,7 +305,7 @@ def window_findings(ctx: Any, findings: pd.DataFrame) -> pd.DataFrame:
         if not before:
             out.append(rec)
             continue
-        action = _action(str(rec["rule"]), str(rec["subrule"]), before, rec.get("evidence"))
+        action = _action(hist, rec, before)
         if action == "drop":
             continue
         what = "; ".join(text for texts in before.values() for text in texts)
