@@ -287,3 +287,22 @@ def test_analyze_says_in_its_report_that_the_trace_is_a_window(tmp_path: Any) ->
     doc = json.loads(run("--since", "0.02", "--format", "json").stdout)
     assert doc["summary"]["window"]["source"] == "since" and "meaning" in doc["summary"]["window"]
     assert "window" not in json.loads(run("--format", "json").stdout)["summary"]
+
+
+def test_a_send_that_never_completes_for_a_request_begun_before_the_window_is_still_a_leak() -> None:
+    # lost_send_completion: r00004-p is allocated before the window and finishes inside it, waiting for a send
+    # that never completes; the window cannot name its blocks but still reports the leak, one lower, saying why
+    from conftest import SAMPLE_TRACES
+    from pdtrace.trace.reader import open_trace
+
+    trace = open_trace(SAMPLE_TRACES / "lost_send_completion" / "trace")
+    start = int(trace.table.column("ts_ns").to_numpy().min())
+    whole = analyze(trace, config=CONFIG)
+    assert ("leaked_blocks", "indirectly", "error", "r00004-p") in _ids(whole)
+    got = analyze(trace.cut(start + 30_000_000), config=CONFIG)
+    leak = got[(got["rule"] == "leaked_blocks") & (got["req"] == "r00004-p")]
+    assert _ids(leak) == [("leaked_blocks", "indirectly", "warning", "r00004-p")]
+    assert "allocated before the window: ids and count unknown" in leak.iloc[0]["message"]
+    assert leak.iloc[0]["extra"]["downgraded"] == "window"
+    # a whole trace never takes this path: its requests all have their req_add
+    assert not whole["message"].str.contains("before the window").any()
