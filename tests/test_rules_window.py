@@ -306,3 +306,18 @@ def test_a_send_that_never_completes_for_a_request_begun_before_the_window_is_st
     assert leak.iloc[0]["extra"]["downgraded"] == "window"
     # a whole trace never takes this path: its requests all have their req_add
     assert not whole["message"].str.contains("before the window").any()
+
+
+@pytest.mark.parametrize("sample", ["slow_transfer", "duplicate_completion_tp2"])
+def test_a_since_window_gives_the_same_findings_partitioned(sample: str) -> None:
+    from conftest import SAMPLE_TRACES
+
+    path = SAMPLE_TRACES / sample / "trace"
+    table = table_of(f"sample:{sample}")
+    for cut in cut_times(table)[::3]:
+        config = AnalysisConfig(jobs=1, since_ns=cut)
+        whole = analyze(path, config=config, partitioned=False)
+        parts = analyze(path, config=config, partitioned=True)
+        assert whole.attrs["window"] == parts.attrs["window"] and whole.attrs["window"]["source"] == "since"
+        assert _ids(whole) == _ids(parts)
+        assert list(whole["message"]) == list(parts["message"])

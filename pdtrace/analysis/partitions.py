@@ -342,7 +342,7 @@ def _load_partition(task: PartitionTask) -> Trace:
 
     return open_trace(task.path, instances=list(task.instances) if task.filter_instances else None,  # type: ignore
                       since_ns=task.config.since_ns, until_ns=task.config.until_ns, warn=False,
-                      only_files=task.files)
+                      only_files=task.files, keep_config=True)
 
 
 def run_partition(task: PartitionTask) -> PartitionResult:

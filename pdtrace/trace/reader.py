@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, MANIFEST_NAME, SCHEMA
-from pdtrace.trace.model import SkippedFile, Trace, TraceFile, later_window
+from pdtrace.trace.model import WINDOW_KEEPS, SkippedFile, Trace, TraceFile, later_window
 from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
                                     first_seq_violation)
 
@@ -248,12 +248,14 @@ def _instance_stats_exclude(metadata: pq.FileMetaData, wanted: set[str]) -> bool
     return True
 
 
-def _filter_expression(instances: list[str] | None, since_ns: int | None, until_ns: int | None) -> ds.Expression | None:
+def _filter_expression(instances: list[str] | None, since_ns: int | None, until_ns: int | None,
+                       keep_config: bool = False) -> ds.Expression | None:
     parts = []
     if instances is not None:
         parts.append(ds.field("instance").isin(instances))
     if since_ns is not None:
-        parts.append(ds.field("ts_ns") >= int(since_ns))
+        since = ds.field("ts_ns") >= int(since_ns)
+        parts.append(since | ds.field("kind").isin(list(WINDOW_KEEPS)) if keep_config else since)
     if until_ns is not None:
         parts.append(ds.field("ts_ns") < int(until_ns))
     expression = None
@@ -338,7 +340,7 @@ def _system_memory_pool() -> Iterator[None]:
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
                instances: str | Iterable[str] | None = None, since_ns: int | None = None,
                until_ns: int | None = None, validate: bool = True, warn: bool = True,
-               only_files: Iterable[str] | None = None) -> Trace:
+               only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
     """Load a trace directory (or one Parquet part file) as a `Trace` (see the module docstring).
 
     columns: format columns to load (default all); the table has them in format order.
@@ -353,9 +355,11 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         `pdtrace.analysis.partitions`); the trace's path stays `path`. They are part of a trace whose other files
         are read elsewhere, so when every one of them turns out corrupt the result is an empty trace listing them
         in `skipped`, as a whole-trace read would skip them, not an error.
+    keep_config: with since_ns, keep the `engine_config` rows from before it too (`model.WINDOW_KEEPS`: what the
+        analysis of a window reads, configuration rather than history).
     """
     with _system_memory_pool():
-        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files)
+        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files, keep_config)
 
 
 @dataclass
@@ -449,7 +453,7 @@ def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None 
 
 def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
                 since_ns: int | None, until_ns: int | None, validate: bool, warn: bool,
-                only_files: Iterable[str] | None = None) -> Trace:
+                only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
     root: Any = str(path) if is_url(path) else Path(path)
     selected = _resolve_columns(columns)
     wanted_instances = _resolve_instances(instances)
@@ -466,7 +470,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         else:
             runs.append((plain, [name]))
 
-    expression = _filter_expression(wanted_instances, since_ns, until_ns)
+    expression = _filter_expression(wanted_instances, since_ns, until_ns, keep_config)
     tables = []
     req_parts: list[pa.ChunkedArray | None] = []
     footer_rows = {f.path: f.rows for f in files}
