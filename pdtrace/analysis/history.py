@@ -249,11 +249,11 @@ def history(ctx: Any) -> History | None:
             early = starts[~is_alloc[starts]]
             alloc_idx = np.where(is_alloc, np.arange(len(key)), len(key))
             next_alloc = np.minimum.accumulate(alloc_idx[::-1])[::-1]
-            for i in early.tolist():  # per block owned before the window
-                end = int(ends[np.searchsorted(starts, i, side="right") - 1])
-                j = int(next_alloc[i])
-                until = int(cols.ts[rows[j]]) if j < end else _BIG
-                hist.blocks.setdefault(sk_key[int(cols.sk[rows[i]])], {})[int(blocks[i])] = until
+            end = ends[np.searchsorted(starts, early, side="right") - 1]
+            first_alloc = next_alloc[early]
+            until = np.where(first_alloc < end, cols.ts[rows[np.minimum(first_alloc, len(key) - 1)]], _BIG)
+            for sk, block, at in zip(cols.sk[rows[early]].tolist(), blocks[early].tolist(), until.tolist()):
+                hist.blocks.setdefault(sk_key[sk], {})[block] = at  # per block owned before the window
         # steps: the first sched step per scheduler
         sched = cols.rows_of("sched")
         sched = sched[cols.step[sched] >= 0]
