@@ -29,6 +29,8 @@ from pdtrace.analysis import analyze
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.trace.model import Trace
 
+#: (not `from conftest import`: in a whole-suite run `conftest` may be tests/vllm_tier's by the time a test runs)
+SAMPLE_TRACES = Path(__file__).resolve().parents[1] / "sample_traces"
 SEVERITY = {"info": 0, "warning": 1, "error": 2}
 #: the stripped-fields property's traces (samples, tests/scenarios.py, the PP runs) and the preemption scenarios
 TRACES = {**STRIPPED_TRACES, **{f"preemption:{k}": v for k, v in scenarios_preemption.all_scenarios().items()}}
@@ -271,8 +273,6 @@ def test_analyze_says_in_its_report_that_the_trace_is_a_window(tmp_path: Any) ->
     import subprocess
     import sys
 
-    from conftest import SAMPLE_TRACES
-
     sample = SAMPLE_TRACES / "lost_send_completion" / "trace"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 
@@ -292,7 +292,6 @@ def test_analyze_says_in_its_report_that_the_trace_is_a_window(tmp_path: Any) ->
 def test_a_send_that_never_completes_for_a_request_begun_before_the_window_is_still_a_leak() -> None:
     # lost_send_completion: r00004-p is allocated before the window and finishes inside it, waiting for a send
     # that never completes; the window cannot name its blocks but still reports the leak, one lower, saying why
-    from conftest import SAMPLE_TRACES
     from pdtrace.trace.reader import open_trace
 
     trace = open_trace(SAMPLE_TRACES / "lost_send_completion" / "trace")
@@ -310,8 +309,6 @@ def test_a_send_that_never_completes_for_a_request_begun_before_the_window_is_st
 
 @pytest.mark.parametrize("sample", ["slow_transfer", "duplicate_completion_tp2"])
 def test_a_since_window_gives_the_same_findings_partitioned(sample: str) -> None:
-    from conftest import SAMPLE_TRACES
-
     path = SAMPLE_TRACES / sample / "trace"
     table = table_of(f"sample:{sample}")
     for cut in cut_times(table)[::3]:
