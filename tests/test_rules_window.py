@@ -318,3 +318,49 @@ def test_a_since_window_gives_the_same_findings_partitioned(sample: str) -> None
         assert whole.attrs["window"] == parts.attrs["window"] and whole.attrs["window"]["source"] == "since"
         assert _ids(whole) == _ids(parts)
         assert list(whole["message"]) == list(parts["message"])
+
+
+def _freed_while_running() -> tuple[Any, int]:
+    """A request added, scheduled, then giving its blocks up with reason `finished` two steps before its
+    req_finish: premature_free/unfinished. Returns the builder and the ts of step 1's sched (a cut after the add)."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="e")
+    b.add("engine_config", n=64, detail={"block_size": 16, "pp": 1, "tp": 1, "defer_block_free": False})
+    b.add("req_add", req="a", n=32)
+    for step in range(4):
+        sched = b.add("sched", step=step, n=1)
+        if step == 1:
+            cut = sched["ts_ns"]
+        if step == 0:
+            b.add("blocks_alloc", step=0, req="a", blocks=[1, 2])
+        b.add("req_sched", step=step, req="a", n=1)
+        b.add("step_submit", component="engine", step=step, n=1)
+        b.add("step_output", component="engine", step=step)
+        if step == 1:
+            b.add("blocks_free", step=1, req="a", blocks=[1, 2], reason="finished", deferred=False)
+    b.add("req_finish", step=3, req="a", reason="length", status="RUNNING", delay_free=False)
+    return b, cut
+
+
+def test_a_premature_free_the_window_sees_before_the_finish_is_kept_one_lower() -> None:
+    b, cut = _freed_while_running()
+    whole = analyze(b.trace(), config=CONFIG)
+    assert ("premature_free", "unfinished", "error", "a") in _ids(whole)
+    got = analyze(b.trace().cut(cut), config=CONFIG)
+    mine = got[(got["rule"] == "premature_free")]
+    assert _ids(mine) == [("premature_free", "unfinished", "warning", "a")]
+    assert mine.iloc[0]["extra"]["downgraded"] == "window"
+
+
+def test_an_unfinished_free_whose_finish_the_window_does_not_hold_is_left_out() -> None:
+    # the same request with its req_finish removed: in the window nothing says it had not finished before
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    b, cut = _freed_while_running()
+    table = b.table()
+    table = table.filter(pc.not_equal(table.column("kind").cast(pa.string()), "req_finish"))
+    got = analyze(Trace.from_table(table).cut(cut), config=CONFIG)
+    assert not (got["rule"] == "premature_free").any()
+    assert not (got["severity"] == "error").any()

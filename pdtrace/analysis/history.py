@@ -62,8 +62,8 @@ WINDOW_POLICY: dict[tuple[str, str], dict[str, str]] = {
     ("double_free", "not_owned"): {REQUEST: "drop", BLOCKS: "drop"},
     # a completion for an id the window never saw (without a status saying the scheduler does not know it)
     ("double_free", "unknown_id"): {REQUEST: "drop"},
-    # the request's req_finish may lie before the window
-    ("premature_free", "unfinished"): {REQUEST: "drop"},
+    # the request's req_finish may lie before the window, unless the window holds it after the free
+    ("premature_free", "unfinished"): {REQUEST: "drop_unless_finished_later"},
     # the ranks' reports may lie before the window: they follow the transfer's start (the finish for a send, the
     # req_wait_kv for a receive), so a request whose start the window holds keeps the finding (one lower)
     ("premature_free", "quorum"): {STEP: "drop", REQUEST: "drop_unless_started"},
@@ -145,8 +145,11 @@ class History:
     requests: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> {block: ts_ns until which it is a block owned before the window}
     blocks: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict)
-    #: (instance, req) -> ts_ns of the first req_finish / req_wait_kv in the window (where a transfer starts)
+    #: (instance, req) -> ts_ns of the first req_finish / req_wait_kv in the window (where a transfer starts), of a
+    #: request begun before the window
     transfer_start: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (instance, req) -> ts_ns of the first req_finish in the window of a request begun before it
+    finish_at: dict[tuple[str, str], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> the first step scheduled in the window
     first_step: dict[tuple[str, int], int] = field(default_factory=dict)
     #: (instance, dp_rank or -1) -> ts_ns of the last step_output of a step begun before the window: until then a
@@ -231,12 +234,16 @@ def history(ctx: Any) -> History | None:
         for k in np.flatnonzero(add_pos < 0).tolist():  # per request that began before the window
             key = (key_inst[k], key_req[k])
             hist.requests[key] = max(hist.requests.get(key, 0), first_add.get(key, _BIG))
+        finish_code = cols.code_of("kind", "req_finish")
         starts = cols.req_rows("req_finish", "req_wait_kv")
-        for inst_name, req_name, at in zip(key_inst[cols.rk[starts]].tolist(), key_req[cols.rk[starts]].tolist(),
-                                           cols.ts[starts].tolist()):  # per finish or wait: one or two a request
+        for inst_name, req_name, at, kind in zip(key_inst[cols.rk[starts]].tolist(),
+                                                 key_req[cols.rk[starts]].tolist(), cols.ts[starts].tolist(),
+                                                 cols.codes("kind")[0][starts].tolist()):  # one or two a request
             key = (inst_name, req_name)
             if key in hist.requests:
                 hist.transfer_start[key] = min(hist.transfer_start.get(key, _BIG), int(at))
+                if kind == finish_code:
+                    hist.finish_at[key] = min(hist.finish_at.get(key, _BIG), int(at))
         # blocks: per (scheduler, block), the first row's kind; pre-window until the first allocation
         rows, blocks = cols.flat_blocks(cols.is_kind(*_BLOCK_KINDS))
         if len(rows):
@@ -279,11 +286,15 @@ def _action(hist: History, rec: dict[str, Any], before: dict[str, list[str]]) ->
         return "keep"
     policy = WINDOW_POLICY.get((rule, subrule), {})
     actions = [policy.get(kind, "downgrade") for kind in before]
-    if "drop_unless_started" in actions:
-        started = hist.transfer_start.get((str(rec.get("instance")), str(rec.get("req"))), _BIG)
-        ts = _int(rec.get("ts_ns"))
+    key, ts = (str(rec.get("instance")), str(rec.get("req"))), _int(rec.get("ts_ns"))
+    if "drop_unless_started" in actions:  # the transfer began inside the window: its reports are all in it
+        started = hist.transfer_start.get(key, _BIG)
         actions = [("downgrade" if ts is not None and started <= ts else "drop") if a == "drop_unless_started"
                    else a for a in actions]
+    if "drop_unless_finished_later" in actions:  # the window holds the finish after the finding: unfinished then
+        later = hist.finish_at.get(key)
+        actions = [("downgrade" if ts is not None and later is not None and later > ts else "drop")
+                   if a == "drop_unless_finished_later" else a for a in actions]
     if "drop" in actions:
         return "drop"
     if "downgrade" in actions:
