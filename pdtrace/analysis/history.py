@@ -33,7 +33,9 @@ kind of history (request, blocks, step):
   its message starts "history before the window unknown (...)", `extra.window` = {`start_ns`, `source`,
   `before`: what of it lies before the window} and `extra.downgraded` = "window" (unless another reason is set);
 - `keep`: the window's own rows prove it (a completion whose recorded status says the scheduler does not know the
-  id): unchanged but for `extra.window`.
+  id): unchanged but for `extra.window`;
+- `drop_unless_started` / `drop_unless_finished_later`: left out unless the window holds the request's transfer
+  start (its req_finish or req_wait_kv) before the finding, or its req_finish after it; then one lower.
 Findings that touch nothing before the window are left as they are: their evidence lies inside it.
 """
 
