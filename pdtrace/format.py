@@ -17,6 +17,9 @@ META_SCHEMA_VERSION = "pdtrace.schema_version"
 META_VERSION = "pdtrace.version"
 META_SOURCE = "pdtrace.source"
 META_DROPPED = "pdtrace.dropped_events"
+#: Optional: the file holds a window of its writer's events that starts here (ns since the epoch), not its whole
+#: history (a flight-recorder dump). Readers then treat the trace as starting mid-run (pdtrace.analysis.history).
+META_WINDOW_START = "pdtrace.window_start_ns"
 
 MANIFEST_NAME = "_manifest.json"
 

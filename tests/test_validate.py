@@ -142,8 +142,15 @@ def test_missing_schema_version_is_an_error_when_metadata_is_required():
 
 def test_metadata_is_decoded():
     info, notes = check_metadata(file_metadata("0.1.0", "dryrun", 12), "f")
-    assert info == {"schema_version": "1", "pdtrace_version": "0.1.0", "source": "dryrun", "dropped_events": 12}
+    assert info == {"schema_version": "1", "pdtrace_version": "0.1.0", "source": "dryrun", "dropped_events": 12,
+                    "window_start_ns": None}
     assert notes == []
+    dump = file_metadata("0.1.0", "dryrun", 0)
+    dump[b"pdtrace.window_start_ns"] = b"1700000000000000000"
+    assert check_metadata(dump, "f")[0]["window_start_ns"] == 1_700_000_000_000_000_000
+    dump[b"pdtrace.window_start_ns"] = b"soon"
+    info, notes = check_metadata(dump, "f")
+    assert info["window_start_ns"] is None and "not a timestamp" in notes[0]
     metadata = file_metadata("0.1.0", "dryrun", 0)
     metadata[b"pdtrace.dropped_events"] = b"lots"
     info, notes = check_metadata(metadata, "f")

@@ -34,11 +34,12 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import (FINDING_COLUMNS, OPTIONAL_FINDING_COLUMNS, SEVERITY_ORDER, empty_findings,
                                        named_requests)
+from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
 from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
-from pdtrace.trace.model import Trace, dictionary_decoded
+from pdtrace.trace.model import Trace, dictionary_decoded, later_window, since_mask
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
            "allocation_settings", "checked_findings", "ordered_findings"]
@@ -72,11 +73,12 @@ def select_rules(rules: Iterable[str | Rule] | None, registered: dict[str, Rule]
 
 
 def window(trace: Trace, config: AnalysisConfig) -> Trace:
-    """The rows of the trace inside the config's time window and instances (the trace itself if unbounded)."""
+    """The rows of the trace inside the config's time window and instances (the trace itself if unbounded). A
+    `since_ns` that leaves earlier rows out marks the result as a window starting there (`Trace.window_start_ns`)."""
     table = trace.table
     mask = None
     if config.since_ns is not None:
-        mask = pc.greater_equal(table.column("ts_ns"), pa.scalar(int(config.since_ns), pa.int64()))
+        mask = since_mask(table, int(config.since_ns))  # engine_config rows stay: configuration, not history
     if config.until_ns is not None:
         m = pc.less(table.column("ts_ns"), pa.scalar(int(config.until_ns), pa.int64()))
         mask = m if mask is None else pc.and_(mask, m)
@@ -88,6 +90,10 @@ def window(trace: Trace, config: AnalysisConfig) -> Trace:
         return trace
     filtered = trace.filter(mask)
     filtered.__dict__.pop("events", None)
+    if config.since_ns is not None and len(table) and int(pc.min(table.column("ts_ns")).as_py()) < config.since_ns:
+        # earlier rows were left out: the rest is a window of the run (pdtrace.analysis.history)
+        filtered.window_start_ns, filtered.window_source = later_window(
+            trace.window_start_ns, trace.window_source, int(config.since_ns), "since")
     return filtered
 
 
@@ -202,10 +208,11 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
     with allocation_settings():
-        frames = [checked_findings(frame, rule) for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
+        frames = [window_findings(ctx, checked_findings(frame, rule))
+                  for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
-                      "warnings": notes}
+                      "warnings": notes, "window": window_summary(trace_window(ctx))}
     return findings
 
 
@@ -236,8 +243,25 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": events,
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
-                      "trace_warnings": trace_notes, "partitions": parts}
+                      "trace_warnings": trace_notes, "partitions": parts,
+                      "window": window_summary(_partitioned_window(source, config))}
     return findings
+
+
+def _partitioned_window(source: Any, config: AnalysisConfig) -> Any:
+    """The window a partitioned analysis reads (`history.Window`), from what the reader knows: a loaded trace's
+    own, else the files' footers and manifest and the config's since_ns (what each partition's reader finds)."""
+    from pdtrace.analysis.history import Window
+
+    if isinstance(source, Trace):
+        trace = window(source, config)
+        start, how = trace.window_start_ns, trace.window_source
+    else:
+        from pdtrace.trace.reader import read_footers, trace_window as reader_window
+
+        footers = read_footers(source)
+        start, how = reader_window(footers.manifest, footers.files, footers, config.since_ns)
+    return None if start is None else Window(int(start), str(how))
 
 
 def ordered_findings(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
@@ -305,7 +329,8 @@ def _bubble_summary(bubbles: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
-    """Counts per severity and rule, errors and contexts, leak summary per instance, bubble summary per rank."""
+    """Counts per severity and rule, errors and contexts, leak summary per instance, bubble summary per rank, and
+    `window` (start_ns, source, how, meaning) when the trace starts mid-run."""
     by_severity = {s: int((findings["severity"] == s).sum()) if len(findings) else 0 for s in SEVERITY_ORDER}
     by_rule: dict[str, int] = {}
     if len(findings):
@@ -314,7 +339,7 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
     contexts = int(errors["context"].astype(str).nunique()) if len(errors) else 0
     leaks = findings[findings["rule"] == "leaked_blocks"] if len(findings) else findings
     bubbles = findings[findings["rule"] == "pipeline_bubble"] if len(findings) else findings
-    return {
+    out: dict[str, Any] = {
         "findings": int(len(findings)),
         "by_severity": by_severity,
         "by_rule": by_rule,
@@ -325,3 +350,6 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
         "leaks": _leak_summary(leaks) if len(leaks) else [],
         "bubbles": _bubble_summary(bubbles) if len(bubbles) else [],
     }
+    if findings.attrs.get("window"):  # a trace that starts mid-run (pdtrace.analysis.history)
+        out["window"] = findings.attrs["window"]
+    return out

@@ -645,8 +645,9 @@ def _split_lifetimes(rk: np.ndarray, key_sk: np.ndarray, key_req: np.ndarray,
     that had begun at its position, so a late event of the old request after the new `req_add` counts for the new
     one (the trace cannot tell them apart).
 
-    Only ids with two or more `req_add` rows are looked at (none in most traces: then the keys are returned as they
-    are, and nothing else is computed): their rows are sorted by (key, position) and the finishes counted with one
+    Only ids with two or more `req_add` rows, or one after a `req_finish` of the id (a window that starts while the
+    id's earlier request was alive), are looked at (none in most traces: then the keys are returned as they are, and
+    nothing else is computed): their rows are sorted by (key, position) and the finishes counted with one
     cumulative sum; the new keys number each id's lifetimes in order (key_sk and key_req repeated per lifetime)."""
     n_ids = len(key_sk)
     # one comparison of the kind codes (not `rows_of`: its kind split would then sit on the path of every table
@@ -655,6 +656,17 @@ def _split_lifetimes(rk: np.ndarray, key_sk: np.ndarray, key_req: np.ndarray,
     adds = adds[rk[adds] >= 0]
     per_id = np.bincount(rk[adds], minlength=n_ids) if len(adds) else np.zeros(n_ids, np.int64)
     reused = per_id > 1
+    if len(adds):
+        # an id finished before its only req_add: a window of the run (pdtrace.analysis.history) that starts while
+        # the id's earlier request was still alive
+        finish = np.flatnonzero(cols.codes("kind")[0] == cols.code_of("kind", "req_finish"))
+        finish = finish[rk[finish] >= 0]
+        if len(finish):
+            first_add = np.full(n_ids, np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(first_add, rk[adds], cols.pos[adds])
+            first_finish = np.full(n_ids, np.iinfo(np.int64).max, np.int64)
+            np.minimum.at(first_finish, rk[finish], cols.pos[finish])
+            reused |= (per_id == 1) & (first_finish < first_add)
     if not reused.any():
         return rk, key_sk, key_req, np.zeros(n_ids, np.int64)
     # the rows of the ids added more than once, in (id, position) order

@@ -342,12 +342,13 @@ def _load_partition(task: PartitionTask) -> Trace:
 
     return open_trace(task.path, instances=list(task.instances) if task.filter_instances else None,  # type: ignore
                       since_ns=task.config.since_ns, until_ns=task.config.until_ns, warn=False,
-                      only_files=task.files)
+                      only_files=task.files, keep_config=True)
 
 
 def run_partition(task: PartitionTask) -> PartitionResult:
     """Phase 1 (or a phase-2 group): load the task's rows, run its rules as on a whole trace, summarise."""
     from pdtrace.analysis import allocation_settings, checked_findings
+    from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules
 
     start = time.perf_counter()
@@ -355,7 +356,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     rules = _resolve(task.rules)
     with allocation_settings():
-        frames = [checked_findings(frame, rule) for frame, rule in
+        frames = [window_findings(ctx, checked_findings(frame, rule)) for frame, rule in
                   zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
         summary = link_summary(ctx, rules, frames, task.instances) if task.summaries else None
     return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,

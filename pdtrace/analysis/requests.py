@@ -72,6 +72,10 @@ class RequestState:
     window_start: np.ndarray = None  # type: ignore[assignment]
     window_close: np.ndarray = None  # type: ignore[assignment]
     n_windows: np.ndarray = None  # type: ignore[assignment]  # per rk
+    #: per rk: a receive was pending at the finish although no req_wait_kv of the request is in the trace (a window
+    #: that starts mid-run): the first req_finish's status (the request's just before it) is WAITING_FOR_REMOTE_KVS,
+    #: or a kv_recv_done / kv_recv_fail of the request follows the finish
+    waiting_kv_at_finish: np.ndarray = None  # type: ignore[assignment]
 
     @property
     def first_known_pos(self) -> np.ndarray:
@@ -129,10 +133,13 @@ class RequestState:
         return ((fin >= 0) & (fin < pos)) | at_finish
 
     def send_open_at(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Whether a send is open at pos: finished with delay_free (not for a pending receive), not yet sent."""
+        """Whether a send is open at pos: finished with delay_free (not for a pending receive: a receive window
+        open at the finish, or the finish's status WAITING_FOR_REMOTE_KVS), not yet sent."""
         fin = self.finish_pos[rk]
         close = self.send_close_pos[rk]
         recv_pending_at_finish = self.recv_open_at(rk, np.where(fin >= 0, fin, 0))
+        if self.waiting_kv_at_finish is not None:
+            recv_pending_at_finish |= self.waiting_kv_at_finish[rk]
         return ((fin >= 0) & self.delay_free[rk] & ~recv_pending_at_finish & (fin < pos)
                 & ((close < 0) | (close > pos)))
 
@@ -232,6 +239,9 @@ def _build_state(cols: Columns) -> RequestState:
     if not delay_valid.all():
         delay_value = np.where(delay_valid, delay_value, _implied_delay_free(cols, finish_rows[firsts]))
     delay_free[rk[finish_rows[firsts]]] = delay_value
+    waiting_kv_at_finish = np.zeros(n, bool)
+    waiting_kv_at_finish[rk[finish_rows[firsts]]] = (
+        cols.codes("status")[0][finish_rows[firsts]] == cols.code_of("status", "WAITING_FOR_REMOTE_KVS"))
     wait_kv_pos = _first(cols, ("req_wait_kv",), n)
     recv_fail_pos = _first(cols, ("kv_recv_fail",), n)
     window_rk, window_start, window_close = _receive_windows(cols)
@@ -261,7 +271,10 @@ def _build_state(cols: Columns) -> RequestState:
         last_pos=np.zeros(0, np.int64),
         window_rk=window_rk, window_start=window_start, window_close=window_close,
         n_windows=np.bincount(window_rk, minlength=n) if n else np.zeros(0, np.int64),
+        waiting_kv_at_finish=waiting_kv_at_finish,
     )
+    received_later = ((state.recv_done_pos > finish_pos) | (state.recv_fail_pos > finish_pos)) & (finish_pos >= 0)
+    state.waiting_kv_at_finish |= received_later & (wait_kv_pos < 0)
     # the request's last lifecycle event, from the moments above (no extra pass over the rows)
     state.last_pos = np.max(np.stack([state.add_pos, state.last_sched_pos, state.wait_kv_pos, state.recv_done_pos,
                                       state.recv_fail_pos, state.finish_pos, state.send_done_pos, state.expire_pos,

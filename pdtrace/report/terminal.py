@@ -173,6 +173,10 @@ def render_terminal(findings: pd.DataFrame, summary: dict[str, Any], console: Co
     console.print(Text(f"{PREFIX}trace {trace or '<memory>'}"
                        + (f" ({events:,} events)" if isinstance(events, int) else "") + f"; rules: {rules}"),
                   soft_wrap=True)
+    window = summary.get("window")
+    if window:
+        console.print(Text(f"{PREFIX}WINDOW: {window['how']}, {_rel(window['start_ns'], start_ns)} from the "
+                           f"trace's start: {window['meaning']}"), soft_wrap=True)
     console.print(Text(PREFIX))
     if len(findings):
         records = findings.to_dict("records")  # one per finding

@@ -36,6 +36,8 @@ class TraceFile:
     pdtrace_version: str
     source: str
     dropped_events: int
+    #: `pdtrace.window_start_ns`: the file holds its writer's events from this time on only (a flight dump)
+    window_start_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,13 @@ class Trace:
     skipped: list[SkippedFile] = field(default_factory=list)
     #: Tolerated problems found while loading (skipped files, unknown kinds, a bad manifest), one line each.
     warnings: list[str] = field(default_factory=list)
+    #: The trace starts mid-run: it holds the events from this time on (ns since the epoch), while the run began
+    #: earlier (a flight-recorder dump, a `--since` cut, a recording started late). None: the whole run, as far
+    #: as the reader knows (pdtrace.analysis.history may still infer a window from the events).
+    window_start_ns: int | None = None
+    #: Where `window_start_ns` comes from: "metadata" (the files' `pdtrace.window_start_ns`), "manifest"
+    #: (`window_start_ns` of a flight dump's `_manifest.json`) or "since" (a time cut of a longer trace).
+    window_source: str | None = None
 
     @classmethod
     def from_table(cls, table: pa.Table, **kwargs: Any) -> "Trace":
@@ -121,11 +130,45 @@ class Trace:
             files=self.files,
             skipped=self.skipped,
             warnings=self.warnings,
+            window_start_ns=self.window_start_ns,
+            window_source=self.window_source,
         )
+
+    def cut(self, since_ns: int) -> "Trace":
+        """The rows from `since_ns` on, marked as a window starting there (the trace itself when nothing is
+        earlier): what `pdtrace analyze --since` analyses, and a flight dump of the same moment holds. Earlier
+        `engine_config` rows are kept (`since_mask`)."""
+        ts = self.table.column("ts_ns")
+        if len(ts) == 0 or int(pc.min(ts).as_py()) >= since_ns:
+            return self
+        out = self.filter(since_mask(self.table, since_ns))
+        out.window_start_ns, out.window_source = later_window(self.window_start_ns, self.window_source,
+                                                              int(since_ns), "since")
+        return out
 
     @property
     def name(self) -> str:
         return Path(self.path).name if self.path else "<memory>"
+
+
+#: Kinds a window keeps from before its start: configuration, not history (a scheduler writes its engine_config
+#: once, before its first step; the rules read the pool size, tp x pp and the connector from it).
+WINDOW_KEEPS = ("engine_config",)
+
+
+def since_mask(table: pa.Table, since_ns: int) -> Any:
+    """Rows at or after since_ns, and the WINDOW_KEEPS rows of any time."""
+    mask = pc.greater_equal(table.column("ts_ns"), pa.scalar(int(since_ns), pa.int64()))
+    kind = dictionary_decoded(table.column("kind"))
+    return pc.or_(mask, pc.is_in(kind, value_set=pa.array(list(WINDOW_KEEPS), pa.string())))
+
+
+def later_window(start_ns: int | None, source: str | None, other_ns: int | None,
+                 other_source: str) -> tuple[int | None, str | None]:
+    """The later of two window starts with its source: events are complete only from the later one on."""
+    if other_ns is None or (start_ns is not None and start_ns >= other_ns):
+        return start_ns, source
+    return int(other_ns), other_source
 
 
 def dropped_events(files: list[TraceFile]) -> int:

@@ -55,7 +55,7 @@ import pyarrow.parquet as pq
 
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, MANIFEST_NAME, SCHEMA
-from pdtrace.trace.model import SkippedFile, Trace, TraceFile
+from pdtrace.trace.model import WINDOW_KEEPS, SkippedFile, Trace, TraceFile, later_window
 from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
                                     first_seq_violation)
 
@@ -262,12 +262,14 @@ def _instance_stats_exclude(metadata: pq.FileMetaData, wanted: set[str]) -> bool
     return True
 
 
-def _filter_expression(instances: list[str] | None, since_ns: int | None, until_ns: int | None) -> ds.Expression | None:
+def _filter_expression(instances: list[str] | None, since_ns: int | None, until_ns: int | None,
+                       keep_config: bool = False) -> ds.Expression | None:
     parts = []
     if instances is not None:
         parts.append(ds.field("instance").isin(instances))
     if since_ns is not None:
-        parts.append(ds.field("ts_ns") >= int(since_ns))
+        since = ds.field("ts_ns") >= int(since_ns)
+        parts.append(since | ds.field("kind").isin(list(WINDOW_KEEPS)) if keep_config else since)
     if until_ns is not None:
         parts.append(ds.field("ts_ns") < int(until_ns))
     expression = None
@@ -352,7 +354,7 @@ def _system_memory_pool() -> Iterator[None]:
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
                instances: str | Iterable[str] | None = None, since_ns: int | None = None,
                until_ns: int | None = None, validate: bool = True, warn: bool = True,
-               only_files: Iterable[str] | None = None) -> Trace:
+               only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
     """Load a trace directory (or one Parquet part file) as a `Trace` (see the module docstring).
 
     columns: format columns to load (default all); the table has them in format order.
@@ -367,9 +369,11 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         `pdtrace.analysis.partitions`); the trace's path stays `path`. They are part of a trace whose other files
         are read elsewhere, so when every one of them turns out corrupt the result is an empty trace listing them
         in `skipped`, as a whole-trace read would skip them, not an error.
+    keep_config: with since_ns, keep the `engine_config` rows from before it too (`model.WINDOW_KEEPS`: what the
+        analysis of a window reads, configuration rather than history).
     """
     with _system_memory_pool():
-        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files)
+        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files, keep_config)
 
 
 @dataclass
@@ -465,7 +469,7 @@ def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None 
 
 def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
                 since_ns: int | None, until_ns: int | None, validate: bool, warn: bool,
-                only_files: Iterable[str] | None = None) -> Trace:
+                only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
     root: Any = str(path) if is_url(path) else Path(path)
     selected = _resolve_columns(columns)
     wanted_instances = _resolve_instances(instances)
@@ -482,7 +486,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         else:
             runs.append((plain, [name]))
 
-    expression = _filter_expression(wanted_instances, since_ns, until_ns)
+    expression = _filter_expression(wanted_instances, since_ns, until_ns, keep_config)
     tables = []
     req_parts: list[pa.ChunkedArray | None] = []
     footer_rows = {f.path: f.rows for f in files}
@@ -539,12 +543,35 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         for note in notes:
             warnings.warn(note, TraceWarning, stacklevel=3)
     trace = Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
+    trace.window_start_ns, trace.window_source = trace_window(manifest, files, footers, since_ns)
     if req_parts and all(part is not None for part in req_parts):
         req = pa.chunked_array([c for part in req_parts for c in part.chunks],  # type: ignore[union-attr]
                                pa.dictionary(pa.int32(), pa.string()))
         if len(req) == table.num_rows:
             setattr(trace, REQ_DICTIONARY_ATTR, (table, req))
     return trace
+
+
+def trace_window(manifest: dict[str, Any] | None, files: list[TraceFile], footers: TraceFooters,
+                 since_ns: int | None) -> tuple[int | None, str | None]:
+    """(start, source) of the window a loaded trace holds, or (None, None) for a whole run: the latest of the files'
+    `pdtrace.window_start_ns` ("metadata": from then on every dumping writer is recorded), a flight dump's manifest
+    `window_start_ns` ("manifest") and a `since_ns` cut that left out earlier rows by the files' `ts_ns` statistics
+    ("since"). docs/trace-format.md, "Traces that start mid-run"."""
+    start: int | None = None
+    source: str | None = None
+    for file in files:
+        start, source = later_window(start, source, file.window_start_ns, "metadata")
+    if isinstance(manifest, dict) and manifest.get("window_start_ns") is not None:
+        try:
+            start, source = later_window(start, source, int(manifest["window_start_ns"]), "manifest")
+        except (TypeError, ValueError):
+            pass
+    if since_ns is not None:
+        lows = [low for f in files for low, _ in (column_stats(footers.metadata[f.path], "ts_ns") or [])]
+        if not lows or min(lows) < since_ns:
+            start, source = later_window(start, source, int(since_ns), "since")
+    return start, source
 
 
 def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> None:

@@ -60,6 +60,7 @@ from pdtrace.format import (
     COMPONENTS,
     KINDS,
     META_DROPPED,
+    META_WINDOW_START,
     META_SCHEMA_VERSION,
     META_SOURCE,
     META_VERSION,
@@ -138,6 +139,7 @@ def file_info(metadata: Mapping[Any, Any] | None) -> dict[str, str | None]:
         "pdtrace_version": meta.get(META_VERSION),
         "source": meta.get(META_SOURCE),
         "dropped_events": meta.get(META_DROPPED),
+        "window_start_ns": meta.get(META_WINDOW_START),
     }
 
 
@@ -162,12 +164,20 @@ def check_metadata(metadata: Mapping[Any, Any] | None, where: str) -> tuple[dict
     except ValueError:
         notes.append(f"{where}: '{META_DROPPED}' is not a count ({dropped_text!r}); taken as 0")
         dropped = 0
+    window_text = info["window_start_ns"]
+    window_start = None
+    if window_text is not None:
+        try:
+            window_start = int(window_text)
+        except ValueError:
+            notes.append(f"{where}: '{META_WINDOW_START}' is not a timestamp ({window_text!r}); ignored")
     return (
         {
             "schema_version": version,
             "pdtrace_version": info["pdtrace_version"] or "unknown",
             "source": info["source"] or "unknown",
             "dropped_events": dropped,
+            "window_start_ns": window_start,
         },
         notes,
     )

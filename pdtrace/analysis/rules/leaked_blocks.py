@@ -12,6 +12,10 @@ Algorithm, over the ownership intervals never closed by a free (one finding per 
   although the step that was the last one submitted before the free has its `step_output` and a later non-empty
   step has had its update (deferred frees drain there), is `definitely` (context `deferred_never_drained`) unless
   the block was allocated again (the pool got it back unrecorded).
+- On a window (a trace that starts mid-run, pdtrace.analysis.history): a request begun before it (no `req_add`)
+  with no holding in it that finishes inside it with delay_free, and whose send never completes, holds blocks the
+  window never saw allocated: `indirectly` past the grace period with its blocks unnamed (the window pass makes it
+  one severity lower and says why), `still_held` within it.
 Per-rank reports: where the owner's open transfer (`indirectly`) has `kv_send_rank` / `kv_recv_rank` rows of its
 direction and some expected rank never reported (`rulekit.rank_report`, with the expected count of
 `rulekit.expected_ranks`, the one definition premature_free's `quorum` uses too), the message names the
@@ -48,6 +52,7 @@ from pdtrace.analysis.blocks import ownership
 from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.history import history
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.releases import grace_s
 from pdtrace.analysis.requests import request_state
@@ -90,10 +95,12 @@ def run(ctx: Any) -> pd.DataFrame:
             extra["downgraded"] = gap
             why += f" ({gap} in the trace: events may be missing)"
         req = ev.ref(req_row).get("req")
+        what = f"{len(blocks)} blocks {fmt_blocks(blocks)}" if blocks else \
+            "its blocks (allocated before the window: ids and count unknown)"
         record = {
             "rule": "leaked_blocks", "subrule": cls, "severity": severity, "instance": instance, "dp_rank": dp,
             "req": req, "blocks": blocks, "step": step, "ts_ns": ts_at(since_pos),
-            "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} {cls} lost: {req} {why}",
+            "message": f"{what} {cls} lost: {req} {why}",
             "evidence": evidence, "context": context, "extra": extra,
         }
         if crash is not None:
@@ -165,7 +172,39 @@ def run(ctx: Any) -> pd.DataFrame:
                  extra_more)
 
     _deferred_never_drained(ctx, ev, emit)
+    if history(ctx) is not None:
+        _held_since_before_the_window(ctx, ev, records, emit, grace, grace_ns)
     return findings_frame(records)
+
+
+def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str, Any]], emit: Any, grace: float,
+                                  grace_ns: int) -> None:
+    """On a window (pdtrace.analysis.history): a request begun before it (no req_add), with no holding in it, that
+    finishes inside it with delay_free and whose send never completes holds blocks the window never saw allocated:
+    `indirectly` past the grace period (its blocks unnamed; the window pass makes it one lower and says why),
+    `still_held` within it."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    own = ownership(ctx)
+    end_ts = trace_span(ctx)[1]
+    held = np.zeros(st.n, bool)
+    held[own.rk] = True
+    cand = np.flatnonzero((st.add_pos < 0) & ~held & (st.finish_pos >= 0) & (st.last_free_pos < st.finish_pos))
+    if len(cand) == 0:
+        return
+    cand = cand[st.send_open_at(cand, np.full(len(cand), cols.n))]
+    for rk in cand.tolist():  # per request begun before the window that still waits to send: few
+        fin = int(st.finish_pos[rk])
+        fin_row = int(cols.order[fin])
+        sk = int(st.sk[rk])
+        if end_ts - int(cols.ts[fin_row]) <= grace_ns:
+            _still_held(ctx, ev, records, rk, sk, fin_row, [], fin, fin, True)
+            continue
+        evidence = [ev.ref(fin_row, "finished with delay_free: waiting for the peer's read")]
+        why = (f"waits to send its KV for {(end_ts - int(cols.ts[fin_row])) / 1e9:.1f} s (grace {grace:g} s) and "
+               "never completes")
+        emit("indirectly", sk, fin_row, [], fin, why, evidence, "leaked_blocks:indirectly:send",
+             ev.ref(fin_row).get("step"))
 
 
 def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, sk: int, alloc_row: int,
@@ -193,7 +232,8 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
     records.append({
         "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
         "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,
-        "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} still held at the end of the trace: {req} {how} and "
+        "message": f"{f'{len(blocks)} blocks {fmt_blocks(blocks)}' if blocks else 'its blocks (allocated before the window)'}"
+                   f" still held at the end of the trace: {req} {how} and "
                    f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
                    f"({grace_s:g} s)",
         "evidence": evidence, "context": f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
