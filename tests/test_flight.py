@@ -143,6 +143,25 @@ def test_ring_keeps_the_last_seconds(tmp_path):
     assert not any(tmp_path.rglob("*.parquet"))  # healthy: nothing written, not even at close
 
 
+def test_ring_keeps_the_engine_config_past_the_window(tmp_path):
+    """A dump taken hours into a run still carries the engine's configuration (pool size, tp x pp, release,
+    hook table), which every rule reads; it leads the window, before its start, and nothing else old does."""
+    rec, clock = ring(tmp_path, seconds=10.0)
+    rec.emit("engine_config", detail={"num_gpu_blocks": 64, "pp": 2})
+    clock.now += 10_000_000
+    for second in range(30):
+        for i in range(100):
+            rec.emit("sched", step=second * 100 + i)
+            clock.now += 10_000_000
+        rec.trim()  # the config row goes through the ring and out of it, as in a long run
+    flat, events, facts = rec.snapshot(clock.now)
+    kinds = flat[2::12]
+    assert events == 1001 and kinds[0] == "engine_config" and kinds.count("engine_config") == 1
+    assert flat[0] < facts["window_start_ns"] <= flat[12]
+    assert flat[3::12][1] == 2000 and facts["trimmed"] == 0
+    rec.close()
+
+
 def test_ring_memory_bound_cuts_the_window_and_says_so(tmp_path):
     rec, clock = ring(tmp_path, seconds=600.0, mb=1.0)
     for i in range(20_000):  # all inside the 600 s window; each with a detail dict and a block list

@@ -75,6 +75,10 @@ from pdtrace.format import MANIFEST_NAME
 from pdtrace.recording import recorder as _recorder
 from pdtrace.recording.recorder import ROW_WIDTH, Recorder
 
+_KIND = 2  # the kind's slot in a buffered row (recorder.ROW_WIDTH's layout)
+#: engine_config rows a flight recorder keeps past its window (one per engine, a few more after a restart)
+CONFIG_ROWS_KEPT = 16
+
 __all__ = ["FlightConfig", "FlightRecorder", "FlightController", "config_from_env", "configure", "controller",
            "request_dump", "live_processes", "ENV_SECONDS", "ENV_MB", "ENV_DUMP_ON_EXIT", "ENV_SIGNAL",
            "REGISTRY", "DUMP_PREFIX", "META_WINDOW_START", "SIGNAL_DEFAULT"]
@@ -275,6 +279,9 @@ class FlightRecorder(Recorder):
         self.trimmed_events = 0  # events the MB bound cut from inside the time window
         self._trim_cut_ts: int | None = None  # ts of the newest of them
         self.row_bytes = 0.0
+        # The process's engine_config rows, kept past the window: a dump without them would lose the pool size,
+        # tp x pp, the release and its hook table, which every rule reads (configuration, not history).
+        self._config_rows: list[Any] = []
         self.started_ns = self._clock()
         if controller is not None:
             controller.add(self)
@@ -327,6 +334,7 @@ class FlightRecorder(Recorder):
         self._controller = None
         self._ring_lock = threading.Lock()
         self._chunks = deque()
+        self._config_rows = []
 
     def flush(self) -> None:
         """What a hook calls when the process may die next (after recording `engine_error`): for a flight
@@ -360,6 +368,7 @@ class FlightRecorder(Recorder):
             oldest = now - int(self.seconds * 1e9)
             with self._ring_lock:
                 if taken:
+                    self._keep_config(taken)
                     rows = len(taken) // ROW_WIDTH
                     self.row_bytes = estimate_row_bytes(taken, rows) or self.row_bytes
                     bound_rows = int(self.max_bytes / self.row_bytes) if self.row_bytes else rows
@@ -383,12 +392,24 @@ class FlightRecorder(Recorder):
         except Exception:
             self._count_error()
 
+    def _keep_config(self, taken: list[Any]) -> None:
+        """Copy the engine_config rows of `taken` aside (at most CONFIG_ROWS_KEPT, the newest): one C-level
+        membership test per take when there is none, which is nearly always."""
+        kinds = taken[_KIND::ROW_WIDTH]
+        if "engine_config" not in kinds:
+            return
+        for i, kind in enumerate(kinds):
+            if kind == "engine_config":
+                self._config_rows += taken[i * ROW_WIDTH:(i + 1) * ROW_WIDTH]
+        del self._config_rows[:-CONFIG_ROWS_KEPT * ROW_WIDTH]
+
     def snapshot(self, now_ns: int) -> tuple[list[Any], int, dict[str, Any]]:
         """(flat rows of the window, events, facts) at `now_ns`: the ring's chunks and the rows not taken yet,
         copied into one flat list (on the dumping thread; the emitting thread only waits for the state lock's
         slice copy, as for a take of full recording's writer)."""
         with self._ring_lock:
             chunks = list(self._chunks)
+            config = list(self._config_rows)
             trimmed = self.trimmed_events
             cut_ts = self._trim_cut_ts
         with self._state_lock:
@@ -414,6 +435,11 @@ class FlightRecorder(Recorder):
         if first:
             del flat[:first * ROW_WIDTH]
             rows -= first
+        # engine_config rows from before the window lead it (in ts order): configuration the rules need
+        before = [config[i:i + ROW_WIDTH] for i in range(0, len(config), ROW_WIDTH) if config[i] < window_start]
+        if before:
+            flat[:0] = [slot for row in before for slot in row]
+            rows += len(before)
         events = rows + _batch_extra(flat, rows)
         return flat, events, {"channels": channels, "dropped": dropped, "trimmed": trimmed,
                               "window_start_ns": window_start}
