@@ -30,6 +30,9 @@ SEVERITY = {"info": 0, "warning": 1, "error": 2}
 EXCEPTIONS: dict[tuple[str, str, str | None], str] = {
     ("worker", "pipeline_bubble", None):
         "bubbles are measured on the workers' exec spans; without them pipeline_bubble reports `not_measured`",
+    ("engine_config", "pipeline_bubble", "not_measured"):
+        "without the engine's config, an engine with several steps in flight (async scheduling) may be a pipeline: "
+        "with no exec spans recorded, its bubbles are reported as not measured (info), not guessed",
     ("worker", "premature_free", "quorum"):
         "the per-rank reports (kv_*_rank) are worker rows: nothing else says a completion came before a rank",
     ("worker", "unscheduled_request", "dropped_from_batch"): "batch_add / batch_remove are worker rows",
