@@ -4,7 +4,8 @@ Recording is switched on for the command and every process it starts by `PDTRACE
 `vllm.general_plugins` entry point in each vLLM process). If the user restricts vLLM's plugins with `VLLM_PLUGINS`,
 `pdtrace` is added to the list so the entry point still runs. The command gets SIGINT and SIGTERM forwarded; its
 exit status becomes pdtrace's. `TRACE/_manifest.json` records the command, pdtrace's and vLLM's versions (vLLM's
-from package metadata: pdtrace does not import vLLM here), start, end and exit status.
+read from the importable `vllm` module, whatever distribution installed it, without importing vLLM), start, end and
+exit status.
 
 `--dry-run` records vLLM's real EngineCore on a simulated cluster instead (pdtrace.dryrun), no command needed.
 """
@@ -20,7 +21,6 @@ import subprocess
 import threading
 import time
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version as dist_version
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,10 +36,10 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _vllm_version() -> str | None:
-    try:
-        return dist_version("vllm")
-    except PackageNotFoundError:
-        return None
+    """The importable vLLM's version, whatever distribution ships it (see `installed_vllm_version`)."""
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    return installed_vllm_version()
 
 
 def _vllm_table(version: str | None) -> str | None:
