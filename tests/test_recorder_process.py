@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +167,7 @@ def test_a_quiet_recorder_hands_its_events_over_and_a_kill_loses_nothing(tmp_pat
         assert child.stdout is not None
         writer_pid = int(child.stdout.readline())
         assert wait_for(lambda: len(events(tmp_path)) == 200, timeout=30)
+        time.sleep(0.5)  # still quiet: it said so (settled) to its writer process
     finally:
         child.send_signal(signal.SIGKILL)
         child.communicate(timeout=60)

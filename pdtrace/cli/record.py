@@ -145,11 +145,47 @@ def run_recorded(command: list[str], output: Path) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status = returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as shells do
+    _wait_for_writer_processes(output)
     end_ns = time.time_ns()
     manifest.update(end=_iso(end_ns), end_ns=end_ns, exit_status=status,
                     signal=-returncode if returncode < 0 else None)
     write_manifest(output, manifest)
     return status
+
+
+#: How long `record` waits, after its command ended, for writer processes still writing what they received.
+WRITERS_WAIT_S = 60.0
+
+
+def _wait_for_writer_processes(output: Path, timeout: float = WRITERS_WAIT_S) -> None:
+    """Wait until no writer process holds its shared lock on the trace's lock file (each holds it for its
+    lifetime; see pdtrace.recording.writer_process.LOCK_ENV): they outlive the vLLM processes that vLLM killed,
+    by the time it takes to write what those processes handed over. Then remove the lock file."""
+    from pdtrace.recording.writer_process import LOCK_NAME
+
+    path = output / LOCK_NAME
+    if not path.exists():
+        return
+    try:
+        import fcntl
+    except ImportError:  # no flock: nothing could have taken it
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    err_console.print(f"pdtrace: a writer process is still writing after {timeout:.0f} s; its last "
+                                      "part files may appear later", markup=False, highlight=False)
+                    return
+                time.sleep(0.05)
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _announce(output: Path) -> None:

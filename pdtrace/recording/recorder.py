@@ -593,6 +593,7 @@ class Recorder:
         self._gap_start = 0
         # What the writer thread saw at its last tick (buffer slots, edit count) and since when nothing changed.
         self._edits = 0
+        self._unsettled_sent = False  # the last batch handed to the writer process was not settled
         self._tick_slots = 0
         self._tick_edits = 0
         self._quiet_since = time.monotonic()
@@ -712,22 +713,33 @@ class Recorder:
                 thread.join(timeout=30.0)
             if was_started:
                 self._drain(until_empty=True)
-                self._tell_writer_process_closed()
+                if self._unsettled_sent:
+                    self._tell_writer_process_settled()
         except Exception:
             self._count_error()
 
-    def _tell_writer_process_closed(self) -> None:
-        """This writer will send nothing more: the writer process must not mark a gap for it if this process dies
-        before its BYE (a forked child leaving with os._exit, a process killed after closing its recorders)."""
+    def _tell_writer_process_settled(self) -> None:
+        """Nothing of this writer is on its way (quiet since its last batch, or closed): the writer process must
+        not mark a gap for it if this process dies now (a forked child leaving with os._exit, vLLM's SIGKILL)."""
         if self._part_writer is not _write_part_default or self._pid != os.getpid():
             return
         writer = writer_process.shared(spawn=False)
         if writer is not None and writer.pid is not None:
             try:
-                writer.send(marshal.dumps(writer_process.closed_message(self._writer_key),
+                writer.send(marshal.dumps(writer_process.settled_message(self._writer_key),
                                           writer_process.MARSHAL_VERSION))
+                self._unsettled_sent = False
+            except writer_process.WriterProcessLost as exc:
+                self._say_writer_process_lost(exc)
             except Exception:
-                pass
+                self._count_error()
+
+    def _say_writer_process_lost(self, exc: Exception) -> None:
+        try:
+            sys.stderr.write(f"pdtrace: the writer process of recorder {self.instance!r} was lost ({exc}); "
+                             "writing in-process from now on\n")
+        except Exception:
+            pass
 
     def __enter__(self) -> "Recorder":
         return self
@@ -811,7 +823,8 @@ class Recorder:
                 writer_process.shared()
             except Exception:
                 self._count_error()
-        last_flush = time.monotonic()
+        last_flush = -float("inf")  # the first tick hands over what there is: the writer process then knows this
+        # writer, and can mark a gap for it should this process be killed before its next hand-over
         while not self._stop:
             try:
                 woke = self._wake.wait(min(self.flush_interval_s, self._tick_s))
@@ -828,6 +841,10 @@ class Recorder:
                 if slots and (self._settled(now) or now - last_flush >= self.flush_interval_s):
                     self._drain(until_empty=False)
                     last_flush = now
+                elif not slots and self._unsettled_sent and self._settled(now):
+                    with self._write_lock:  # after any batch in flight
+                        if not self._rows:
+                            self._tell_writer_process_settled()
             except Exception:  # the writer thread never dies: a later flush may succeed
                 self._count_error()
 
@@ -884,6 +901,7 @@ class Recorder:
             header = (seq_start, channels, self.instance, self.role, self._pid, self.source, dropped,
                       self._writer_key, str(self.folder))
             error = self._send_to_writer_process(batch, header, settled)
+            self._unsettled_sent = not settled
             if error is _IN_THREAD:
                 write_rows(batch, *header, part_writer=self._part_writer)
             elif error is not None:
@@ -929,11 +947,7 @@ class Recorder:
                 error = writer.send(encode_batch(batch, *header, sanitise=True, settled=settled))
             return error
         except writer_process.WriterProcessLost as exc:
-            try:
-                sys.stderr.write(f"pdtrace: the writer process of recorder {self.instance!r} was lost ({exc}); "
-                                 "writing in-process from now on\n")
-            except Exception:
-                pass
+            self._say_writer_process_lost(exc)
             if exc.sent:
                 raise
             return _IN_THREAD

@@ -60,18 +60,22 @@ READY = "ready"
 #: The engine side's last message at a clean end (every recorder closed): the child answers it, then expects EOF.
 #: A child that reads EOF without it knows that its recording process was killed (see `main`).
 BYE = ("bye",)
-#: The first element of the message that says a writer (its key) will send nothing more (`closed_message`).
-CLOSED = "closed"
+#: The first element of the message that says a writer (its key) has nothing more on its way: it went quiet
+#: after its last batch, or it is closed (`settled_message`).
+SETTLED = "settled"
 
 
-def closed_message(writer_key: Any) -> tuple:
-    """The message that tells the child that the recorder of `writer_key` is closed (nothing lost if the process
-    dies later without BYE)."""
-    return (CLOSED, writer_key)
+def settled_message(writer_key: Any) -> tuple:
+    """The message that tells the child that the recorder of `writer_key` holds nothing it has not sent, and saw no
+    event for a tick (or is closed): nothing is lost if the process dies before it sends anything else."""
+    return (SETTLED, writer_key)
 
 
-#: Where the child takes a shared lock for its lifetime (`pdtrace record` waits for the exclusive one, so that
-#: the command's end means every writer process has written everything it received): set by the engine side.
+#: A file on which every writer process holds a shared lock for its lifetime, taken by the recording process before
+#: the spawn and inherited (no window without it), dropped by the kernel when the writer ends, SIGKILL included:
+#: `pdtrace record` takes the exclusive lock after its command ended, so that its end means every writer process
+#: has written everything it received. Default: LOCK_NAME in the session's trace directory; this variable names
+#: another file.
 LOCK_ENV = "PDTRACE_WRITER_LOCK"
 #: The lock file's name in the trace directory (a reader skips names starting with ".").
 LOCK_NAME = ".pdtrace-writers.lock"
@@ -127,10 +131,33 @@ def _child_env() -> dict[str, str]:
 
     env = dict(os.environ)
     env.pop(TRACE_DIR_ENV, None)
-    directory = session.directory()
-    if directory:
-        env[LOCK_ENV] = os.path.join(directory, LOCK_NAME)
     return env
+
+
+def _lock_path() -> str | None:
+    from pdtrace.recording import session
+
+    directory = session.directory()
+    return os.environ.get(LOCK_ENV) or (os.path.join(directory, LOCK_NAME) if directory else None)
+
+
+def _take_shared_lock() -> int | None:
+    """An fd holding a shared lock on the writers' lock file (`LOCK_ENV`), or None where there is none."""
+    path = _lock_path()
+    if not path:
+        return None
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
 
 
 class WriterProcess:
@@ -140,8 +167,14 @@ class WriterProcess:
         self.pid_of_parent = os.getpid()
         self._lock = threading.Lock()
         # The interpreter started here forks the writer off and exits (_child_command): it is reaped on READY.
-        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      close_fds=True, env=_child_env())
+        lock = _take_shared_lock()
+        try:
+            self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          bufsize=0, close_fds=True, env=_child_env(),
+                                          pass_fds=() if lock is None else (lock,))
+        finally:
+            if lock is not None:
+                os.close(lock)  # the child's copy holds the lock now
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._to_child = self._proc.stdin
         self._from_child = self._proc.stdout
@@ -163,7 +196,16 @@ class WriterProcess:
         with self._lock:
             if self.lost is not None:
                 raise WriterProcessLost(self.lost, sent=False)
-            if not self._ready:  # a child that fails to start has read nothing: this batch is still ours
+            # The payload goes into the pipe first, even before the child said READY: once there, it survives the
+            # death of this process (the child reads its pipe to the end). A child that fails to start has read
+            # nothing (it says READY before it reads): then the batch is still ours, written in-thread.
+            try:
+                self._write_all((_HEADER.pack(len(payload)), payload),
+                                timeout if self._ready else min(timeout, READY_TIMEOUT_S))
+            except WriterProcessLost as exc:
+                self._give_up(str(exc))
+                raise
+            if not self._ready:
                 try:
                     hello = marshal.loads(self._read_message(READY_TIMEOUT_S))
                     if not (isinstance(hello, tuple) and hello[:1] == (READY,)):
@@ -177,11 +219,6 @@ class WriterProcess:
                     self._proc.wait(timeout=5.0)  # the interpreter that forked the writer off has exited
                 except Exception:
                     pass
-            try:
-                self._write_all((_HEADER.pack(len(payload)), payload), timeout)
-            except WriterProcessLost as exc:
-                self._give_up(str(exc))
-                raise
             try:
                 reply = self._read_message(timeout)
                 return marshal.loads(reply)
@@ -360,22 +397,6 @@ def _reply(fd: int, value: Any) -> None:
 GAP_CAUSE = "the recording process was killed before its final flush: events after this point may be missing"
 
 
-def _hold_lock() -> Any:
-    """The shared lock `pdtrace record` waits on (LOCK_ENV), held until this process ends (the kernel drops it,
-    SIGKILL included); None where there is none to take."""
-    path = os.environ.get(LOCK_ENV)
-    if not path:
-        return None
-    try:
-        import fcntl
-
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        return fd
-    except (ImportError, OSError):
-        return None
-
-
 def main() -> int:
     """Serve one recording process until its end (EOF on stdin).
 
@@ -391,18 +412,17 @@ def main() -> int:
             pass
     replies = os.dup(1)
     os.dup2(2, 1)  # a stray print must never garble a reply
-    lock = _hold_lock()  # noqa: F841 - held for the process's lifetime
     from pdtrace.recording.recorder import holds_bytes, warm_up_pyarrow, write_rows
 
     warm_up_pyarrow()  # pyarrow's one-time costs now, not in the first part (see recorder.warm_up)
+    parent_gone = False
     try:
         _reply(replies, (READY, os.getpid()))
-    except OSError:  # the parent is gone already
-        return 0
+    except OSError:  # the parent is gone already: what it put into the pipe before it died is still to write
+        parent_gone = True
 
     # writer key -> [write_rows's arguments of its last batch, next seq, last ts, settled]
     writers: dict[Any, list[Any]] = {}
-    parent_gone = False
     clean = truncated = False
     while True:
         payload = _read_message(0)
@@ -415,7 +435,7 @@ def main() -> int:
             if message == BYE:
                 clean = True
                 error: Any = None
-            elif message[0] == CLOSED:
+            elif message[0] == SETTLED:
                 if tuple(message[1]) in writers:
                     writers[tuple(message[1])][3] = True
                 error = None
