@@ -64,11 +64,15 @@ buffer fills, and drops follow), and a child silent for `writer_process.REPLY_TI
 counted as dropped) and the writer thread carries on in-process.
 
 Flushes happen on `flush()`, `close()`, at interpreter exit (atexit, and multiprocessing's exit finalizers in
-forked children, which leave with `os._exit`), and on SIGTERM (a handler installed once, from the main thread,
-that flushes and then chains to the previous handler, or re-raises the default action); each returns once the
-rows are on disk (the writer process's answer), and the exit hooks then stop the writer process. A SIGKILL loses
-what was still buffered here (at most the last interval): the writer process reads EOF, writes every batch it
-received whole, and ends, so it never outlives the recording process. A forked child keeps the parent's
+forked children, which leave with `os._exit`), on SIGTERM and SIGINT (a handler installed once, from the main
+thread, that flushes, switches the recorders to a few-millisecond pace for what the host emits while it shuts down,
+and then chains to the previous handler, vLLM's included, or re-raises the default action), and when the buffer
+stopped changing for a tick (`IDLE_TICK_S`: the batch is `settled`); each returns once the rows are on disk (the
+writer process's answer), and the exit hooks then stop the writer process (BYE). A SIGKILL loses what was still
+buffered here (at most what came since the last hand-over): the writer process, which is out of the recording
+process's tree (vLLM SIGKILLs every descendant at `vllm serve`'s shutdown), reads EOF, writes every batch it
+received whole, marks a `recorder_gap` (n null) if the last hand-over was not settled, and ends, so it never
+outlives the recording process by more than that. A forked child keeps the parent's
 recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on its
 first event, through its own writer process (it closes its copies of the parent's pipes).
 

@@ -19,12 +19,14 @@ A child that stops reading or replying for `REPLY_TIMEOUT_S` is killed and the p
 in-thread writer (`WriterProcessLost`); so do a failed spawn and platforms without it (`available()`), and
 `PDTRACE_WRITER_PROCESS=0` turns the process off.
 
-The child (`main`): reads one message at a time, calls `pdtrace.recording.recorder.write_rows` (the same
-conversion and the same part files as the in-thread writer), replies. It ignores SIGINT and SIGTERM (a Ctrl-C
-or a group SIGTERM reaches the whole process group; the engine's own handler flushes through this child) and
-ends on EOF of its stdin: the engine process closed it, exited or was killed (SIGKILL included), so it never
-outlives its parent by more than the messages it has received, which it writes first; a message cut short by
-the parent's death is discarded. Its stdout carries only replies (print() goes to stderr).
+The child (`main`): forks off its launcher and starts a session of its own (`_child_command`: out of the
+recording process's tree, which vLLM SIGKILLs at shutdown), reads one message at a time, calls
+`pdtrace.recording.recorder.write_rows` (the same conversion and the same part files as the in-thread writer),
+replies. It ignores SIGINT and SIGTERM and ends on EOF of its stdin: the engine process closed it (after BYE),
+exited or was killed (SIGKILL included), so it never outlives its parent by more than the messages it has
+received, which it writes first; a message cut short by the parent's death is discarded, and a death without BYE
+is marked with a `recorder_gap` where events may be missing (see `main`). Its stdout carries only replies (print()
+goes to stderr).
 
 Fork: a forked child of the engine process (vLLM forks its workers) closes its copies of the pipes without
 writing anything and spawns its own writer process on its first batch, so it never writes into its parent's pipe
