@@ -905,7 +905,8 @@ class Recorder:
             header = (seq_start, channels, self.instance, self.role, self._pid, self.source, dropped,
                       self._writer_key, str(self.folder))
             error = self._send_to_writer_process(batch, header, settled)
-            self._unsettled_sent = not settled
+            if error is not _IN_THREAD:
+                self._unsettled_sent = not settled
             if error is _IN_THREAD:
                 write_rows(batch, *header, part_writer=self._part_writer)
             elif error is not None:

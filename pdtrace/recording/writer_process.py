@@ -178,12 +178,20 @@ class WriterProcess:
             if lock is not None:
                 os.close(lock)  # the child's copy holds the lock now
         assert self._proc.stdin is not None and self._proc.stdout is not None
+        # Reap the launcher as soon as it exits (milliseconds): no zombie among the recording process's children.
+        threading.Thread(target=self._reap_launcher, name="pdtrace-writer-launcher", daemon=True).start()
         self._to_child = self._proc.stdin
         self._from_child = self._proc.stdout
         os.set_blocking(self._to_child.fileno(), False)  # writes wait in select(), with a timeout
         self.lost: str | None = None
         self._ready = False
         self._child_pid: int | None = None
+
+    def _reap_launcher(self) -> None:
+        try:
+            self._proc.wait(timeout=READY_TIMEOUT_S)
+        except Exception:
+            pass
 
     @property
     def pid(self) -> int | None:
