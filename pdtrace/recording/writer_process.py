@@ -216,19 +216,7 @@ class WriterProcess:
                 self._give_up(str(exc))
                 raise
             if not self._ready:
-                try:
-                    hello = marshal.loads(self._read_message(READY_TIMEOUT_S))
-                    if not (isinstance(hello, tuple) and hello[:1] == (READY,)):
-                        raise ValueError(f"it said {str(hello)[:40]!r}")
-                except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
-                    self._give_up(f"writer process did not start ({exc})")
-                    raise WriterProcessLost(self.lost or "", sent=False) from None
-                self._child_pid = int(hello[1])
-                self._ready = True
-                try:
-                    self._proc.wait(timeout=5.0)  # the interpreter that forked the writer off has exited
-                except Exception:
-                    pass
+                self._await_ready()
             try:
                 reply = self._read_message(timeout)
                 return marshal.loads(reply)
@@ -238,6 +226,28 @@ class WriterProcess:
             except Exception as exc:  # a garbled reply: the child is not what we think it is
                 self._give_up(f"bad reply: {exc}")
                 raise WriterProcessLost(f"bad reply: {exc}", sent=True) from None
+
+    def wait_ready(self) -> int | None:
+        """Wait for the child's READY (benchmarks: its start-up outside the timing); its pid, or None if lost."""
+        with self._lock:
+            if self.lost is None and not self._ready:
+                try:
+                    self._await_ready()
+                except WriterProcessLost:
+                    return None
+        return self._child_pid
+
+    def _await_ready(self) -> None:
+        """Read READY (lock held); WriterProcessLost (sent=False) if the child did not start."""
+        try:
+            hello = marshal.loads(self._read_message(READY_TIMEOUT_S))
+            if not (isinstance(hello, tuple) and hello[:1] == (READY,)):
+                raise ValueError(f"it said {str(hello)[:40]!r}")
+        except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
+            self._give_up(f"writer process did not start ({exc})")
+            raise WriterProcessLost(self.lost or "", sent=False) from None
+        self._child_pid = int(hello[1])
+        self._ready = True
 
     def _write_all(self, chunks: tuple[bytes, ...], timeout: float) -> None:
         fd = self._to_child.fileno()
