@@ -21,10 +21,10 @@ over the rounds, with the spread of the rounds' paired ratios. Measured in the c
 time (the writer thread included), and that plus the final flush at exit (`session.close_all()`: the writer's
 remaining work, so that every event's conversion is counted whether or not a timed flush fell inside the loop),
 and the writer thread's own CPU time during the loop. The recorder's writer process (pdtrace.recording.writer_process,
-when it runs): its CPU time over the loop and the final flush (`writer proc (+flush)`: its total, read with
-getrusage(RUSAGE_CHILDREN) once it is stopped and reaped, less what its start-up had used, from /proc, before the
-loop; the child waits 0.5 s before the loop for that start-up, as vLLM's own start-up is much longer), its total
-with the start-up (`writer proc (all)`), and the tree's CPU: the engine process's (+flush) plus the writer
+when it runs): its CPU time over the loop and the final flush (`writer proc (+flush)`: its total, read from /proc
+once every batch is answered, before its BYE (its exit is not counted; it is no child of the engine, being out of
+vLLM's kill tree), less what its start-up had used, from /proc, before the loop; the child waits for its READY
+before the loop, as vLLM's own start-up is much longer), its total with the start-up (`writer proc (all)`), and the tree's CPU: the engine process's (+flush) plus the writer
 process's (+flush), against the plain run's process. Percentages of the writer rows are of the plain run's
 process CPU.
 Events are counted from the trace written.
@@ -189,14 +189,11 @@ def child(args: argparse.Namespace) -> dict:
     session.close_all()
     close = time.process_time_ns() - proc0
     writer_process_ns = writer_loop_ns = 0
-    if writer_pid is not None:  # stop and reap the writer process, then read its CPU time from our children's
-        import resource
-
+    if writer_pid is not None:  # its CPU time once it has written everything (it is no child of ours: /proc)
         from pdtrace.recording import recorder
 
+        writer_process_ns = _proc_cpu_ns(writer_pid)
         recorder.close_all()
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        writer_process_ns = int((usage.ru_utime + usage.ru_stime) * 1e9)
         writer_loop_ns = writer_process_ns - writer_start
     proc = result["process_ns"]
     return {**result, "total_ns": proc + close, "writer_ns": writer, "writer_process_ns": writer_process_ns,
@@ -264,13 +261,19 @@ def _writer_process() -> tuple[int | None, int]:
     writer = writer_process.shared(spawn=False)
     if writer is None:
         return None, 0
-    time.sleep(0.5)  # let its start-up finish before the loop (as it does during vLLM's much longer start-up)
+    # Its start-up finishes before the loop (as it does during vLLM's much longer start-up).
+    pid = writer.wait_ready() if hasattr(writer, "wait_ready") else (time.sleep(0.5), writer.pid)[1]
+    return pid, _proc_cpu_ns(pid)
+
+
+def _proc_cpu_ns(pid: int | None) -> int:
+    """A live process's CPU time from /proc (clock-tick resolution); 0 when it cannot be read."""
     try:
-        with open(f"/proc/{writer.pid}/stat") as stat:
+        with open(f"/proc/{pid}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
-        return writer.pid, (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return writer.pid, 0
+        return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return 0
 
 
 def _writer_cpu_ns() -> int:

@@ -155,6 +155,79 @@ def test_instance_ids_follow_the_format_rules():
     assert instance_of(cfg) == ("abc", "none", 2)
 
 
+def _config(instance_id: str, kv: object = None, dp_rank: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(kv_transfer_config=kv, parallel_config=SimpleNamespace(data_parallel_rank=dp_rank),
+                           instance_id=instance_id)
+
+
+def test_engine_identity_is_fixed_when_the_executor_starts_and_survives_a_recomputed_instance_id(monkeypatch):
+    import os
+
+    from pdtrace.recording.vllm import _common
+
+    monkeypatch.delenv(_common.ENGINE_ENV, raising=False)
+    cfg = _config("1764000000000000001")
+    assert _common.fix_engine_identity(cfg) == ("1764000000000000001", "none", 0)
+    cfg.instance_id = "1764000000000000999"  # vLLM's __post_init__ again, after the workers started
+    assert instance_of(cfg) == ("1764000000000000001", "none", 0)
+    assert instance_of(cfg, worker=True) == ("1764000000000000001", "none", 0)
+    assert os.environ[_common.ENGINE_ENV] == f"{os.getpid()}|0|none|1764000000000000001"
+    # A config whose executor never started through the hook keeps the config's own (today's) value.
+    assert instance_of(_config("42")) == ("42", "none", 0)
+    # Two engines of one process stay two, each with what it had.
+    other = _config("1764000000000000002_dp1")
+    assert _common.fix_engine_identity(other) == ("1764000000000000002", "none", 1)
+    assert instance_of(cfg)[0] != instance_of(other)[0]
+    # With a connector the engine_id is the identity, as before.
+    kv = SimpleNamespace(engine_id="prefill-7_dp2", kv_role="kv_producer")
+    assert _common.fix_engine_identity(_config("x", kv)) == ("prefill-7", "prefill", 2)
+
+
+_CHILD = textwrap.dedent("""
+    import json, os, sys
+    from types import SimpleNamespace
+    from pdtrace.recording.vllm._common import instance_of
+    cfg = SimpleNamespace(kv_transfer_config=None, parallel_config=SimpleNamespace(data_parallel_rank=0),
+                          instance_id="the-copy-says-otherwise")
+    print(json.dumps([list(instance_of(cfg, worker=True)), list(instance_of(cfg))]))
+""")
+
+
+def test_workers_the_engine_starts_take_its_identity_forked_or_spawned(monkeypatch):
+    import json
+    import multiprocessing
+    import os
+
+    from pdtrace.recording.vllm import _common
+
+    monkeypatch.delenv(_common.ENGINE_ENV, raising=False)
+    cfg = _config("1764000000000000001")
+    _common.fix_engine_identity(cfg)
+    cfg.instance_id = "rebuilt"
+    # Forked (vLLM's default on Linux): the plugin does not run again; same config object, same identity.
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_send_identity, args=(child, cfg))
+    proc.start()
+    assert parent.recv() == ("1764000000000000001", "none", 0)
+    proc.join(30)
+    # Spawned: a new interpreter, a copy of the config with another instance_id: the engine's exported identity.
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=60)
+    worker, engine_side = json.loads(out.stdout.strip().splitlines()[-1])
+    assert worker == ["1764000000000000001", "none", 0]
+    assert engine_side == ["the-copy-says-otherwise", "none", 0]  # a scheduler never takes an inherited identity
+    # A grandchild (a process the worker starts, not the engine) does not take it: only the engine's own children.
+    grand = subprocess.run([sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call([sys.executable, "
+                            f"'-c', {_CHILD!r}]))"], env=env, capture_output=True, text=True, timeout=60)
+    assert json.loads(grand.stdout.strip().splitlines()[-1])[0] == ["the-copy-says-otherwise", "none", 0]
+
+
+def _send_identity(conn, cfg) -> None:
+    conn.send(instance_of(cfg, worker=True))
+    conn.close()
+
+
 # ------------------------------------------------------------------------------------ checked patching
 
 

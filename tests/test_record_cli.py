@@ -144,3 +144,27 @@ def test_a_bad_dry_run_configuration_is_refused_before_anything_is_created(cli, 
 def test_dry_run_takes_no_command(cli, tmp_path):
     result = cli("record", "--dry-run", "-o", tmp_path / "t", "--", "echo", "hi")
     assert result.exit_code == 2 and "takes no command" in result.stderr
+
+
+def test_record_ends_after_the_writer_processes_of_a_killed_command(cli, tmp_path, monkeypatch):
+    # The command dies of SIGKILL (as vLLM's engine does at `vllm serve`'s shutdown) after handing its events to
+    # its writer process: record returns once that writer has written them, and nothing is missing.
+    monkeypatch.setenv("PDTRACE_WRITER_PROCESS", "1")
+    trace = tmp_path / "trace"
+    code = (
+        "import os, signal, time\n"
+        "from pdtrace.recording import session\n"
+        "session.configure_from_env('test')\n"
+        "rec = session.recorder('engine', 'both')\n"
+        "rec.emit('engine_config', n=1); rec.flush()\n"
+        "for i in range(5000): rec.emit('sched', step=i, n=1)\n"
+        "time.sleep(0.5)\n"  # quiet: handed over, settled
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    result = cli("record", "-o", trace, "--", PY, "-c", code)
+    assert result.exit_code == 128 + signal.SIGKILL
+    assert not (trace / ".pdtrace-writers.lock").exists()
+    import pdtrace
+
+    rows = pdtrace.open_trace(trace).table.to_pylist()
+    assert sorted(r["step"] for r in rows if r["kind"] == "sched") == list(range(5000))
+    assert not any(r["kind"] == "recorder_gap" for r in rows)

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -128,9 +129,10 @@ def test_odd_values_give_the_same_rows_as_the_in_thread_writer(tmp_path: Path, m
         '{"hit":"2","ids":["1",2]}'
 
 
-def test_the_writer_process_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
+def test_the_writer_process_ends_when_its_parent_is_killed_and_marks_what_it_lost(tmp_path: Path) -> None:
     child = start_child(with_started("""
         rec, writer_pid = started("k", 100)
+        rec._tick_s = 3600  # no hand-over of a quiet buffer: the next 100 stay in this process
         print(writer_pid, flush=True)
         for i in range(100, 200):
             rec.emit("sched", step=i)  # buffered only: lost with the process (the last interval)
@@ -144,7 +146,33 @@ def test_the_writer_process_ends_when_its_parent_is_killed(tmp_path: Path) -> No
         child.send_signal(signal.SIGKILL)
         child.communicate(timeout=60)
     assert wait_for(lambda: gone(writer_pid), timeout=30), "the writer process outlived its parent"
-    assert [r["step"] for r in events(tmp_path)] == list(range(100))  # what was flushed is whole on disk
+    rows = events(tmp_path)
+    assert [r["step"] for r in rows[:100]] == list(range(100))  # what was flushed is whole on disk
+    # ... and the loss is marked: one recorder_gap after the last event received, count unknown.
+    assert [(r["kind"], r["n"], r["seq"]) for r in rows[100:]] == [("recorder_gap", None, 100)]
+    assert "killed before its final flush" in rows[100]["detail"] and rows[100]["ts_ns"] > rows[99]["ts_ns"]
+
+
+def test_a_quiet_recorder_hands_its_events_over_and_a_kill_loses_nothing(tmp_path: Path) -> None:
+    # The healthy look-alike: the process went quiet before it was killed (as a served engine between requests):
+    # its events reached the writer process, settled, and no gap is claimed.
+    child = start_child(with_started("""
+        rec, writer_pid = started("k", 100)
+        for i in range(100, 200):
+            rec.emit("sched", step=i)
+        print(writer_pid, flush=True)
+        time.sleep(600)
+    """), tmp_path)
+    try:
+        assert child.stdout is not None
+        writer_pid = int(child.stdout.readline())
+        assert wait_for(lambda: len(events(tmp_path)) == 200, timeout=30)
+        time.sleep(0.5)  # still quiet: it said so (settled) to its writer process
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    assert wait_for(lambda: gone(writer_pid), timeout=30)
+    assert [r["step"] for r in events(tmp_path)] == list(range(200))
 
 
 def test_a_lost_writer_process_hands_over_to_the_writer_thread(tmp_path: Path) -> None:

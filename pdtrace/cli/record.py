@@ -10,7 +10,8 @@ Recording is switched on for the command and every process it starts by `PDTRACE
 `vllm.general_plugins` entry point in each vLLM process). If the user restricts vLLM's plugins with `VLLM_PLUGINS`,
 `pdtrace` is added to the list so the entry point still runs. The command gets SIGINT and SIGTERM forwarded; its
 exit status becomes pdtrace's. `TRACE/_manifest.json` records the command, pdtrace's and vLLM's versions (vLLM's
-from package metadata: pdtrace does not import vLLM here), start, end and exit status.
+read from the importable `vllm` module, whatever distribution installed it, without importing vLLM), start, end and
+exit status.
 
 `--dry-run` records vLLM's real EngineCore on a simulated cluster instead (pdtrace.dryrun), no command needed.
 """
@@ -26,7 +27,6 @@ import subprocess
 import threading
 import time
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version as dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -45,10 +45,10 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _vllm_version() -> str | None:
-    try:
-        return dist_version("vllm")
-    except PackageNotFoundError:
-        return None
+    """The importable vLLM's version, whatever distribution ships it (see `installed_vllm_version`)."""
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    return installed_vllm_version()
 
 
 def _vllm_table(version: str | None) -> str | None:
@@ -176,6 +176,7 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status = returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as shells do
+    _wait_for_writer_processes(output)
     end_ns = time.time_ns()
     manifest.update(end=_iso(end_ns), end_ns=end_ns, exit_status=status,
                     signal=-returncode if returncode < 0 else None)
@@ -193,6 +194,41 @@ def _announce_flight(output: Path) -> None:
     else:
         err_console.print(f"pdtrace: flight recorder: no dump was asked for, nothing written to {output}",
                           markup=False, highlight=False)
+
+
+#: How long `record` waits, after its command ended, for writer processes still writing what they received.
+WRITERS_WAIT_S = 60.0
+
+
+def _wait_for_writer_processes(output: Path, timeout: float = WRITERS_WAIT_S) -> None:
+    """Wait until no writer process holds its shared lock on the trace's lock file (each holds it for its
+    lifetime; see pdtrace.recording.writer_process.LOCK_ENV): they outlive the vLLM processes that vLLM killed,
+    by the time it takes to write what those processes handed over. Then remove the lock file."""
+    from pdtrace.recording.writer_process import LOCK_NAME
+
+    path = output / LOCK_NAME
+    if not path.exists():
+        return
+    try:
+        import fcntl
+    except ImportError:  # no flock: nothing could have taken it
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    err_console.print(f"pdtrace: a writer process is still writing after {timeout:.0f} s; its last "
+                                      "part files may appear later", markup=False, highlight=False)
+                    return
+                time.sleep(0.05)
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _announce(output: Path) -> None:

@@ -472,8 +472,9 @@ class FlightRecorder(Recorder):
                     META_FLIGHT_TRIMMED: str(facts["trimmed"]), META_FLIGHT_DUMP: str(dump)}
         header = (0, facts["channels"], self.instance, self.role, self._pid, self.source, facts["dropped"],
                   (os.path.abspath(dump_dir), self.instance, self._pid), str(folder))
+        # settled: a dump is its window whole, so the process's death after it is no loss to mark in the dump
         error = (_recorder._IN_THREAD if in_thread
-                 else self._send_to_writer_process(flat, (*header, None, metadata)))
+                 else self._send_to_writer_process(flat, (*header, None, metadata), settled=True))
         if error is _recorder._IN_THREAD:
             _recorder.write_rows(flat, *header, part_writer=self._part_writer, metadata=metadata)
         elif error is not None:

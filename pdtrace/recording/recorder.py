@@ -64,11 +64,15 @@ buffer fills, and drops follow), and a child silent for `writer_process.REPLY_TI
 counted as dropped) and the writer thread carries on in-process.
 
 Flushes happen on `flush()`, `close()`, at interpreter exit (atexit, and multiprocessing's exit finalizers in
-forked children, which leave with `os._exit`), and on SIGTERM (a handler installed once, from the main thread,
-that flushes and then chains to the previous handler, or re-raises the default action); each returns once the
-rows are on disk (the writer process's answer), and the exit hooks then stop the writer process. A SIGKILL loses
-what was still buffered here (at most the last interval): the writer process reads EOF, writes every batch it
-received whole, and ends, so it never outlives the recording process. A forked child keeps the parent's
+forked children, which leave with `os._exit`), on SIGTERM and SIGINT (a handler installed once, from the main
+thread, that flushes, switches the recorders to a few-millisecond pace for what the host emits while it shuts down,
+and then chains to the previous handler, vLLM's included, or re-raises the default action), and when the buffer
+stopped changing for a tick (`IDLE_TICK_S`: the batch is `settled`); each returns once the rows are on disk (the
+writer process's answer), and the exit hooks then stop the writer process (BYE). A SIGKILL loses what was still
+buffered here (at most what came since the last hand-over): the writer process, which is out of the recording
+process's tree (vLLM SIGKILLs every descendant at `vllm serve`'s shutdown), reads EOF, writes every batch it
+received whole, marks a `recorder_gap` (n null) if the last hand-over was not settled, and ends, so it never
+outlives the recording process by more than that. A forked child keeps the parent's
 recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on its
 first event, through its own writer process (it closes its copies of the parent's pipes).
 
@@ -148,6 +152,16 @@ _CLOSED = "closed"
 _DICT_TYPE = pa.dictionary(pa.int32(), pa.string())
 _LIST_TYPE = pa.list_(pa.int32())
 _encode_json = json.JSONEncoder(separators=(",", ":"), default=str).encode
+#: How often the writer thread looks at the buffer between flushes. A buffer that did not change over one tick is
+#: handed over at once (`settled`): a process that goes quiet has its events out of its memory ~one or two ticks
+#: later, in the writer process, which vLLM's SIGKILL of its children does not reach (writer_process); while events
+#: keep coming, parts are still written every `flush_interval_s`. Each tick costs the writer thread a wake-up and
+#: a length check (~10 per second).
+IDLE_TICK_S = 0.1
+#: After SIGTERM / SIGINT (vLLM's shutdown begins; `vllm serve` SIGKILLs the engine right after), the tick and the
+#: flush interval drop to these, so that what vLLM emits while it shuts down follows within milliseconds.
+SHUTDOWN_TICK_S = 0.005
+SHUTDOWN_FLUSH_S = 0.02
 _RECORDER_DP = object()  # channel(dp_rank=...) not given: the recorder's
 _IN_THREAD = object()  # no writer process for this batch: the writer thread converts and writes it
 
@@ -337,11 +351,12 @@ def write_part(table: pa.Table, path: Path) -> None:
 
 def write_rows(flat: list[Any], seq_start: int, channels: list[tuple[str, Any, Any, Any]], instance: str,
                role: str, pid: int, source: str, dropped: int, writer_key: tuple[str, str, int], folder: str,
-               part_writer: PartWriter | None = None, metadata: Mapping[str, str] | None = None) -> None:
+               part_writer: PartWriter | None = None, metadata: Mapping[str, str] | None = None) -> int:
     """Convert one batch of buffered rows (a flat buffer: ROW_WIDTH slots per row) and write it as the writer's next
     part file (`<folder>/part-NNNNNN.parquet`, numbered per `writer_key`, after any part already there). What the
     recorder's writer thread does in-process, and what the writer process does with each message (`encode_batch`
-    packs these arguments). `metadata`: more file metadata keys (a flight dump's window). Raises on failure."""
+    packs these arguments). `metadata`: more file metadata keys (a flight dump's window). Returns the number of rows
+    written. Raises on failure."""
     table = flat_rows_to_table(flat, seq_start, channels, instance, role, pid)
     del flat
     meta = file_metadata(__version__, source, dropped)
@@ -354,15 +369,17 @@ def write_rows(flat: list[Any], seq_start: int, channels: list[tuple[str, Any, A
     for _ in range(1000):
         try:
             write(table, directory / f"part-{_claim_part(key, directory):06d}.parquet")
-            return
+            return table.num_rows
         except FileExistsError:  # another writer took this number (a reused pid folder): take the next
             continue
     raise FileExistsError(f"no free part number in {folder}")
 
 
-def encode_batch(flat: list[Any], *header: Any, sanitise: bool = False) -> bytes:
-    """The writer process's message for one batch: `marshal` of (checked, flat, *header), flat being the flat
-    buffer's slice (ROW_WIDTH slots per row) and header the rest of `write_rows`'s arguments. Measured:
+def encode_batch(flat: list[Any], *header: Any, sanitise: bool = False, settled: bool = False) -> bytes:
+    """The writer process's message for one batch: `marshal` of (checked, settled, flat, *header), flat being the
+    flat buffer's slice (ROW_WIDTH slots per row), header the rest of `write_rows`'s arguments, and `settled`
+    whether the recorder had seen no new event for one tick when it took them (the writer process's rule for a
+    recording process that dies: `writer_process.main`). Measured:
     bench/recorder.py's mix, 247 ns of the writer thread's CPU per event against 1218 ns for the in-thread
     conversion + write (4.9x); bench/engine_overhead.py's rows (8760 entries for 24 423 events), marshal v4
     ~200-240 ns per entry (v2 ~330, pickle 5 ~295), ~4 ms in all (measured with one tuple per row). The flat
@@ -376,14 +393,14 @@ def encode_batch(flat: list[Any], *header: Any, sanitise: bool = False) -> bytes
     looks for bytes in an unchecked batch (`holds_bytes`, on its own CPU) and asks for it again, sanitised."""
     if not sanitise:
         try:
-            return marshal.dumps((False, flat, *header), writer_process.MARSHAL_VERSION)
+            return marshal.dumps((False, settled, flat, *header), writer_process.MARSHAL_VERSION)
         except ValueError:  # "unmarshallable object" somewhere
             pass
     plain: list[Any] = []
     for start in range(0, len(flat), ROW_WIDTH):  # the rare path: row by row
         row = flat[start:start + ROW_WIDTH]
         plain += row if _is_plain(row) else _plain_row(row)
-    return marshal.dumps((True, plain, *header), writer_process.MARSHAL_VERSION)
+    return marshal.dumps((True, settled, plain, *header), writer_process.MARSHAL_VERSION)
 
 
 _PLAIN_ATOMS = frozenset({int, float, str, bool, type(None)})
@@ -514,16 +531,17 @@ class Recorder:
     clock: a callable returning ns since the epoch (default `time.time_ns`); settable later as `rec.clock = f`.
     flush_events, flush_interval_s: the writer writes a part when this many rows wait, or this often.
     max_buffered_events: rows waiting plus rows being written never exceed this; past it events are dropped.
-    handle_sigterm: install the flushing SIGTERM handler (once per process, main thread only).
+    handle_sigterm: install the flushing SIGTERM / SIGINT handler (once per process, main thread only).
     part_writer: `f(table, final_path)` that writes one part file (default `write_part`); tests inject slow ones.
         A recorder given one converts and writes on its writer thread (in-process), as without a writer process.
+    idle_tick_s: how often the writer thread checks whether events stopped coming (IDLE_TICK_S).
     """
 
     def __init__(self, directory: str | os.PathLike[str], instance: str, role: str = "both",
                  source: str = "unknown", dp_rank: int | None = 0, component: str = "scheduler",
                  clock: Clock | None = None, flush_events: int = 65536, flush_interval_s: float = 1.0,
                  max_buffered_events: int = 2_000_000, *, handle_sigterm: bool = True,
-                 part_writer: PartWriter | None = None) -> None:
+                 part_writer: PartWriter | None = None, idle_tick_s: float = IDLE_TICK_S) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {sorted(ROLES)}, not {role!r}")
         if flush_events < 1 or max_buffered_events < 1 or flush_interval_s <= 0:
@@ -537,6 +555,7 @@ class Recorder:
         self.flush_interval_s = float(flush_interval_s)
         self.max_buffered_events = int(max_buffered_events)
         self._handle_sigterm = handle_sigterm
+        self._tick_s = float(idle_tick_s)
         self._part_writer: PartWriter = part_writer or _write_part_default
 
         self._rows: list[Any] = []  # the flat buffer: ROW_WIDTH slots per row
@@ -580,6 +599,12 @@ class Recorder:
         self._dropped = 0
         self._gap_count = 0
         self._gap_start = 0
+        # What the writer thread saw at its last tick (buffer slots, edit count) and since when nothing changed.
+        self._edits = 0
+        self._unsettled_sent = False  # the last batch handed to the writer process was not settled
+        self._tick_slots = 0
+        self._tick_edits = 0
+        self._quiet_since = time.monotonic()
 
     # ---- public API ---------------------------------------------------------------------------------------------
 
@@ -667,6 +692,7 @@ class Recorder:
         step, req, blocks, n, reason, status, delay_free, deferred, detail); an `emit_many` batch entry has the
         `_BATCH` marker as blocks and must be left in place."""
         with self._state_lock:
+            self._edits += 1
             return edit(RowView(self._rows))
 
     def flush(self) -> None:
@@ -695,8 +721,33 @@ class Recorder:
                 thread.join(timeout=30.0)
             if was_started:
                 self._drain(until_empty=True)
+                if self._unsettled_sent:
+                    self._tell_writer_process_settled()
         except Exception:
             self._count_error()
+
+    def _tell_writer_process_settled(self) -> None:
+        """Nothing of this writer is on its way (quiet since its last batch, or closed): the writer process must
+        not mark a gap for it if this process dies now (a forked child leaving with os._exit, vLLM's SIGKILL)."""
+        if self._part_writer is not _write_part_default or self._pid != os.getpid():
+            return
+        writer = writer_process.shared(spawn=False)
+        if writer is not None and writer.pid is not None:
+            try:
+                writer.send(marshal.dumps(writer_process.settled_message(self._writer_key),
+                                          writer_process.MARSHAL_VERSION))
+                self._unsettled_sent = False
+            except writer_process.WriterProcessLost as exc:
+                self._say_writer_process_lost(exc)
+            except Exception:
+                self._count_error()
+
+    def _say_writer_process_lost(self, exc: Exception) -> None:
+        try:
+            sys.stderr.write(f"pdtrace: the writer process of recorder {self.instance!r} was lost ({exc}); "
+                             "writing in-process from now on\n")
+        except Exception:
+            pass
 
     def __enter__(self) -> "Recorder":
         return self
@@ -780,15 +831,35 @@ class Recorder:
                 writer_process.shared()
             except Exception:
                 self._count_error()
+        last_flush = -float("inf")  # the first tick hands over what there is: the writer process then knows this
+        # writer, and can mark a gap for it should this process be killed before its next hand-over
         while not self._stop:
             try:
-                self._wake.wait(self.flush_interval_s)
+                woke = self._wake.wait(min(self.flush_interval_s, self._tick_s))
                 if self._stop:
                     break
-                self._wake.clear()
-                self._drain(until_empty=False)
+                if woke:
+                    self._wake.clear()
+                    self._drain(until_empty=False)
+                    last_flush = time.monotonic()
+                    continue
+                slots, edits, now = len(self._rows), self._edits, time.monotonic()
+                if slots != self._tick_slots or edits != self._tick_edits:
+                    self._tick_slots, self._tick_edits, self._quiet_since = slots, edits, now
+                if slots and (self._settled(now) or now - last_flush >= self.flush_interval_s):
+                    self._drain(until_empty=False)
+                    last_flush = now
+                elif not slots and self._unsettled_sent and self._settled(now):
+                    with self._write_lock:  # after any batch in flight
+                        if not self._rows:
+                            self._tell_writer_process_settled()
             except Exception:  # the writer thread never dies: a later flush may succeed
                 self._count_error()
+
+    def _settled(self, now: float) -> bool:
+        """Whether the buffer has not changed for a whole tick (no event, no edit): see IDLE_TICK_S."""
+        return (len(self._rows) == self._tick_slots and self._edits == self._tick_edits
+                and now - self._quiet_since >= self._tick_s * 0.999)
 
     def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
         """Take the waiting rows and write them as one part; with `until_empty`, repeat until nothing is left (a gap
@@ -820,6 +891,8 @@ class Recorder:
             # batch entry is added under this lock, so every one of them is in the slice). Every add is one whole
             # row of ROW_WIDTH slots, atomically, so the take is whole rows.
             assert slots % ROW_WIDTH == 0, "the flat buffer holds whole rows"
+            # Settled (no event or edit for a whole tick) or closed: nothing more is on its way from this recorder.
+            settled = self._state == _CLOSED or self._settled(time.monotonic())
             batch = self._rows[:slots]
             del self._rows[:slots]
             count = slots // ROW_WIDTH + self._batched
@@ -835,7 +908,9 @@ class Recorder:
         try:
             header = (seq_start, channels, self.instance, self.role, self._pid, self.source, dropped,
                       self._writer_key, str(self.folder))
-            error = self._send_to_writer_process(batch, header)
+            error = self._send_to_writer_process(batch, header, settled)
+            if error is not _IN_THREAD:
+                self._unsettled_sent = not settled
             if error is _IN_THREAD:
                 write_rows(batch, *header, part_writer=self._part_writer)
             elif error is not None:
@@ -865,7 +940,7 @@ class Recorder:
                 self._set_threshold()
         return True
 
-    def _send_to_writer_process(self, batch: list[Any], header: tuple) -> Any:
+    def _send_to_writer_process(self, batch: list[Any], header: tuple, settled: bool = False) -> Any:
         """Hand the batch to this process's writer process and wait until it is on disk: None, or the child's
         error text; `_IN_THREAD` when there is no writer process (switched off, failed, a custom part_writer) or it
         was lost before taking the batch, so that this thread writes it. A batch the child took but did not
@@ -876,16 +951,12 @@ class Recorder:
         if writer is None:
             return _IN_THREAD
         try:
-            error = writer.send(encode_batch(batch, *header))
+            error = writer.send(encode_batch(batch, *header, settled=settled))
             if error is writer_process.RESEND_SANITISED:
-                error = writer.send(encode_batch(batch, *header, sanitise=True))
+                error = writer.send(encode_batch(batch, *header, sanitise=True, settled=settled))
             return error
         except writer_process.WriterProcessLost as exc:
-            try:
-                sys.stderr.write(f"pdtrace: the writer process of recorder {self.instance!r} was lost ({exc}); "
-                                 "writing in-process from now on\n")
-            except Exception:
-                pass
+            self._say_writer_process_lost(exc)
             if exc.sent:
                 raise
             return _IN_THREAD
@@ -1274,7 +1345,6 @@ def _claim_part(key: tuple[str, str, int], folder: Path) -> int:
         ids[1] += 1
         return index
 _exit_hooks_pid: int | None = None
-_sigterm_previous: Any = None
 _sigterm_installed = False
 
 
@@ -1312,38 +1382,56 @@ def _register_exit_hooks() -> None:
 atexit.register(close_all)
 
 
+#: The signals a recording process flushes on before its own handler runs: SIGTERM (vLLM's shutdown of its
+#: children, `docker stop`, systemd) and SIGINT (Ctrl-C reaches the whole process group).
+_FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_signal_previous: dict[int, Any] = {}
+
+
 def _install_sigterm_handler() -> None:
-    """Flush on SIGTERM: install once per process, only from the main thread, only over a Python-level handler
-    (SIG_DFL, SIG_IGN or a callable) so that the previous one can always be chained or restored."""
-    global _sigterm_installed, _sigterm_previous
+    """Flush on SIGTERM and SIGINT: install once per process, only from the main thread, only over a Python-level
+    handler (SIG_DFL, SIG_IGN or a callable, vLLM's own included) so that the previous one can always be chained
+    or restored; it runs right after ours."""
+    global _sigterm_installed
     if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
-    try:
-        previous = signal.getsignal(signal.SIGTERM)
-        if previous is None:  # installed from C: we could not chain it, so leave the host's handler alone
-            return
-        signal.signal(signal.SIGTERM, _on_sigterm)
-        _sigterm_previous = previous
-        _sigterm_installed = True
-    except (ValueError, OSError, AttributeError):
-        pass
+    _sigterm_installed = True
+    for signum in _FLUSH_SIGNALS:
+        try:
+            previous = signal.getsignal(signum)
+            if previous is None:  # installed from C: we could not chain it, so leave the host's handler alone
+                continue
+            signal.signal(signum, _on_sigterm)
+            _signal_previous[signum] = previous
+        except (ValueError, OSError, AttributeError):
+            pass
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    """Hand every buffered event to the writer (bounded by the write lock's 5 s; the writer process answers in
+    milliseconds), then switch every recorder of the process to the shutdown pace (SHUTDOWN_TICK_S), then run the
+    previous handler: what vLLM emits while it shuts down follows at once, before `vllm serve`'s SIGKILL."""
     for rec in _live_recorders():
         try:
             if rec._state != _NEW:
                 rec._drain(until_empty=True, lock_timeout=5.0)
+                rec._tick_s = SHUTDOWN_TICK_S
+                rec.flush_interval_s = min(rec.flush_interval_s, SHUTDOWN_FLUSH_S)
+                rec._wake.set()
         except Exception:
             pass
-    previous = _sigterm_previous
+    previous = _signal_previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_IGN:
         return
-    else:  # SIG_DFL: die of SIGTERM as the process would have without us
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    else:  # SIG_DFL: die of the signal as the process would have without us, nothing left behind (BYE)
+        try:
+            writer_process.stop_shared(timeout=5.0)
+        except Exception:
+            pass
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 _fork_held: list[tuple[Recorder, tuple[bool, bool]]] = []

@@ -19,12 +19,14 @@ A child that stops reading or replying for `REPLY_TIMEOUT_S` is killed and the p
 in-thread writer (`WriterProcessLost`); so do a failed spawn and platforms without it (`available()`), and
 `PDTRACE_WRITER_PROCESS=0` turns the process off.
 
-The child (`main`): reads one message at a time, calls `pdtrace.recording.recorder.write_rows` (the same
-conversion and the same part files as the in-thread writer), replies. It ignores SIGINT and SIGTERM (a Ctrl-C
-or a group SIGTERM reaches the whole process group; the engine's own handler flushes through this child) and
-ends on EOF of its stdin: the engine process closed it, exited or was killed (SIGKILL included), so it never
-outlives its parent by more than the messages it has received, which it writes first; a message cut short by
-the parent's death is discarded. Its stdout carries only replies (print() goes to stderr).
+The child (`main`): forks off its launcher and starts a session of its own (`_child_command`: out of the
+recording process's tree, which vLLM SIGKILLs at shutdown), reads one message at a time, calls
+`pdtrace.recording.recorder.write_rows` (the same conversion and the same part files as the in-thread writer),
+replies. It ignores SIGINT and SIGTERM and ends on EOF of its stdin: the engine process closed it (after BYE),
+exited or was killed (SIGKILL included), so it never outlives its parent by more than the messages it has
+received, which it writes first; a message cut short by the parent's death is discarded, and a death without BYE
+is marked with a `recorder_gap` where events may be missing (see `main`). Its stdout carries only replies (print()
+goes to stderr).
 
 Fork: a forked child of the engine process (vLLM forks its workers) closes its copies of the pipes without
 writing anything and spawns its own writer process on its first batch, so it never writes into its parent's pipe
@@ -55,8 +57,30 @@ MARSHAL_VERSION = 4
 REPLY_TIMEOUT_S = 120.0
 #: How long the first batch waits for the child to be ready (its interpreter, pyarrow import and warm-up).
 READY_TIMEOUT_S = 60.0
-#: The child's first message, once it can write parts.
+#: The child's first message, once it can write parts: (READY, its pid).
 READY = "ready"
+#: The engine side's last message at a clean end (every recorder closed): the child answers it, then expects EOF.
+#: A child that reads EOF without it knows that its recording process was killed (see `main`).
+BYE = ("bye",)
+#: The first element of the message that says a writer (its key) has nothing more on its way: it went quiet
+#: after its last batch, or it is closed (`settled_message`).
+SETTLED = "settled"
+
+
+def settled_message(writer_key: Any) -> tuple:
+    """The message that tells the child that the recorder of `writer_key` holds nothing it has not sent, and saw no
+    event for a tick (or is closed): nothing is lost if the process dies before it sends anything else."""
+    return (SETTLED, writer_key)
+
+
+#: A file on which every writer process holds a shared lock for its lifetime, taken by the recording process before
+#: the spawn and inherited (no window without it), dropped by the kernel when the writer ends, SIGKILL included:
+#: `pdtrace record` takes the exclusive lock after its command ended, so that its end means every writer process
+#: has written everything it received. Default: LOCK_NAME in the session's trace directory; this variable names
+#: another file.
+LOCK_ENV = "PDTRACE_WRITER_LOCK"
+#: The lock file's name in the trace directory (a reader skips names starting with ".").
+LOCK_NAME = ".pdtrace-writers.lock"
 
 #: The child's reply to a batch holding bytes that marshal made of other objects: send it again, sanitised.
 RESEND_SANITISED = False
@@ -82,21 +106,60 @@ def available() -> bool:
 
 def _child_command() -> list[str]:
     """This interpreter, running `serve()` of the pdtrace this process imported: its folder goes first on the
-    child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another)."""
+    child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another).
+
+    The interpreter forks at once and its parent exits, and the writer runs in a session of its own: it is no
+    descendant of the recording process, nor in its process group. Why: vLLM stops its children with SIGTERM and
+    then SIGKILLs every descendant it finds (`kill_process_tree`: psutil's children(recursive=True), 0.10.1.1
+    vllm/utils/__init__.py:2572, 0.32.0 vllm/utils/system_utils.py:207), after a grace of 0 s for `vllm serve`
+    (`AsyncLLM.shutdown(timeout=shutdown_timeout)`, default 0: 0.32.0 v1/utils.py `shutdown`), which killed the
+    writer processes with the batches they held. Out of the tree, a writer reads its pipe to the end after its
+    recording process died, writes what it received, and marks what may be lost (see `main`)."""
     import pdtrace
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(pdtrace.__file__)))
     return [sys.executable, "-c",
-            f"import sys; sys.path.insert(0, {root!r}); from pdtrace.recording.writer_process import serve; serve()"]
+            "import os, sys\n"
+            "if os.fork(): os._exit(0)\n"
+            "os.setsid()\n"
+            f"sys.path.insert(0, {root!r}); from pdtrace.recording.writer_process import serve; serve()"]
 
 
 def _child_env() -> dict[str, str]:
     """The child's environment: this process's without the recording switch (the child records nothing)."""
     from pdtrace.recording.session import TRACE_DIR_ENV
 
+    from pdtrace.recording import session
+
     env = dict(os.environ)
     env.pop(TRACE_DIR_ENV, None)
     return env
+
+
+def _lock_path() -> str | None:
+    from pdtrace.recording import session
+
+    directory = session.directory()
+    return os.environ.get(LOCK_ENV) or (os.path.join(directory, LOCK_NAME) if directory else None)
+
+
+def _take_shared_lock() -> int | None:
+    """An fd holding a shared lock on the writers' lock file (`LOCK_ENV`), or None where there is none."""
+    path = _lock_path()
+    if not path:
+        return None
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
 
 
 class WriterProcess:
@@ -105,18 +168,35 @@ class WriterProcess:
     def __init__(self) -> None:
         self.pid_of_parent = os.getpid()
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      close_fds=True, env=_child_env())
+        # The interpreter started here forks the writer off and exits (_child_command): it is reaped on READY.
+        lock = _take_shared_lock()
+        try:
+            self._proc = subprocess.Popen(_child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          bufsize=0, close_fds=True, env=_child_env(),
+                                          pass_fds=() if lock is None else (lock,))
+        finally:
+            if lock is not None:
+                os.close(lock)  # the child's copy holds the lock now
         assert self._proc.stdin is not None and self._proc.stdout is not None
+        # Reap the launcher as soon as it exits (milliseconds): no zombie among the recording process's children.
+        threading.Thread(target=self._reap_launcher, name="pdtrace-writer-launcher", daemon=True).start()
         self._to_child = self._proc.stdin
         self._from_child = self._proc.stdout
         os.set_blocking(self._to_child.fileno(), False)  # writes wait in select(), with a timeout
         self.lost: str | None = None
         self._ready = False
+        self._child_pid: int | None = None
+
+    def _reap_launcher(self) -> None:
+        try:
+            self._proc.wait(timeout=READY_TIMEOUT_S)
+        except Exception:
+            pass
 
     @property
-    def pid(self) -> int:
-        return self._proc.pid
+    def pid(self) -> int | None:
+        """The writer process's pid, once it said READY."""
+        return self._child_pid
 
     def send(self, payload: bytes, timeout: float | None = None) -> Any:
         """Hand one payload over and wait until the child has written it: None, the child's error text, or
@@ -126,20 +206,17 @@ class WriterProcess:
         with self._lock:
             if self.lost is not None:
                 raise WriterProcessLost(self.lost, sent=False)
-            if not self._ready:  # a child that fails to start has read nothing: this batch is still ours
-                try:
-                    hello = self._read_message(READY_TIMEOUT_S)
-                    if marshal.loads(hello) != READY:
-                        raise ValueError(f"it said {hello[:40]!r}")
-                except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
-                    self._give_up(f"writer process did not start ({exc})")
-                    raise WriterProcessLost(self.lost or "", sent=False) from None
-                self._ready = True
+            # The payload goes into the pipe first, even before the child said READY: once there, it survives the
+            # death of this process (the child reads its pipe to the end). A child that fails to start has read
+            # nothing (it says READY before it reads): then the batch is still ours, written in-thread.
             try:
-                self._write_all((_HEADER.pack(len(payload)), payload), timeout)
+                self._write_all((_HEADER.pack(len(payload)), payload),
+                                timeout if self._ready else min(timeout, READY_TIMEOUT_S))
             except WriterProcessLost as exc:
                 self._give_up(str(exc))
                 raise
+            if not self._ready:
+                self._await_ready()
             try:
                 reply = self._read_message(timeout)
                 return marshal.loads(reply)
@@ -149,6 +226,28 @@ class WriterProcess:
             except Exception as exc:  # a garbled reply: the child is not what we think it is
                 self._give_up(f"bad reply: {exc}")
                 raise WriterProcessLost(f"bad reply: {exc}", sent=True) from None
+
+    def wait_ready(self) -> int | None:
+        """Wait for the child's READY (benchmarks: its start-up outside the timing); its pid, or None if lost."""
+        with self._lock:
+            if self.lost is None and not self._ready:
+                try:
+                    self._await_ready()
+                except WriterProcessLost:
+                    return None
+        return self._child_pid
+
+    def _await_ready(self) -> None:
+        """Read READY (lock held); WriterProcessLost (sent=False) if the child did not start."""
+        try:
+            hello = marshal.loads(self._read_message(READY_TIMEOUT_S))
+            if not (isinstance(hello, tuple) and hello[:1] == (READY,)):
+                raise ValueError(f"it said {str(hello)[:40]!r}")
+        except Exception as exc:  # WriterProcessLost (EOF, timeout) or a garbled hello
+            self._give_up(f"writer process did not start ({exc})")
+            raise WriterProcessLost(self.lost or "", sent=False) from None
+        self._child_pid = int(hello[1])
+        self._ready = True
 
     def _write_all(self, chunks: tuple[bytes, ...], timeout: float) -> None:
         fd = self._to_child.fileno()
@@ -170,7 +269,7 @@ class WriterProcess:
             message = _read_message(self._from_child.fileno(), timeout)
         except TimeoutError:
             raise WriterProcessLost(f"writer process did not answer for {timeout:.0f} s", sent=True) from None
-        if message is None:
+        if message is None or message is TRUNCATED:
             raise WriterProcessLost("writer process gone (EOF)", sent=True)
         return message
 
@@ -178,7 +277,10 @@ class WriterProcess:
         self.lost = why
         self._close_pipes()
         try:
-            self._proc.kill()
+            if self._child_pid is not None:
+                os.kill(self._child_pid, signal.SIGKILL)
+            else:
+                self._proc.kill()
             self._proc.wait(timeout=5.0)
         except Exception:
             pass
@@ -191,15 +293,18 @@ class WriterProcess:
                 pass
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Close the child's stdin (it ends once it has answered everything) and reap it."""
+        """Say BYE (every batch before it is answered, hence on disk: the child now knows the end is clean), then
+        close the pipes; the child ends on EOF. It is not our child (see `_child_command`): nothing to reap."""
+        if self.lost is None and self._ready:
+            try:
+                self.send(marshal.dumps(BYE, MARSHAL_VERSION), timeout)
+            except Exception:
+                pass
         with self._lock:
             if self.lost is None:
                 self.lost = "stopped"
             self._close_pipes()
             try:
-                self._proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
                 self._proc.wait(timeout=5.0)
             except Exception:
                 pass
@@ -267,14 +372,24 @@ if hasattr(os, "register_at_fork"):
 # ---- both ends of the pipes ------------------------------------------------------------------------------------------
 
 
-def _read_message(fd: int, timeout: float | None = None) -> bytes | None:
-    """One length-prefixed message from fd (either side of the pipes), or None at EOF: a message cut short by the
-    other side's death is dropped. With `timeout`, each wait for data is bounded: TimeoutError past it."""
+#: What `_read_message` returns for a message cut short by the other side's death (None: EOF between messages).
+TRUNCATED: Any = object()
+
+
+def _read_message(fd: int, timeout: float | None = None) -> Any:
+    """One length-prefixed message from fd (either side of the pipes); None at EOF between messages, `TRUNCATED`
+    for a message cut short by the other side's death (dropped). With `timeout`, each wait for data is bounded:
+    TimeoutError past it."""
     header = _read_exact(fd, _HEADER.size, timeout)
-    return None if header is None else _read_exact(fd, _HEADER.unpack(header)[0], timeout)
+    if header is None or header is TRUNCATED:
+        return header
+    size = _HEADER.unpack(header)[0]
+    body = _read_exact(fd, size, timeout)
+    return TRUNCATED if body is None or body is TRUNCATED else body
 
 
-def _read_exact(fd: int, size: int, timeout: float | None) -> bytes | None:
+def _read_exact(fd: int, size: int, timeout: float | None) -> Any:
+    """`size` bytes; None at EOF before the first, `TRUNCATED` at EOF after some."""
     parts: list[bytes] = []
     left = size
     while left:
@@ -282,7 +397,7 @@ def _read_exact(fd: int, size: int, timeout: float | None) -> bytes | None:
             raise TimeoutError
         data = os.read(fd, min(left, 1 << 20))
         if not data:
-            return None
+            return TRUNCATED if parts else None
         parts.append(data)
         left -= len(data)
     return b"".join(parts)
@@ -298,8 +413,18 @@ def _reply(fd: int, value: Any) -> None:
         view = view[os.write(fd, view):]
 
 
+#: The detail of the `recorder_gap` a writer process writes for a recording process that died unflushed.
+GAP_CAUSE = "the recording process was killed before its final flush: events after this point may be missing"
+
+
 def main() -> int:
-    """Serve one recording process until its end (EOF on stdin)."""
+    """Serve one recording process until its end (EOF on stdin).
+
+    Every batch carries `settled`: whether its recorder had seen no new event for a while when it took it (see
+    `pdtrace.recording.recorder`). At EOF without BYE the recording process was killed: for each writer (instance
+    of that process) whose last batch was not settled, or for every writer if a batch was cut short, events it
+    emitted may be missing, and a part file with one `recorder_gap` row says so (n null: how many is unknown; ts
+    just after the last event received, where the loss may begin; detail `cause`)."""
     for name in ("SIGINT", "SIGTERM"):
         try:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -310,24 +435,40 @@ def main() -> int:
     from pdtrace.recording.recorder import holds_bytes, warm_up_pyarrow, write_rows
 
     warm_up_pyarrow()  # pyarrow's one-time costs now, not in the first part (see recorder.warm_up)
-    try:
-        _reply(replies, READY)
-    except OSError:  # the parent is gone already
-        return 0
-
     parent_gone = False
+    try:
+        _reply(replies, (READY, os.getpid()))
+    except OSError:  # the parent is gone already: what it put into the pipe before it died is still to write
+        parent_gone = True
+
+    # writer key -> [write_rows's arguments of its last batch, next seq, last ts, settled]
+    writers: dict[Any, list[Any]] = {}
+    clean = truncated = False
     while True:
         payload = _read_message(0)
-        if payload is None:
-            return 0
+        if payload is None or payload is TRUNCATED:
+            truncated = payload is TRUNCATED
+            break
         try:
-            checked, flat, *arguments = marshal.loads(payload)  # encode_batch's message: write_rows's arguments
+            message = marshal.loads(payload)
             del payload
-            if not checked and holds_bytes(flat):
-                error: Any = RESEND_SANITISED
-            else:
-                write_rows(flat, *arguments)
+            if message == BYE:
+                clean = True
+                error: Any = None
+            elif message[0] == SETTLED:
+                if tuple(message[1]) in writers:
+                    writers[tuple(message[1])][3] = True
                 error = None
+            else:
+                checked, settled, flat, *arguments = message  # encode_batch's message: write_rows's arguments
+                if not checked and holds_bytes(flat):
+                    error = RESEND_SANITISED
+                else:
+                    rows = write_rows(flat, *arguments)
+                    error = None
+                    key = tuple(arguments[7])
+                    last_ts = max((t for t in flat[0::12] if isinstance(t, int)), default=0)
+                    writers[key] = [arguments, arguments[0] + rows, last_ts, bool(settled)]
         except Exception as exc:  # disk full, an odd value: the recorder counts the batch as dropped
             error = f"{type(exc).__name__}: {exc}"
         if not parent_gone:
@@ -335,6 +476,19 @@ def main() -> int:
                 _reply(replies, error)
             except OSError:  # the parent died after sending: keep writing what it sent, until EOF
                 parent_gone = True
+    if not clean:
+        for arguments, next_seq, last_ts, settled in writers.values():
+            if settled and not truncated:
+                continue
+            gap = [last_ts + 1, 0, "recorder_gap", None, None, None, None, None, None, None, None,
+                   {"cause": GAP_CAUSE}]
+            try:
+                write_rows(gap, next_seq, *arguments[1:])
+            except Exception:
+                import traceback
+
+                traceback.print_exc()
+    return 0
 
 
 def serve() -> None:

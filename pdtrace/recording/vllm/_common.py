@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 from typing import Any
@@ -71,21 +72,85 @@ def split_dp_suffix(engine_id: str) -> tuple[str, int | None]:
     return m.group("name"), int(m.group("rank"))
 
 
-def instance_of(vllm_config: Any) -> tuple[str, str, int | None]:
-    """(instance, role, dp_rank) of the engine a vllm_config describes (trace-format rules for `instance`)."""
+#: How an engine hands its identity to the worker processes its executor starts: `pid|dp_rank|role|instance` of the
+#: engine (core) process, in the environment those processes inherit (forked or spawned alike); a process takes it
+#: only from its parent (the pid), so that nothing else that inherited the variable mistakes it for its own.
+ENGINE_ENV = "PDTRACE_ENGINE"
+
+#: id(vllm_config) -> the engine identity fixed when its executor started (see `fix_engine_identity`).
+_ENGINES: dict[int, tuple[str, str, int | None]] = {}
+_ENGINE_REFS: dict[int, Any] = {}
+
+
+def _identity_from_config(vllm_config: Any) -> tuple[str, str, int | None]:
+    """(instance, role, dp_rank) as the config says now (trace-format rules for `instance`): the KV connector's
+    `engine_id`, else vLLM's `instance_id`, each with vLLM's data-parallel suffix `_dp{N}` moved to dp_rank."""
     parallel = getattr(vllm_config, "parallel_config", None)
     dp_rank = getattr(parallel, "data_parallel_rank", None)
     kv = getattr(vllm_config, "kv_transfer_config", None)
     engine_id = getattr(kv, "engine_id", None) if kv is not None else None
     if engine_id:
-        name, suffix_rank = split_dp_suffix(str(engine_id))
-        if suffix_rank is not None:
-            dp_rank = suffix_rank
+        name = str(engine_id)
         role = _ROLES.get(getattr(kv, "kv_role", None) or "", "none")
     else:
         name = str(getattr(vllm_config, "instance_id", None) or "vllm")
         role = "none"
+    name, suffix_rank = split_dp_suffix(name)
+    if suffix_rank is not None:
+        dp_rank = suffix_rank
     return name, role, (int(dp_rank) if dp_rank is not None else None)
+
+
+def fix_engine_identity(vllm_config: Any) -> tuple[str, str, int | None]:
+    """Fix the identity of the engine `vllm_config` configures, as it is when the engine's executor starts its
+    workers (the executor hook calls this, in the engine process, before any worker exists), for this config
+    object and for every worker process the executor starts (`ENGINE_ENV`). Why: vLLM 0.28+ sets
+    `VllmConfig.instance_id = time.time_ns()` in `__post_init__`, and `EngineCoreProc.__init__` runs that again
+    after its workers started with the first value (0.32.0 v1/engine/core.py:1311, 0.33.0 :1349), so the
+    scheduler and its workers would read two instance ids. Returns the identity."""
+    identity = _identity_from_config(vllm_config)
+    key = id(vllm_config)
+
+    def forget(ref: Any, key: int = key) -> None:
+        if _ENGINE_REFS.get(key) is ref:
+            del _ENGINE_REFS[key]
+            _ENGINES.pop(key, None)
+
+    try:
+        _ENGINE_REFS[key] = weakref.ref(vllm_config, forget)
+    except TypeError:  # no weak references: kept for the rest of the process
+        _ENGINE_REFS[key] = vllm_config
+    _ENGINES[key] = identity
+    name, role, dp_rank = identity
+    os.environ[ENGINE_ENV] = f"{os.getpid()}|{'' if dp_rank is None else dp_rank}|{role}|{name}"
+    return identity
+
+
+def _inherited_identity() -> tuple[str, str, int | None] | None:
+    """The identity the engine process that started this one exported (`ENGINE_ENV`), or None."""
+    value = os.environ.get(ENGINE_ENV)
+    if not value:
+        return None
+    try:
+        pid, dp_rank, role, name = value.split("|", 3)
+        if int(pid) != os.getppid():
+            return None
+        return name, role, (int(dp_rank) if dp_rank else None)
+    except ValueError:
+        return None
+
+
+def instance_of(vllm_config: Any, worker: bool = False) -> tuple[str, str, int | None]:
+    """(instance, role, dp_rank) of the engine a vllm_config describes: the one function every hook (scheduler and
+    worker sides) and the dry run ask. The identity fixed when the engine's executor started its workers, for this
+    config object (the engine process; a worker in it, or forked from it, holds the same object); else, on the
+    `worker` side, the one the engine process that started this process exported (a spawned worker's config is a
+    copy; a scheduler never takes it: it is the engine); else the config's own (an engine whose executor started
+    before the hooks were installed, where both sides read the same object)."""
+    identity = _ENGINES.get(id(vllm_config))
+    if identity is None:
+        identity = (worker and _inherited_identity()) or _identity_from_config(vllm_config)
+    return identity
 
 
 def remote_instance(engine_id: Any) -> str | None:

