@@ -38,14 +38,40 @@ def main(spec_path: str) -> None:
     n, plen = spec["requests"], spec["prompt_len"]
     prompts = [TokensPrompt(prompt_token_ids=[100 + (7 * i + j) % 30000 for j in range(plen)]) for i in range(n)]
     params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False, temperature=0.0)
+    if spec.get("kill_worker_after_s") is not None:
+        _kill_a_worker_later(float(spec["kill_worker_after_s"]))
     t0 = time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    except Exception as exc:  # the engine died (a fault run): say so, exit 3
+        print(f"offline_run: generate failed: {type(exc).__name__}: {exc}", flush=True)
+        sys.exit(3)
     wall = time.monotonic() - t0
     records = [{"req": o.request_id, "tokens": len(o.outputs[0].token_ids),
                 "finish_reason": o.outputs[0].finish_reason} for o in outputs]
     with open(spec["out"], "w") as fh:
         json.dump({"generate_s": wall, "outputs": records}, fh)
     print(f"offline_run: {len(records)} requests in {wall:.1f} s", flush=True)
+
+
+def _kill_a_worker_later(delay_s: float) -> None:
+    """A fault: SIGKILL one of the engine's worker processes `delay_s` after generation starts (a rank lost to
+    the OOM killer, a segfault in a kernel)."""
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    def kill() -> None:
+        time.sleep(delay_s)
+        workers = [p for p in psutil.Process().children(recursive=True) if "Worker" in " ".join(p.cmdline())
+                   or "Worker" in p.name()]
+        print(f"offline_run: killing worker pid {workers[0].pid if workers else None}", flush=True)
+        if workers:
+            os.kill(workers[0].pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
 
 
 if __name__ == "__main__":
