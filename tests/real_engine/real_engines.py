@@ -96,6 +96,7 @@ def record_offline(trace: Path, spec: dict[str, Any], env: dict[str, str]) -> Ru
     proc = subprocess.run(record_cmd(trace, [PYTHON, str(HERE / "offline_run.py"), str(spec_path)]), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RUN_TIMEOUT_S)
     run = Run(trace, proc.returncode, time.monotonic() - t0, proc.stdout)
+    (trace.parent / f"_{trace.name}.log").write_text(proc.stdout)  # for the one who reads a failure
     out = Path(spec["out"])
     run.extra["outputs"] = json.loads(out.read_text())["outputs"] if out.exists() else None
     return run
@@ -107,7 +108,7 @@ class Server:
 
     def __init__(self, trace: Path, model: str, env: dict[str, str], args: list[str] = ()) -> None:
         self.trace, self.model, self.port = trace, model, free_port()
-        self.log_path = trace.parent / f"{trace.name}.log"
+        self.log_path = trace.parent / f"_{trace.name}.log"  # "_": not an event file, where it lies in a trace
         argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--skip-tokenizer-init", "--load-format", "dummy", "--dtype", "bfloat16",
                 "--max-model-len", "1024", "--seed", "0", *args]
@@ -162,7 +163,8 @@ class Server:
         self.proc.wait(30)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def run(self) -> Run:

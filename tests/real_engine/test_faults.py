@@ -1,13 +1,17 @@
 """Real engine, faults and stresses. Each run's right answer was written here before the run was first made.
 
-1. KV cache too small (offline, 24 blocks of 16 tokens for 10 requests of 48 + 96 tokens, 8 at a time).
+1. KV cache too small (offline, 16 blocks of 32 tokens for 10 requests of 48 + 96 tokens, 8 at a time; the
+   first draft's 16-token blocks are refused by vLLM's CPU attention, which wants multiples of 32).
    Right answer: vLLM preempts and resumes; every request still finishes with its 96 tokens; the trace has
    req_preempt rows, every preempted request is scheduled again after its preemption and finishes, its blocks
    are freed with reason `preempted` at the preemption and every block allocated is freed by the end; on the
    worker a preempted request comes back with batch_add `resumed` and no batch_add says `resumed` for a request
    that was not preempted; analyze reports no error or warning (preemption is not a race, a leak or a livelock).
 
-2. A worker rank killed (offline, SIGKILL of the only worker a few seconds into generation).
+2. A worker rank killed (offline, SIGKILL of the only worker a few seconds into generation; 16 requests of 900
+   tokens, all running at once: the first draft ran 4 at a time, and the 12 queued behind them were rightly
+   reported `never_scheduled` (warning: an overloaded pool, over starve_steps before the crash), which is the
+   queue's story, not the crash's).
    Right answer: the engine dies and the script fails; the trace holds an `engine_error` (the executor failed),
    every request was added (req_add for all N: LLM.generate adds them all before the first step), the steps
    before the error are all there (sched steps 0..K without a hole, each with its step_submit) and no
@@ -48,7 +52,7 @@ TINY_TOKENS = 96
 def tiny_kv(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_kv")
     spec = {"model": R.tiny_model(root), "requests": N_TINY, "prompt_len": 48, "max_tokens": TINY_TOKENS, "pp": 1,
-            "kv_blocks": 24, "block_size": 16, "max_model_len": 256, "max_num_seqs": 8}
+            "kv_blocks": 16, "block_size": 32, "max_model_len": 256, "max_num_seqs": 8}
     run = R.record_offline(root / "trace", spec, R.engine_env())
     R.note_wall("tiny KV cache (preemptions)", run)
     assert run.returncode == 0, run.log[-4000:]
@@ -63,7 +67,7 @@ def test_tiny_kv_every_request_finishes(tiny_kv):
 def test_tiny_kv_preempted_requests_resume_and_finish(tiny_kv):
     ev = R.events(tiny_kv.trace)
     preempt = ev[ev["kind"] == "req_preempt"]
-    assert len(preempt) > 0, "24 blocks for 8 running requests of 9 blocks each must preempt"
+    assert len(preempt) > 0, "16 blocks for 8 running requests of 5 blocks each must preempt"
     last_preempt = preempt.groupby(preempt["req"].astype(str))["ts_ns"].max()
     sched = ev[ev["kind"] == "req_sched"]
     last_sched = sched.groupby(sched["req"].astype(str))["ts_ns"].max()
@@ -99,8 +103,8 @@ N_KILL = 16
 @pytest.fixture(scope="module")
 def worker_killed(tmp_path_factory):
     root = tmp_path_factory.mktemp("worker_killed")
-    spec = {"model": R.tiny_model(root), "requests": N_KILL, "prompt_len": 32, "max_tokens": 400, "pp": 1,
-            "max_num_seqs": 4, "kill_worker_after_s": 4}
+    spec = {"model": R.tiny_model(root), "requests": N_KILL, "prompt_len": 32, "max_tokens": 900, "pp": 1,
+            "max_num_seqs": N_KILL, "kill_worker_after_s": 3}
     run = R.record_offline(root / "trace", spec, R.engine_env())
     R.note_wall("worker rank killed", run)
     return run
@@ -126,11 +130,11 @@ def test_worker_killed_nothing_lost_up_to_the_error(worker_killed):
     error_ts = int(ev.loc[ev["kind"] == "engine_error", "ts_ns"].min())
     sched = ev[(ev["kind"] == "sched")].sort_values("step")
     steps = sched["step"].astype(int).tolist()
-    assert steps == list(range(len(steps))), "no hole in the steps"
-    runs = sched["detail"].map(lambda d: json.loads(d).get("empty_run", 1) if isinstance(d, str) else 1)
+    runs = sched["detail"].map(lambda d: json.loads(d).get("empty_run", 1) if isinstance(d, str) else 1).tolist()
+    covered = [k for first, n in zip(steps, runs, strict=True) for k in range(first, first + n)]
+    assert covered == list(range(len(covered))), "no hole in the steps (a coalesced empty run covers its steps)"
     submitted = set(ev.loc[ev["kind"] == "step_submit", "step"].astype(int))
     assert set(sched.loc[sched["ts_ns"] < error_ts, "step"].astype(int)) <= submitted
-    assert len(runs) == len(steps)
     finished_before = requests_of(ev[ev["ts_ns"] <= error_ts], "req_finish")
     assert requests_of(ev, "req_finish") >= finished_before
 
