@@ -3,6 +3,9 @@ host memory), each under its own `pdtrace record` into `prefill/` and `decode/` 
 vLLM's toy proxy does (prefill with max_tokens=1 and `do_remote_decode`, then decode with the returned
 kv_transfer_params). 24 requests, 4 at a time. The servers are stopped with SIGTERM a few seconds after the last
 answer (past the recorders' 1 s flush: what the shutdown loses is test_serve.py's question, not this one's).
+P's KV lease is 300 s: on a machine loaded far past its 2 cores a read took 30 s, past vLLM's default 30 s lease,
+and P released blocks D was still reading (vLLM logs "Potentially invalid KV blocks ... They may have expired"),
+which is test_faults.py's kind of run, not a healthy one.
 
 What users rely on: two instances (prefill, decode), each with its ranks; on P every request added, finished with
 its blocks held for the read (delay_free), its send completed, its blocks freed after it; on D every request
@@ -43,7 +46,8 @@ def nixl_server(root, name: str, role: str, model: str, extra: dict | None = Non
 def start_pair(root, prefill_extra: dict | None = None) -> tuple[R.Server, R.Server]:
     (root / "trace").mkdir()
     model = R.tiny_model(root)
-    prefill = nixl_server(root, "prefill", "kv_producer", model, prefill_extra)
+    prefill = nixl_server(root, "prefill", "kv_producer", model,
+                          {"kv_lease_duration": 300} if prefill_extra is None else prefill_extra)
     decode = nixl_server(root, "decode", "kv_consumer", model)
     try:
         prefill.wait_ready()
