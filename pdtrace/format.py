@@ -100,7 +100,7 @@ KINDS: dict[str, frozenset[str] | None] = {
 REASONS: dict[str, frozenset[str]] = {
     "req_finish": frozenset({"stop", "length", "abort", "error", "repetition"}),
     "blocks_free": frozenset({"finished", "aborted", "preempted", "sent", "received", "load_failed", "skipped"}),
-    "batch_add": frozenset({"new", "resumed"}),
+    "batch_add": frozenset({"new", "resumed", "rescheduled"}),
     "batch_remove": frozenset({"finished", "unscheduled", "preempted"}),
 }
 

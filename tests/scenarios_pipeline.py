@@ -27,13 +27,14 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                       empty_ns: int = 20 * US, arrivals: Sequence[int] | None = None, tp: int = 1,
                       instance: str = "E", config: bool = True, gpu_times: bool = False,
                       wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None,
-                      sample_rpc: str | None = None, sample_ns: int = 100 * US) -> Trace:
+                      sample_rpc: str | None = None, sample_ns: int = 100 * US, return_ns: int = 0) -> Trace:
     """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
     remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done).
     `sample_rpc` adds each token-carrying step's second RPC, `sample_tokens` (vLLM 0.11.1+), on every rank right
     after its `execute_model`: the last stage samples for `sample_ns` and broadcasts the tokens; a non-last stage
     takes them from a side stream and returns in 20 us ("async", vLLM 0.33's V2 runner) or blocks until the
-    broadcast ("blocking": vllm-ascend#10855, vllm#42187), which keeps it from starting its next step."""
+    broadcast ("blocking": vllm-ascend#10855, vllm#42187), which keeps it from starting its next step.
+    `return_ns`: the output's trip from the last stage back to the engine (a multi-process executor's IPC)."""
     stage_ns = list(stage_ns or [MS] * pp)
     b = builder or EventBuilder(instance=instance, role="both", start_ns=START_NS)
     reqs = [f"r{i}" for i in range(n_requests)]
@@ -164,7 +165,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
             t = max(t + 1, min(nxt))
             continue
         k, batch, end = queue.popleft()
-        out_ts = max(t, end)
+        out_ts = max(t, end + return_ns)
         sched("step_output", out_ts, step=k, detail={"wait_ns": out_ts - t})
         t = out_ts + update_ns
         for r in batch:

@@ -365,3 +365,44 @@ def test_pipeline_lanes_per_dp_rank_and_stage() -> None:
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["E dp0 engine", "E dp0 PP0", "E dp0 PP1", "E dp1 engine", "E dp1 PP0", "E dp1 PP1"]
     assert n_shapes(fig, "exec_spans") == 2 * 2 * 3  # TP rank 1 is not drawn
+
+
+def _label_extents(fig) -> list[tuple[str, float, float]]:
+    """(text, left x, right x) in display pixels of every y tick label, after a real draw."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return [(t.get_text(), t.get_window_extent(renderer).x0, t.get_window_extent(renderer).x1)
+            for t in fig.axes[0].get_yticklabels() if t.get_text()]
+
+
+@pytest.mark.parametrize("name", ["1764650000123456789-0f3a9c2e-7b41-4d0e-9a55-3c1e2f7d8b90", "E"])
+def test_long_instance_names_are_not_clipped(name: str) -> None:
+    """Real instance names (vLLM's engine ids, here a time_ns plus a uuid: 56 characters) are drawn whole,
+    inside the figure, on the pipeline and requests plots; a short name keeps the default margin."""
+    from pdtrace.trace.builder import EventBuilder
+
+    t0 = 1_700_000_000_000_000_000
+    b = EventBuilder(instance=name, start_ns=t0)
+    b.add("req_add", ts=t0, req="r1", n=16, pid=1)
+    for step in range(3):
+        b.add("sched", ts=t0 + step * 5 * MS, step=step, n=16, pid=1)
+        b.add("req_sched", ts=t0 + step * 5 * MS, step=step, req="r1", n=16, pid=1)
+        for pp in (0, 1):
+            kw = {"pp_rank": pp, "tp_rank": 0, "pid": 10 + pp, "n": 16, "component": "worker"}
+            b.add("exec_begin", ts=t0 + step * 5 * MS + pp * MS, step=step, **kw)
+            b.add("exec_end", ts=t0 + step * 5 * MS + (pp + 1) * MS, step=step, **kw)
+    b.add("req_finish", ts=t0 + 16 * MS, step=2, req="r1", reason="length", status="RUNNING", pid=1)
+    ctx = AnalysisContext(b.trace())
+    for kind in ("pipeline", "requests"):
+        fig = build_figure(ctx, kind)
+        extents = _label_extents(fig)
+        assert extents and all(name in text for text, _, _ in extents), (kind, extents)
+        assert all(x0 >= 0 for _, x0, _ in extents), (kind, extents)  # nothing cut at the figure's left edge
+        axes_left = fig.axes[0].get_position().x0
+        if len(name) == 1:
+            assert axes_left == pytest.approx(0.09)
+        else:
+            assert axes_left > 0.09

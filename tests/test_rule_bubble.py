@@ -129,6 +129,21 @@ def test_no_pipeline_no_findings():
     assert len(findings(simulate_pipeline(pp=1, n_requests=2, batch_cap=1))) == 0
 
 
+def test_one_stage_gaps_are_never_stage_imbalance():
+    """PP=1 (a decode instance on a multi-process executor): the stage idles while its step's output travels back
+    and the engine updates and schedules. There is no other stage to hold a step, so what the scheduler's own
+    time does not explain is the engine not having the next step ready (queue_not_full), never stage_imbalance.
+    The look-alike: the same engine loop with a fast return is the scheduler's time."""
+    fine = AnalysisConfig().with_overrides(bubble_min_ns=1)
+    slow_return = bubbles(AnalysisContext(simulate_pipeline(pp=1, n_requests=4, batch_cap=4, tokens=6,
+                                                            return_ns=400 * US), fine))
+    assert len(slow_return) > 0
+    assert set(slow_return["cause"]) == {"queue_not_full"}
+    fast_return = bubbles(AnalysisContext(simulate_pipeline(pp=1, n_requests=4, batch_cap=4, tokens=6,
+                                                            sched_ns=300 * US), fine))
+    assert len(fast_return) > 0 and set(fast_return["cause"]) == {"scheduler_cpu"}
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pp=st.integers(2, 4), cap=st.integers(1, 3), extra=st.integers(0, 4), tokens=st.integers(2, 8),
        stages=st.lists(st.integers(200, 3000), min_size=4, max_size=4), sched_us=st.integers(10, 2000),

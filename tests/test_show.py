@@ -157,3 +157,50 @@ def test_cli_show_bad_usage_is_one_line_exit_2(cli, tmp_path, args, message):
 def test_cli_show_unreadable_trace(cli, tmp_path):
     res = cli("show", tmp_path / "nothing", "--req", "a")
     assert res.exit_code == 2 and "Traceback" not in res.stderr
+
+
+def empty_run_trace() -> object:
+    """PP=2 with a multi-process executor: step 0 carries a request; steps 1..3 are empty and the recorder folded
+    them into step 1's `sched` row (detail empty_run = 3, one step_submit and one step_output, step 1's); the
+    workers, in their own processes, recorded a no-forward exec span for each. Step 5 was submitted and executed
+    but never got its step_output (the engine stopped)."""
+    b = EventBuilder(instance="E", role="none")
+    b.add("engine_config", n=64, detail={"pp": 2, "tp": 1, "block_size": 16})
+    b.add("req_add", req="a", n=16)
+    for step, tokens in ((0, 16), (1, 0), (4, 1), (5, 1)):
+        detail = {"running": 1, "free_blocks": 60}
+        if step == 1:
+            detail["empty_run"] = 3
+        b.add("sched", step=step, n=tokens, detail=detail)
+        b.add("step_submit", component="engine", step=step, n=1)
+        for k in ((1, 2, 3) if step == 1 else (step,)):
+            for pp in (0, 1):
+                b.add("exec_begin", pid=2000 + pp, pp_rank=pp, tp_rank=0, step=k, n=tokens)
+                b.add("exec_end", pid=2000 + pp, pp_rank=pp, tp_rank=0, step=k, n=tokens)
+        if step != 5:
+            b.add("step_output", component="engine", step=step)
+    return b.trace()
+
+
+def test_show_step_inside_an_empty_run_names_the_run(cli, tmp_path):
+    from pdtrace.analysis.story import folded_steps
+    from pdtrace.trace.builder import write_table
+
+    trace = empty_run_trace()
+    assert folded_steps(trace, 2)[["instance", "first_step", "last_step"]].values.tolist() == [["E", 1, 3]]
+    assert len(folded_steps(trace, 1)) == 0 and len(folded_steps(trace, 4)) == 0  # the head, and past the run
+    assert set(step_ranks(trace, 2)["relation"]) == {"empty_run"}
+    write_table(trace.table, tmp_path / "t")
+    res = cli("show", tmp_path / "t", "--step", "2")
+    assert res.exit_code == 0, res.stderr
+    assert "no step_output recorded" not in res.stdout
+    assert "one of steps 1..3 recorded as one row (empty_run)" in res.stdout
+    doc = json.loads(cli("show", tmp_path / "t", "--step", "3", "--format", "json").stdout)
+    assert doc["waited_for_every_rank"] == {"E/dp0": None}
+    assert doc["empty_run"] == [{"instance": "E", "dp_rank": 0, "first_step": 1, "last_step": 3}]
+    # the look-alike: a step that really has no step_output is still said to have none
+    lost = cli("show", tmp_path / "t", "--step", "5")
+    assert "update_from_output(5) on E/dp0: no step_output recorded" in lost.stdout
+    assert set(step_ranks(trace, 5)["relation"]) == {"no_output"}
+    head = cli("show", tmp_path / "t", "--step", "1")
+    assert "waited for every rank: yes, 2/2" in head.stdout

@@ -34,8 +34,10 @@ ranks sat idle.
                              blocked on a step's future, step_output `wait_ns`) is at least half the interval:
                              update_from_output and schedule() on the critical path;
       4. `queue_not_full`    fewer than p steps carrying tokens were in flight at the interval start (p = the PP
-                             size: vLLM needs p disjoint micro-batches to keep p stages busy);
-      5. `stage_imbalance`   otherwise (p steps in flight, yet this stage had nothing: another stage held them).
+                             size: vLLM needs p disjoint micro-batches to keep p stages busy), or p = 1 (the one
+                             stage waits for the engine's next step while its last one travels back);
+      5. `stage_imbalance`   otherwise (p > 1 steps in flight, yet this stage had nothing: another stage held
+                             them).
     A later stage (pp_rank > 0) inherits the cause of its upstream stage's gap before the same step when that gap
     is at least half as long as its own (a late start travels down the pipeline, stage by stage); when the upstream
     stage ran the step without such a gap, this stage waited on a slower upstream stage: `stage_imbalance`.
@@ -885,8 +887,11 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         blocked_from = np.where(prev_wait == _NULL, a, np.maximum(a, prev_output - np.maximum(prev_wait, 0)))
         blocked = np.where(out_in, prev_output - blocked_from, 0)
         host = t_sub - a - blocked
+        # one stage (p = 1): no other stage can hold a step, so the step "in flight" is the one this stage has
+        # finished, on its way back to the engine: the stage waits for the engine's next step (queue_not_full)
         engine_cause = np.where((t_sub != _NULL) & (t_sub > s) & (2 * host >= dur), CAUSE_CPU,
-                                np.where(in_flight < p_size, CAUSE_QUEUE, CAUSE_IMBALANCE)).astype(np.int8)
+                                np.where((in_flight < p_size) | (p_size <= 1), CAUSE_QUEUE,
+                                         CAUSE_IMBALANCE)).astype(np.int8)
         # a later stage inherits the cause of its upstream stage's gap before the same step when that gap explains
         # at least half of its own (the delay travels down the pipeline); otherwise the upstream stage was busy
         # with the step while this one waited: stage imbalance. Stages are resolved in order, 0 first.

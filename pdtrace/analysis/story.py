@@ -12,8 +12,12 @@ points.
 `step_story(trace, step, instance=None)`  every event of step K (scheduler, engine and worker rows), same order.
 `step_ranks(trace, step, instance=None)`  per rank lane (instance, dp_rank, pp_rank, tp_rank) and RPC: when its
     `exec_end` for the step came relative to the step's `step_output` (`before`, `after`, `never`; `no_output` when
-    the step has none): whether vLLM's update_from_output for step K waited for every PP rank, read off the trace.
-    The lanes expected are every lane that executed anything on that instance, plus engine_config's pp x tp grid.
+    the step has none; `empty_run` when the step is one of a run of empty steps the recorder coalesced into one
+    `sched` row, whose later steps keep no step_output of their own): whether vLLM's update_from_output for step K
+    waited for every PP rank, read off the trace. The lanes expected are every lane that executed anything on that
+    instance, plus engine_config's pp x tp grid.
+`folded_steps(trace, step, instance=None)`  per scheduler whose coalesced `sched` row (detail `empty_run` = k,
+    at step K0) covers `step` (K0 < step < K0 + k): instance, dp_rank, first_step K0, last_step K0 + k - 1.
 `collapse_runs(story)`  consecutive `req_sched` rows of one request as one row (for reading long decodes).
 """
 
@@ -193,10 +197,28 @@ def step_ranks(trace: Trace, step: int, instance: str | None = None) -> pd.DataF
     no_end = end.isna().to_numpy()
     no_out = output.isna().to_numpy()
     before = (end <= output).fillna(False).to_numpy(dtype=bool)
-    out["relation"] = np.select([no_end, no_out, before], ["never", "no_output", "before"], default="after")
+    folded = folded_steps(trace, step, instance)
+    in_run = out.merge(folded.assign(dp_rank=folded["dp_rank"].fillna(-1).astype(np.int64), _run=True)
+                       [["instance", "dp_rank", "_run"]], on=["instance", "dp_rank"], how="left")["_run"]
+    in_run = in_run.fillna(False).to_numpy(dtype=bool)
+    out["relation"] = np.select([no_out & in_run, no_end, no_out, before],
+                                ["empty_run", "never", "no_output", "before"], default="after")
     out = out.rename(columns={"begin_ts": "exec_begin_ts", "end_ts": "exec_end_ts"})
     out = out.sort_values(["instance", "dp_rank", "rpc", "pp_rank", "tp_rank"]).reset_index(drop=True)
     return out[list(RANK_COLUMNS)]
+
+
+def folded_steps(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:
+    """The runs of coalesced empty steps that hold `step` without being headed by it (see the module docstring)."""
+    steps = step_table(AnalysisContext(trace))
+    run = steps["empty_run"].to_numpy(dtype=np.float64)
+    first = steps["step"].to_numpy(dtype=np.int64)
+    hit = (run > 1) & (first < int(step)) & (int(step) < first + np.nan_to_num(run))
+    if instance is not None:
+        hit &= (steps["instance"].astype(str) == instance).to_numpy()
+    out = steps.loc[hit, ["instance", "dp_rank", "step"]].rename(columns={"step": "first_step"})
+    out = out.assign(instance=out["instance"].astype(str), last_step=first[hit] + run[hit].astype(np.int64) - 1)
+    return out.reset_index(drop=True)
 
 
 def collapse_runs(story: pd.DataFrame, kinds: Iterable[str] = ("req_sched",)) -> pd.DataFrame:

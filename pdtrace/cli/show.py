@@ -106,7 +106,7 @@ def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame,
         out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
 
 
-def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame) -> None:
+def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd.DataFrame) -> None:
     start = int(story["ts_ns"].iloc[0])
     out_console.print(f"step {step}: {len(story)} events", markup=False)
     for rec in _records(story):
@@ -121,8 +121,13 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame) -> None:
     for (instance, dp), grp in ranks.groupby(["instance", "dp_rank"], sort=True):
         output = grp["output_ts"].dropna()
         head = f"update_from_output({step}) on {instance}/dp{dp}"
+        run = folded[(folded["instance"] == instance)]
         if len(output):
             head += f" at {_ms(int(output.iloc[0]) - start)}"
+        elif len(run):
+            first, last = int(run["first_step"].iloc[0]), int(run["last_step"].iloc[0])
+            head += (f": an empty step, one of steps {first}..{last} recorded as one row (empty_run); their "
+                     f"step_output is step {first}'s")
         else:
             head += ": no step_output recorded"
         out_console.print(head, markup=False)
@@ -141,6 +146,9 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame) -> None:
                 f"pp{x.pp_rank}/tp{x.tp_rank} {x.rpc} {x.relation}" for x in late.itertuples(index=False)) + ")"
             out_console.print(f"  waited for every rank: {verdict}, {before}/{total} exec_end before step_output"
                               + tail, markup=False, soft_wrap=True)
+        elif len(run):
+            out_console.print("  waited for every rank: not recorded for a step inside an empty run",
+                              markup=False, soft_wrap=True)
 
 
 @app.command("show")
@@ -159,7 +167,7 @@ def show(
     carried, then which ranks' exec_end came before the step_output and which after (or never): whether
     update_from_output waited for every PP rank.
     """
-    from pdtrace.analysis.story import related_requests, request_story, step_ranks, step_story
+    from pdtrace.analysis.story import folded_steps, related_requests, request_story, step_ranks, step_story
 
     if (req is None) == (step is None):
         raise UsageError("give exactly one of --req ID or --step K")
@@ -181,6 +189,7 @@ def show(
     if len(story) == 0:
         raise UsageError(f"step {step} not found in {trace}{where}")
     ranks = step_ranks(loaded, int(step), instance)  # type: ignore[arg-type]
+    folded = folded_steps(loaded, int(step), instance)  # type: ignore[arg-type]
     if fmt is ShowFormat.json:
         start = int(story["ts_ns"].iloc[0])
         rank_records = _records(ranks)
@@ -190,8 +199,11 @@ def show(
                     rec[key.replace("_ts", "_t_ns")] = int(rec[key]) - start
         doc = {"trace": str(trace), "step": int(step), "instance": instance,  # type: ignore[arg-type]
                "events": _records(story), "ranks": rank_records,
-               "waited_for_every_rank": {f"{i}/dp{d}": bool((g["relation"] == "before").all())
-                                         for (i, d), g in ranks.groupby(["instance", "dp_rank"])}}
+               # null for an empty step folded into a run: its own step_output was not recorded
+               "waited_for_every_rank": {f"{i}/dp{d}": None if (g["relation"] == "empty_run").any()
+                                         else bool((g["relation"] == "before").all())
+                                         for (i, d), g in ranks.groupby(["instance", "dp_rank"])},
+               "empty_run": _records(folded)}
         typer.echo(json.dumps(doc, default=str))
         return
-    _render_step(int(step), story, ranks)  # type: ignore[arg-type]
+    _render_step(int(step), story, ranks, folded)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine
                                    use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
+from pdtrace.recording.vllm.v0_33 import _batch_add_reason as batch_add_reason
 from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
 
 log = logging.getLogger("pdtrace.dryrun")
@@ -372,8 +373,10 @@ class SimEngine:
             if rid not in batch:
                 batch[rid] = None
                 readd.append(rid)
-        if readd:
-            _emit_rows(chan, "batch_add", step, readd, "resumed")
+        for reason in ("resumed", "rescheduled"):
+            back = [r for r in readd if batch_add_reason(r, (), resumed) == reason]
+            if back:
+                _emit_rows(chan, "batch_add", step, back, reason)
         meta = so.kv_connector_metadata
         if meta is not None and self.has_connector:
             self.cluster.transfers.on_worker_metadata(self, rank, rec, meta, ts)

@@ -71,18 +71,38 @@ class TimeAxis:
         return f"time since trace start ({self.unit})"
 
 
-def _time_axis(sel: Selection, dpi: float) -> TimeAxis:
+def _time_axis(sel: Selection, dpi: float, left: float = _AXES_LEFT) -> TimeAxis:
     span = max(sel.hi_ns - sel.lo_ns, 1)
     scale, unit = (1e6, "ms") if span < 2e9 else (1e9, "s")
-    pixels = WIDTH_IN * (_AXES_RIGHT - _AXES_LEFT) * dpi
+    pixels = WIDTH_IN * (_AXES_RIGHT - left) * dpi
     return TimeAxis(sel.t0_ns, scale, unit, span / max(pixels, 1.0))
 
 
-def _figure(height_in: float, dpi: float) -> Figure:
+def _figure(height_in: float, dpi: float, left: float = _AXES_LEFT) -> Figure:
     # Whole inches, so that the image is exactly figsize * dpi pixels for any whole dpi.
     fig = Figure(figsize=(WIDTH_IN, float(max(round(height_in), 3))), dpi=dpi)
-    fig.subplots_adjust(left=_AXES_LEFT, right=_AXES_RIGHT, top=0.92, bottom=0.1)
+    fig.subplots_adjust(left=left, right=_AXES_RIGHT, top=0.92, bottom=0.1)
     return fig
+
+
+#: The widest left margin the y labels may take (a fraction of the figure width), and the width of one character
+#: of the label font in font sizes (DejaVu Sans averages about 0.6 em; digits and hex ids are 0.64).
+_MAX_LEFT = 0.4
+_CHAR_EM = 0.64
+
+
+def fit_y_labels(labels: list[str], fontsize: float, extra_in: float = 0.0) -> tuple[list[str], float]:
+    """The left margin (figure fraction) that shows the longest y label whole, at least the default and at most
+    _MAX_LEFT; labels too long even for that keep their head and tail around an ellipsis. Real instance names
+    (vLLM's engine ids, uuids) are 20 to 40 characters and were clipped by the fixed margin. `extra_in`: room
+    for a y axis title left of the labels."""
+    pad_in = 0.15 + extra_in  # tick marks and the gap between label and axis
+    char_in = fontsize * _CHAR_EM / 72.0
+    most = int((_MAX_LEFT * WIDTH_IN - pad_in) / char_in)
+    fitted = [s if len(s) <= most else s[: (most - 1) // 2] + "\u2026" + s[len(s) - (most - 1 - (most - 1) // 2):]
+              for s in labels]
+    widest = max((len(s) for s in fitted), default=0)
+    return fitted, min(max(_AXES_LEFT, (widest * char_in + pad_in) / WIDTH_IN), _MAX_LEFT)
 
 
 def _rects(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray) -> np.ndarray:
@@ -275,9 +295,10 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     span_lane, s_label, s_begin, s_end, s_step = (a[keep] for a in (span_lane, s_label, s_begin, s_end, s_step))
     n_lanes = len(lanes)
 
-    fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi)
+    lanes, left = fit_y_labels(lanes, 8)
+    fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi, left)
     ax = fig.add_subplot(1, 1, 1)
-    tx = _time_axis(sel, dpi)
+    tx = _time_axis(sel, dpi, left)
     y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)  # first lane on top
     legend: list = []
 
@@ -456,9 +477,11 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     f = f[f_lane >= 0]
     f_lane = f_lane[f_lane >= 0]
 
-    fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi)
+    y_labels, left = fit_y_labels([f"{r} ({i})" for i, r in zip(first["instance"], first["req"], strict=True)]
+                                  if n_lanes <= 40 else [], 7, extra_in=0.25)
+    fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi, left)
     ax = fig.add_subplot(1, 1, 1)
-    tx = _time_axis(sel, dpi)
+    tx = _time_axis(sel, dpi, left)
     y = (n_lanes - 1 - lane).astype(np.float64)
     legend: list = []
     for code, phase in enumerate(PHASES):
@@ -486,8 +509,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
             ax.annotate(name, (float(tx.x(int(ts))), yy), xytext=(4, 4), textcoords="offset points", fontsize=7)
 
     if n_lanes <= 40:
-        ax.set_yticks((n_lanes - 1 - np.arange(n_lanes)).astype(float),
-                      [f"{r} ({i})" for i, r in zip(first["instance"], first["req"], strict=True)], fontsize=7)
+        ax.set_yticks((n_lanes - 1 - np.arange(n_lanes)).astype(float), y_labels, fontsize=7)
         ax.set_ylabel("request (instance)")
     else:
         ax.set_yticks([])

@@ -140,7 +140,8 @@ def test_persistent_batch_add_and_remove_with_reasons(recording, model_dir):
     update = _factory("GPUModelRunner", "_update_states")(v1_update_states)
     runner = SimpleNamespace(vllm_config=vc, input_batch=SimpleNamespace(req_id_to_index={}))
     update(runner, so0)
-    # Next step: a finished, b preempted, c not scheduled; d new. Then c comes back (resumed row).
+    # Next step: a finished, b preempted, c not scheduled; d new. Then c comes back: it was only left out of one
+    # step, so its row is `rescheduled`, not `resumed` (nothing preempted it); b comes back `resumed`.
     # 0.10 / 0.11.0 do not say which requests were preempted: b's removal is then `unscheduled`.
     has_preempted = "preempted_req_ids" in {f.name for f in dataclasses.fields(so0)}
     preempted = {"preempted_req_ids": {"b"}} if has_preempted else {}
@@ -153,6 +154,14 @@ def test_persistent_batch_add_and_remove_with_reasons(recording, model_dir):
     so2._pdtrace_step = 2
     update(runner, so2)
     assert set(runner.input_batch.req_id_to_index) == {"c", "d"}
+    cached = so0.scheduled_cached_reqs
+    if hasattr(cached, "resumed_req_ids"):  # 0.11.1+
+        back = dataclasses.replace(cached, req_ids=["b"], resumed_req_ids={"b"})
+    else:
+        back = dataclasses.replace(cached, req_ids=["b"], resumed_from_preemption=[True])
+    so3 = dataclasses.replace(so2, num_scheduled_tokens={"b": 16, "c": 1, "d": 1}, scheduled_cached_reqs=back)
+    so3._pdtrace_step = 3
+    update(runner, so3)
 
     events = [e for e in H.close_and_read(recording) if e["kind"] in ("batch_add", "batch_remove")]
     got = sorted((e["step"], e["kind"], e["req"], e["reason"]) for e in events)
@@ -161,6 +170,7 @@ def test_persistent_batch_add_and_remove_with_reasons(recording, model_dir):
         (1, "batch_add", "d", "new"),
         (1, "batch_remove", "a", "finished"), (1, "batch_remove", "b", "preempted" if has_preempted else "unscheduled"),
         (1, "batch_remove", "c", "unscheduled"),
-        (2, "batch_add", "c", "resumed"),
+        (2, "batch_add", "c", "rescheduled"),
+        (3, "batch_add", "b", "resumed"),
     ]
     assert {e["component"] for e in events} == {"worker"}

@@ -1165,6 +1165,12 @@ def _w_worker_sample_tokens(orig: Any) -> Any:
     return sample_tokens
 
 
+def _batch_add_reason(req_id: str, new_ids: Any, resumed: Any) -> str:
+    """Why a request (re)joins the persistent batch: `new`; `resumed` after a preemption (the scheduler says so);
+    `rescheduled` when it was only left out of earlier steps (removed as `unscheduled`, its state kept)."""
+    return "new" if req_id in new_ids else "resumed" if req_id in resumed else "rescheduled"
+
+
 def _w_update_states(orig: Any) -> Any:
     # V1 runner only (the V2 runner has no persistent batch). Diff of the batch's request ids around the call.
     def _update_states(self: Any, scheduler_output: Any) -> Any:
@@ -1192,9 +1198,10 @@ def _w_update_states(orig: Any) -> Any:
                         wst.ch.emit("batch_remove", step=step, req=req_id, reason=reason)
                     if added:
                         new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+                        resumed = _resumed_ids(scheduler_output.scheduled_cached_reqs)
                         for req_id in added:
                             wst.ch.emit("batch_add", step=step, req=req_id,
-                                        reason="new" if req_id in new_ids else "resumed")
+                                        reason=_batch_add_reason(req_id, new_ids, resumed))
             except Exception as exc:
                 _RT.fail("GPUModelRunner._update_states", exc)
         return out

