@@ -127,3 +127,30 @@ def test_unknown_id_message_says_what_the_recorded_release_does(version, effect)
     findings = DOUBLE_FREE.run(AnalysisContext(b.trace()))
     unknown = findings[findings["subrule"] == "unknown_id"]
     assert len(unknown) == 1 and effect in unknown.iloc[0]["message"]
+
+
+def _ci_matrix():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("vllm_matrix", Path(__file__).parents[1] / ".ci" / "vllm_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_ci_matrix_runs_every_table_and_every_behaviour_row_once():
+    from pdtrace.recording.vllm import _TABLES
+
+    matrix = _ci_matrix()
+    picked = matrix.default_matrix()
+    assert len(picked) == len(set(picked))
+    for entry in _TABLES:
+        if not entry.tested:
+            continue
+        mine = [v for v in picked if table_for(v) == entry]
+        assert entry.tested[-1] in mine and set(entry.splits) <= set(mine) <= set(entry.tested)
+        assert {behaviour_of(v) for v in mine} == {behaviour_of(v) for v in entry.tested}
+    v0_10 = [v for v in picked if table_for(v).name == "v0_10"]
+    assert v0_10 == ["0.11.0", "0.10.1.1"]  # 0.10.2 adds nothing: 0.10.1.1 has its behaviour row and more
+    assert matrix.all_versions() == [v for entry in _TABLES for v in entry.releases]
