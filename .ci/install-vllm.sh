@@ -33,6 +33,13 @@ python_bin="${PYTHON:-python3.11}"
 torch_spec="torch==2.13.0+cpu"   # the local version label pins the CPU build: never fall back to CUDA torch
 ci_cache="${PDTRACE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdtrace-ci}"
 start_s=$(date +%s)
+phase_s=$start_s
+phases=()
+phase() {  # name of the phase just done: its seconds go into the summary line
+    local now; now=$(date +%s)
+    phases+=("$1 $(( now - phase_s )) s")
+    phase_s=$now
+}
 
 uv="${UV:-$(command -v uv || true)}"
 if [[ -z "$uv" ]]; then
@@ -51,6 +58,7 @@ done
 
 # --seed: pip in the venv (.ci/vllm_deps.py reads requirements with pip's vendored packaging; people use pip).
 "$uv" venv -q --seed --python "$python_bin" "$venv_dir"
+phase venv
 
 if ! "${uv_pip[@]}" "$torch_spec"; then
     echo "install-vllm: could not install the CPU torch wheel $torch_spec (found through the machine's" \
@@ -58,12 +66,16 @@ if ! "${uv_pip[@]}" "$torch_spec"; then
          "index); refusing to fall back to a CUDA torch. The vLLM tier cannot run." >&2
     exit 3
 fi
-if ! "$venv_dir/bin/python" -c 'import sys, torch; sys.exit(0 if torch.__version__.endswith("+cpu") else 1)'; then
+# Read from the metadata: importing torch costs 5-20 s of a first import (.pyc compiled), twice with the smoke check.
+if ! "$venv_dir/bin/python" -c 'import importlib.metadata as md, sys; sys.exit(not md.version("torch").endswith("+cpu"))'
+then
     echo "install-vllm: installed torch is not a CPU build; refusing to go on." >&2
     exit 3
 fi
 
+phase torch
 "${uv_pip[@]}" --no-deps "vllm==$vllm_version"
+phase vllm
 
 pin_file="$(mktemp)"
 deps_file="$(mktemp)"
@@ -78,6 +90,7 @@ if [[ ${#no_deps[@]} -gt 0 ]]; then
 fi
 # Both in one resolution: pdtrace's own dependencies within the ranges the release's packages allow.
 "${uv_pip[@]}" -c "$pin_file" "${deps[@]}" -e "$repo_root[test]"
+phase deps+pdtrace
 
 # Smoke check: the modules the vLLM tier drives import.
 "$venv_dir/bin/python" - <<'PY'
@@ -86,4 +99,6 @@ import vllm.v1.core.sched.scheduler  # noqa: F401
 import vllm.v1.engine.core  # noqa: F401
 print("install-vllm: vllm", md.version("vllm"), "torch", md.version("torch"))
 PY
-echo "install-vllm: done in $(( $(date +%s) - start_s )) s; $(du -sm "$venv_dir" | cut -f1) MB in $venv_dir" >&2
+phase smoke-import
+echo "install-vllm: done in $(( $(date +%s) - start_s )) s (${phases[*]}); $(du -sm "$venv_dir" | cut -f1) MB in" \
+     "$venv_dir" >&2

@@ -244,7 +244,7 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
     s.add_request(H.make_request("d1", 40, remote_prefill=True))
     H.step(s, faker)                                   # step 0: WAITING_FOR_REMOTE_KVS, blocks allocated
     s.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)  # client abort between steps
-    if H.behaviour().abort_while_receiving == "immediate":  # 0.10 / 0.11 free at once: the read may still write
+    if H.behaviour().abort_while_receiving == "immediate":  # 0.10 to 0.15 free at once: the read may still write
         assert H.num_free_blocks(s) == 99
         d1 = [e for e in H.close_and_read(recording) if e["req"] == "d1"]
         assert [(e["kind"], e["step"]) for e in d1] == [
