@@ -1,8 +1,9 @@
 """Hook table for vLLM 0.14.0 to 0.15.x: the 0.11 table (v0_11.py) with `KVCacheCoordinator.remove_skipped_blocks`'
 second parameter under its new name.
 
-Read from each release's vllm/v1 sources (0.14.0 and 0.14.1 from their sdists, 0.15.0 and 0.15.1 from their wheels,
-which have no sdist; line numbers of 0.14.0):
+Read from each release's vllm/v1 sources (0.14.0 and 0.14.1 from their sdists; 0.15.1, which has no sdist, from its
+installed wheel: the same at shifted lines, scheduler.py 313, 892, 1639, 1853-1870, 1884, 1930-1951; 0.15.0 from its
+wheel by shared/research/vllm-0.12-0.27.md; line numbers of 0.14.0 below):
 
 * `KVCacheCoordinator.remove_skipped_blocks(request_id, total_computed_tokens)` (kv_cache_coordinator.py:208-210;
   `num_computed_tokens` before). The 0.33 wrapper records its trims (reason `skipped`) whatever the parameter's
