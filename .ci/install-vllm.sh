@@ -14,12 +14,14 @@
 # packages `import vllm` and ModelConfig really need, each in the range the release's own metadata
 # (requirements/common.txt) gives: .ci/vllm_deps.py derives the list, then pdtrace.
 #
-# Why uv: installing is most of the vLLM tier's cost, and almost all of it is unpacking the same wheels again
-# (torch ~1 GB unpacked, vllm ~0.5 GB) and pip compiling their .py files. uv unpacks each wheel once into its
-# cache and hard-links it into every venv after, and compiles nothing (Python compiles what a test imports).
-# Measured on this project's 2-core CI machine, under load: pip ~190 s a release; uv ~35 s the first release
-# (downloads), ~12-20 s each release after (docs/vllm-releases.md, "Testing a release"). uv does not read pip's
-# configuration files: the find-links (torch's CPU wheel) come from PIP_FIND_LINKS or `pip config`.
+# Why uv: installing is most of the vLLM tier's cost outside the tests, and almost all of it is unpacking the same
+# wheels again (torch ~1 GB unpacked, vllm ~0.5 GB) and pip byte-compiling every file of them. uv unpacks each wheel
+# once into its cache and hard-links it into every venv after, and compiles nothing (Python compiles what is
+# imported: the smoke check below, whose .pyc the tier then reuses). Same release (0.12.0), same load (13-14 on a
+# shared 2-core machine), both downloading vllm: pip 265 s before it even reached pdtrace's install, uv 153 s in
+# all; per phase with uv (the summary line): venv 4 s, torch 4-5 s, vllm 27-69 s (its download), dependencies and
+# pdtrace 23-25 s, the smoke import most of the rest. uv does not read pip's configuration files: the find-links
+# (torch's CPU wheel) come from PIP_FIND_LINKS or `pip config`.
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 || -z "$1" ]]; then
