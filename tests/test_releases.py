@@ -146,9 +146,10 @@ def test_default_ci_matrix_runs_every_table_and_every_behaviour_row_once():
     picked = matrix.default_matrix()
     assert len(picked) == len(set(picked))
     for entry in _TABLES:
-        if not entry.tested:
-            continue
         mine = [v for v in picked if table_for(v) == entry]
+        if not entry.tested:  # never passed yet: its newest release, so that CI tries it
+            assert mine == [entry.releases[-1]]
+            continue
         assert entry.tested[-1] in mine and set(entry.splits) <= set(mine) <= set(entry.tested)
         assert {behaviour_of(v) for v in mine} == {behaviour_of(v) for v in entry.tested}
     v0_10 = [v for v in picked if table_for(v).name == "v0_10"]
