@@ -56,8 +56,9 @@ _TABLES: tuple[TableRange, ...] = (
     TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0"),
                ("0.10.1.1", "0.10.2", "0.11.0"), splits=("0.10.1.1",)),  # queue.Queue; no empty-step update
     TableRange("0.11.1", "0.14", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2", "0.12.0", "0.13.0"),
-               ("0.11.1", "0.11.2")),
-    TableRange("0.14.0", "0.16", "pdtrace.recording.vllm.v0_14", ("0.14.0", "0.14.1", "0.15.0", "0.15.1"), ()),
+               ("0.11.1", "0.11.2", "0.12.0")),
+    TableRange("0.14.0", "0.16", "pdtrace.recording.vllm.v0_14", ("0.14.0", "0.14.1", "0.15.0", "0.15.1"),
+               ("0.15.1",)),
     TableRange("0.16.0", "0.18", "pdtrace.recording.vllm.v0_16", ("0.16.0", "0.17.0", "0.17.1"), ()),
     TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
                ("0.28.0", "0.29.0", "0.30.0", "0.31.0"), splits=("0.28.0",)),  # partial-tail pins; no failed_recving
