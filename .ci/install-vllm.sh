@@ -3,16 +3,25 @@
 #
 # Usage: .ci/install-vllm.sh VENV_DIR [VERSION]     (VERSION: a supported vLLM release, default 0.33.0)
 #
-# Environment: VLLM_WHEEL_DIR, a folder of already downloaded vllm wheels pip looks in first (CI's matrix
-# downloads each release once; pip's own cache also keeps them).
+# Environment: VLLM_WHEEL_DIR, a folder of already downloaded vllm wheels looked in first; UV, the uv binary
+# (default: `uv` on PATH, else one installed once under $PDTRACE_CI_CACHE, default ~/.cache/pdtrace-ci);
+# UV_CACHE_DIR, uv's cache (default ~/.cache/uv; keep it on the venvs' filesystem: it is then hard-linked).
 #
 # Why not `pip install vllm`: that pulls a CUDA torch and ~9.6 GB of GPU packages. vLLM's scheduler and
-# EngineCore (all pdtrace's tests need) run on the CPU torch 2.13.0 wheel that the machine's pip
-# configuration finds (find-links), so: CPU torch first (2.13.0+cpu for every release: older releases pin CUDA
-# builds of torch 2.7/2.8, of which no CPU build exists, and their scheduler and engine core run on 2.13), vllm
-# without its dependencies, then the small packages `import vllm` and ModelConfig really need, each in the range
-# the release's own metadata (requirements/common.txt) gives: .ci/vllm_deps.py derives the list, then pdtrace.
-# Uses pip only: uv and poetry do not read the machine's find-links.
+# EngineCore (all pdtrace's tests need) run on the CPU torch 2.13.0 wheel that the machine's find-links hold, so:
+# CPU torch first (2.13.0+cpu for every release: older releases pin CUDA builds of torch 2.7-2.9, of which no CPU
+# build exists, and their scheduler and engine core run on 2.13), vllm without its dependencies, then the small
+# packages `import vllm` and ModelConfig really need, each in the range the release's own metadata
+# (requirements/common.txt) gives: .ci/vllm_deps.py derives the list, then pdtrace.
+#
+# Why uv: installing is most of the vLLM tier's cost outside the tests, and almost all of it is unpacking the same
+# wheels again (torch ~1 GB unpacked, vllm ~0.5 GB) and pip byte-compiling every file of them. uv unpacks each wheel
+# once into its cache and hard-links it into every venv after, and compiles nothing (Python compiles what is
+# imported: the smoke check below, whose .pyc the tier then reuses). Same release (0.12.0), same load (13-14 on a
+# shared 2-core machine), both downloading vllm: pip 265 s before it even reached pdtrace's install, uv 153 s in
+# all; per phase with uv (the summary line): venv 4 s, torch 4-5 s, vllm 27-69 s (its download), dependencies and
+# pdtrace 23-25 s, the smoke import most of the rest. uv does not read pip's configuration files: the find-links
+# (torch's CPU wheel) come from PIP_FIND_LINKS or `pip config`.
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 || -z "$1" ]]; then
@@ -24,27 +33,51 @@ vllm_version="${2:-0.33.0}"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python3.11}"
 torch_spec="torch==2.13.0+cpu"   # the local version label pins the CPU build: never fall back to CUDA torch
+ci_cache="${PDTRACE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pdtrace-ci}"
 start_s=$(date +%s)
+phase_s=$start_s
+phases=()
+phase() {  # name of the phase just done: its seconds go into the summary line
+    local now; now=$(date +%s)
+    phases+=("$1 $(( now - phase_s )) s")
+    phase_s=$now
+}
 
-"$python_bin" -m venv "$venv_dir"
-pip=("$venv_dir/bin/python" -m pip --disable-pip-version-check)
+uv="${UV:-$(command -v uv || true)}"
+if [[ -z "$uv" ]]; then
+    uv="$ci_cache/uv-venv/bin/uv"
+    if [[ ! -x "$uv" ]]; then
+        "$python_bin" -m venv "$ci_cache/uv-venv"
+        "$ci_cache/uv-venv/bin/python" -m pip install -q --disable-pip-version-check uv
+    fi
+fi
+# The machine's find-links (pip.conf or the environment) for uv, which reads neither.
+find_links="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$("$python_bin" -m pip config get global.find-links 2>/dev/null || true)}}"
+uv_pip=("$uv" pip install --python "$venv_dir/bin/python")
+for link in $find_links ${VLLM_WHEEL_DIR:-}; do
+    uv_pip+=(--find-links "$link")
+done
 
-if ! "${pip[@]}" install "$torch_spec"; then
-    echo "install-vllm: could not install the CPU torch wheel $torch_spec (pip finds it through its configured" \
-         "find-links, e.g. /opt/wheels; its dependencies come from the index); refusing to fall back to a CUDA" \
-         "torch. The vLLM tier cannot run." >&2
+# --seed: pip in the venv (.ci/vllm_deps.py reads requirements with pip's vendored packaging; people use pip).
+"$uv" venv -q --seed --python "$python_bin" "$venv_dir"
+phase venv
+
+if ! "${uv_pip[@]}" "$torch_spec"; then
+    echo "install-vllm: could not install the CPU torch wheel $torch_spec (found through the machine's" \
+         "find-links, e.g. /opt/wheels, in PIP_FIND_LINKS or pip's configuration; its dependencies come from the" \
+         "index); refusing to fall back to a CUDA torch. The vLLM tier cannot run." >&2
     exit 3
 fi
-if ! "$venv_dir/bin/python" -c 'import sys, torch; sys.exit(0 if torch.__version__.endswith("+cpu") else 1)'; then
+# Read from the metadata: importing torch costs 5-20 s of a first import (.pyc compiled), twice with the smoke check.
+if ! "$venv_dir/bin/python" -c 'import importlib.metadata as md, sys; sys.exit(not md.version("torch").endswith("+cpu"))'
+then
     echo "install-vllm: installed torch is not a CPU build; refusing to go on." >&2
     exit 3
 fi
 
-find_links=()
-if [[ -n "${VLLM_WHEEL_DIR:-}" ]]; then
-    find_links=(--find-links "$VLLM_WHEEL_DIR")
-fi
-"${pip[@]}" install --no-deps "${find_links[@]}" "vllm==$vllm_version"
+phase torch
+"${uv_pip[@]}" --no-deps "vllm==$vllm_version"
+phase vllm
 
 pin_file="$(mktemp)"
 deps_file="$(mktemp)"
@@ -55,12 +88,11 @@ read -r -a no_deps < <(head -n 1 "$deps_file")
 mapfile -t deps < <(tail -n +2 "$deps_file")
 echo "install-vllm: vllm $vllm_version; --no-deps: ${no_deps[*]}; deps: ${deps[*]}" >&2
 if [[ ${#no_deps[@]} -gt 0 ]]; then
-    "${pip[@]}" install --no-deps "${no_deps[@]}"
+    "${uv_pip[@]}" --no-deps "${no_deps[@]}"
 fi
-# pip warns that "vllm X requires ..., which is not installed": expected, the exit status stays 0.
-"${pip[@]}" install -c "$pin_file" "${deps[@]}"
-
-"${pip[@]}" install -c "$pin_file" -e "$repo_root[test]"
+# Both in one resolution: pdtrace's own dependencies within the ranges the release's packages allow.
+"${uv_pip[@]}" -c "$pin_file" "${deps[@]}" -e "$repo_root[test]"
+phase deps+pdtrace
 
 # Smoke check: the modules the vLLM tier drives import.
 "$venv_dir/bin/python" - <<'PY'
@@ -69,4 +101,6 @@ import vllm.v1.core.sched.scheduler  # noqa: F401
 import vllm.v1.engine.core  # noqa: F401
 print("install-vllm: vllm", md.version("vllm"), "torch", md.version("torch"))
 PY
-echo "install-vllm: done in $(( $(date +%s) - start_s )) s; $(du -sm "$venv_dir" | cut -f1) MB in $venv_dir" >&2
+phase smoke-import
+echo "install-vllm: done in $(( $(date +%s) - start_s )) s (${phases[*]}); $(du -sm "$venv_dir" | cut -f1) MB in" \
+     "$venv_dir" >&2

@@ -25,11 +25,11 @@ IMPORT_NEEDS = (
     "prometheus-client", "fastapi", "partial-json-parser", "llguidance", "einops", "apache-tvm-ffi",
     "openai-harmony",
 )
+#: What 0.10 to 0.17 import at module level on top of IMPORT_NEEDS (0.14+: also mistral_common, imported by the
+#: tokenizer registry); each only where the release's metadata names it.
+_OLDER_NEEDS = ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba", "mistral-common")
 #: Per release (by its `major.minor` prefix): what it needs on top of IMPORT_NEEDS.
-EXTRA_NEEDS: dict[str, tuple[str, ...]] = {
-    "0.10": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba"),
-    "0.11": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba"),
-}
+EXTRA_NEEDS: dict[str, tuple[str, ...]] = {f"0.{minor}": _OLDER_NEEDS for minor in range(10, 18)}
 #: Needed though a release's metadata may not name them (pulled in transitively by a full install; the harmony
 #: parser module `openai_harmony` is imported by `vllm.entrypoints` whatever the metadata calls its package).
 UNLISTED: dict[str, str] = {"numpy": "", "packaging": "", "urllib3": "", "uvloop": "", "pyzmq": "",

@@ -15,6 +15,8 @@ from pdtrace.recording.vllm import _patching, supported_versions, table_for
 
 @pytest.mark.parametrize("version, table", [
     ("0.10.1.1", "v0_10"), ("0.10.2", "v0_10"), ("0.11.0", "v0_10"), ("0.11.1", "v0_11"), ("0.11.2", "v0_11"),
+    ("0.12.0", "v0_11"), ("0.13.0", "v0_11"), ("0.14.0", "v0_14"), ("0.14.1", "v0_14"), ("0.15.0", "v0_14"),
+    ("0.15.1", "v0_14"), ("0.16.0", "v0_16"), ("0.17.0", "v0_16"), ("0.17.1", "v0_16"),
     ("0.28.0", "v0_28"), ("0.29.0", "v0_28"), ("0.30.0", "v0_28"), ("0.31.0", "v0_28"), ("0.32.0", "v0_33"),
     ("0.33.0", "v0_33"), ("0.33.1+cpu", "v0_33"), ("0.31.2rc1", "v0_28"),
 ])
@@ -22,13 +24,14 @@ def test_each_release_maps_to_its_table(version, table):
     assert table_for(version).name == table
 
 
-@pytest.mark.parametrize("version", ["0.10.0", "0.10.1", "0.12.0", "0.27.1", "0.34.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.10.0", "0.10.1", "0.27.1", "0.34.0", "1.0.0"])
 def test_releases_outside_every_range_have_no_table(version):
     assert table_for(version) is None
 
 
 def test_supported_ranges_name_every_tested_release_once():
-    assert supported_versions() == ("0.10.1.1 to 0.11.0", "0.11.1 to 0.11.x", "0.28.0 to 0.31.x", "0.32.0 to 0.33.x")
+    assert supported_versions() == ("0.10.1.1 to 0.11.0", "0.11.1 to 0.13.x", "0.14.0 to 0.15.x", "0.16.0 to 0.17.x",
+                                    "0.28.0 to 0.31.x", "0.32.0 to 0.33.x")
 
 
 def test_overlay_replaces_in_place_and_refuses_to_drop_an_unknown_hook():
@@ -54,6 +57,16 @@ def test_behaviour_per_release_range():
     assert "asserts" in new.unknown_send and behaviour_of(None) == new and behaviour_of("9.9.9") == new
     assert [behaviour_of(v).steps_for_pending_sends for v in ("0.10.1.1", "0.11.0", "0.11.2", "0.28.0", "0.33.0")] \
         == [False, False, False, True, True]
+
+
+@pytest.mark.parametrize("version, abort, unknown_recv", [
+    ("0.11.2", "immediate", "unchecked"), ("0.12.0", "immediate", "unchecked"), ("0.13.0", "immediate", "unchecked"),
+    ("0.15.1", "immediate", "unchecked"), ("0.16.0", "delayed", "asserts"), ("0.17.1", "delayed", "asserts"),
+])
+def test_abort_while_receiving_is_delayed_and_unknown_receives_assert_from_0_16(version, abort, unknown_recv):
+    row = behaviour_of(version)
+    assert (row.abort_while_receiving, row.deferred_frees, row.steps_for_pending_sends) == (abort, False, False)
+    assert unknown_recv in row.unknown_recv and "asserts" in row.unknown_send and row.connector_timeout_s == 480.0
 
 
 def _unknown_completion_trace(version: str | None, sources: bool = False):
@@ -114,3 +127,31 @@ def test_unknown_id_message_says_what_the_recorded_release_does(version, effect)
     findings = DOUBLE_FREE.run(AnalysisContext(b.trace()))
     unknown = findings[findings["subrule"] == "unknown_id"]
     assert len(unknown) == 1 and effect in unknown.iloc[0]["message"]
+
+
+def _ci_matrix():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("vllm_matrix", Path(__file__).parents[1] / ".ci" / "vllm_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_ci_matrix_runs_every_table_and_every_behaviour_row_once():
+    from pdtrace.recording.vllm import _TABLES
+
+    matrix = _ci_matrix()
+    picked = matrix.default_matrix()
+    assert len(picked) == len(set(picked))
+    for entry in _TABLES:
+        mine = [v for v in picked if table_for(v) == entry]
+        if not entry.tested:  # never passed yet: its newest release, so that CI tries it
+            assert mine == [entry.releases[-1]]
+            continue
+        assert entry.tested[-1] in mine and set(entry.splits) <= set(mine) <= set(entry.tested)
+        assert {behaviour_of(v) for v in mine} == {behaviour_of(v) for v in entry.tested}
+    v0_10 = [v for v in picked if table_for(v).name == "v0_10"]
+    assert v0_10 == ["0.11.0", "0.10.1.1"]  # 0.10.2 adds nothing: 0.10.1.1 has its behaviour row and more
+    assert matrix.all_versions() == [v for entry in _TABLES for v in entry.releases]

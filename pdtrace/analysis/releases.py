@@ -28,8 +28,8 @@ class ReleaseBehaviour:
     #: A free may be deferred to the step that last wrote the blocks (`defer_block_free`, 0.28+); before, every
     #: free is immediate.
     deferred_frees: bool
-    #: A request aborted while WAITING_FOR_REMOTE_KVS: "delayed" (its blocks stay until the read ends, 0.28+:
-    #: finish_requests' delay_free_blocks) or "immediate" (0.10 / 0.11: back to the pool while the read may still
+    #: A request aborted while WAITING_FOR_REMOTE_KVS: "delayed" (its blocks stay until the read ends, 0.16+:
+    #: finish_requests' delay_free_blocks) or "immediate" (0.10 to 0.15: back to the pool while the read may still
     #: write them, a bug of those releases).
     abort_while_receiving: str
     #: The longest connector timeout after which the P side frees blocks nobody read, seconds: NIXL's
@@ -79,10 +79,16 @@ BEHAVIOURS: tuple[ReleaseBehaviour, ...] = (
         unknown_send="vLLM logs a warning and ignores it (_update_from_kv_xfer_finished)",
         unknown_recv=_STALE),
     ReleaseBehaviour(
-        "0.11.1", "0.12", deferred_frees=False, abort_while_receiving="immediate", connector_timeout_s=480.0,
+        "0.11.1", "0.16", deferred_frees=False, abort_while_receiving="immediate", connector_timeout_s=480.0,
         steps_for_pending_sends=False,
         unknown_send=_ASSERTS,
         unknown_recv=_STALE),
+    # 0.16.0:1705-1714 (finish_requests delays the free), 1986 (the receive completion's assert); NIXL's 480 s
+    # (envs.py:1324); has_finished_requests counts finished_req_ids only (0.17.1:1785).
+    ReleaseBehaviour(
+        "0.16.0", "0.18", deferred_frees=False, abort_while_receiving="delayed", connector_timeout_s=480.0,
+        steps_for_pending_sends=False,
+        unknown_send=_ASSERTS, unknown_recv=_ASSERTS),
     ReleaseBehaviour(
         "0.28.0", "0.34", deferred_frees=True, abort_while_receiving="delayed", connector_timeout_s=480.0,
         steps_for_pending_sends=True,

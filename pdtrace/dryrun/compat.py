@@ -33,8 +33,8 @@ def recv_plan(meta: Any) -> tuple[int, bool, str | None, str | None]:
     completion, the remote engine id, the remote request id or None).
 
     0.31+: `local_block_ids` per KV cache group, `awaiting_kvs`, `remote` (RemoteMeta). 0.28-0.30: no
-    `awaiting_kvs` (every read is awaited). 0.10 / 0.11: flat block lists and the remote's fields inline, and no
-    remote request id: P and D share one request id there.
+    `awaiting_kvs` (every read is awaited). 0.10 to 0.12: flat block lists and the remote's fields inline, and no
+    remote request id: P and D share one request id there (0.13+ have `remote`).
     """
     local = meta.local_block_ids
     remote = getattr(meta, "remote", None)
@@ -47,17 +47,32 @@ def recv_plan(meta: Any) -> tuple[int, bool, str | None, str | None]:
 
 
 def shared_request_ids() -> bool:
-    """Whether a request keeps one id on P and D. 0.10 / 0.11: NIXL's kv_transfer_params name no remote request,
-    and D's read notifies P with D's own id (nixl_connector.py `_read_blocks`: `notif_id = f"{request_id}:..."`),
-    which P looks up among its own requests; so those releases' proxy gives both sides one X-Request-Id. 0.28+:
-    P returns `remote_request_id` (nixl/metadata.py `RemoteMeta.request_id`) and D names its request itself."""
-    import dataclasses
+    """Whether a request keeps one id on P and D. 0.10 to 0.12: NIXL's kv_transfer_params name no remote request,
+    and D's read notifies P with D's own id (nixl_connector.py `_read_blocks`: `notif_id = f"{request_id}:..."`,
+    0.12.0:1991), which P looks up among its own requests; so those releases' proxy gives both sides one
+    X-Request-Id. 0.13+: P returns `remote_request_id` (`RemoteMeta.request_id`) and D names its request itself.
 
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta
-    except ImportError:  # 0.10 / 0.11: one module, nixl_connector.py, and no RemoteMeta
-        return True
-    return "request_id" not in {f.name for f in dataclasses.fields(RemoteMeta)}
+    RemoteMeta lives where the release keeps NIXL's metadata: nixl_connector.py (0.13.0:206 to 0.17.1:240, and on
+    to the release that split the connector into a package), nixl/metadata.py (0.28+); each candidate is looked
+    in, and no RemoteMeta anywhere means no remote request id."""
+    import dataclasses
+    import importlib
+
+    for module in _NIXL_METADATA_MODULES:
+        try:
+            remote_meta = importlib.import_module(module).RemoteMeta
+        except (ImportError, AttributeError):  # no such module, or one without RemoteMeta (0.10 to 0.12)
+            continue
+        return "request_id" not in {f.name for f in dataclasses.fields(remote_meta)}
+    return True
+
+
+#: Where releases keep NIXL's RemoteMeta, newest layout first.
+_NIXL_METADATA_MODULES = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl_connector",
+)
 
 
 def remote_block_count(block_ids: Any) -> int:

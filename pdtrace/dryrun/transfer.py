@@ -65,7 +65,7 @@ class SimTransferEngine:
             producer = self.cluster.by_engine_id.get(remote_engine)
             if producer is None:
                 continue
-            if remote_req is None:  # 0.10 / 0.11: P and D share one id (compat.shared_request_ids)
+            if remote_req is None:  # 0.10 to 0.12: P and D share one id (compat.shared_request_ids)
                 remote_req = req_id
             p_rank = producer.ranks.get((rank.pp_rank, rank.tp_rank))
             if p_rank is not None:

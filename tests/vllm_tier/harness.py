@@ -217,7 +217,7 @@ def vllm_source_line(module_file: str, where: str) -> str:
 
 def dry_req(base: str, side: str) -> str:
     """The dry run's id of client request `base` (`r00001`) on P (`side` "p") or D ("d"): `r00001-p` / `r00001-d`,
-    or `r00001` on both where the release keeps one id on P and D (0.10 / 0.11: compat.shared_request_ids)."""
+    or `r00001` on both where the release keeps one id on P and D (0.10 to 0.12: compat.shared_request_ids)."""
     from pdtrace.dryrun.sim import engine_req_id
 
     return engine_req_id(base, side, compat.shared_request_ids())

@@ -48,7 +48,7 @@ def test_pd_lifecycle_through_the_hooks(tmp_path: Path) -> None:
     d_add = d[d.kind == "req_add"]
     details = [json.loads(x) for x in d_add.detail]
     assert {x["remote_instance"] for x in details} == {"prefill-0"}
-    if compat.shared_request_ids():  # 0.10 / 0.11: NIXL names no remote request; D keeps P's id
+    if compat.shared_request_ids():  # 0.10 to 0.12: NIXL names no remote request; D keeps P's id
         assert {x["remote_req"] for x in details} == {None} and sorted(d_add.req) == sorted(p_fin.req)
     else:
         assert sorted(x["remote_req"] for x in details) == sorted(p_fin.req)

@@ -244,7 +244,7 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
     s.add_request(H.make_request("d1", 40, remote_prefill=True))
     H.step(s, faker)                                   # step 0: WAITING_FOR_REMOTE_KVS, blocks allocated
     s.finish_requests(["d1"], RequestStatus.FINISHED_ABORTED)  # client abort between steps
-    if H.behaviour().abort_while_receiving == "immediate":  # 0.10 / 0.11 free at once: the read may still write
+    if H.behaviour().abort_while_receiving == "immediate":  # 0.10 to 0.15 free at once: the read may still write
         assert H.num_free_blocks(s) == 99
         d1 = [e for e in H.close_and_read(recording) if e["req"] == "d1"]
         assert [(e["kind"], e["step"]) for e in d1] == [
@@ -265,6 +265,38 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
     assert (finish["reason"], finish["status"], finish["delay_free"]) == ("abort", "FINISHED_ABORTED", True)
     assert recv["status"] == "FINISHED_ABORTED"
     assert (free["reason"], free["blocks"]) == ("received", [1, 2, 3])
+
+
+def test_failed_receive_with_nothing_valid_frees_as_load_failed(recording, model_dir):
+    """A read whose first block failed leaves no valid token: vLLM frees the request's blocks in
+    `_update_waiting_for_remote_kv` (0.11.1+; 0.12.0 scheduler.py:1534-1545) and admits it again at once. That
+    free is the failed-load path (`load_failed`), not a finish: no req_finish, the request runs on."""
+    import dataclasses
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    if "invalid_block_ids" not in fields:
+        pytest.skip(f"vLLM {H.release()} reports no failed receive (no invalid_block_ids, no failed_recving)")
+    vc = H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0")
+    if hasattr(vc.kv_transfer_config, "kv_load_failure_policy"):
+        vc.kv_transfer_config.kv_load_failure_policy = "recompute"
+    s = H.make_scheduler(vc)
+    faker = H.OutputFaker()
+    s.add_request(H.make_request("d1", 40, remote_prefill=True))
+    H.step(s, faker)                                   # step 0: waiting for remote KV in blocks [1, 2, 3]
+    so = s.schedule()                                  # step 1: the read fails in its first block
+    out = faker.output(so)
+    more = {"failed_recving": {"d1"}} if "failed_recving" in fields else {}
+    out.kv_connector_output = KVConnectorOutput(finished_recving={"d1"}, invalid_block_ids={1}, **more)
+    s.update_from_output(so, out)
+    H.step(s, faker)                                   # step 2: freed, admitted again, computed locally
+
+    events = H.close_and_read(recording)
+    free = H.of_kind(events, "blocks_free", req="d1")
+    assert [(e["step"], e["reason"], e["blocks"]) for e in free] == [(2, "load_failed", [1, 2, 3])]
+    assert not H.of_kind(events, "req_finish", req="d1") and "d1" in s.requests
+    assert [e["step"] for e in H.of_kind(events, "blocks_alloc", req="d1")] == [0, 2]
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -28,13 +28,16 @@ from pdtrace.recording.vllm._runtime import RUNTIME, log
 class TableRange:
     """The releases `first` <= release < `before` share the hook table of `module` (its `TABLE`). `releases`: the
     published releases of the range (`.ci/run --all-versions` runs the vLLM tier on each); `tested`: those the tier
-    has passed on (`.ci/run` runs the oldest and newest of them)."""
+    has passed on; `splits`: tested releases that behave differently inside the range, in a way the tier tests and
+    the newest release does not show (`.ci/run` runs the newest tested release, these, and one release of each
+    behaviour row of pdtrace.analysis.releases: .ci/vllm_matrix.py)."""
 
     first: str
     before: str
     module: str
     releases: tuple[str, ...]
     tested: tuple[str, ...]
+    splits: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -53,10 +56,14 @@ class TableRange:
 #: Supported vLLM release ranges -> their hook tables, oldest first.
 _TABLES: tuple[TableRange, ...] = (
     TableRange("0.10.1.1", "0.11.1", "pdtrace.recording.vllm.v0_10", ("0.10.1.1", "0.10.2", "0.11.0"),
-               ("0.10.1.1", "0.10.2", "0.11.0")),
-    TableRange("0.11.1", "0.12", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2"), ("0.11.1", "0.11.2")),
+               ("0.10.1.1", "0.10.2", "0.11.0"), splits=("0.10.1.1",)),  # queue.Queue; no empty-step update
+    TableRange("0.11.1", "0.14", "pdtrace.recording.vllm.v0_11", ("0.11.1", "0.11.2", "0.12.0", "0.13.0"),
+               ("0.11.1", "0.11.2", "0.12.0")),
+    TableRange("0.14.0", "0.16", "pdtrace.recording.vllm.v0_14", ("0.14.0", "0.14.1", "0.15.0", "0.15.1"),
+               ("0.15.1",)),
+    TableRange("0.16.0", "0.18", "pdtrace.recording.vllm.v0_16", ("0.16.0", "0.17.0", "0.17.1"), ()),
     TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
-               ("0.28.0", "0.29.0", "0.30.0", "0.31.0")),
+               ("0.28.0", "0.29.0", "0.30.0", "0.31.0"), splits=("0.28.0",)),  # partial-tail pins; no failed_recving
     TableRange("0.32.0", "0.34", "pdtrace.recording.vllm.v0_33", ("0.32.0", "0.33.0"), ("0.32.0", "0.33.0")),
 )
 

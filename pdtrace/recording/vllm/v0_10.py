@@ -68,7 +68,7 @@ def _w_schedule(orig: Any) -> Any:
 
 def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
     # Polled at every schedule() while the request waits (0.10.1.1 scheduler.py:339-349): True once the read is
-    # done. It frees nothing (no failed-load path before 0.28).
+    # done. It frees nothing here (0.11.1 added the failed-load free: v0_11.py).
     def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
         ready = orig(self, request)
         if ready and _RT.active:
