@@ -134,7 +134,7 @@ def test_with_recording_off_from_the_start_the_trimming_wrapper_is_set_aside_too
     assert len(skipped) == 1 and len(skipped[0]["blocks"]) == OUT_OF_WINDOW
 
 
-@pytest.mark.skipif(H.release_key() < (0, 28), reason="before 0.28 _connector_finished does not prune the window")
+@pytest.mark.skipif(H.release_key() < (0, 14), reason="before 0.14 _connector_finished does not prune the window")
 def test_connector_finished_on_a_running_request_is_no_finish(recording, model_dir):
     """What test_connector_finish_frees_on_settled_basis does: the prune at _connector_finished, request running."""
     import pdtrace
