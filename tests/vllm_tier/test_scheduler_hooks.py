@@ -171,8 +171,11 @@ def test_preemption_and_resumption(recording, model_dir):
     assert pooled == freed
 
 
-def test_prefix_cache_hit(recording, model_dir):
-    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None, max_num_batched_tokens=128))
+@pytest.mark.parametrize("kv_role", [None, "kv_both"])
+def test_prefix_cache_hit(recording, model_dir, kv_role):
+    """The local hit, without a connector and with one: 0.28+ `_get_local_prefix_cache_hit`; 0.27 reads it with a
+    connector from `get_computed_blocks_for_connector`; 0.18-0.26 from `get_computed_blocks` either way."""
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=kv_role, max_num_batched_tokens=128))
     faker = H.OutputFaker()
     prompt = list(range(100, 164))                    # 4 full blocks
     s.add_request(H.make_request("a", 64, max_tokens=2, prompt=prompt))
