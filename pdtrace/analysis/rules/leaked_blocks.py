@@ -9,8 +9,8 @@ Algorithm, over the ownership intervals never closed by a free (one finding per 
   `kv_recv_done` / `kv_recv_fail`. Shorter waits are transfers still in flight, not leaks. A NIXL prefill side's
   send from 0.22 (`send_lease`) is judged by the side's own timeout instead: a 30 s lease that the decode side's
   heartbeats renew while its request waits for the read, so it is overdue a lease after the later of the finish
-  and the end of the decode side's wait, and never while the decode side still waits (still_held). Where the
-  decode side is not in the trace, its heartbeats cannot be seen: the longest timeout stays.
+  and the end of the decode side's wait. While the decode side still waits at the end of the trace, or where it is
+  not in the trace (its heartbeats cannot be seen), the longest timeout stays.
 - `possibly` (warning): the owner is alive (not finished) and had no scheduler event for longer than the grace
   period before the end of the trace.
 - A deferred free (`deferred=true`) whose blocks were held by nobody else and never reached `blocks_pool_free`,
@@ -128,11 +128,6 @@ def run(ctx: Any) -> pd.DataFrame:
                 wait_grace, wait_grace_ns, lease_from = grace, grace_ns, None
                 lease = send_lease(ctx, rk, sk, fin) if send_open else None
                 if lease is not None:
-                    if lease[0] is None:  # the decode side still waits at the end: its heartbeats renew the lease
-                        _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open, lease[1],
-                                    "its decode side still waits for that read, and its heartbeats renew NIXL's "
-                                    f"lease ({lease[1]:g} s)")
-                        continue
                     lease_from, wait_grace = max(since, lease[0]), lease[1]
                     wait_grace_ns = int(wait_grace * 1e9)
                 if end_ts - ts_at(since if lease_from is None else lease_from) <= wait_grace_ns:
@@ -194,17 +189,18 @@ def run(ctx: Any) -> pd.DataFrame:
     return findings_frame(records)
 
 
-def send_lease(ctx: Any, rk: int, sk: int, fin: int) -> tuple[int | None, float] | None:
-    """The NIXL lease a prefill side's open send is judged by (releases.nixl_send_lease_s: 0.22+), or None where the
-    release's longest timeout applies: another connector or release, a configured grace, a request that is no
-    prefill side of P/D (a decode side's send, bidirectional: `decoder_kv_blocks_ttl`), or a decode side not in
-    the trace (its heartbeats, unseen, may renew the lease as long as it waits).
+def send_lease(ctx: Any, rk: int, sk: int, fin: int) -> tuple[int, float] | None:
+    """The NIXL lease a prefill side's open send is judged by (releases.nixl_send_lease_s: 0.22+), as (the position
+    it runs from, its length in s), or None where the release's longest timeout applies, from the finish: another
+    connector or release, a configured grace, a request that is no prefill side of P/D (a decode side's own send,
+    bidirectional: `decoder_kv_blocks_ttl`), a decode side not in the trace (its heartbeats, unseen, may renew the
+    lease as long as it waits), or one that still waits at the end of the trace (its heartbeats renew the lease:
+    P's blocks are held for that wait, lost with it once it outlasts the grace period).
 
     The decode side heartbeats for its request from its arrival until its read closes or it finishes (nixl
     scheduler `on_new_request` / `_stop_heartbeat`), each heartbeat pushing P's expiry to 2/3 of the lease ahead;
-    so the send is overdue a lease after the later of P's finish and the end of the decode side's wait. Answers
-    (position the lease runs from, lease s), or (None, lease s) while the decode side still waits at the end of
-    the trace. The decode side is the request naming this one as its `remote_instance` / `remote_req`."""
+    so once it stopped, the send is overdue a lease after the later of P's finish and the end of that wait. The
+    decode side is the request naming this one as its `remote_instance` / `remote_req`."""
     cols = columns(ctx)
     lease = nixl_send_lease_s(ctx, engine_configs(ctx).get(sk, {}).get("connector"))
     if lease is None or fin < 0:
@@ -217,7 +213,7 @@ def send_lease(ctx: Any, rk: int, sk: int, fin: int) -> tuple[int | None, float]
     if decode_side is None:
         return None
     ends = [int(p) for p in (st.recv_close_pos[decode_side], st.finish_pos[decode_side]) if p >= 0]
-    return (min(ends) if ends else None), lease
+    return (min(ends), lease) if ends else None
 
 
 def _decode_sides(ctx: Any) -> dict[tuple[str, str], int]:
@@ -233,8 +229,7 @@ def _decode_sides(ctx: Any) -> dict[tuple[str, str], int]:
 
 
 def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, sk: int, alloc_row: int,
-                blocks: list[int], fin: int, since: int, send_open: bool, grace_s: float,
-                within: str | None = None) -> None:
+                blocks: list[int], fin: int, since: int, send_open: bool, grace_s: float) -> None:
     """An info finding (subrule `still_held`) for blocks a finished or aborted request still holds at the end of the
     trace while it waits, within the grace period, for the completion of its transfer: memcheck's "still
     reachable" at exit, not a leak (yet)."""
@@ -258,8 +253,8 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
         "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
         "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,
         "message": f"{len(blocks)} blocks {fmt_blocks(blocks)} still held at the end of the trace: {req} {how} and "
-                   f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), "
-                   f"{within or f'within the grace period ({grace_s:g} s)'}",
+                   f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
+                   f"({grace_s:g} s)",
         "evidence": evidence, "context": f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
         "extra": {"class": "still_held", "n_blocks": len(blocks), "held_s": held_s, "awaiting": awaiting,
                   "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks")},
