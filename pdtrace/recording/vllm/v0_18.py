@@ -4,7 +4,8 @@ Read from 0.18.0's, 0.22.0's and 0.23.0's vllm/v1/core sources (line numbers: 0.
 
 * A queue of waiting requests held aside, `skipped_waiting` (sched/scheduler.py:168 [167]), and the switch into
   WAITING_FOR_REMOTE_KVS inline in `schedule()`, which sets `num_computed_tokens` = local hit + external tokens
-  there (:766-781 [807-822]), as in 0.28: the 0.28 schedule wrapper (v0_28.note_kv_waits) records the
+  there (:766-781 [807-822]), and puts the request in the held-aside queue when the admission loop ends
+  (:826 [868]), as in 0.28: the 0.28 schedule wrapper (v0_28.note_kv_waits) records the
   blocks_alloc + req_wait_kv, `n` included.
 * `_update_waiting_for_remote_kv` returns None and is called once, when the read is done, from
   `_try_promote_blocked_waiting_request` (:2012, :2050-2065 [2154, 2188-2198]); its only free is the failed-load
