@@ -45,6 +45,7 @@ PINS: dict[str, dict[str, str]] = {
     "0.11": {"transformers": "<5"},
     "0.20": {"xgrammar": "==0.1.32"},  # 0.2.x fails against the release's apache-tvm-ffi
     "0.24": {"xgrammar": "==0.2.5.post1"},  # the newest xgrammar for the release's apache-tvm-ffi==0.1.9
+    "0.26": {"xgrammar": "==0.2.5.post1"},  # 0.2.9 needs apache-tvm-ffi>=0.1.11, the release pins 0.1.10
     "0.33.0": {"numpy": "==2.3.5", "msgspec": "==0.23.0", "pydantic": "==2.14.4", "transformers": "==5.20.2",
                "openai-harmony": "==0.0.8", "fastapi": "==0.136.3", "llguidance": "==1.7.6"},
 }
