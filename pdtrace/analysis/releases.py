@@ -32,9 +32,11 @@ class ReleaseBehaviour:
     #: finish_requests' delay_free_blocks) or "immediate" (0.10 to 0.15: back to the pool while the read may still
     #: write them, a bug of those releases).
     abort_while_receiving: str
-    #: The longest connector timeout after which the P side frees blocks nobody read, seconds: NIXL's
-    #: VLLM_NIXL_ABORT_REQUEST_TIMEOUT default (envs.py: 120 up to 0.11.0, 480 from 0.11.1; 0.28+: NIXL's and
-    #: Mooncake's 480). The default grace period of the leak and stuck-wait rules.
+    #: The longest connector timeout after which a side frees blocks nobody read, seconds: NIXL's
+    #: VLLM_NIXL_ABORT_REQUEST_TIMEOUT default (envs.py: 120 up to 0.11.0, 480 from 0.11.1 to 0.21.x); from 0.22
+    #: NIXL's decode-side `decoder_kv_blocks_ttl` (480, nixl/scheduler.py:154-157) and Mooncake's
+    #: VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (480). The default grace period of the leak and stuck-wait rules, except
+    #: for a NIXL prefill side's send from 0.22 (`nixl_send_lease_s`).
     connector_timeout_s: float
     #: Whether an engine whose only requests are finished ones waiting for their KV send keeps stepping, to collect
     #: the completion and free the blocks (0.28+: `has_finished_requests` counts requests held for connector
@@ -46,6 +48,12 @@ class ReleaseBehaviour:
     unknown_send: str
     #: ... and with a receive completion for such an id.
     unknown_recv: str
+    #: From 0.22 (VLLM_NIXL_ABORT_REQUEST_TIMEOUT gone): NIXL's prefill side holds a finished request's blocks
+    #: for the decode side's read under a lease, `kv_lease_duration` (30 s, nixl/scheduler.py:70-76, 640-655;
+    #: 0.28+ pull_scheduler.py), which the decode side's heartbeats renew while its request waits for that read
+    #: (worker.py `_handle_heartbeat`: to 2/3 of the lease from each heartbeat); the lease's expiry frees the
+    #: blocks. None before (the abort timeout above). `send_grace_s` reads it.
+    nixl_send_lease_s: float | None = None
 
     @property
     def releases(self) -> str:
@@ -89,10 +97,24 @@ BEHAVIOURS: tuple[ReleaseBehaviour, ...] = (
         "0.16.0", "0.18", deferred_frees=False, abort_while_receiving="delayed", connector_timeout_s=480.0,
         steps_for_pending_sends=False,
         unknown_send=_ASSERTS, unknown_recv=_ASSERTS),
+    # 0.18-0.27 (scheduler.py, core.py, nixl/scheduler.py of 0.18.0, 0.21.0, 0.22.0, 0.23.0, 0.24.0, 0.26.0,
+    # 0.27.1): the abort delay of 0.16 (finish_requests, 0.18.0:1779), an assert on either unknown completion
+    # (0.18.0:2100, 2109); an engine with only pending sends sleeps up to 0.21 (0.21.0:1792: has_finished_requests
+    # counts finished_req_ids only) and keeps stepping from 0.22 (0.22.0:1884-1894); deferred frees from 0.24
+    # (0.24.0:130-152); NIXL's prefill-side lease from 0.22.
+    ReleaseBehaviour(
+        "0.18.0", "0.22", deferred_frees=False, abort_while_receiving="delayed", connector_timeout_s=480.0,
+        steps_for_pending_sends=False, unknown_send=_ASSERTS, unknown_recv=_ASSERTS),
+    ReleaseBehaviour(
+        "0.22.0", "0.24", deferred_frees=False, abort_while_receiving="delayed", connector_timeout_s=480.0,
+        steps_for_pending_sends=True, unknown_send=_ASSERTS, unknown_recv=_ASSERTS, nixl_send_lease_s=30.0),
+    ReleaseBehaviour(
+        "0.24.0", "0.28", deferred_frees=True, abort_while_receiving="delayed", connector_timeout_s=480.0,
+        steps_for_pending_sends=True, unknown_send=_ASSERTS, unknown_recv=_ASSERTS, nixl_send_lease_s=30.0),
     ReleaseBehaviour(
         "0.28.0", "0.34", deferred_frees=True, abort_while_receiving="delayed", connector_timeout_s=480.0,
         steps_for_pending_sends=True,
-        unknown_send=_ASSERTS, unknown_recv=_ASSERTS),
+        unknown_send=_ASSERTS, unknown_recv=_ASSERTS, nixl_send_lease_s=30.0),
 )
 NEWEST = BEHAVIOURS[-1]
 
@@ -134,12 +156,27 @@ def trace_behaviour(ctx: Any) -> ReleaseBehaviour:
     return ctx.cached("releases.trace_behaviour", lambda: behaviour_of(trace_release(ctx)))
 
 
+def grace_configured(ctx: Any) -> bool:
+    """Whether the analysis was given its own `grace_s` (`--grace-s`, `[tool.pdtrace]`): it then overrides every
+    release's timeout, lease included."""
+    from pdtrace.analysis.config import AnalysisConfig
+
+    return float(ctx.config.grace_s) != AnalysisConfig.grace_s
+
+
 def grace_s(ctx: Any) -> float:
     """The grace period of the leak and stuck-wait rules: the configured `grace_s` where it was changed from its
     default, else the recorded release's longest connector timeout (120 s up to 0.11.0, 480 s later)."""
-    from pdtrace.analysis.config import AnalysisConfig
-
-    configured = float(ctx.config.grace_s)
-    if configured != AnalysisConfig.grace_s:
-        return configured
+    if grace_configured(ctx):
+        return float(ctx.config.grace_s)
     return trace_behaviour(ctx).connector_timeout_s
+
+
+def nixl_send_lease_s(ctx: Any, connector: str | None) -> float | None:
+    """The lease under which a NIXL prefill side holds a finished request's blocks for the decode side's read, for
+    the recorded release (30 s from 0.22; None before, and for another connector or a configured `grace_s`).
+    `connector` is the scheduler's engine_config `connector` (`NixlConnector`); a MultiConnector names no single
+    connector and keeps the longest timeout."""
+    if grace_configured(ctx) or not connector or "nixl" not in str(connector).lower():
+        return None
+    return trace_behaviour(ctx).nixl_send_lease_s

@@ -100,7 +100,7 @@ def analyze(
                                           help="Exit 1 when a finding is at or above this severity: error "
                                                "(default), warning, info or never."),
     grace_s: Optional[float] = typer.Option(None, "--grace-s", help="Grace period for transfers and leaks, s "
-                                            "(default 480)."),
+                                            "(default: the recorded release's connector timeouts)."),
     starve_steps: Optional[int] = typer.Option(None, "--starve-steps", help="Steps before a waiting request is "
                                                "starved (default 50)."),
     zombie_steps: Optional[int] = typer.Option(None, "--zombie-steps", help="Steps before a running request that "

@@ -31,6 +31,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 
 from pdtrace.dryrun.compat import model_runner_output, split_sampling
+from pdtrace.recording.vllm._common import batch_queue_depth
 
 if TYPE_CHECKING:
     from pdtrace.dryrun.sim import SimEngine
@@ -140,9 +141,10 @@ class SimExecutor(Executor):
     @property
     def max_concurrent_batches(self) -> int:
         vc = self.vllm_config
-        if hasattr(vc, "max_concurrent_batches"):  # 0.28+
-            return vc.max_concurrent_batches
-        # 0.10 / 0.11: the executor's own answer (MultiprocExecutor.max_concurrent_batches).
+        depth = batch_queue_depth(vc)  # 0.23+
+        if depth is not None:
+            return depth
+        # Before 0.23: the executor's own answer (MultiprocExecutor.max_concurrent_batches).
         return 2 if vc.scheduler_config.async_scheduling else vc.parallel_config.pipeline_parallel_size
 
     # -- the model RPCs ------------------------------------------------------------------------------------

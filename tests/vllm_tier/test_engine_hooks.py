@@ -85,10 +85,11 @@ def test_step_ids_consistent_between_scheduler_submit_and_output(live_plugin, mo
              if e["kind"] in ("sched", "step_submit", "step_output")}
     assert all(order[("sched", s)] < order[("step_submit", s)] < order[("step_output", s)] for s in submit)
     in_flight = [e["n"] for e in H.of_kind(events, "step_submit")]
-    # 0.10.2 to 0.11.x queue a second batch only while the oldest is not done (core.py step_with_batch_queue: `not
-    # batch_queue[-1][0].done()`); the fake executor's futures are done at once, so one batch is in flight there.
-    # 0.10.1.1 fills its queue.Queue first; 0.28+ queue without looking at the oldest batch.
-    most = 1 if (0, 10, 2) <= H.release_key() < (0, 28) else 2
+    # 0.10.2 to 0.22.x queue a second batch only while the oldest is not done (core.py step_with_batch_queue: `not
+    # batch_queue[-1][0].done()`, 0.22.0 core.py:526-529); the fake executor's futures are done at once, so one
+    # batch is in flight there. 0.10.1.1 fills its queue.Queue first; 0.23+ queue without looking at the oldest
+    # batch (0.23.0 core.py:541-546).
+    most = 1 if (0, 10, 2) <= H.release_key() < (0, 23) else 2
     assert max(in_flight) == most and set(in_flight) <= {1, 2}
     assert all("wait_ns" in e["detail"] for e in H.of_kind(events, "step_output"))
     assert {e["step"] for e in H.of_kind(events, "req_sched")} <= set(sched)
@@ -208,7 +209,7 @@ def test_client_request_error_is_recorded_and_reraised_unchanged(live_plugin, bu
     """A duplicate request id from the client trips the scheduler's assert in add_request, between steps, in
     EngineCoreProc._handle_client_request: engine_error (where, error, the request), flushed, and vLLM's own
     exception goes on to kill the busy loop."""
-    if H.release_key() < (0, 28):
+    if H.release_key() < (0, 18):  # 0.18.0 scheduler.py:1710 asserts "duplicate request id"
         pytest.skip(f"vLLM {H.release()}'s add_request does not check for a duplicate request id")
     import pdtrace
 
@@ -250,7 +251,7 @@ def test_executor_failure_reported_to_the_busy_loop_is_recorded(live_plugin, bus
 
 def test_client_request_hook_failure_leaves_vllms_exception_alone(live_plugin, busy_loop_engine, monkeypatch):
     """pdtrace failing while it records the error: recording switches off, vLLM's exception still propagates."""
-    if H.release_key() < (0, 28):
+    if H.release_key() < (0, 18):  # 0.18.0 scheduler.py:1710 asserts "duplicate request id"
         pytest.skip(f"vLLM {H.release()}'s add_request does not check for a duplicate request id")
     from pdtrace.recording.vllm import v0_33
     from pdtrace.recording.vllm._runtime import RUNTIME
@@ -300,7 +301,7 @@ def test_runs_of_empty_steps_are_coalesced(live_plugin, model_dir, batch_queue):
     H.engine_add(engine, H.make_request("r1", 40, remote_decode=True))
     _run(engine)
     calls = len(executor.submitted)                           # every schedule() call was submitted
-    if calls <= 30 and H.release_key() < (0, 28):
+    if calls <= 30 and not H.behaviour().steps_for_pending_sends:
         pytest.skip(f"vLLM {H.release()} made {calls} steps: no run of empty steps waiting for the send")
     assert calls > 30
 

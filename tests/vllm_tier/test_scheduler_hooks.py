@@ -74,13 +74,13 @@ def test_prefill_side_lifecycle(recording, model_dir):
 
 
 def test_partial_tail_pin_returns_to_the_pool_with_its_request(recording, model_dir):
-    """0.28.0: a producer's copy-on-write tail block handed to an offloading connector is pinned outside the
+    """0.27.0 to 0.28.0: a producer's copy-on-write tail block handed to an offloading connector is pinned outside the
     request's block table (KVCacheManager.take_partial_tail_offloads) and unpinned first thing in
     KVCacheManager.free; its return to the pool is recorded, and it is no block of the request."""
     s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_producer", engine_id="prefill-0"))
     kvm = s.kv_cache_manager
     if not hasattr(kvm, "_partial_tail_pins"):
-        pytest.skip(f"vLLM {H.release()} pins no partial-tail blocks (0.28.0 only)")
+        pytest.skip(f"vLLM {H.release()} pins no partial-tail blocks (0.27.0 to 0.28.0 only)")
     faker = H.OutputFaker()
     s.add_request(H.make_request("r1", 40, remote_decode=True))
     H.step(s, faker)                                   # step 0: prefill, finishes with length, blocks held
@@ -127,8 +127,9 @@ def test_decode_side_lifecycle(recording, model_dir):
     assert add["detail"] == {"remote_prefill": True, "remote_decode": False, "remote_instance": "prefill-0",
                              "remote_req": "p7", "remote_blocks": [11, 12, 13]}
     assert alloc["blocks"] == [1, 2, 3] and alloc["detail"] == {"hit": 0, "external": 3}
-    # 0.10 / 0.11 set num_computed_tokens only when the read completes: the external tokens are unknown (null).
-    assert wait["blocks"] == [1, 2, 3] and wait["n"] == (40 if H.release_key() >= (0, 28) else None)
+    # Before 0.18 vLLM sets num_computed_tokens only when the read completes: the external tokens are unknown (null);
+    # 0.18+ set it at the switch into WAITING_FOR_REMOTE_KVS (0.18.0 scheduler.py:781).
+    assert wait["blocks"] == [1, 2, 3] and wait["n"] == (40 if H.release_key() >= (0, 18) else None)
     assert recv["status"] == "WAITING_FOR_REMOTE_KVS"
     assert (finish["reason"], finish["status"], finish["delay_free"]) == ("stop", "FINISHED_STOPPED", False)
     assert (free["blocks"], free["reason"], free["deferred"]) == ([1, 2, 3], "finished", False)
@@ -170,8 +171,11 @@ def test_preemption_and_resumption(recording, model_dir):
     assert pooled == freed
 
 
-def test_prefix_cache_hit(recording, model_dir):
-    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=None, max_num_batched_tokens=128))
+@pytest.mark.parametrize("kv_role", [None, "kv_both"])
+def test_prefix_cache_hit(recording, model_dir, kv_role):
+    """The local hit, without a connector and with one: 0.28+ `_get_local_prefix_cache_hit`; 0.27 reads it with a
+    connector from `get_computed_blocks_for_connector`; 0.18-0.26 from `get_computed_blocks` either way."""
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role=kv_role, max_num_batched_tokens=128))
     faker = H.OutputFaker()
     prompt = list(range(100, 164))                    # 4 full blocks
     s.add_request(H.make_request("a", 64, max_tokens=2, prompt=prompt))

@@ -3,9 +3,14 @@
 Algorithm, over the ownership intervals never closed by a free (one finding per request):
 - `definitely` (error): the owner finished (`req_finish`) and has no open transfer at the end of the trace: nothing
   will ever free the blocks.
-- `indirectly` (error): the owner is stuck waiting on a peer for longer than the grace period (`grace_s`, default
-  480 s) before the end of the trace: finished with delay_free and no `kv_send_done` / `kv_expire`, or waiting for
-  remote KV with no `kv_recv_done` / `kv_recv_fail`. Shorter waits are transfers still in flight, not leaks.
+- `indirectly` (error): the owner is stuck waiting on a peer for longer than the grace period (`grace_s`: the
+  recorded release's longest connector timeout, 120 s up to 0.11.0, else 480 s, unless configured) before the end
+  of the trace: finished with delay_free and no `kv_send_done` / `kv_expire`, or waiting for remote KV with no
+  `kv_recv_done` / `kv_recv_fail`. Shorter waits are transfers still in flight, not leaks. A NIXL prefill side's
+  send from 0.22 (`send_lease`) is judged by the side's own timeout instead: a 30 s lease that the decode side's
+  heartbeats renew while its request waits for the read, so it is overdue a lease after the later of the finish
+  and the end of the decode side's wait. While the decode side still waits at the end of the trace, or where it is
+  not in the trace (its heartbeats cannot be seen), the longest timeout stays.
 - `possibly` (warning): the owner is alive (not finished) and had no scheduler event for longer than the grace
   period before the end of the trace.
 - A deferred free (`deferred=true`) whose blocks were held by nobody else and never reached `blocks_pool_free`,
@@ -54,8 +59,8 @@ from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.history import history
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.releases import grace_s
-from pdtrace.analysis.requests import request_state
+from pdtrace.analysis.releases import grace_s, nixl_send_lease_s
+from pdtrace.analysis.requests import remote_flags, request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
                                       engine_failures, fmt_blocks, gaps, groups, inst_code_of_sk, rank_report,
                                       sk_instance, step_index)
@@ -127,17 +132,33 @@ def run(ctx: Any) -> pd.DataFrame:
             wait_start, wait_close = (int(x[0]) for x in st.recv_window_at(np.array([rk]), np.array([end_pos])))
             if send_open or recv_open:
                 since = fin if send_open else wait_start
-                if end_ts - ts_at(since) <= grace_ns:
+                wait_grace, wait_grace_ns, lease_from = grace, grace_ns, None
+                lease = send_lease(ctx, rk, sk, fin) if send_open else None
+                if lease is not None:
+                    lease_from, wait_grace = max(since, lease[0]), lease[1]
+                    wait_grace_ns = int(wait_grace * 1e9)
+                if end_ts - ts_at(since if lease_from is None else lease_from) <= wait_grace_ns:
                     if fin >= 0:  # finished (or aborted) and still waiting: still held, within the grace period
-                        _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open)
+                        _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open, wait_grace)
                     continue
-                if failure is not None and failure.point_ts - ts_at(since) <= grace_ns:
+                if lease_from is not None:
+                    since = lease_from
+                if failure is not None and failure.point_ts - ts_at(since) <= wait_grace_ns:
                     crash = failure
                 cls = "indirectly"
-                evidence.append(ev.ref(int(cols.order[since]), "finished with delay_free: waiting for the peer's "
-                                       "read" if send_open else "waiting for remote KV since"))
-                why = (f"waits {'to send its KV' if send_open else 'for remote KV'} for "
-                       f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {grace:g} s) and never completes")
+                evidence.append(ev.ref(int(cols.order[fin if send_open else since]),
+                                       "finished with delay_free: waiting for the peer's read" if send_open
+                                       else "waiting for remote KV since"))
+                if lease_from is not None and lease_from != fin:
+                    ev.refs([int(cols.order[lease_from])])
+                    evidence.append(ev.ref(int(cols.order[lease_from]), "the decode side stopped waiting here: "
+                                           "its heartbeats no longer renew the send's lease"))
+                    why = (f"holds them for the decode side's read {(end_ts - ts_at(since)) / 1e9:.1f} s after "
+                           f"that side stopped waiting for it, past NIXL's lease ({wait_grace:g} s, "
+                           f"kv_lease_duration), and never frees them")
+                else:
+                    why = (f"waits {'to send its KV' if send_open else 'for remote KV'} for "
+                           f"{(end_ts - ts_at(since)) / 1e9:.1f} s (grace {grace:g} s) and never completes")
                 context = f"leaked_blocks:indirectly:{'send' if send_open else 'recv'}"
                 ranks = rank_report(ctx, rk, "send" if send_open else "recv")
                 if ranks is not None:
@@ -207,8 +228,47 @@ def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str
              ev.ref(fin_row).get("step"))
 
 
+def send_lease(ctx: Any, rk: int, sk: int, fin: int) -> tuple[int, float] | None:
+    """The NIXL lease a prefill side's open send is judged by (releases.nixl_send_lease_s: 0.22+), as (the position
+    it runs from, its length in s), or None where the release's longest timeout applies, from the finish: another
+    connector or release, a configured grace, a request that is no prefill side of P/D (a decode side's own send,
+    bidirectional: `decoder_kv_blocks_ttl`), a decode side not in the trace (its heartbeats, unseen, may renew the
+    lease as long as it waits), or one that still waits at the end of the trace (its heartbeats renew the lease:
+    P's blocks are held for that wait, lost with it once it outlasts the grace period).
+
+    The decode side heartbeats for its request from its arrival until its read closes or it finishes (nixl
+    scheduler `on_new_request` / `_stop_heartbeat`), each heartbeat pushing P's expiry to 2/3 of the lease ahead;
+    so once it stopped, the send is overdue a lease after the later of P's finish and the end of that wait. The
+    decode side is the request naming this one as its `remote_instance` / `remote_req`."""
+    cols = columns(ctx)
+    lease = nixl_send_lease_s(ctx, engine_configs(ctx).get(sk, {}).get("connector"))
+    if lease is None or fin < 0:
+        return None
+    st = request_state(ctx)
+    prefill, decode, _, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, st.n))
+    if not decode[rk]:
+        return None
+    decode_side = _decode_sides(ctx).get((sk_instance(cols, sk)[0], str(cols.rk_names["req"].iloc[rk])))
+    if decode_side is None:
+        return None
+    ends = [int(p) for p in (st.recv_close_pos[decode_side], st.finish_pos[decode_side]) if p >= 0]
+    return (min(ends), lease) if ends else None
+
+
+def _decode_sides(ctx: Any) -> dict[tuple[str, str], int]:
+    """(prefill instance, prefill request) -> the request key of its decode side, for the requests of the trace
+    that name their prefill side."""
+    def build() -> dict[tuple[str, str], int]:
+        cols = columns(ctx)
+        n = request_state(ctx).n
+        prefill, _, instance, remote_req = cols.once("requests.remote_flags", lambda: remote_flags(cols, n))
+        keys = np.flatnonzero(prefill & pd.notna(instance) & pd.notna(remote_req))
+        return {(str(instance[k]), str(remote_req[k])): int(k) for k in keys.tolist()}
+    return ctx.cached("leaked_blocks.decode_sides", build)
+
+
 def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, sk: int, alloc_row: int,
-                blocks: list[int], fin: int, since: int, send_open: bool) -> None:
+                blocks: list[int], fin: int, since: int, send_open: bool, grace_s: float) -> None:
     """An info finding (subrule `still_held`) for blocks a finished or aborted request still holds at the end of the
     trace while it waits, within the grace period, for the completion of its transfer: memcheck's "still
     reachable" at exit, not a leak (yet)."""
@@ -228,7 +288,6 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
         evidence.append(ev.ref(int(cols.order[since]), "waiting for remote KV since"))
     instance, dp = sk_instance(cols, sk)
     req = ev.ref(alloc_row).get("req")
-    grace_s = float(ctx.config.grace_s)
     records.append({
         "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
         "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,

@@ -62,6 +62,12 @@ _TABLES: tuple[TableRange, ...] = (
     TableRange("0.14.0", "0.16", "pdtrace.recording.vllm.v0_14", ("0.14.0", "0.14.1", "0.15.0", "0.15.1"),
                ("0.15.1",)),
     TableRange("0.16.0", "0.18", "pdtrace.recording.vllm.v0_16", ("0.16.0", "0.17.0", "0.17.1"), ()),
+    TableRange("0.18.0", "0.24", "pdtrace.recording.vllm.v0_18",
+               ("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1",
+                "0.23.0"), ("0.20.0",)),
+    TableRange("0.24.0", "0.26", "pdtrace.recording.vllm.v0_24", ("0.24.0", "0.25.0", "0.25.1"), ("0.24.0",)),
+    TableRange("0.26.0", "0.27", "pdtrace.recording.vllm.v0_26", ("0.26.0",), ("0.26.0",)),
+    TableRange("0.27.0", "0.28", "pdtrace.recording.vllm.v0_27", ("0.27.0", "0.27.1"), ("0.27.1",)),
     TableRange("0.28.0", "0.32", "pdtrace.recording.vllm.v0_28", ("0.28.0", "0.29.0", "0.30.0", "0.31.0"),
                ("0.28.0", "0.29.0", "0.30.0", "0.31.0"), splits=("0.28.0",)),  # partial-tail pins; no failed_recving
     TableRange("0.32.0", "0.34", "pdtrace.recording.vllm.v0_33", ("0.32.0", "0.33.0"), ("0.32.0", "0.33.0")),

@@ -153,6 +153,15 @@ def instance_of(vllm_config: Any, worker: bool = False) -> tuple[str, str, int |
     return identity
 
 
+def batch_queue_depth(vllm_config: Any) -> int | None:
+    """How many batches the engine core's batch queue holds, where the config says it:
+    `VllmConfig.max_concurrent_batches` (0.23+, config/vllm.py:497 of 0.23.0: pp, pp + 1 with async scheduling on
+    the V2 runner, 2 with async scheduling on one stage). None before: there only the executor answers it (its own
+    `max_concurrent_batches`, which EngineCore reads), and a reader that needs a number applies that executor's
+    rule itself (the dry run's executor) or its own default (no_progress: 1, 2 with async scheduling)."""
+    return getattr(vllm_config, "max_concurrent_batches", None)
+
+
 def remote_instance(engine_id: Any) -> str | None:
     """A remote engine id as `instance` (same `_dp{N}` rule)."""
     if not engine_id:

@@ -19,13 +19,14 @@ Read from each release's vllm/v1/core/sched/scheduler.py (0.28.0, 0.29.0, 0.30.0
   per-rank completions are read from the ModelRunnerOutput it holds). The order drain -> free -> transfer
   handling in `update_from_output` is unchanged, and so are deferred frees (`pop_blocks_for_free`,
   `_drain_deferred_frees`) and copy-on-write retentions (`_free_cow_retained_blocks`).
-* 0.28.0 only: a KV producer's copy-on-write tail block handed to an offloading connector (Mamba "align" groups,
-  `KVCacheManager.take_partial_tail_offloads`) is pinned outside the request's block table
-  (`KVCacheManager._partial_tail_pins`, ref count +1) and unpinned with the request's blocks: prepended to what
-  `pop_blocks_for_free` returns (a deferred free: `_drain_deferred_frees` reports its return to the pool, as for
-  any deferred block), or freed first thing in `KVCacheManager.free` (kv_cache_manager.py:570-581), where the 0.33
-  wrapper looks at the block table only. `_w_kvm_free` adds the pool return of those pins. The pin is no block
-  of the request (its `blocks_free` stays the table's, as in 0.29+, where nothing is pinned).
+* 0.28.0 only (and 0.27.x, whose v0_27 table keeps this wrapper): a KV producer's copy-on-write tail block handed
+  to an offloading connector (Mamba "align" groups, `KVCacheManager.take_partial_tail_offloads`) is pinned outside
+  the request's block table (`KVCacheManager._partial_tail_pins`, ref count +1) and unpinned with the request's
+  blocks: prepended to what `pop_blocks_for_free` returns (a deferred free: `_drain_deferred_frees` reports its
+  return to the pool, as for any deferred block), or freed first thing in `KVCacheManager.free`
+  (kv_cache_manager.py:570-581), where the 0.33 wrapper looks at the block table only. `_w_kvm_free` adds the pool
+  return of those pins. The pin is no block of the request (its `blocks_free` stays the table's, as in 0.29+,
+  where nothing is pinned).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _w_schedule(orig: Any) -> Any:
 
 
 def _w_kvm_free(orig: Any) -> Any:
-    """0.33's KVCacheManager.free wrapper, then blocks_pool_free for the request's partial-tail pins (0.28.0's
-    `_partial_tail_pins`; none in 0.29-0.31, which have no such attribute) whose ref count reached 0."""
+    """0.33's KVCacheManager.free wrapper, then blocks_pool_free for the request's partial-tail pins (0.27.0 to
+    0.28.0's `_partial_tail_pins`, v0_27 too; none in 0.29-0.31, which have no such attribute) whose ref count reached 0."""
     recorded = v0_33._w_kvm_free(orig)
 
     def free(self: Any, request: Any) -> Any:

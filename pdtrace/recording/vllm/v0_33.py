@@ -52,6 +52,7 @@ from pdtrace.recording.vllm._common import (
     SchedulerState,
     WorkerState,
     attach_state,
+    batch_queue_depth,
     fix_engine_identity,
     instance_of,
     remote_instance,
@@ -142,7 +143,7 @@ def _new_sched_state(sched: Any) -> SchedulerState:
             "pp": pc.pipeline_parallel_size,
             "tp": pc.tensor_parallel_size,
             "dp": pc.data_parallel_size,
-            "batch_queue_size": getattr(vc, "max_concurrent_batches", None),  # 0.28+ (0.10 / 0.11: the executor's)
+            "batch_queue_size": batch_queue_depth(vc),  # 0.23+; null before (the executor's)
             "async_scheduling": bool(sc.async_scheduling),
             "defer_block_free": bool(getattr(sched, "defer_block_free", False)),  # none before 0.28
             "kv_role": getattr(kv, "kv_role", None),
