@@ -20,6 +20,9 @@ What crosses instances in the rules today (grep `remote_instance`, `remote_req`,
   detail `remote_instance` / `remote_req`) decides severity and evidence (the sender expired the transfer or saw
   the send finish, counted in D's steps after it) and cites the sender's engine failure. Summary: the instances
   outside D that D's open waits name.
+- leaked_blocks: a NIXL prefill side's open send (0.22+) is judged by a lease counted from the end of its decode
+  side's wait (`leaked_blocks.send_lease`). Summary: whether the partition reported a leak, and the instances its
+  requests name as their prefill side.
 - (`pdtrace.analysis.story` follows the same links for `show`, not for analyze; no rule estimates clock skew today.)
 
 Phase 2 (`link_groups`): join the summaries. A read whose (owner, req, ts) falls inside a gap of another partition
@@ -70,7 +73,10 @@ from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, lo
 PARTITION_MIN_EVENTS = 2_000_000
 
 #: The rules with a cross-instance part, and that part (subrule): phase 2 re-runs these on linked groups.
-CROSS_SUBRULES = {"use_after_free": "remote_read", "unscheduled_request": "stuck_waiting_kv"}
+CROSS_SUBRULES = {"use_after_free": "remote_read", "unscheduled_request": "stuck_waiting_kv",
+                  # a NIXL prefill side's send (0.22+) is judged by a lease counted from the end of its decode
+                  # side's wait (leaked_blocks.send_lease): the same link as a waiting request's
+                  "leaked_blocks": "send"}
 
 _OPEN_END = np.iinfo(np.int64).max
 
@@ -283,6 +289,11 @@ class LinkSummary:
     gaps: pd.DataFrame
     #: instances outside the partition named by its stuck_waiting_kv findings open at the end of the trace
     waits_on: tuple[str, ...]
+    #: whether leaked_blocks reported anything here (a prefill side's send may be judged by its NIXL lease, which
+    #: runs from the end of its decode side's wait: leaked_blocks.send_lease)
+    leaks: bool = False
+    #: instances outside the partition that its requests name as their prefill side (req_add `remote_instance`)
+    prefill_peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -400,7 +411,14 @@ def link_summary(ctx: AnalysisContext, rules: Sequence[Rule], frames: Sequence[p
                            & frame["extra"].map(lambda e: bool((e or {}).get("open_at_end")))]
         if len(open_waits):
             waits = _waited_on(ctx, open_waits) - mine
-    return LinkSummary(tuple(instances), reads, gaps, tuple(sorted(waits)))
+    leaks, peers = False, set()
+    if "leaked_blocks" in ids and cols.n:
+        from pdtrace.analysis.requests import remote_flags, request_state
+
+        leaks = bool(len(frames[ids.index("leaked_blocks")]))
+        prefill, _, named, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, request_state(ctx).n))
+        peers = {str(name) for name in named[prefill] if name is not None} - mine
+    return LinkSummary(tuple(instances), reads, gaps, tuple(sorted(waits)), leaks, tuple(sorted(peers)))
 
 
 def _waited_on(ctx: AnalysisContext, waits: pd.DataFrame) -> set[str]:
@@ -432,6 +450,9 @@ def link_groups(summaries: Sequence[LinkSummary]) -> dict[str, list[tuple[str, .
         for name in s.waits_on:
             if name in owner_of:
                 links["unscheduled_request"].add((i, owner_of[name]))
+        for name in s.prefill_peers:
+            if name in owner_of and summaries[owner_of[name]].leaks:
+                links["leaked_blocks"].add((i, owner_of[name]))
         if len(s.remote_reads) and gaps is not None:
             hit = s.remote_reads.merge(gaps, left_on=["owner", "req"], right_on=["instance", "req"], how="inner")
             hit = hit[(hit["start_ts"] <= hit["ts_ns"]) & (hit["ts_ns"] <= hit["end_ts"])]
