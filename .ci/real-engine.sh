@@ -6,7 +6,8 @@
 #        given, replace the default tests/real_engine, e.g. one module and -x)
 #
 # Each run starts a real engine (1-3 minutes on 2 cores, mostly start-up); the modules share one run per fixture.
-# Two pytest workers (one module each at a time) overlap one run's start-up with another's work.
+# One pytest worker by default: vLLM's CPU workers spin OpenMP threads on every core they are bound to, and two
+# engines of two modules at once (each on both cores) slowed a P/D pair from ~2 to 15 minutes and failed it.
 set -euo pipefail
 
 if [[ $# -lt 1 || -z "$1" ]]; then
@@ -25,7 +26,7 @@ REAL_ENGINE_TIMES="$(mktemp)"
 base_temp="$(mktemp -d)"
 trap 'rm -rf "$REAL_ENGINE_TIMES" "$base_temp"' EXIT
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$venv_dir/bin/python" -m pytest -q -m real_vllm \
-    -n "${REAL_ENGINE_WORKERS:-2}" --dist loadfile --basetemp "$base_temp/t" "${@:-tests/real_engine}" \
+    -n "${REAL_ENGINE_WORKERS:-1}" --dist loadfile --basetemp "$base_temp/t" "${@:-tests/real_engine}" \
     || status=$?
 sort "$REAL_ENGINE_TIMES" >&2   # one line per engine run: its wall seconds
 echo "real-engine: tier done in $(( $(date +%s) - start_s )) s, status $status" >&2
