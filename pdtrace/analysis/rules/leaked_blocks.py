@@ -219,7 +219,7 @@ def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str
         fin_row = int(cols.order[fin])
         sk = int(st.sk[rk])
         if end_ts - int(cols.ts[fin_row]) <= grace_ns:
-            _still_held(ctx, ev, records, rk, sk, fin_row, [], fin, fin, True)
+            _still_held(ctx, ev, records, rk, sk, fin_row, [], fin, fin, True, grace)
             continue
         evidence = [ev.ref(fin_row, "finished with delay_free: waiting for the peer's read")]
         why = (f"waits to send its KV for {(end_ts - int(cols.ts[fin_row])) / 1e9:.1f} s (grace {grace:g} s) and "
