@@ -15,25 +15,6 @@ import harness as H  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture
-def live_plugin(tmp_path, monkeypatch):
-    """The recording switch on and vLLM's "plugins loaded" flag cleared: EngineCore.__init__ loads pdtrace."""
-    import vllm.plugins
-
-    from pdtrace.recording import session
-    from pdtrace.recording.vllm import uninstall_hooks
-    from pdtrace.recording.vllm._runtime import RUNTIME
-
-    trace = tmp_path / "trace"
-    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(trace))
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
-    yield trace
-    session.reset()
-    uninstall_hooks()
-    RUNTIME.reset()
-
-
 _ENGINES: list = []
 
 

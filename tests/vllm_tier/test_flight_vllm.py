@@ -18,23 +18,10 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture
-def flight_plugin(tmp_path, monkeypatch):
-    """The recording switch on in flight mode (60 s) and vLLM's "plugins loaded" flag cleared."""
-    import vllm.plugins
-
-    from pdtrace.recording import session
-    from pdtrace.recording.vllm import uninstall_hooks
-    from pdtrace.recording.vllm._runtime import RUNTIME
-
-    trace = tmp_path / "trace"
-    monkeypatch.setenv("PDTRACE_TRACE_DIR", str(trace))
+def flight_plugin(live_plugin, monkeypatch):
+    """The recording switch on in flight mode (60 s) and vLLM's "plugins loaded" flag cleared (`live_plugin`)."""
     monkeypatch.setenv("PDTRACE_FLIGHT", "60")
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
-    yield trace
-    session.reset()
-    uninstall_hooks()
-    RUNTIME.reset()
+    return live_plugin
 
 
 _ENGINES: list = []
