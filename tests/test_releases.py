@@ -149,11 +149,20 @@ def _ci_matrix():
     return module
 
 
-def test_default_ci_matrix_runs_every_table_and_every_behaviour_row_once():
+def test_default_ci_matrix_runs_each_table_once_on_its_newest_tested_release():
+    from pdtrace.recording.vllm import _TABLES
+
+    picked = _ci_matrix().default_matrix()
+    assert [table_for(v) for v in picked] == list(_TABLES)
+    for entry, version in zip(_TABLES, picked):
+        assert version == (entry.tested[-1] if entry.tested else entry.releases[-1])
+
+
+def test_behaviours_ci_matrix_runs_every_table_and_every_behaviour_row_once():
     from pdtrace.recording.vllm import _TABLES
 
     matrix = _ci_matrix()
-    picked = matrix.default_matrix()
+    picked = matrix.behaviour_matrix()
     assert len(picked) == len(set(picked))
     for entry in _TABLES:
         mine = [v for v in picked if table_for(v) == entry]

@@ -88,14 +88,25 @@ def ensure_cpu_platform() -> None:
     """0.10 / 0.11 detect the CPU platform only in a CPU build of vLLM (a `cpu` version suffix) or on macOS; the
     CUDA wheel on a machine without a GPU gets UnspecifiedPlatform, which refuses to build a VllmConfig
     (is_async_output_supported raises NotImplementedError). Resolve it to CpuPlatform there, as a CPU build would;
-    newer releases already do so themselves."""
+    newer releases already do so themselves.
+
+    The CpuPlatform set here loads no kernels: 0.16-0.17's `CpuPlatform.import_kernels` (called by the first import
+    of `vllm._custom_ops`, e.g. from the scheduler's module on 0.17) asks `torch._C._cpu._is_avx512_supported`, which
+    the CPU torch the tier runs no longer has, and a CUDA wheel ships no CPU kernels to load; the dry run runs no
+    model."""
     import vllm.platforms as platforms
 
     current = platforms.current_platform
     if type(current).__name__ == "UnspecifiedPlatform":
         from vllm.platforms.cpu import CpuPlatform
 
-        platforms._current_platform = CpuPlatform()
+        platform = CpuPlatform()
+        platform.import_kernels = _no_kernels  # type: ignore[method-assign]
+        platforms._current_platform = platform
+
+
+def _no_kernels() -> None:
+    """`import_kernels` of the dry run's CpuPlatform (ensure_cpu_platform): nothing to load."""
 
 
 def full_attention_spec(block_size: int, num_kv_heads: int = 1, head_size: int = 1, dtype: Any = None) -> Any:
@@ -167,12 +178,12 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], 
 
 
 def warm_up_reply() -> Any:
-    """One worker's reply to the `compile_or_warm_up_model` RPC: CompilationTimes (0.28+), None before (0.10 / 0.11
-    ignore it)."""
+    """One worker's reply to the `compile_or_warm_up_model` RPC: CompilationTimes (0.28+), else seconds as a float
+    (0.16-0.27 take the `max` of the ranks' replies; 0.10-0.15 ignore it)."""
     try:
         from vllm.v1.worker.worker_base import CompilationTimes  # type: ignore[attr-defined]
     except ImportError:
-        return None
+        return 0.0
     return CompilationTimes(0.0, 0.0)
 
 

@@ -29,8 +29,8 @@ class TableRange:
     """The releases `first` <= release < `before` share the hook table of `module` (its `TABLE`). `releases`: the
     published releases of the range (`.ci/run --all-versions` runs the vLLM tier on each); `tested`: those the tier
     has passed on; `splits`: tested releases that behave differently inside the range, in a way the tier tests and
-    the newest release does not show (`.ci/run` runs the newest tested release, these, and one release of each
-    behaviour row of pdtrace.analysis.releases: .ci/vllm_matrix.py)."""
+    the newest release does not show (`.ci/run` runs the newest tested release; `.ci/run --behaviours` also these,
+    and one release of each behaviour row of pdtrace.analysis.releases: .ci/vllm_matrix.py)."""
 
     first: str
     before: str
@@ -61,7 +61,7 @@ _TABLES: tuple[TableRange, ...] = (
                ("0.11.1", "0.11.2", "0.12.0")),
     TableRange("0.14.0", "0.16", "pdtrace.recording.vllm.v0_14", ("0.14.0", "0.14.1", "0.15.0", "0.15.1"),
                ("0.15.1",)),
-    TableRange("0.16.0", "0.18", "pdtrace.recording.vllm.v0_16", ("0.16.0", "0.17.0", "0.17.1"), ()),
+    TableRange("0.16.0", "0.18", "pdtrace.recording.vllm.v0_16", ("0.16.0", "0.17.0", "0.17.1"), ("0.17.1",)),
     TableRange("0.18.0", "0.24", "pdtrace.recording.vllm.v0_18",
                ("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1",
                 "0.23.0"), ("0.20.0",)),
