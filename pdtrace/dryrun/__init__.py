@@ -98,7 +98,6 @@ def _count_rows(output_dir: Path) -> int:
 
 
 def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
-    import subprocess
     import tempfile
 
     _check_vllm_importable()
@@ -110,14 +109,11 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         # The child imports this very pdtrace, installed or not.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        # vLLM logs on stdout; the child's stdout goes to our stderr (stdout is for results).
-        proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", str(cfg_path), str(out), str(res_path)],
-                              env=env, stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0 or not res_path.exists():
-            tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-            raise RecordingError(f"the dry run's process failed (exit {proc.returncode}): {tail[0]}")
-        noise = _child_noise(proc.stderr or "")
+        returncode, stderr = _spawn_child([str(cfg_path), str(out), str(res_path)], env)
+        if returncode != 0 or not res_path.exists():
+            tail = stderr.strip().splitlines()[-1:] or ["no output"]
+            raise RecordingError(f"the dry run's process failed (exit {returncode}): {tail[0]}")
+        noise = _child_noise(stderr)
         if noise:
             sys.stderr.write(noise)
         data = json.loads(res_path.read_text())
@@ -129,6 +125,18 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         raise RecordingError(data["recording_error"])
     data["output_dir"] = Path(data["output_dir"])
     return DryRunResult(**data)
+
+
+def _spawn_child(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run `python -m pdtrace.dryrun._child ARGS` with `env` and wait: (its exit status, its stderr). vLLM logs on
+    stdout; the child's stdout goes to our stderr (stdout is for results). The one place the dry run starts its
+    process (the vLLM test tier swaps in a server that imports vLLM once per test worker and forks per run)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", *args], env=env,
+                          stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    return proc.returncode, proc.stderr or ""
 
 
 #: What vLLM always says on this CPU-only install (no vllm._C, no NIXL, no Triton): not worth a user's attention.

@@ -17,6 +17,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _dry_runs_share_one_vllm_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier's in-process dry runs fork from a server that imported vLLM once (dryrun_zygote.py says why);
+    PDTRACE_TIER_FRESH_DRY_RUNS=1 gives each its own fresh process, as users' runs have."""
+    import os
+
+    if os.environ.get("PDTRACE_TIER_FRESH_DRY_RUNS") == "1":
+        return
+    import dryrun_zygote
+
+    import pdtrace.dryrun
+
+    monkeypatch.setattr(pdtrace.dryrun, "_spawn_child", dryrun_zygote.spawn)
+
+
 @pytest.fixture
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return harness.tiny_model_dir(tmp_path_factory.getbasetemp())

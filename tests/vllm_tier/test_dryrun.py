@@ -102,6 +102,22 @@ def test_same_seed_same_trace(tmp_path: Path) -> None:
     assert not events(tmp_path / "other").drop(columns=["pid"]).astype(str).equals(frames[0])
 
 
+def test_a_dry_run_forked_from_the_tier_server_equals_a_fresh_process(tmp_path: Path, monkeypatch) -> None:
+    """The tier forks its dry runs from a server that imported vLLM once (dryrun_zygote.py); a user's run is a fresh
+    process. Same config and seed: the same events, so what the tier checks is what users get."""
+    import dryrun_zygote
+
+    import pdtrace.dryrun
+
+    cfg = DryRunConfig(requests=12, pp=2, rate=400.0, seed=11)
+    assert pdtrace.dryrun._spawn_child is dryrun_zygote.spawn
+    run_dry_run(cfg, tmp_path / "forked")
+    monkeypatch.setattr(pdtrace.dryrun, "_spawn_child", dryrun_zygote.FRESH)
+    run_dry_run(cfg, tmp_path / "fresh")
+    forked, fresh = (events(tmp_path / d).drop(columns=["pid"]).astype(str) for d in ("forked", "fresh"))
+    assert len(fresh) > 200 and forked.equals(fresh)
+
+
 def test_pipeline_order_partial_prefill_and_persistent_batch(tmp_path: Path) -> None:
     """PP=2, one engine: stages run in pipeline order; a prompt longer than the token budget samples nothing for its
     first chunk; the V1 persistent batch drops requests that a step does not schedule."""
