@@ -87,8 +87,8 @@ def note_wall(name: str, run: Run) -> None:
     print(line, end="")
 
 
-def record_cmd(trace: Path, argv: list[str]) -> list[str]:
-    return [PYTHON, "-m", "pdtrace", "record", "-o", str(trace), "--", *argv]
+def record_cmd(trace: Path, argv: list[str], record_args: list[str] = ()) -> list[str]:
+    return [PYTHON, "-m", "pdtrace", "record", *record_args, "-o", str(trace), "--", *argv]
 
 
 def record_offline(trace: Path, spec: dict[str, Any], env: dict[str, str]) -> Run:
@@ -110,7 +110,8 @@ class Server:
     """`pdtrace record -o TRACE -- python -m vllm.entrypoints.openai.api_server ...` in its own session (as a
     terminal runs a foreground job: Ctrl-C reaches the whole process group)."""
 
-    def __init__(self, trace: Path, model: str, env: dict[str, str], args: list[str] = ()) -> None:
+    def __init__(self, trace: Path, model: str, env: dict[str, str], args: list[str] = (),
+                 record_args: list[str] = ()) -> None:
         self.trace, self.model, self.port = trace, model, free_port()
         self.log_path = trace.parent / f"_{trace.name}.log"  # "_": not an event file, where it lies in a trace
         argv = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
@@ -118,7 +119,7 @@ class Server:
                 "--max-model-len", "1024", "--seed", "0", *args]
         self.t0 = time.monotonic()
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(record_cmd(trace, argv), env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(record_cmd(trace, argv, list(record_args)), env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
