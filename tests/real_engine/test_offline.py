@@ -75,5 +75,6 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     bad = R.findings_at_least(doc)
     assert all((f["rule"], f["subrule"], f["severity"]) == ("pipeline_bubble", "single_micro_batch", "warning")
                for f in bad), bad[:3]
-    assert all(f["extra"]["packed_fraction"] >= 0.5 for f in bad)
+    for f in bad:  # the packed time decided it: the unfilled time alone stays under the error's half
+        assert f["extra"]["unfilled_fraction"] < 0.5 <= f["extra"]["unfilled_fraction"] + f["extra"]["packed_fraction"]
     assert code in (0, 1)
