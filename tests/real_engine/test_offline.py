@@ -73,8 +73,9 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
-    assert all((f["rule"], f["subrule"], f["severity"]) == ("pipeline_bubble", "single_micro_batch", "warning")
-               for f in bad), bad[:3]
-    for f in bad:  # the packed time decided it: the unfilled time alone stays under the error's half
-        assert f["extra"]["unfilled_fraction"] < 0.5 <= f["extra"]["unfilled_fraction"] + f["extra"]["packed_fraction"]
+    assert all(f["rule"] == "pipeline_bubble" and f["severity"] == "warning" for f in bad), bad[:3]
+    bubbles = [f for f in doc["findings"] if f["rule"] == "pipeline_bubble"]
+    assert any(f["subrule"] == "single_micro_batch" for f in bubbles), [(f["subrule"], f["extra"]) for f in bubbles]
+    for f in bubbles:  # the packed time, not runnable requests left waiting, is what the stages lost
+        assert f["extra"]["unfilled_fraction"] < 0.5 and f["extra"]["packed_fraction"] > 0
     assert code in (0, 1)
