@@ -196,6 +196,9 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
         plan = worth_partitioning(trace_or_path, config or AnalysisConfig())
         if plan is not None:
             return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress, plan)
+    if partitioned is None and isinstance(trace_or_path, Trace) and \
+            0 < (config or AnalysisConfig()).window_events < len(trace_or_path):
+        return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress)  # window by window
     if isinstance(trace_or_path, AnalysisContext) and config is None and window(
             trace_or_path.trace, trace_or_path.config) is trace_or_path.trace:
         ctx = trace_or_path  # reuse the caller's derived tables (plots and exports analyse the same context)
@@ -230,22 +233,31 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
         from pdtrace.analysis.distributed import DaskRunner
 
         runner: Any = DaskRunner.connect(dask)
-    elif isinstance(source, Trace) or int(config.jobs) == 1:
+    elif isinstance(source, Trace) or int(config.jobs) == 1 or _one_partition(source, config, plan):
         runner = LocalRunner()
     else:
         runner = ProcessRunner(int(config.jobs) or default_workers())
     if not isinstance(source, (Trace, str, os.PathLike)):
         raise UsageError(f"analyze() takes a Trace or a path, not {type(source).__name__}")
     try:
-        frames, events, trace_notes, parts = analyze_partitioned(source, chosen, config, runner, plan, progress)
+        frames, events, trace_notes, parts, windows = analyze_partitioned(source, chosen, config, runner, plan,
+                                                                          progress)
     finally:
         getattr(runner, "close", lambda: None)()
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": events,
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
-                      "trace_warnings": trace_notes, "partitions": parts,
+                      "trace_warnings": trace_notes, "partitions": parts, "windows": windows,
                       "window": window_summary(_partitioned_window(source, config))}
     return findings
+
+
+def _one_partition(source: Any, config: AnalysisConfig, plan: Any) -> bool:
+    """Whether a trace path holds one instance to analyse (a worker process would only add its start, and the
+    windows of a windowed partition report their progress from this process)."""
+    if plan is None:
+        return False
+    return len([p for p in plan.partitions if not config.instances or p.instance in config.instances]) == 1
 
 
 def _partitioned_window(source: Any, config: AnalysisConfig) -> Any:
