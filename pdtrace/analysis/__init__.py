@@ -256,7 +256,11 @@ def _one_partition(source: Any, config: AnalysisConfig, plan: Any) -> bool:
     """Whether a trace path holds one instance to analyse (a worker process would only add its start, and the
     windows of a windowed partition report their progress from this process)."""
     if plan is None:
-        return False
+        from pdtrace.analysis.partitions import is_directory, plan_partitions
+
+        if not isinstance(source, (str, os.PathLike)) or not is_directory(source):
+            return False
+        plan = plan_partitions(source)  # footers only
     return len([p for p in plan.partitions if not config.instances or p.instance in config.instances]) == 1
 
 
@@ -364,4 +368,6 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
     }
     if findings.attrs.get("window"):  # a trace that starts mid-run (pdtrace.analysis.history)
         out["window"] = findings.attrs["window"]
+    if findings.attrs.get("windows"):  # instances analysed window by window (pdtrace.analysis.windows)
+        out["windows"] = findings.attrs["windows"]
     return out

@@ -1,0 +1,147 @@
+"""The windowed analysis (pdtrace.analysis.windows) reports what the whole-trace analysis reports.
+
+On every sample trace and every scenario the window property uses (tests/test_rules_window.py: the stripped-fields
+property's set and the preemption scenarios), cut into windows of SIZES events:
+- with an unbounded lookback (every window's analysis starts at the oldest request or step open at its cut), the
+  findings equal the whole-trace analysis's, every column (evidence and extra included), except `pipeline_bubble`,
+  which the windowed path measures per window (`windows.PER_WINDOW`) and marks so;
+- with the default lookback (a window's worth), the same, except the findings about a request carried alone into
+  its window, which are marked `extra.windowed` with the reason (`windows.CARRIED_WHY`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow.compute as pc
+import pytest
+
+from test_rules_window import TRACES
+from pdtrace.analysis import analyze
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.windows import CARRIED_WHY, PER_WINDOW, plan_windows
+from pdtrace.trace.model import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (200, 700, 2000)
+UNBOUNDED = 10**12
+COMPARED = ("rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
+            "evidence", "context", "extra", "requests")
+
+
+def _record(rec: dict[str, Any]) -> str:
+    return json.dumps({c: rec[c] for c in COMPARED}, sort_keys=True, default=str)
+
+
+@lru_cache(maxsize=None)
+def whole(name: str) -> pd.DataFrame:
+    return analyze(TRACES[name](), config=AnalysisConfig(jobs=1, window_events=0))
+
+
+def windowed(name: str, size: int, lookback: int) -> pd.DataFrame:
+    trace = TRACES[name]()
+    return analyze(Trace.from_table(trace.table), config=AnalysisConfig(jobs=1, window_events=size,
+                                                                        window_lookback=lookback))
+
+
+def _marked(rec: dict[str, Any]) -> dict[str, Any] | None:
+    return (rec.get("extra") or {}).get("windowed")
+
+
+def _differences(name: str, size: int, lookback: int) -> tuple[list[str], pd.DataFrame]:
+    got = windowed(name, size, lookback)
+    base = [r for r in whole(name).to_dict("records") if r["rule"] not in PER_WINDOW]
+    mine = [r for r in got.to_dict("records") if r["rule"] not in PER_WINDOW]
+    carried = {(r["rule"], r["subrule"], str(r["req"])) for r in mine if _marked(r)}
+    expected = sorted(_record(r) for r in base if (r["rule"], r["subrule"], str(r["req"])) not in carried)
+    found = sorted(_record(r) for r in mine if not _marked(r))
+    missing = sorted(set(expected) - set(found))
+    extra = sorted(set(found) - set(expected))
+    out = [f"only whole: {m[:300]}" for m in missing] + [f"only windowed: {m[:300]}" for m in extra]
+    if len(expected) != len(found) and not out:
+        out.append(f"counts differ: {len(expected)} whole, {len(found)} windowed (a finding reported twice?)")
+    return out, got
+
+
+@pytest.mark.parametrize("name", sorted(TRACES))
+def test_windows_give_the_whole_trace_findings(name: str) -> None:
+    instances = TRACES[name]().table.column("instance").cast("string").value_counts()
+    largest = max(int(c) for c in instances.field("counts").to_pylist())
+    for size in SIZES:
+        if largest <= size:
+            continue
+        for lookback in (UNBOUNDED, 0):
+            problems, got = _differences(name, size, lookback)
+            assert problems == [], (size, lookback)
+            windows = got.attrs["windows"]
+            assert windows and max(w["windows"] for w in windows.values()) >= 2
+            marked = [r for r in got.to_dict("records") if _marked(r) and r["rule"] not in PER_WINDOW]
+            if lookback == UNBOUNDED:
+                assert marked == [] and all(w["carried"] == 0 for w in windows.values())
+            for rec in marked:  # a carried request's finding says so
+                assert _marked(rec)["why"] == CARRIED_WHY and rec["req"] in _marked(rec)["carried"] or \
+                    set(rec["requests"] or ()) & set(_marked(rec)["carried"])
+
+
+def test_the_windows_cut_through_open_requests_and_steps() -> None:
+    # the property is only as strong as its cuts: on a P/D sample the small windows cut through many requests
+    trace = TRACES["sample:healthy_pd_pp1"]()
+    table = trace.table.filter(pc.equal(trace.table.column("instance").cast("string"), "decode-0"))
+    plan = plan_windows([table.select(["ts_ns", "req", "step", "dp_rank", "kind"])], 200, lookback=UNBOUNDED)
+    assert len(plan) >= 4 and int(plan.events.sum()) == table.num_rows and plan.events.max() <= 200 + 50
+    assert (plan.starts[1:] < plan.cuts[1:-1]).all()  # every window starts before its cut: something was open
+    assert all(not c for c in plan.carried)
+    tight = plan_windows([table.select(["ts_ns", "req", "step", "dp_rank", "kind"])], 200, lookback=10)
+    assert any(tight.carried) and (tight.starts >= plan.starts).all()
+
+
+def test_a_request_that_never_finishes_is_open_to_the_end() -> None:
+    # sample `starve`: requests admitted early and never scheduled have no row after their req_add; the window
+    # that owns their finding is the last one, which holds them (lookback unbounded) and counts every step
+    problems, got = _differences("sample:starve", 200, UNBOUNDED)
+    assert problems == []
+    starved = got[got["subrule"] == "starved"]
+    assert len(starved) and starved["message"].str.contains("waited 278 steps").any()
+
+
+def test_pipeline_bubble_is_measured_per_window_and_says_so() -> None:
+    got = windowed("sample:healthy_pp4", 700, UNBOUNDED)
+    bubbles = got[got["rule"] == "pipeline_bubble"]
+    assert len(bubbles) > len(whole("sample:healthy_pp4").query("rule == 'pipeline_bubble'"))
+    assert all(_marked(r)["why"] == PER_WINDOW["pipeline_bubble"] for r in bubbles.to_dict("records"))
+
+
+def test_a_small_trace_is_analysed_whole() -> None:
+    got = analyze(TRACES["sample:healthy_pd_pp1"](), config=AnalysisConfig(jobs=1))
+    assert not got.attrs.get("windows")
+
+
+def test_analyze_takes_the_windowed_path_with_window_events(tmp_path: Any) -> None:
+    sample = ROOT / "sample_traces" / "lost_send_completion" / "trace"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdtrace", "analyze", str(sample), "--format", "json", *args],
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    plain, split = run(), run("--window-events", "300", "--jobs", "1")  # one process: progress per window
+    assert plain.returncode == split.returncode == 1, split.stderr[-2000:]
+    assert "window 2/" in split.stderr and "window" not in plain.stderr
+    one, two = json.loads(plain.stdout), json.loads(split.stdout)
+    assert two["summary"]["windows"] and not one["summary"].get("windows")
+
+    def ids(doc: dict[str, Any]) -> list[str]:
+        return sorted(json.dumps({k: v for k, v in f.items() if k != "extra"}, sort_keys=True)
+                      for f in doc["findings"] if f["rule"] not in PER_WINDOW)
+
+    assert ids(one) == ids(two) and ids(one)
+    bad = subprocess.run([sys.executable, "-m", "pdtrace", "analyze", str(sample), "--window-events", "-3"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
