@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,29 @@ def test_analyze_takes_the_windowed_path_with_window_events(tmp_path: Any) -> No
     bad = subprocess.run([sys.executable, "-m", "pdtrace", "analyze", str(sample), "--window-events", "-3"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+SAMPLES = sorted(p.parent.name for p in (ROOT / "sample_traces").glob("*/trace"))
+
+
+@pytest.mark.parametrize("sample", SAMPLES)
+def test_a_trace_read_window_by_window_from_its_files_gives_the_same_findings(sample: str) -> None:
+    # the files' path (PathSource: each window's rows read by their ts, the configuration and the carried requests
+    # added) against the whole trace, also with a --since cut
+    from test_rules_window import cut_times, table_of
+
+    path = ROOT / "sample_traces" / sample / "trace"
+    counts = table_of(f"sample:{sample}").column("instance").cast("string").value_counts()
+    largest = max(int(c) for c in counts.field("counts").to_pylist())
+    for since in (None, cut_times(table_of(f"sample:{sample}"))[2]):
+        base = AnalysisConfig(jobs=1, since_ns=since)
+        expected = analyze(path, config=replace(base, window_events=0), partitioned=False)
+        for size, lookback in ((300, UNBOUNDED), (300, 0), (1000, 0)):
+            got = analyze(path, config=replace(base, window_events=size, window_lookback=lookback))
+            mine = [r for r in got.to_dict("records") if r["rule"] not in PER_WINDOW]
+            carried = {(r["rule"], r["subrule"], str(r["req"])) for r in mine if _marked(r)}
+            assert sorted(_record(r) for r in mine if not _marked(r)) == sorted(
+                _record(r) for r in expected.to_dict("records")
+                if r["rule"] not in PER_WINDOW and (r["rule"], r["subrule"], str(r["req"])) not in carried)
+            assert got.attrs["window"] == expected.attrs["window"]
+            assert bool(got.attrs.get("windows")) == (since is None and largest > size) or since is not None

@@ -244,7 +244,7 @@ class PathSource:
 
         footers = read_footers(self.path, self.files)
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
-                                        self.config.until_ns)
+                                        self.config.until_ns, keep_config=True)  # what open_trace keeps
         for file in footers.files:  # file by file: the plan holds 5 columns of one batch at a time
             yield from dataset([file.path]).to_batches(columns=PLAN_COLUMNS, filter=expression,
                                                        batch_size=1 << 20)
