@@ -15,7 +15,7 @@ Algorithm:
    a_k <= ts < a_{k+1}.
 2. Context of window k: the requests and steps *open* at a_k (first < a_k <= last). The window is analysed from
    c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: a window's
-   worth, so a window's analysis holds at most twice its events); a request opened earlier still is *carried*: its own rows before c_k are added (the rows the rules
+   worth, so a window's analysis holds at most about twice its events); a request opened earlier still is *carried*: its own rows before c_k are added (the rows the rules
    read about it: admission, schedules, allocations). Every window also gets the EVERY_WINDOW rows of the whole
    trace: the configuration, and the gaps that lower a finding anywhere up to the end of the trace.
 3. The window's rows [c_k, a_{k+1}) are analysed as an ordinary trace (the rules unchanged) with the whole
@@ -40,7 +40,9 @@ and scenario at several window sizes; bench/long_trace.py at 10M events):
 
 Cost: the cheap pass reads 5 columns once; each window reads its rows (row groups pruned by their ts statistics)
 plus the overlap [c_k, a_k), which on a serving trace is the life of the longest running request (seconds: a few
-thousand events).
+thousand events). A request that stays open for longer than the lookback (a request waiting forever) pulls every
+later window back by the whole lookback: at most twice the rows, the price of still counting the steps it waits
+through.
 """
 
 from __future__ import annotations
@@ -65,8 +67,6 @@ from pdtrace.trace.model import Trace, dictionary_decoded, later_window
 EVERY_WINDOW = ("engine_config", "recorder_gap", "recorder_off")
 #: Rules whose findings measure the analysed span: measured per window (module docstring).
 PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own span"}
-#: Bytes per event while the rules run (bench/multi_instance.py: the whole-trace analysis needs ~370).
-BYTES_PER_EVENT = 370
 #: Default events per window (`AnalysisConfig.window_events`): a window and its lookback fit in ~2 GiB while the
 #: rules run.
 DEFAULT_WINDOW_EVENTS = 3_000_000
@@ -109,6 +109,7 @@ class WindowInfo:
     index: int
     total: int
     events: int
+    #: rows the window's analysis read (its events, the lookback before its cut, the carried rows)
     analysed: int = 0
     seconds: float = 0.0
     summaries: bool = False
@@ -175,12 +176,15 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
     starts = [first]
     carried: list[dict[str, int]] = [{}]
     for k in range(1, len(cuts) - 1):  # per window: few
-        a = int(cuts[k])
+        a, bound = int(cuts[k]), int(bounds[k])
         r_open = (r_first < a) & (r_last >= a)
         s_open = (s_first < a) & (s_last >= a)
+        # back to the oldest open request or step, at most to the lookback bound: an older request is carried,
+        # and the rules still see a lookback's worth of the steps it waited through (unscheduled_request counts
+        # them; with fewer it would stay silent rather than report, marked, what it saw)
         start = min([a] + ([int(r_first[r_open].min())] if r_open.any() else [])
                     + ([int(s_first[s_open].min())] if s_open.any() else []))
-        start = max(start, int(bounds[k]))
+        start = max(start, bound)
         starts.append(start)
         early = r_open & (r_first < start)
         carried.append(dict(zip(names[early].tolist(), r_first[early].tolist())))
@@ -365,6 +369,7 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
                 trace.window_start_ns, trace.window_source = later_window(
                     trace.window_start_ns, trace.window_source, start, "since")
             ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
+            analysed = len(trace)
             found = [window_findings(ctx, checked_findings(frame, rule))
                      for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
             kept: list[pd.DataFrame] = []
@@ -384,7 +389,8 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
             warnings.extend(w for w in trace.warnings if w not in warnings)
             del ctx, trace
             if progress is not None:
-                info = WindowInfo(instance, k, total, int(plan.events[k]), seconds=time.perf_counter() - began)
+                info = WindowInfo(instance, k, total, int(plan.events[k]), analysed,
+                                  seconds=time.perf_counter() - began)
                 progress(info, info)
     out = []
     for parts in frames:
