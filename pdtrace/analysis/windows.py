@@ -48,7 +48,7 @@ through.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -205,6 +205,20 @@ def _combined(parts: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
     return frame.groupby(keys, sort=False, as_index=False).agg(**how)
 
 
+def window_rows(table: pa.Table, start: int, end: int, carried: dict[str, int]) -> pa.ChunkedArray:
+    """The mask of the rows window analyses (module docstring, step 2): start <= ts < end, the EVERY_WINDOW rows,
+    and the carried requests' rows before start."""
+    ts = table.column("ts_ns")
+    mask = pc.and_(pc.greater_equal(ts, pa.scalar(start, pa.int64())), pc.less(ts, pa.scalar(end, pa.int64())))
+    mask = pc.or_(mask, pc.is_in(dictionary_decoded(table.column("kind")), value_set=pa.array(EVERY_WINDOW)))
+    if carried:
+        early = pc.and_(pc.less(ts, pa.scalar(start, pa.int64())),
+                        pc.is_in(dictionary_decoded(table.column("req")),
+                                 value_set=pa.array(list(carried), pa.string())))
+        mask = pc.or_(mask, pc.fill_null(early, False))
+    return mask
+
+
 class MemorySource:
     """The windows' rows from a loaded trace (one instance's rows)."""
 
@@ -215,23 +229,19 @@ class MemorySource:
         return [self.trace.table.select(PLAN_COLUMNS)]
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
-        table = self.trace.table
-        ts = table.column("ts_ns")
-        mask = pc.and_(pc.greater_equal(ts, pa.scalar(start, pa.int64())), pc.less(ts, pa.scalar(end, pa.int64())))
-        mask = pc.or_(mask, pc.is_in(dictionary_decoded(table.column("kind")), value_set=pa.array(EVERY_WINDOW)))
-        if plan.carried[k]:
-            early = pc.and_(pc.less(ts, pa.scalar(start, pa.int64())),
-                            pc.is_in(dictionary_decoded(table.column("req")),
-                                     value_set=pa.array(list(plan.carried[k]), pa.string())))
-            mask = pc.or_(mask, pc.fill_null(early, False))
-        out = self.trace.filter(mask)
+        out = self.trace.filter(window_rows(self.trace.table, start, end, plan.carried[k]))
         out.__dict__.pop("events", None)
         return out
 
 
+#: At most this many EVERY_WINDOW rows are fetched by their exact ts (row groups pruned by statistics); more are
+#: fetched by a filter on the kind (every row group read).
+EXACT_FETCH = 256
+
+
 class PathSource:
-    """The windows' rows read from a trace directory (one partition's files), each window's row groups pruned by
-    their ts statistics."""
+    """The windows' rows read from a trace directory (one partition's files): the window's ts range (row groups
+    pruned by their ts statistics), then the EVERY_WINDOW and carried rows outside it."""
 
     def __init__(self, path: str, instances: Sequence[str] | None, files: Sequence[str] | None,
                  config: AnalysisConfig) -> None:
@@ -258,24 +268,23 @@ class PathSource:
         since = start if cfg.since_ns is None else max(start, int(cfg.since_ns))
         until = end if cfg.until_ns is None else min(end, int(cfg.until_ns))
         trace = self._open(since_ns=since, until_ns=until)
-        extra = [ds.field("ts_ns") == int(t) for t in plan.every_ts.tolist() if not since <= t < until]
-        if plan.carried[k]:
-            extra.append(ds.field("req").isin(list(plan.carried[k]))
-                         & (ds.field("ts_ns") >= min(plan.carried[k].values())) & (ds.field("ts_ns") < since))
-        if not extra:
+        outside = [int(t) for t in plan.every_ts.tolist() if not since <= t < until]
+        terms = [ds.field("ts_ns") == t for t in outside] if len(outside) <= EXACT_FETCH else \
+            [ds.field("kind").isin(list(EVERY_WINDOW))]
+        carried = plan.carried[k]
+        if carried:
+            terms.append(ds.field("req").isin(list(carried)) & (ds.field("ts_ns") >= min(carried.values()))
+                         & (ds.field("ts_ns") < since))
+        if not outside and not carried:
             return trace
-        where = extra[0]
-        for term in extra[1:]:
+        where = terms[0]
+        for term in terms[1:]:
             where = where | term
         more = self._open(rows=where).table
-        kinds = dictionary_decoded(more.column("kind"))
-        every = pc.and_(pc.is_in(kinds, value_set=pa.array(EVERY_WINDOW)),
-                        pc.or_(pc.less(more.column("ts_ns"), since), pc.greater_equal(more.column("ts_ns"), until)))
-        if plan.carried[k]:
-            every = pc.or_(every, pc.fill_null(pc.and_(pc.less(more.column("ts_ns"), since), pc.is_in(
-                dictionary_decoded(more.column("req")), value_set=pa.array(list(plan.carried[k]), pa.string()))),
-                False))
-        table = pa.concat_tables([trace.table, more.filter(every)]).unify_dictionaries()
+        ts = more.column("ts_ns")
+        loaded = pc.and_(pc.greater_equal(ts, pa.scalar(since, pa.int64())), pc.less(ts, pa.scalar(until, pa.int64())))
+        more = more.filter(pc.and_(window_rows(more, since, until, carried), pc.invert(loaded)))
+        table = pa.concat_tables([trace.table, more]).unify_dictionaries()
         return Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
                      skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
                      window_source=trace.window_source)
