@@ -172,3 +172,44 @@ def test_a_trace_read_window_by_window_from_its_files_gives_the_same_findings(sa
                 if r["rule"] not in PER_WINDOW and (r["rule"], r["subrule"], str(r["req"])) not in carried)
             assert got.attrs["window"] == expected.attrs["window"]
             assert bool(got.attrs.get("windows")) == (since is None and largest > size) or since is not None
+
+
+def _leak_then_traffic(gap: bool) -> Trace:
+    """A request that finishes and never frees its blocks (leaked_blocks `definitely`), then 40 steps of healthy
+    requests, and, with `gap`, a recorder_gap near the end: the gap lies in a later window than the leak, yet lowers
+    it (a gap between the moment and the end of the trace)."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="e")
+    b.add("engine_config", n=64, detail={"block_size": 16, "pp": 1, "tp": 1, "defer_block_free": False})
+    b.add("req_add", req="leak", n=16)
+    b.add("sched", step=0, n=1)
+    b.add("blocks_alloc", step=0, req="leak", blocks=[1])
+    b.add("req_sched", step=0, req="leak", n=16)
+    b.add("step_submit", component="engine", step=0, n=1)
+    b.add("step_output", component="engine", step=0)
+    b.add("req_finish", step=0, req="leak", reason="length", status="FINISHED_LENGTH_CAPPED", delay_free=False)
+    for step in range(1, 41):
+        req = f"r{step}"
+        b.add("req_add", req=req, n=16)
+        b.add("sched", step=step, n=1)
+        b.add("blocks_alloc", step=step, req=req, blocks=[2 + step % 8])
+        b.add("req_sched", step=step, req=req, n=16)
+        b.add("step_submit", component="engine", step=step, n=1)
+        b.add("step_output", component="engine", step=step)
+        b.add("req_finish", step=step, req=req, reason="length", status="FINISHED_LENGTH_CAPPED", delay_free=False)
+        b.add("blocks_free", step=step, req=req, blocks=[2 + step % 8], reason="finished", deferred=False)
+        if gap and step == 38:
+            b.add("recorder_gap", n=5)
+    return b.trace()
+
+
+@pytest.mark.parametrize("gap", [True, False])
+def test_a_recorder_gap_in_a_later_window_lowers_a_leak_as_on_the_whole_trace(gap: bool) -> None:
+    trace = _leak_then_traffic(gap)
+    expected = analyze(trace, config=AnalysisConfig(jobs=1, window_events=0))
+    got = analyze(Trace.from_table(trace.table), config=AnalysisConfig(jobs=1, window_events=60))
+    assert got.attrs["windows"]["e"]["windows"] >= 4
+    leaks = [r for r in expected.to_dict("records") if r["rule"] == "leaked_blocks" and r["req"] == "leak"]
+    assert [r["severity"] for r in leaks] == (["warning"] if gap else ["error"])
+    assert sorted(map(_record, got.to_dict("records"))) == sorted(map(_record, expected.to_dict("records")))
