@@ -10,7 +10,9 @@ This is the one code path behind both the notebook API and `pdtrace analyze`:
 4. concatenate their findings and sort them by severity (errors first), then time, rule and instance
    (`ordered_findings`).
 A path to a large trace of several instances takes the partitioned path instead (`pdtrace.analysis.partitions`):
-steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings.
+steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings. An
+instance with more than `config.window_events` events is analysed in time windows inside its partition
+(`pdtrace.analysis.windows`): memory bounded by the window; same findings, pipeline_bubble measured per window.
 
 `summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
 severity and rule, "N errors from M contexts", the leak summary in blocks per instance (and % of the pool), and
@@ -180,11 +182,14 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     PARTITION_MIN_EVENTS events and no instance holds more than three quarters of them, or on a Dask cluster with
     `dask=` (a `distributed.Client` or a scheduler address; needs `pdtrace[dask]`). `partitioned=True` forces
     partitions (also for an in-memory Trace, one after the other), False forbids them. `progress(task, result)` is
-    called as each partition finishes. The findings are the same either way.
+    called as each partition finishes (and, in this process, as each window of an instance with more than
+    `config.window_events` events finishes: `pdtrace.analysis.windows.WindowInfo`). The findings are the same
+    either way.
 
     The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
     that ran), `events` (rows analysed), `trace` (its path), `warnings` (rule plugins that failed to load) and,
-    when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each) and `partitions`.
+    when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each), `partitions` and
+    `windows` ({instance: windows, carried} of the instances analysed window by window).
     """
     registered, notes = available_rules()
     chosen = select_rules(rules, registered)
