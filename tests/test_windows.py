@@ -1,7 +1,7 @@
 """The windowed analysis (pdtrace.analysis.windows) reports what the whole-trace analysis reports.
 
 On every sample trace and every scenario the window property uses (tests/test_rules_window.py: the stripped-fields
-property's set and the preemption scenarios), cut into windows of SIZES events:
+property's set and the preemption scenarios), cut into windows of 200, 700 and 2000 events (CUTS):
 - with an unbounded lookback (every window's analysis starts at the oldest request or step open at its cut), the
   findings equal the whole-trace analysis's, every column (evidence and extra included), except `pipeline_bubble`,
   which the windowed path measures per window (`windows.PER_WINDOW`) and marks so;
@@ -31,8 +31,9 @@ from pdtrace.analysis.windows import CARRIED_WHY, PER_WINDOW, plan_windows
 from pdtrace.trace.model import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = (200, 700, 2000)
 UNBOUNDED = 10**12
+#: (events per window, lookback): unbounded, and the default (a window's worth: requests carried alone)
+CUTS = ((200, UNBOUNDED), (200, 0), (700, UNBOUNDED), (2000, 0))
 COMPARED = ("rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
             "evidence", "context", "extra", "requests")
 
@@ -75,10 +76,8 @@ def _differences(name: str, size: int, lookback: int) -> tuple[list[str], pd.Dat
 def test_windows_give_the_whole_trace_findings(name: str) -> None:
     instances = TRACES[name]().table.column("instance").cast("string").value_counts()
     largest = max(int(c) for c in instances.field("counts").to_pylist())
-    for size in SIZES:
-        if largest <= size:
-            continue
-        for lookback in (UNBOUNDED, 0):
+    for size, lookback in CUTS:
+        if largest > size:
             problems, got = _differences(name, size, lookback)
             assert problems == [], (size, lookback)
             windows = got.attrs["windows"]
@@ -86,9 +85,11 @@ def test_windows_give_the_whole_trace_findings(name: str) -> None:
             marked = [r for r in got.to_dict("records") if _marked(r) and r["rule"] not in PER_WINDOW]
             if lookback == UNBOUNDED:
                 assert marked == [] and all(w["carried"] == 0 for w in windows.values())
-            for rec in marked:  # a carried request's finding says so
-                assert _marked(rec)["why"] == CARRIED_WHY and rec["req"] in _marked(rec)["carried"] or \
-                    set(rec["requests"] or ()) & set(_marked(rec)["carried"])
+            for rec in marked:  # a carried request's finding says so, and names it
+                named = {str(rec["req"]), *map(str, rec["requests"] or ())}
+                assert _marked(rec)["why"] == CARRIED_WHY
+                assert named & set(_marked(rec)["carried"]) or any(
+                    isinstance(ev, dict) and ev.get("req") in _marked(rec)["carried"] for ev in rec["evidence"])
 
 
 def test_the_windows_cut_through_open_requests_and_steps() -> None:
@@ -163,7 +164,7 @@ def test_a_trace_read_window_by_window_from_its_files_gives_the_same_findings(sa
     for since in (None, cut_times(table_of(f"sample:{sample}"))[2]):
         base = AnalysisConfig(jobs=1, since_ns=since)
         expected = analyze(path, config=replace(base, window_events=0), partitioned=False)
-        for size, lookback in ((300, UNBOUNDED), (300, 0), (1000, 0)):
+        for size, lookback in ((300, UNBOUNDED), (1000, 0)):
             got = analyze(path, config=replace(base, window_events=size, window_lookback=lookback))
             mine = [r for r in got.to_dict("records") if r["rule"] not in PER_WINDOW]
             carried = {(r["rule"], r["subrule"], str(r["req"])) for r in mine if _marked(r)}
