@@ -388,6 +388,8 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
                     frame = frame.copy()
                     frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
                                                               "why": PER_WINDOW[rule.id]}) for e in frame["extra"]]
+                    frame["message"] = [f"window {k + 1}/{total} ({(end - start) / 1e9:.1f} s from ts_ns {start}): "
+                                        f"{m}" for m in frame["message"]]
                 elif len(frame):
                     owners = owner(frame, plan)
                     frame = carried_marked(frame[(owners == k) | ((owners < 0) & (k == last))], plan.carried[k],
