@@ -27,14 +27,17 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                       empty_ns: int = 20 * US, arrivals: Sequence[int] | None = None, tp: int = 1,
                       instance: str = "E", config: bool = True, gpu_times: bool = False,
                       wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None,
-                      sample_rpc: str | None = None, sample_ns: int = 100 * US, return_ns: int = 0) -> Trace:
+                      sample_rpc: str | None = None, sample_ns: int = 100 * US, return_ns: int = 0,
+                      queue_depth: int | None = None) -> Trace:
     """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
     remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done).
     `sample_rpc` adds each token-carrying step's second RPC, `sample_tokens` (vLLM 0.11.1+), on every rank right
     after its `execute_model`: the last stage samples for `sample_ns` and broadcasts the tokens; a non-last stage
     takes them from a side stream and returns in 20 us ("async", vLLM 0.33's V2 runner) or blocks until the
     broadcast ("blocking": vllm-ascend#10855, vllm#42187), which keeps it from starting its next step.
-    `return_ns`: the output's trip from the last stage back to the engine (a multi-process executor's IPC)."""
+    `return_ns`: the output's trip from the last stage back to the engine (a multi-process executor's IPC).
+    `queue_depth`: the most steps the engine keeps in flight (default pp, vLLM's batch queue; 1 models an engine
+    that waits for each step's output before it submits the next)."""
     stage_ns = list(stage_ns or [MS] * pp)
     b = builder or EventBuilder(instance=instance, role="both", start_ns=START_NS)
     reqs = [f"r{i}" for i in range(n_requests)]
@@ -86,7 +89,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
     while unfinished() or queue:
         admit(t)
         live = [r for r in added if r not in finished]
-        if len(queue) < pp and live:
+        if len(queue) < (queue_depth or pp) and live:
             batch: list[str] = []
             for r in list(ready):
                 if len(batch) >= batch_cap:
@@ -192,8 +195,15 @@ def few_requests_pp4() -> Trace:
 
 
 def one_microbatch_pp4() -> Trace:
-    """vLLM #28270: eight requests all scheduled into one micro-batch on PP=4: one batch in flight."""
+    """vLLM #28270 (part 1) / #41682: eight requests all scheduled into one micro-batch on PP=4: one batch in
+    flight, the other requests none (every one is in it)."""
     return simulate_pipeline(pp=4, n_requests=8, batch_cap=8)
+
+
+def engine_waits_pp4() -> Trace:
+    """vLLM #28270 (part 2, the regression #28768 fixed): micro-batches of two, but the engine waits for each
+    step's output before it submits the next: one batch in flight while six requests could run."""
+    return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, queue_depth=1)
 
 
 def slow_stage_pp4() -> Trace:

@@ -13,9 +13,9 @@ from pdtrace.analysis.rules.pipeline_bubble import RULE, run
 from pdtrace.analysis.steps import bubbles, exec_spans
 from pdtrace.trace.model import Trace
 from scenarios import HEALTHY
-from scenarios_pipeline import (MS, US, broadcast_wait_pp4, few_requests_pp4, healthy_pp4, healthy_sampling_pp4,
-                                one_microbatch_pp4, simulate_pipeline, slow_scheduler_pp4, slow_stage_pp4,
-                                two_waves_pp4)
+from scenarios_pipeline import (MS, US, broadcast_wait_pp4, engine_waits_pp4, few_requests_pp4, healthy_pp4,
+                                healthy_sampling_pp4, one_microbatch_pp4, simulate_pipeline, slow_scheduler_pp4,
+                                slow_stage_pp4, two_waves_pp4)
 
 
 def findings(trace, **config):
@@ -52,13 +52,33 @@ def test_fewer_ready_requests_than_stages_is_queue_not_full():
     assert (b["in_flight"] < 4).all() and (b["runnable"] == 2).all()
 
 
-def test_one_micro_batch_with_enough_requests_is_an_error():
+def test_every_request_in_one_micro_batch_is_a_single_micro_batch_warning():
+    """All eight requests in one step: the queue holds one micro-batch although eight requests could fill four, but
+    each is in that step and has nothing to schedule until its token is back (vLLM's scheduling, #41682)."""
     f = findings(one_microbatch_pp4())
+    assert set(f["severity"]) == {"warning"}
+    assert set(f["subrule"]) == {"single_micro_batch"}
+    for extra, message in zip(f["extra"], f["message"], strict=True):
+        assert extra["unfilled_fraction"] == 0.0 and extra["packed_fraction"] >= 0.5
+        assert "vllm#41682" in message
+    ev = f.iloc[0]["evidence"]
+    assert ev[0]["kind"] == "exec_end" and "queue_not_full" in ev[0]["note"]
+    assert "with 8 requests, 8 runnable" in ev[0]["note"]
+    b = bubbles(AnalysisContext(one_microbatch_pp4()))
+    q = b[b["cause"] == "queue_not_full"]
+    assert len(q) and (q["in_flight_requests"] == q["runnable"]).all()
+
+
+def test_engine_waiting_while_requests_could_run_is_an_error():
+    """Micro-batches of two, one in flight at a time while six other requests are runnable: the engine, not the
+    workload, keeps the pipeline empty (vLLM #28270's regression)."""
+    f = findings(engine_waits_pp4())
     assert set(f["severity"]) == {"error"}
     assert set(f["subrule"]) == {"queue_not_full"}
     assert all(e["unfilled_fraction"] >= 0.5 for e in f["extra"])
-    ev = f.iloc[0]["evidence"]
-    assert ev[0]["kind"] == "exec_end" and "queue_not_full" in ev[0]["note"]
+    b = bubbles(AnalysisContext(engine_waits_pp4()))
+    q = b[b["cause"] == "queue_not_full"]
+    assert len(q) and (q["runnable"] > q["in_flight_requests"]).any()
 
 
 def test_slow_stage_is_stage_imbalance_downstream_and_upstream():
@@ -163,7 +183,8 @@ def test_modelled_runs_are_clean_for_every_rule():
     for make in (healthy_pp4, few_requests_pp4, slow_stage_pp4, two_waves_pp4):
         f = analyze(make())
         assert set(f["rule"]) <= {"pipeline_bubble"}, f[["rule", "message"]].to_string()
-    assert set(analyze(one_microbatch_pp4())["severity"]) == {"error"}
+    assert set(analyze(one_microbatch_pp4())["severity"]) == {"warning"}
+    assert set(analyze(engine_waits_pp4())["severity"]) == {"error"}
 
 
 def test_json_keeps_integer_steps_and_timestamps(cli, tmp_path):

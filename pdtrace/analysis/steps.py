@@ -41,9 +41,15 @@ ranks sat idle.
     A later stage (pp_rank > 0) inherits the cause of its upstream stage's gap before the same step when that gap
     is at least half as long as its own (a late start travels down the pipeline, stage by stage); when the upstream
     stage ran the step without such a gap, this stage waited on a slower upstream stage: `stage_imbalance`.
-    Extra columns: `runnable` (requests unfinished and not waiting for KV at the interval start) and `in_flight`
-    (steps carrying tokens in flight at the interval start). The request counts are step functions built from the
-    request lifecycles (req_add, req_wait_kv, kv_recv_done / kv_recv_fail, req_finish) and read with searchsorted.
+    Extra columns: `runnable` (requests unfinished and not waiting for KV at the interval start), `in_flight`
+    (steps carrying tokens in flight at the interval start) and `in_flight_requests` (the requests of the steps in
+    flight just before it, so that a last stage's gap, which starts as its step's output returns, sees them:
+    their `req_sched` rows; a decode in flight has nothing to schedule until its step's sampled token is back, so
+    `runnable - in_flight_requests` is what the scheduler could have put into another micro-batch; a partial
+    prefill chunk in flight could be followed by its next chunk, so with chunked prefills that is a lower bound).
+    The request
+    counts are step functions built from the request lifecycles (req_add, req_wait_kv, kv_recv_done /
+    kv_recv_fail, req_finish) and from the steps' submit and output times, read with searchsorted.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ STEP_COLUMNS = ("instance", "dp_rank", "step", "sched_ts", "tokens", "running", 
 SPAN_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "step", "rpc", "begin_ts", "end_ts", "n",
                 "gpu_begin_ns", "gpu_end_ns")
 BUBBLE_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "start_ns", "end_ns", "dur_ns", "cause",
-                  "step_before", "step_after", "runnable", "in_flight")
+                  "step_before", "step_after", "runnable", "in_flight", "in_flight_requests")
 
 _NULL = -1  # fill for null ranks / steps in the internal integer columns
 
@@ -311,6 +317,14 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
         for name, values in sched_detail.items():
             frame[name] = spread(s_key, values, np.nan, np.float64)
         frame["empty_run"] = np.where(frame["row"] >= 0, frame["empty_run"].fillna(1.0), np.nan)
+        # requests scheduled in the step: its req_sched rows, counted per key
+        q_rows = kind_rows(ctx, ("req_sched",))
+        q_rows = q_rows[cols.step[q_rows] >= 0]
+        q_key = ((inst_codes[q_rows].astype(np.int64) * dp_span + cols.dp[q_rows] + 1) * step_span
+                 + cols.step[q_rows])
+        q_at = np.searchsorted(all_keys, q_key)
+        q_at = q_at[(q_at < n) & (all_keys[np.minimum(q_at, max(n - 1, 0))] == q_key)] if n else q_at[:0]
+        frame["requests"] = np.bincount(q_at, minlength=n).astype(np.int64)
         frame["submit_ts"] = pd.array(spread(u_key, cols.ts[u_rows], _NULL, np.int64), dtype="Int64")
         frame["in_flight"] = spread(u_key, number(u_rows), np.nan, np.float64)
         frame["output_ts"] = pd.array(spread(o_key, cols.ts[o_rows], _NULL, np.int64), dtype="Int64")
@@ -574,10 +588,11 @@ def _int64(series: pd.Series, fill: int = _NULL) -> np.ndarray:
 
 
 @shared_table(request_lifetimes, _step_frame, cost=0.01)
-def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCount, StepCount, StepCount]]:
-    """Per scheduler (inst, dp): (live requests, runnable requests, token-carrying steps in flight)."""
+def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCount, ...]]:
+    """Per scheduler (inst, dp): (live requests, runnable requests, token-carrying steps in flight, the requests
+    of those steps: each step's req_sched rows from its submit to its output)."""
 
-    def build() -> dict[tuple[int, int], tuple[StepCount, StepCount, StepCount]]:
+    def build() -> dict[tuple[int, int], tuple[StepCount, ...]]:
         life = request_lifetimes(ctx)
         start = life["start_ts"].to_numpy()
         finish = life["finish_ts"].to_numpy()
@@ -591,6 +606,7 @@ def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCo
         submit = _int64(steps["submit_ts"].fillna(steps["sched_ts"]))
         output = _int64(steps["output_ts"])
         carries = ~(steps["tokens"].to_numpy() <= 0)  # NaN tokens count as work
+        step_requests = steps["requests"].to_numpy(dtype=np.int64)
         life_keys = life.groupby(["inst", "dp"], sort=False).indices
         step_keys = steps.groupby(["inst", "dp"], sort=False).indices
         out = {}
@@ -609,7 +625,10 @@ def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCo
             sm = step_keys.get(key, np.empty(0, np.int64))
             sm = sm[carries[sm] & (submit[sm] != _NULL)]
             in_flight = counter([(submit[sm], 1), (output[sm], -1)])
-            out[key] = (live, runnable, in_flight)
+            ends = output[sm] != _NULL
+            requests_in_flight = StepCount(np.r_[submit[sm], output[sm][ends]],
+                                           np.r_[step_requests[sm], -step_requests[sm][ends]])
+            out[key] = (live, runnable, in_flight, requests_in_flight)
         return out
 
     return ctx.cached("steps:count_functions", build)
@@ -790,7 +809,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
     def build() -> pd.DataFrame:
         busy = busy_spans(ctx)
         cols_out = ["inst", "dp", "pp", "tp", "start_ns", "end_ns", "dur_ns", "step_before", "step_after",
-                    "runnable", "in_flight", "span_row"]
+                    "runnable", "in_flight", "in_flight_requests", "span_row"]
         if len(busy) < 2:
             empty = pd.DataFrame({c: pd.Series(dtype=np.int64) for c in cols_out})
             empty["cause"] = pd.Categorical([], categories=list(BUBBLE_CAUSES))
@@ -856,6 +875,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         no_run = np.zeros(n, np.int64)
         runnable = np.zeros(n, np.int64)
         in_flight = np.zeros(n, np.int64)
+        in_flight_requests = np.zeros(n, np.int64)
         p_size = sizes_of(sizes, inst, dp)
         prev_submit = np.full(n, _NULL, np.int64)
         prev_output = np.full(n, _NULL, np.int64)
@@ -867,11 +887,14 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         for code in distinct(sched_code).tolist():  # per scheduler
             grp = np.flatnonzero(sched_code == code)
             gi, gd = int(inst[grp[0]]), int(dp[grp[0]])
-            live, run, fly = funcs.get((gi, gd), (nothing, nothing, nothing))
+            live, run, fly, fly_requests = funcs.get((gi, gd), (nothing,) * 4)
             no_live[grp] = live.zero_between(s[grp], e[grp])
             no_run[grp] = run.zero_between(s[grp], e[grp])
             runnable[grp] = run.at(s[grp])
             in_flight[grp] = fly.at(s[grp])
+            # just before the start: at the last stage a gap starts when the step's output is back, and its
+            # requests had nothing to schedule until then
+            in_flight_requests[grp] = fly_requests.at(s[grp] - 1)
             mine = np.flatnonzero(st_sched_code == code)
             q = t_sub[grp]
             subs = np.sort(submit_all[mine][submit_all[mine] != _NULL])
@@ -918,7 +941,8 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
             "inst": inst[out], "dp": dp[out], "pp": pp[out], "tp": tp[out], "start_ns": s[out], "end_ns": e[out],
             "dur_ns": dur[out], "step_before": step_before[out], "step_after": step_after[out],
             "cause": pd.Categorical.from_codes(cause[out].astype(np.int8), categories=list(BUBBLE_CAUSES)),
-            "runnable": runnable[out], "in_flight": in_flight[out], "span_row": idx[out]}, copy=False)
+            "runnable": runnable[out], "in_flight": in_flight[out],
+            "in_flight_requests": in_flight_requests[out], "span_row": idx[out]}, copy=False)
 
     return ctx.cached("steps:gap_frame", build)
 
@@ -931,7 +955,8 @@ def _bubble_frame(ctx: AnalysisContext) -> pd.DataFrame:
 @shared_table(gap_frame)
 def bubbles(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per idle interval on a (instance, dp_rank, pp_rank, tp_rank) lane: start_ns, end_ns, dur_ns, cause,
-    step_before, step_after, runnable, in_flight. See the module docstring for the algorithm and the causes."""
+    step_before, step_after, runnable, in_flight, in_flight_requests. See the module docstring for the algorithm and
+    the causes."""
 
     def build() -> pd.DataFrame:
         return _public(ctx, _bubble_frame(ctx), {"dp": "dp_rank", "pp": "pp_rank", "tp": "tp_rank"}, int_na=[],

@@ -67,10 +67,13 @@ def test_no_error_or_warning_findings(pp1):
 def test_pp2_findings_are_its_real_bubbles_only(pp2):
     """At PP=2 all 24 requests fit one batch, and a request whose step is in flight has nothing to schedule, so
     vLLM keeps one step in flight where its batch queue holds two: each rank idles about half the time while
-    requests are runnable. That is the bubble pipeline_bubble exists for (vLLM #28270's signature: `queue_not_full`
-    with p runnable requests, an error once it is half the active time), measured on the real exec spans. It is the
-    only finding allowed at warning or above: no other rule may fire on this healthy run."""
+    requests are runnable, every one of them in that step. That is vLLM's scheduling (vllm#28270 part 1,
+    vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning), measured on the real exec spans;
+    not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
+    It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
-    assert all((f["rule"], f["subrule"]) == ("pipeline_bubble", "queue_not_full") for f in bad), bad[:3]
+    assert all((f["rule"], f["subrule"], f["severity"]) == ("pipeline_bubble", "single_micro_batch", "warning")
+               for f in bad), bad[:3]
+    assert all(f["extra"]["packed_fraction"] >= 0.5 for f in bad)
     assert code in (0, 1)

@@ -14,17 +14,23 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    distinct steps in a burst; the burst ideal is that fraction of the burst's wall time, summed.
 4. Lost time = idle that is neither `idle_no_requests` (no work: not a bubble) nor `kv_transfer` (waiting on a peer:
    reported, not charged to the pipeline), minus the burst ideal. `queue_not_full` gaps are *avoidable* when at
-   least p requests were runnable at the gap start (the scheduler could have formed p micro-batches: vLLM #28270)
-   and *workload-limited* otherwise (fewer ready requests than stages). The fraction is lost time over the active
-   wall (wall minus `idle_no_requests`).
-5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the avoidable `queue_not_full`
-   time alone (p runnable requests, fewer than p micro-batches in flight) is at least half the active time
-   (`ERROR_FRACTION`): the pipeline is not pipelining although the work to fill it is there, vLLM #28270's
-   signature. Host time (`scheduler_cpu`), `stage_imbalance` and `sampled_token_wait` (avoidable: the stage
-   could run a queued step, were it not blocked on the broadcast) are at most `warning`, given when all lost
-   time is at least `config.bubble_warn_fraction`; `info` below.
+   least p requests were runnable at the gap start (p micro-batches could have been formed) and
+   *workload-limited* otherwise (fewer ready requests than stages). An avoidable gap is *unfilled* when some
+   runnable request was not in a step in flight (`runnable > in_flight_requests`: the scheduler could have formed
+   another micro-batch then and did not: vLLM #28270), and *packed* when every runnable request already was
+   (the scheduler had put them all into fewer than p micro-batches, and a decode in flight has nothing to
+   schedule until its token is back: vLLM #41682, one micro-batch for all sequences). The fraction is lost time
+   over the active wall (wall minus `idle_no_requests`).
+5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the unfilled `queue_not_full`
+   time alone is at least half the active time (`ERROR_FRACTION`): the pipeline is not pipelining although the
+   work to fill it is waiting, vLLM #28270's signature. When unfilled and packed time together reach that, it is
+   a `warning` with subrule `single_micro_batch`: the stages do not overlap because every runnable request rides
+   in one micro-batch (vLLM #41682; at most N/p requests a step, `max_num_seqs`, would let them overlap), a cost
+   of vLLM's scheduling, not a fault. Host time (`scheduler_cpu`), `stage_imbalance` and `sampled_token_wait`
+   (avoidable: the stage could run a queued step, were it not blocked on the broadcast) are at most `warning`,
+   given when all lost time is at least `config.bubble_warn_fraction`; `info` below.
    extra: p, pp_rank, wall_ns, idle_fraction, lost_fraction, avoidable_fraction, unfilled_fraction,
-   idle_ns_by_cause, intervals (gaps of at
+   packed_fraction, idle_ns_by_cause, intervals (gaps of at
    least bubble_min_ns), burst_ideal, bursts, tp_lanes. Evidence: the exec_end / exec_begin around the longest
    bubbles.
 6. `not_measured` (info): a scheduler that pipelines (engine_config `pp` > 1; without engine_config `pp`, a
@@ -87,7 +93,9 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
                                minlength=n_lanes * n_causes).reshape(n_lanes, n_causes)
         code = {c: BUBBLE_CAUSES.index(c) for c in BUBBLE_CAUSES}
         queue = cause == code["queue_not_full"]
-        starved_queue = queue & (gaps["runnable"].to_numpy() >= p_gap)
+        runnable = gaps["runnable"].to_numpy()
+        starved_queue = queue & (runnable >= p_gap)
+        unfilled_queue = starved_queue & (runnable > gaps["in_flight_requests"].to_numpy())
         avoidable_mask = ((cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"])
                           | (cause == code["sampled_token_wait"]) | starved_queue)
         min_ns = max(int(ctx.config.bubble_min_ns), 1)
@@ -97,7 +105,8 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
 
         avoidable = per_lane(np.where(avoidable_mask, dur, 0.0))
         workload = per_lane(np.where(queue & ~starved_queue, dur, 0.0))
-        unfilled = per_lane(np.where(starved_queue, dur, 0.0))
+        unfilled = per_lane(np.where(unfilled_queue, dur, 0.0))
+        packed = per_lane(np.where(starved_queue & ~unfilled_queue, dur, 0.0))
         interval = per_lane((dur >= min_ns).astype(np.float64))
 
         # bursts: runs of busy spans between idle_no_requests gaps; m = distinct steps in the burst
@@ -116,14 +125,15 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         bursts = np.bincount(burst_lane, minlength=n_lanes)
 
         lanes = pd.DataFrame({"inst": inst, "dp": dp, "pp": pp, "p": p_lane, "wall_ns": wall,
-                              "avoidable": avoidable, "workload": workload, "unfilled": unfilled,
+                              "avoidable": avoidable, "workload": workload, "unfilled": unfilled, "packed": packed,
                               "interval": interval, "burst_ideal_ns": ideal, "bursts": bursts, "tp_lanes": 1})
         for i, name in enumerate(BUBBLE_CAUSES):
             lanes[name] = by_cause[:, i]
         lanes = lanes[lanes["p"] > 1]
         if len(lanes) == 0:
             return pd.DataFrame()
-        summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "interval", "burst_ideal_ns",
+        summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "packed", "interval",
+                  "burst_ideal_ns",
                   "tp_lanes"]
         agg: dict[str, str] = {c: "sum" for c in summed}
         agg["bursts"] = "max"
@@ -189,10 +199,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         lost = max(avoidable + workload - ideal, 0.0)
         lost_avoidable = max(avoidable - ideal_left, 0.0)
         lost_unfilled = max(float(r["unfilled"]) - ideal_left, 0.0)
+        lost_starved = max(float(r["unfilled"]) + float(r["packed"]) - ideal_left, 0.0)
         lost_fraction = lost / active
         avoidable_fraction = lost_avoidable / active
+        packed_only = False
         if lost_unfilled / active >= ERROR_FRACTION:
             severity = "error"
+        elif lost_starved / active >= ERROR_FRACTION:
+            severity, packed_only = "warning", True
         elif lost_fraction >= warn:
             severity = "warning"
         else:
@@ -204,7 +218,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         longest = mine.nlargest(3, "dur_ns")
         evidence: list[dict[str, Any]] = []
         for b in longest.itertuples(index=False):
-            note = f"idle {_ms(b.dur_ns)} ({b.cause}, {b.in_flight} steps in flight, {b.runnable} runnable requests)"
+            note = (f"idle {_ms(b.dur_ns)} ({b.cause}, {b.in_flight} steps in flight with {b.in_flight_requests} "
+                    f"requests, {b.runnable} runnable requests)")
             evidence.append({"kind": "exec_end", "ts_ns": int(b.start_ns), "seq": None, "req": None,
                              "step": int(b.step_before), "instance": instance, "pp_rank": int(b.pp),
                              "tp_rank": int(b.tp), "note": note})
@@ -220,6 +235,11 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                    f"{_ms(wall)} ({parts or 'no idle time'}); {100.0 * lost_fraction:.1f}% of the active time lost "
                    f"to the pipeline ({100.0 * avoidable_fraction:.1f}% avoidable), fill/drain ideal "
                    f"{100.0 * ideal / active:.1f}%; {int(r['interval'])} idle intervals >= {_ms(min_ns)}")
+        if packed_only:
+            dominant = "single_micro_batch"
+            message += (f"; every runnable request was already in a step in flight: vLLM scheduled them in fewer "
+                        f"than {int(r['p'])} micro-batches, so the stages could not overlap (vllm#41682; at most "
+                        f"1/{int(r['p'])} of the requests per step, e.g. a lower max_num_seqs, lets them)")
         first = longest.iloc[0] if len(longest) else None
         records.append({
             "rule": "pipeline_bubble", "subrule": dominant, "severity": severity, "instance": instance,
@@ -230,6 +250,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             "extra": {"p": int(r["p"]), "pp_rank": int(r["pp"]), "wall_ns": int(wall),
                       "idle_fraction": total_idle / wall, "lost_fraction": lost_fraction,
                       "avoidable_fraction": avoidable_fraction, "unfilled_fraction": lost_unfilled / active,
+                      "packed_fraction": max(lost_starved - lost_unfilled, 0.0) / active,
                       "idle_ns_by_cause": idle,
                       "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
                       "tp_lanes": int(r["tp_lanes"])},
@@ -241,8 +262,8 @@ RULE = Rule(
     id="pipeline_bubble",
     summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
     run=run,
-    subrules=("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait", "kv_transfer",
-              "idle_no_requests", "not_measured"),
+    subrules=("queue_not_full", "single_micro_batch", "scheduler_cpu", "stage_imbalance", "sampled_token_wait",
+              "kv_transfer", "idle_no_requests", "not_measured"),
     needs=(gap_frame,),
     cost=0.03,
 )
