@@ -10,9 +10,9 @@ Algorithm:
 1. Cheap pass (`plan_windows`, columns only: ts_ns, req, step, dp_rank, kind, read batch by batch): per request id
    its first and last ts, the last being the end of the trace where it has no req_finish (a request waiting
    forever is alive at every cut, though it has no row after its admission); per (dp_rank, step) its first and last ts; the few rows of the kinds every window reads
-   (`EVERY_WINDOW`: engine_config, recorder_gap, recorder_off); the cut times a_1 < a_2 < ... at every
-   `window_events`-th event in time order (`np.partition`, no sort). Window k holds the events with
-   a_k <= ts < a_{k+1}.
+   (`EVERY_WINDOW`: engine_config, recorder_gap, recorder_off); the cut times a_1 < a_2 < ... at about every
+   `window_events`-th event in time order (quantiles of a sorted sample of 1M ts). Window k holds the events
+   with a_k <= ts < a_{k+1}.
 2. Context of window k: the requests and steps *open* at a_k (first < a_k <= last). The window is analysed from
    c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: a window's
    worth, so a window's analysis holds at most about twice its events); a request opened earlier still is *carried*: its own rows before c_k are added (the rows the rules
@@ -61,6 +61,7 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
+from pdtrace.trace.reader import system_memory_pool
 
 #: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
 #: the end of the trace lowers a leak found at that moment).
@@ -71,6 +72,8 @@ PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own
 #: rules run.
 DEFAULT_WINDOW_EVENTS = 3_000_000
 PLAN_COLUMNS = ["ts_ns", "req", "step", "dp_rank", "kind"]
+#: Cut times come from a sorted sample of at most this many ts (`plan_windows`).
+SAMPLE = 1 << 20
 #: The last ts of a request that never finishes: it is open at every cut, and owned by the last window.
 OPEN = np.iinfo(np.int64).max
 
@@ -119,12 +122,13 @@ class WindowInfo:
         return f"{self.instance} window {self.index + 1}/{self.total}"
 
 
-def _spans(table: pa.Table, keys: list[str], finish: bool = False) -> pd.DataFrame:
+def _spans(table: pa.Table, keys: list[str], finish: bool = False) -> pa.Table:
     """First and last ts per key of one batch (a hash aggregate, no sort); with `finish`, whether a row of the key
     is a req_finish."""
     out = table.group_by(keys).aggregate([("ts_ns", "min"), ("ts_ns", "max")]
-                                         + ([("finish", "max")] if finish else [])).to_pandas()
-    return out.rename(columns={"ts_ns_min": "first", "ts_ns_max": "last", "finish_max": "finished"})
+                                         + ([("finish", "max")] if finish else []))
+    return out.rename_columns([{"ts_ns_min": "first", "ts_ns_max": "last", "finish_max": "finished"}.get(c, c)
+                               for c in out.column_names])
 
 
 def plan_windows(batches: Any, window_events: int, lookback: int | None = None) -> WindowPlan:
@@ -139,35 +143,39 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
         ts_parts.append(table.column("ts_ns").to_numpy())
         req = dictionary_decoded(table.column("req"))
         has_req = pc.is_valid(req)
-        finish = pc.equal(dictionary_decoded(table.column("kind")), "req_finish")
+        finish = _kind_is(table.column("kind"), ("req_finish",))
         req_parts.append(_spans(pa.table({"req": req, "ts_ns": table.column("ts_ns"), "finish": finish})
                                 .filter(has_req), ["req"], finish=True))
         step = table.column("step")
-        dp = pc.fill_null(table.column("dp_rank"), -1)
-        step_parts.append(_spans(pa.table({"dp": dp, "step": step, "ts_ns": table.column("ts_ns")})
-                                 .filter(pc.is_valid(step)), ["dp", "step"]))
-        kinds = pc.is_in(dictionary_decoded(table.column("kind")), value_set=pa.array(EVERY_WINDOW))
+        # one int64 key per (dp_rank, step): a hash of one column is half the cost of two
+        key = pc.add(step, pc.shift_left(pc.add(pc.fill_null(table.column("dp_rank"), -1).cast(pa.int64()), 1), 40))
+        step_parts.append(_spans(pa.table({"step": key, "ts_ns": table.column("ts_ns")})
+                                 .filter(pc.is_valid(step)), ["step"]))
+        kinds = _kind_is(table.column("kind"), EVERY_WINDOW)
         every.append(table.column("ts_ns").filter(kinds).to_numpy())
     ts = np.concatenate(ts_parts) if ts_parts else np.empty(0, np.int64)
     del ts_parts  # 8 bytes an event: one copy at a time
     n = len(ts)
     reqs = _combined(req_parts, ["req"])
-    steps = _combined(step_parts, ["dp", "step"])
+    steps = _combined(step_parts, ["step"])
     every_ts = np.unique(np.concatenate(every)) if every else np.empty(0, np.int64)
     if n == 0:
         return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
     count = max(1, -(-n // max(int(window_events), 1)))
-    marks = [k * n // count for k in range(1, count)]
-    behind = [max(m - lookback, 0) for m in marks]
-    part = np.partition(ts, sorted(set(marks + behind + [0, n - 1])))
-    first, last = int(part[0]), int(part[n - 1])
-    mark_ts, behind_ts = part[marks], part[behind]
-    del part
+    # the cut times from a sorted sample of at most SAMPLE ts (every stride-th): a window holds window_events
+    # events give or take a stride's worth, and one sort of 1M values replaces a selection pass per cut
+    stride = max(1, n // SAMPLE)
+    sample = np.sort(ts[::stride])
+    marks = [min(k * n // count // stride, len(sample) - 1) for k in range(1, count)]
+    behind = [max(m - lookback // stride, 0) for m in marks]
+    first, last = int(ts.min()), int(ts.max())
+    mark_ts, behind_ts = sample[marks], sample[behind]
+    del sample
     values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
     keep = values > first
     cuts = np.r_[first, values[keep], last + 1].astype(np.int64)
     bounds = np.r_[first, behind_ts[at][keep]].astype(np.int64)
-    events = np.bincount(np.searchsorted(cuts, ts, side="right") - 1, minlength=len(cuts) - 1)[:len(cuts) - 1]
+    events = np.diff([np.count_nonzero(ts < c) for c in cuts])  # a compare per cut: faster than a search per ts
     del ts
     r_first, r_last = reqs["first"].to_numpy(np.int64), reqs["last"].to_numpy(np.int64)
     if "finished" in reqs.columns:  # a request that never finishes is alive to the end of the trace
@@ -193,17 +201,31 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
                       dict(zip(names.tolist(), r_last.tolist())), every_ts)
 
 
-def _combined(parts: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
+def _kind_is(column: pa.ChunkedArray, names: Sequence[str]) -> pa.ChunkedArray:
+    """Which rows are of these kinds, compared on the dictionary codes (no decoding of the column)."""
+    out = []
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            codes = [i for i, v in enumerate(chunk.dictionary.to_pylist()) if v in names]
+            out.append(pc.is_in(chunk.indices, value_set=pa.array(codes, chunk.indices.type)))
+        else:
+            out.append(pc.is_in(chunk, value_set=pa.array(list(names), pa.string())))
+    return pa.chunked_array(out, pa.bool_())
+
+
+def _combined(parts: list[pa.Table], keys: list[str]) -> pd.DataFrame:
+    """The batches' spans per key merged: the earliest first, the latest last, any finish."""
     if not parts:
         return pd.DataFrame({**{k: pd.Series(dtype=object) for k in keys}, "first": pd.Series(dtype=np.int64),
                              "last": pd.Series(dtype=np.int64)})
-    frame = pd.concat(parts, ignore_index=True)
-    if len(parts) == 1:
-        return frame
-    how = dict(first=("first", "min"), last=("last", "max"))
-    if "finished" in frame.columns:
-        how["finished"] = ("finished", "max")
-    return frame.groupby(keys, sort=False, as_index=False).agg(**how)
+    table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+    if len(parts) > 1:
+        finished = "finished" in table.column_names
+        table = table.group_by(keys).aggregate([("first", "min"), ("last", "max")]
+                                               + ([("finished", "max")] if finished else []))
+        table = table.rename_columns([{"first_min": "first", "last_max": "last", "finished_max": "finished"}.get(
+            c, c) for c in table.column_names])
+    return table.to_pandas()
 
 
 def window_rows(table: pa.Table, start: int, end: int, carried: dict[str, int]) -> pa.ChunkedArray:
@@ -260,9 +282,9 @@ class PathSource:
         footers = read_footers(self.path, self.files)
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
-        for file in footers.files:  # file by file: the plan holds 5 columns of one batch at a time
-            yield from dataset([file.path]).to_batches(columns=PLAN_COLUMNS, filter=expression,
-                                                       batch_size=1 << 20)
+        # batch by batch: the plan holds 5 columns of a few batches at a time (the read's own threads, readahead)
+        yield from dataset([f.path for f in footers.files]).to_batches(columns=PLAN_COLUMNS, filter=expression,
+                                                                       batch_size=1 << 22)
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         cfg = self.config
@@ -356,6 +378,14 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
                     summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None = None) -> WindowedResult:
     """The rules' findings on one instance's rows, window by window (module docstring); per rule, the windows'
     owned findings in window order."""
+    with system_memory_pool():  # as open_trace reads (pdtrace.trace.reader): the plan's reads too
+        return _analyze_windows(source, rules, config, span, instance, window_events, lookback, progress, summarize)
+
+
+def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], config: AnalysisConfig,
+                     span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
+                     progress: Callable[[Any, Any], None] | None,
+                     summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
     from pdtrace.analysis import allocation_settings, checked_findings
     from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules

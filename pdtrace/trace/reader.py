@@ -337,8 +337,9 @@ def _req_dictionary(table: pa.Table) -> pa.ChunkedArray | None:
 
 
 @contextmanager
-def _system_memory_pool() -> Iterator[None]:
-    """Arrow allocates from the system (malloc) pool meanwhile (see the module docstring); restored after."""
+def system_memory_pool() -> Iterator[None]:
+    """Arrow allocates from the system (malloc) pool meanwhile (see the module docstring); restored after. Also
+    for other reads of many rows (`pdtrace.analysis.windows`)."""
     try:
         previous = pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
@@ -375,7 +376,7 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
     keep_config: with since_ns, keep the `engine_config` rows from before it too (`model.WINDOW_KEEPS`: what the
         analysis of a window reads, configuration rather than history).
     """
-    with _system_memory_pool():
+    with system_memory_pool():
         return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files, keep_config,
                            rows)
 
