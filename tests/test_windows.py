@@ -5,7 +5,7 @@ property's set and the preemption scenarios), cut into windows of 200, 700 and 2
 - with an unbounded lookback (every window's analysis starts at the oldest request or step open at its cut), the
   findings equal the whole-trace analysis's, every column (evidence and extra included), except `pipeline_bubble`,
   which the windowed path measures per window (`windows.PER_WINDOW`) and marks so;
-- with the default lookback (a window's worth), the same, except the findings about a request carried alone into
+- with the default lookback (half a window), the same, except the findings about a request carried alone into
   its window, which are marked `extra.windowed` with the reason (`windows.CARRIED_WHY`).
 """
 
@@ -32,7 +32,7 @@ from pdtrace.trace.model import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 UNBOUNDED = 10**12
-#: (events per window, lookback): unbounded, and the default (a window's worth: requests carried alone)
+#: (events per window, lookback): unbounded, and the default (half a window: requests carried alone)
 CUTS = ((200, UNBOUNDED), (200, 0), (700, UNBOUNDED), (2000, 0))
 COMPARED = ("rule", "subrule", "severity", "instance", "dp_rank", "req", "blocks", "step", "ts_ns", "message",
             "evidence", "context", "extra", "requests")

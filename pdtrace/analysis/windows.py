@@ -14,8 +14,9 @@ Algorithm:
    `window_events`-th event in time order (quantiles of a sorted sample of 1M ts). Window k holds the events
    with a_k <= ts < a_{k+1}.
 2. Context of window k: the requests and steps *open* at a_k (first < a_k <= last). The window is analysed from
-   c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: a window's
-   worth, so a window's analysis holds at most about twice its events); a request opened earlier still is *carried*: its own rows before c_k are added (the rows the rules
+   c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: half a
+   window, so a window's analysis holds at most 1.5 times its events); a request opened earlier still is
+   *carried*: its own rows before c_k are added (the rows the rules
    read about it: admission, schedules, allocations). Every window also gets the EVERY_WINDOW rows of the whole
    trace: the configuration, and the gaps that lower a finding anywhere up to the end of the trace.
 3. The window's rows [c_k, a_{k+1}) are analysed as an ordinary trace (the rules unchanged) with the whole
@@ -70,7 +71,7 @@ EVERY_WINDOW = ("engine_config", "recorder_gap", "recorder_off")
 PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own span"}
 #: Default events per window (`AnalysisConfig.window_events`): a window and its lookback fit in ~2 GiB while the
 #: rules run.
-DEFAULT_WINDOW_EVENTS = 3_000_000
+DEFAULT_WINDOW_EVENTS = 5_000_000
 PLAN_COLUMNS = ["ts_ns", "req", "step", "dp_rank", "kind"]
 #: Cut times come from a sorted sample of at most this many ts (`plan_windows`).
 SAMPLE = 1 << 20
@@ -133,8 +134,8 @@ def _spans(table: pa.Table, keys: list[str], finish: bool = False) -> pa.Table:
 
 def plan_windows(batches: Any, window_events: int, lookback: int | None = None) -> WindowPlan:
     """The windows of one instance's rows, from record batches (or tables) of PLAN_COLUMNS (module docstring,
-    steps 1-2). `lookback`: the most events a window's analysis starts before its cut (None: a window's worth)."""
-    lookback = max(window_events, 1) if lookback is None else int(lookback)
+    steps 1-2). `lookback`: the most events a window's analysis starts before its cut (None: half a window)."""
+    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
     ts_parts, req_parts, step_parts, every = [], [], [], []
     for batch in batches:
         table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
