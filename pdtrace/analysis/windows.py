@@ -269,29 +269,42 @@ class PathSource:
 
     def __init__(self, path: str, instances: Sequence[str] | None, files: Sequence[str] | None,
                  config: AnalysisConfig) -> None:
-        self.path, self.instances, self.files, self.config = path, instances, files, config
+        from pdtrace.trace.reader import column_stats, read_footers
 
-    def _open(self, **kwargs: Any) -> Trace:
+        self.path, self.instances, self.config = path, instances, config
+        footers = read_footers(path, files)
+        self.files = [f.path for f in footers.files]
+        #: per file, (first, last) ts_ns from its footer's statistics; None: unknown (always read)
+        self.spans: list[tuple[int, int] | None] = []
+        for name in self.files:
+            stats = column_stats(footers.metadata[name], "ts_ns")
+            self.spans.append((int(min(lo for lo, _ in stats)), int(max(hi for _, hi in stats)))
+                              if stats else None)
+
+    def between(self, lo: int, hi: int) -> list[str]:
+        """The files that may hold rows with lo <= ts < hi (by their footers): a window opens only those."""
+        out = [name for name, span in zip(self.files, self.spans) if span is None or (span[0] < hi and span[1] >= lo)]
+        return out or self.files[:1]
+
+    def _open(self, lo: int, hi: int, **kwargs: Any) -> Trace:
         from pdtrace.trace.reader import open_trace
 
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
-                          only_files=self.files, **kwargs)
+                          only_files=self.between(lo, hi), **kwargs)
 
     def plan_batches(self) -> Any:
-        from pdtrace.trace.reader import _filter_expression, dataset, read_footers
+        from pdtrace.trace.reader import _filter_expression, dataset
 
-        footers = read_footers(self.path, self.files)
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
-        # batch by batch: the plan holds 5 columns of a few batches at a time (the read's own threads, readahead)
-        yield from dataset([f.path for f in footers.files]).to_batches(columns=PLAN_COLUMNS, filter=expression,
-                                                                       batch_size=1 << 22)
+        for name in self.files:  # file by file: the plan holds 5 columns of one batch at a time
+            yield from dataset([name]).to_batches(columns=PLAN_COLUMNS, filter=expression, batch_size=1 << 20)
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         cfg = self.config
         since = start if cfg.since_ns is None else max(start, int(cfg.since_ns))
         until = end if cfg.until_ns is None else min(end, int(cfg.until_ns))
-        trace = self._open(since_ns=since, until_ns=until)
+        trace = self._open(since, until, since_ns=since, until_ns=until)
         outside = [int(t) for t in plan.every_ts.tolist() if not since <= t < until]
         terms = [ds.field("ts_ns") == t for t in outside] if len(outside) <= EXACT_FETCH else \
             [ds.field("kind").isin(list(EVERY_WINDOW))]
@@ -304,7 +317,9 @@ class PathSource:
         where = terms[0]
         for term in terms[1:]:
             where = where | term
-        more = self._open(rows=where).table
+        lo = min(outside + ([min(carried.values())] if carried else []))
+        hi = max(outside + ([since] if carried else [])) + 1
+        more = self._open(lo, hi, rows=where).table
         ts = more.column("ts_ns")
         loaded = pc.and_(pc.greater_equal(ts, pa.scalar(since, pa.int64())), pc.less(ts, pa.scalar(until, pa.int64())))
         more = more.filter(pc.and_(window_rows(more, since, until, carried), pc.invert(loaded)))
@@ -379,7 +394,10 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
                     summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None = None) -> WindowedResult:
     """The rules' findings on one instance's rows, window by window (module docstring); per rule, the windows'
     owned findings in window order."""
-    with system_memory_pool():  # as open_trace reads (pdtrace.trace.reader): the plan's reads too
+    from pdtrace.analysis import allocation_settings
+
+    # as open_trace reads (pdtrace.trace.reader) and analyze() runs the rules: the plan's reads and arrays too
+    with system_memory_pool(), allocation_settings():
         return _analyze_windows(source, rules, config, span, instance, window_events, lookback, progress, summarize)
 
 
@@ -387,7 +405,7 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                      span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
                      progress: Callable[[Any, Any], None] | None,
                      summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
-    from pdtrace.analysis import allocation_settings, checked_findings
+    from pdtrace.analysis import checked_findings
     from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules
 
@@ -401,40 +419,39 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     last = total - 1
     first_ts = int(plan.cuts[0])
     jobs = max(1, int(config.jobs))
-    with allocation_settings():
-        for k in range(total):  # per window: few
-            began = time.perf_counter()
-            start, end = int(plan.starts[k]), int(plan.cuts[k + 1])
-            trace = source.rows(start, end, plan, k)
-            if start > first_ts:
-                trace.window_start_ns, trace.window_source = later_window(
-                    trace.window_start_ns, trace.window_source, start, "since")
-            ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
-            analysed = len(trace)
-            found = [window_findings(ctx, checked_findings(frame, rule))
-                     for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
-            kept: list[pd.DataFrame] = []
-            for i, (frame, rule) in enumerate(zip(found, rules)):
-                if len(frame) and rule.id in PER_WINDOW:
-                    frame = frame.copy()
-                    frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
-                                                              "why": PER_WINDOW[rule.id]}) for e in frame["extra"]]
-                    frame["message"] = [f"window {k + 1}/{total} ({(end - start) / 1e9:.1f} s from ts_ns {start}): "
-                                        f"{m}" for m in frame["message"]]
-                elif len(frame):
-                    owners = owner(frame, plan)
-                    frame = carried_marked(frame[(owners == k) | ((owners < 0) & (k == last))], plan.carried[k],
-                                           start)
-                kept.append(frame)
-                frames[i].append(frame)
-            if summarize is not None:
-                summaries.append(summarize(ctx, kept))
-            warnings.extend(w for w in trace.warnings if w not in warnings)
-            del ctx, trace
-            if progress is not None:
-                info = WindowInfo(instance, k, total, int(plan.events[k]), analysed,
-                                  seconds=time.perf_counter() - began)
-                progress(info, info)
+    for k in range(total):  # per window: few
+        began = time.perf_counter()
+        start, end = int(plan.starts[k]), int(plan.cuts[k + 1])
+        trace = source.rows(start, end, plan, k)
+        if start > first_ts:
+            trace.window_start_ns, trace.window_source = later_window(
+                trace.window_start_ns, trace.window_source, start, "since")
+        ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
+        analysed = len(trace)
+        found = [window_findings(ctx, checked_findings(frame, rule))
+                 for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
+        kept: list[pd.DataFrame] = []
+        for i, (frame, rule) in enumerate(zip(found, rules)):
+            if len(frame) and rule.id in PER_WINDOW:
+                frame = frame.copy()
+                frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
+                                                          "why": PER_WINDOW[rule.id]}) for e in frame["extra"]]
+                frame["message"] = [f"window {k + 1}/{total} ({(end - start) / 1e9:.1f} s from ts_ns {start}): "
+                                    f"{m}" for m in frame["message"]]
+            elif len(frame):
+                owners = owner(frame, plan)
+                frame = carried_marked(frame[(owners == k) | ((owners < 0) & (k == last))], plan.carried[k],
+                                       start)
+            kept.append(frame)
+            frames[i].append(frame)
+        if summarize is not None:
+            summaries.append(summarize(ctx, kept))
+        warnings.extend(w for w in trace.warnings if w not in warnings)
+        del ctx, trace
+        if progress is not None:
+            info = WindowInfo(instance, k, total, int(plan.events[k]), analysed,
+                              seconds=time.perf_counter() - began)
+            progress(info, info)
     out = []
     for parts in frames:
         parts = [p for p in parts if len(p)]
