@@ -150,7 +150,7 @@ def test_phase_one_alone_misses_them(tmp_path: Path) -> None:
     assert len(stuck) == 1 and "peer_engine_failed" not in stuck[0]["extra"]
     assert link_groups([r.summary for r in results]) == {"use_after_free": [("D0", "P0")],
                                                          "unscheduled_request": [("D1", "P1")]}
-    frames, events, _, _ = analyze_partitioned(trace_dir, rules, AnalysisConfig(jobs=1), LocalRunner(), plan)
+    frames, events, _, _, _ = analyze_partitioned(trace_dir, rules, AnalysisConfig(jobs=1), LocalRunner(), plan)
     assert events == sum(r.events for r in results)
 
 

@@ -10,7 +10,9 @@ This is the one code path behind both the notebook API and `pdtrace analyze`:
 4. concatenate their findings and sort them by severity (errors first), then time, rule and instance
    (`ordered_findings`).
 A path to a large trace of several instances takes the partitioned path instead (`pdtrace.analysis.partitions`):
-steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings.
+steps 1-3 per instance in worker processes or Dask tasks, a cross-instance join, then step 4; same findings. An
+instance with more than `config.window_events` events is analysed in time windows inside its partition
+(`pdtrace.analysis.windows`): memory bounded by the window; same findings, pipeline_bubble measured per window.
 
 `summarize_findings(findings)` turns a findings DataFrame into the summary the reporters print: counts per
 severity and rule, "N errors from M contexts", the leak summary in blocks per instance (and % of the pool), and
@@ -180,11 +182,14 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     PARTITION_MIN_EVENTS events and no instance holds more than three quarters of them, or on a Dask cluster with
     `dask=` (a `distributed.Client` or a scheduler address; needs `pdtrace[dask]`). `partitioned=True` forces
     partitions (also for an in-memory Trace, one after the other), False forbids them. `progress(task, result)` is
-    called as each partition finishes. The findings are the same either way.
+    called as each partition finishes (and, in this process, as each window of an instance with more than
+    `config.window_events` events finishes: `pdtrace.analysis.windows.WindowInfo`). The findings are the same
+    either way.
 
     The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
     that ran), `events` (rows analysed), `trace` (its path), `warnings` (rule plugins that failed to load) and,
-    when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each) and `partitions`.
+    when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each), `partitions` and
+    `windows` ({instance: windows, carried} of the instances analysed window by window).
     """
     registered, notes = available_rules()
     chosen = select_rules(rules, registered)
@@ -196,6 +201,9 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
         plan = worth_partitioning(trace_or_path, config or AnalysisConfig())
         if plan is not None:
             return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress, plan)
+    if partitioned is None and isinstance(trace_or_path, Trace) and \
+            0 < (config or AnalysisConfig()).window_events < len(trace_or_path):
+        return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress)  # window by window
     if isinstance(trace_or_path, AnalysisContext) and config is None and window(
             trace_or_path.trace, trace_or_path.config) is trace_or_path.trace:
         ctx = trace_or_path  # reuse the caller's derived tables (plots and exports analyse the same context)
@@ -230,22 +238,35 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
         from pdtrace.analysis.distributed import DaskRunner
 
         runner: Any = DaskRunner.connect(dask)
-    elif isinstance(source, Trace) or int(config.jobs) == 1:
+    elif isinstance(source, Trace) or int(config.jobs) == 1 or _one_partition(source, config, plan):
         runner = LocalRunner()
     else:
         runner = ProcessRunner(int(config.jobs) or default_workers())
     if not isinstance(source, (Trace, str, os.PathLike)):
         raise UsageError(f"analyze() takes a Trace or a path, not {type(source).__name__}")
     try:
-        frames, events, trace_notes, parts = analyze_partitioned(source, chosen, config, runner, plan, progress)
+        frames, events, trace_notes, parts, windows = analyze_partitioned(source, chosen, config, runner, plan,
+                                                                          progress)
     finally:
         getattr(runner, "close", lambda: None)()
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": events,
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
-                      "trace_warnings": trace_notes, "partitions": parts,
+                      "trace_warnings": trace_notes, "partitions": parts, "windows": windows,
                       "window": window_summary(_partitioned_window(source, config))}
     return findings
+
+
+def _one_partition(source: Any, config: AnalysisConfig, plan: Any) -> bool:
+    """Whether a trace path holds one instance to analyse (a worker process would only add its start, and the
+    windows of a windowed partition report their progress from this process)."""
+    if plan is None:
+        from pdtrace.analysis.partitions import is_directory, plan_partitions
+
+        if not isinstance(source, (str, os.PathLike)) or not is_directory(source):
+            return False
+        plan = plan_partitions(source)  # footers only
+    return len([p for p in plan.partitions if not config.instances or p.instance in config.instances]) == 1
 
 
 def _partitioned_window(source: Any, config: AnalysisConfig) -> Any:
@@ -352,4 +373,6 @@ def summarize_findings(findings: pd.DataFrame) -> dict[str, Any]:
     }
     if findings.attrs.get("window"):  # a trace that starts mid-run (pdtrace.analysis.history)
         out["window"] = findings.attrs["window"]
+    if findings.attrs.get("windows"):  # instances analysed window by window (pdtrace.analysis.windows)
+        out["windows"] = findings.attrs["windows"]
     return out

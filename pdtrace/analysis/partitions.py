@@ -312,6 +312,8 @@ class PartitionTask:
     rows: int = 0
     #: an in-memory trace (LocalRunner only): the partition is its rows of `instances`
     trace: Trace | None = field(default=None, compare=False)
+    #: called per analysed window of a windowed partition, in the process that runs it (LocalRunner only)
+    progress: Any = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
@@ -327,6 +329,9 @@ class PartitionResult:
     warnings: list[str]
     summary: LinkSummary | None
     seconds: float
+    #: windows the partition was analysed in (`pdtrace.analysis.windows`; 1: whole), and requests carried alone
+    windows: int = 1
+    carried: int = 0
 
 
 def _resolve(rules: Iterable[str | Rule]) -> list[Rule]:
@@ -363,15 +368,56 @@ def run_partition(task: PartitionTask) -> PartitionResult:
     from pdtrace.analysis.parallel import run_rules
 
     start = time.perf_counter()
-    trace = _load_partition(task)
-    ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     rules = _resolve(task.rules)
+    windowed = _windowed(task, rules)
+    if windowed is not None:
+        return windowed
+    trace = _load_partition(task)
+    if task.summaries and 0 < task.config.window_events < len(trace):  # an in-memory trace's rows: now known
+        return _run_windowed(task, rules, trace)
+    ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     with allocation_settings():
         frames = [window_findings(ctx, checked_findings(frame, rule)) for frame, rule in
                   zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
         summary = link_summary(ctx, rules, frames, task.instances) if task.summaries else None
     return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,
                            time.perf_counter() - start)
+
+
+def _windowed(task: PartitionTask, rules: Sequence[Rule]) -> PartitionResult | None:
+    """A partition read from files whose footers count more than `config.window_events` rows: analysed window by
+    window (`pdtrace.analysis.windows`), never loaded whole. Linked groups (phase 2) are loaded whole."""
+    if task.trace is not None or not task.summaries or not 0 < task.config.window_events < task.rows:
+        return None
+    return _run_windowed(task, rules, None)
+
+
+def _run_windowed(task: PartitionTask, rules: Sequence[Rule], trace: Trace | None) -> PartitionResult:
+    from pdtrace.analysis.windows import MemorySource, PathSource, analyze_windows
+
+    start = time.perf_counter()
+    source: Any = MemorySource(trace) if trace is not None else PathSource(
+        str(task.path), task.instances if task.filter_instances else None, task.files, task.config)
+    result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances),
+                             progress=task.progress,
+                             summarize=lambda ctx, frames: link_summary(ctx, rules, frames, task.instances))
+    return PartitionResult(task.instances, result.events, frames=result.frames, warnings=result.warnings,
+                           summary=merged_summaries(result.summaries, task.instances),
+                           seconds=time.perf_counter() - start, windows=result.windows, carried=result.carried)
+
+
+def merged_summaries(summaries: Sequence[LinkSummary], instances: Sequence[str]) -> LinkSummary:
+    """One partition's LinkSummary from its windows': reads and gaps together (a request's gap seen in two windows
+    is kept twice, open in one: a superset, as phase 2's links are), the rest united."""
+    reads = [s.remote_reads for s in summaries if len(s.remote_reads)]
+    gaps = [s.gaps for s in summaries if len(s.gaps)]
+    first = summaries[0]
+    return LinkSummary(tuple(instances),
+                       pd.concat(reads, ignore_index=True) if reads else first.remote_reads,
+                       pd.concat(gaps, ignore_index=True).drop_duplicates() if gaps else first.gaps,
+                       tuple(sorted({w for s in summaries for w in s.waits_on})),
+                       any(s.leaks for s in summaries),
+                       tuple(sorted({p for s in summaries for p in s.prefill_peers})))
 
 
 def link_summary(ctx: AnalysisContext, rules: Sequence[Rule], frames: Sequence[pd.DataFrame],
@@ -574,9 +620,11 @@ def default_workers() -> int:
 
 def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[Rule], config: AnalysisConfig,
                         runner: Any, plan: PartitionPlan | None = None,
-                        progress: Progress | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str]]:
-    """(findings per rule, events analysed, trace warnings, partitions) of `rules` on the trace, partition by
-    partition on the runner (see the module docstring)."""
+                        progress: Progress | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str],
+                                                                   dict[str, dict[str, int]]]:
+    """(findings per rule, events analysed, trace warnings, partitions, {instance: windows and carried requests} of
+    the partitions analysed window by window) of `rules` on the trace, partition by partition on the runner (see
+    the module docstring)."""
     rule_refs: tuple[str | Rule, ...] = tuple(_portable(rule) for rule in rules)
     threads = getattr(runner, "threads_per_task", None) or int(config.jobs) or default_jobs()
     task_config = replace(config, jobs=int(threads))
@@ -594,8 +642,9 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         span = analysed_span(plan, parts, config)
         base = dict(path=str(source), trace=None)
         warnings = plan.warnings
+    local = isinstance(runner, LocalRunner)  # per-window progress reaches back only from this process
     tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
-                           **_files_of([p], base)) for p in parts]
+                           progress=progress if local else None, **_files_of([p], base)) for p in parts]
     results: list[PartitionResult | None] = [None] * len(tasks)
     for index, result in runner.run(tasks):
         results[index] = result
@@ -624,13 +673,15 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
     for result in done:
         warnings.extend(w for w in result.warnings if w not in warnings)
     frames = combine([rule.id for rule in rules], done, reruns)
-    return frames, sum(r.events for r in done), warnings, [p.instance for p in parts]
+    windows = {r.instances[0]: {"windows": r.windows, "carried": r.carried} for r in done if r.windows > 1}
+    return frames, sum(r.events for r in done), warnings, [p.instance for p in parts], windows
 
 
 def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
                        plan: PartitionPlan | None = None) -> PartitionPlan | None:
-    """The plan when the trace at `path` is worth analysing by partitions by default: several instances, at least
-    PARTITION_MIN_EVENTS events, and no instance with more than three quarters of them (else the largest partition
+    """The plan when the trace at `path` is worth analysing by partitions by default: an instance with more than
+    `config.window_events` events (analysed window by window, `pdtrace.analysis.windows`); or several instances, at
+    least PARTITION_MIN_EVENTS events, and no instance with more than three quarters of them (else the largest partition
     costs about what the whole does, and one process with threads is faster). None otherwise. `plan`: the trace's,
     when the caller has it already."""
     if not is_directory(path):
@@ -638,6 +689,8 @@ def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
     plan = plan or plan_partitions(path)
     parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
     events = sum(p.rows for p in parts)
+    if parts and 0 < config.window_events < max(p.rows for p in parts):
+        return plan  # an instance too large to analyse whole: its partition goes window by window
     if len(parts) < 2 or events < PARTITION_MIN_EVENTS or max(p.rows for p in parts) > 0.75 * events:
         return None
     return plan

@@ -52,10 +52,15 @@ def parse_time(value: str, start_ns: int, option: str) -> int:
 
 @contextmanager
 def _partition_progress(total: int) -> Iterator[Callable[[Any, Any], None]]:
-    """A callback for analyze(progress=...): a rich progress bar over the partitions on a terminal, else one line
-    per finished partition; always on stderr (stdout holds the report)."""
+    """A callback for analyze(progress=...): a rich progress bar over the partitions (and one over the windows of an
+    instance analysed window by window) on a terminal, else one line per finished partition or window; always on
+    stderr (stdout holds the report)."""
     if not err_console.is_terminal:
         def line(task: Any, result: Any) -> None:
+            if getattr(task, "total", None):  # a window of an instance analysed window by window
+                err_console.print(f"pdtrace: {task.name}: {task.events:,} events in {task.seconds:.1f} s",
+                                  markup=False, soft_wrap=True)
+                return
             what = "linked " if not task.summaries else ""
             err_console.print(f"pdtrace: {what}{task.name}: {result.events:,} events in {result.seconds:.1f} s",
                               markup=False, soft_wrap=True)
@@ -69,7 +74,15 @@ def _partition_progress(total: int) -> Iterator[Callable[[Any, Any], None]]:
         job = bar.add_task("instances", total=total)
         events = [0]
 
+        windows: dict[str, Any] = {}
+
         def advance(task: Any, result: Any) -> None:
+            if getattr(task, "total", None):  # a window: a bar per windowed instance
+                if task.instance not in windows:
+                    windows[task.instance] = bar.add_task(f"{task.instance} windows", total=task.total)
+                bar.update(windows[task.instance], advance=1,
+                           description=f"{task.name} ({task.events:,} events, {task.seconds:.1f} s)")
+                return
             events[0] += result.events
             if task.summaries:
                 bar.advance(job)
@@ -120,6 +133,10 @@ def analyze(
     dask: Optional[str] = typer.Option(None, "--dask", help="Run the instances as tasks on this Dask cluster "
                                        "(scheduler address, e.g. tcp://dask-scheduler:8786); the workers read TRACE "
                                        "at the same path. Needs pdtrace[dask]."),
+    window_events: Optional[int] = typer.Option(None, "--window-events", help="Analyse an instance with more "
+                                                "events than this in time windows of at most this many, memory "
+                                                "bounded by the window (default 5,000,000; 0: never). Same "
+                                                "findings; pipeline_bubble is measured per window."),
     partitions: Optional[bool] = typer.Option(None, "--partitions/--whole", help="Analyse instance by instance "
                                               "(default: when the trace is large and no instance dominates) or the "
                                               "whole trace in one process. Same findings either way."),
@@ -134,7 +151,8 @@ def analyze(
     table = load_pyproject_table(pyproject, required=config is not None) if pyproject is not None else {}
     settings, defaults = config_from_table(table)
     overrides: dict[str, Any] = {"grace_s": grace_s, "starve_steps": starve_steps, "zombie_steps": zombie_steps,
-                                 "bubble_warn_fraction": bubble_warn_fraction, "jobs": jobs}
+                                 "bubble_warn_fraction": bubble_warn_fraction, "jobs": jobs,
+                                 "window_events": window_events}
     if bubble_min_ms is not None:
         overrides["bubble_min_ns"] = int(bubble_min_ms * 1_000_000)
     settings = settings.with_overrides(**overrides)

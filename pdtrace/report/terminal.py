@@ -177,6 +177,11 @@ def render_terminal(findings: pd.DataFrame, summary: dict[str, Any], console: Co
     if window:
         console.print(Text(f"{PREFIX}WINDOW: {window['how']}, {_rel(window['start_ns'], start_ns)} from the "
                            f"trace's start: {window['meaning']}"), soft_wrap=True)
+    for name, split in (summary.get("windows") or {}).items():
+        console.print(Text(f"{PREFIX}{name}: analysed in {split['windows']} time windows (pdtrace.analysis.windows)"
+                           + (f"; {split['carried']} requests began more than a window before a cut and were "
+                              "carried alone (their findings say so)" if split.get("carried") else "")),
+                      soft_wrap=True)
     console.print(Text(PREFIX))
     if len(findings):
         records = findings.to_dict("records")  # one per finding

@@ -337,8 +337,9 @@ def _req_dictionary(table: pa.Table) -> pa.ChunkedArray | None:
 
 
 @contextmanager
-def _system_memory_pool() -> Iterator[None]:
-    """Arrow allocates from the system (malloc) pool meanwhile (see the module docstring); restored after."""
+def system_memory_pool() -> Iterator[None]:
+    """Arrow allocates from the system (malloc) pool meanwhile (see the module docstring); restored after. Also
+    for other reads of many rows (`pdtrace.analysis.windows`)."""
     try:
         previous = pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
@@ -354,7 +355,8 @@ def _system_memory_pool() -> Iterator[None]:
 def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = None,
                instances: str | Iterable[str] | None = None, since_ns: int | None = None,
                until_ns: int | None = None, validate: bool = True, warn: bool = True,
-               only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
+               only_files: Iterable[str] | None = None, keep_config: bool = False,
+               rows: ds.Expression | None = None) -> Trace:
     """Load a trace directory (or one Parquet part file) as a `Trace` (see the module docstring).
 
     columns: format columns to load (default all); the table has them in format order.
@@ -369,11 +371,14 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         `pdtrace.analysis.partitions`); the trace's path stays `path`. They are part of a trace whose other files
         are read elsewhere, so when every one of them turns out corrupt the result is an empty trace listing them
         in `skipped`, as a whole-trace read would skip them, not an error.
+    rows: a further row filter (a pyarrow dataset expression), ANDed with the others (a window's extra rows,
+        `pdtrace.analysis.windows`).
     keep_config: with since_ns, keep the `engine_config` rows from before it too (`model.WINDOW_KEEPS`: what the
         analysis of a window reads, configuration rather than history).
     """
-    with _system_memory_pool():
-        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files, keep_config)
+    with system_memory_pool():
+        return _open_trace(path, columns, instances, since_ns, until_ns, validate, warn, only_files, keep_config,
+                           rows)
 
 
 @dataclass
@@ -469,7 +474,8 @@ def read_footers(path: str | os.PathLike[str], only_files: Iterable[str] | None 
 
 def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, instances: str | Iterable[str] | None,
                 since_ns: int | None, until_ns: int | None, validate: bool, warn: bool,
-                only_files: Iterable[str] | None = None, keep_config: bool = False) -> Trace:
+                only_files: Iterable[str] | None = None, keep_config: bool = False,
+                rows: ds.Expression | None = None) -> Trace:
     root: Any = str(path) if is_url(path) else Path(path)
     selected = _resolve_columns(columns)
     wanted_instances = _resolve_instances(instances)
@@ -487,6 +493,8 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             runs.append((plain, [name]))
 
     expression = _filter_expression(wanted_instances, since_ns, until_ns, keep_config)
+    if rows is not None:
+        expression = rows if expression is None else expression & rows
     tables = []
     req_parts: list[pa.ChunkedArray | None] = []
     footer_rows = {f.path: f.rows for f in files}

@@ -1,0 +1,463 @@
+"""Windowed analysis: one instance's long trace analysed in time windows, so memory is bounded by the window.
+
+A partition (`pdtrace.analysis.partitions`) is one instance; a day of one busy instance is ~250M events, far more
+than one process holds (~370 bytes per event while the rules run). The state that crosses a moment of the run is
+small, though: the requests alive then (at most max_num_seqs plus the queue) with the blocks they own, the steps in
+flight, the recorder gaps. So each window is analysed as an ordinary trace that *starts early enough to hold that
+state exactly*: the rows from the start of the oldest request or step still open at the cut.
+
+Algorithm:
+1. Cheap pass (`plan_windows`, columns only: ts_ns, req, step, dp_rank, kind, read batch by batch): per request id
+   its first and last ts, the last being the end of the trace where it has no req_finish (a request waiting
+   forever is alive at every cut, though it has no row after its admission); per (dp_rank, step) its first and last ts; the few rows of the kinds every window reads
+   (`EVERY_WINDOW`: engine_config, recorder_gap, recorder_off); the cut times a_1 < a_2 < ... at about every
+   `window_events`-th event in time order (quantiles of a sorted sample of 1M ts). Window k holds the events
+   with a_k <= ts < a_{k+1}.
+2. Context of window k: the requests and steps *open* at a_k (first < a_k <= last). The window is analysed from
+   c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: half a
+   window, so a window's analysis holds at most 1.5 times its events); a request opened earlier still is
+   *carried*: its own rows before c_k are added (the rows the rules
+   read about it: admission, schedules, allocations). Every window also gets the EVERY_WINDOW rows of the whole
+   trace: the configuration, and the gaps that lower a finding anywhere up to the end of the trace.
+3. The window's rows [c_k, a_{k+1}) are analysed as an ordinary trace (the rules unchanged) with the whole
+   trace's span (`AnalysisContext.span_ns`: "at the end of the trace" means the same in every window). For k > 0
+   it is a window starting at c_k (`pdtrace.analysis.history`), so what c_k cut off (a request freed just after
+   c_k, a step in flight at c_k) gives no finding.
+4. Ownership (`owner`): a finding that names requests (its `req`, its `requests`, the requests of its evidence)
+   belongs to the window holding the last row of the latest of them, the first window where each is complete
+   and, by 2, whole; one that names none belongs to the window holding its ts. Each window keeps only the findings
+   it owns, so none is reported twice, and a window never reports about a request that goes on after it (no
+   "still held at the end" for a request that finishes in the next window). Then the windows' findings are
+   concatenated per rule (`analyze_windows`).
+
+Exact, and where not (tests/test_windows.py checks the findings equal the whole-trace analysis's on every sample
+and scenario at several window sizes; bench/long_trace.py at 10M events):
+- Exact when every open request's and step's start lies within the lookback (c_k not clamped): the rules see every
+  row of every request they judge and every row of the steps and other requests around it. A carried request (2,
+  clamped) has all its own rows but not the steps before c_k: rules that count steps around it (`starved`,
+  `zombie` of unscheduled_request) may count fewer; the attrs say how many requests were carried (`carried`).
+- `pipeline_bubble` (PER_WINDOW) measures idle fractions over the analysed span, so it is measured per window:
+  each window reports its own ranks' fractions over [c_k, a_{k+1}), its findings marked `extra.windowed`.
+
+Cost: the cheap pass reads 5 columns once; each window reads its rows (row groups pruned by their ts statistics)
+plus the overlap [c_k, a_k), which on a serving trace is the life of the longest running request (seconds: a few
+thousand events). A request that stays open for longer than the lookback (a request waiting forever) pulls every
+later window back by the whole lookback: at most twice the rows, the price of still counting the steps it waits
+through.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.registry import Rule
+from pdtrace.trace.model import Trace, dictionary_decoded, later_window
+from pdtrace.trace.reader import system_memory_pool
+
+#: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
+#: the end of the trace lowers a leak found at that moment).
+EVERY_WINDOW = ("engine_config", "recorder_gap", "recorder_off")
+#: Rules whose findings measure the analysed span: measured per window (module docstring).
+PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own span"}
+#: Default events per window (`AnalysisConfig.window_events`): a window and its lookback fit in ~2 GiB while the
+#: rules run.
+DEFAULT_WINDOW_EVENTS = 5_000_000
+PLAN_COLUMNS = ["ts_ns", "req", "step", "dp_rank", "kind"]
+#: Cut times come from a sorted sample of at most this many ts (`plan_windows`).
+SAMPLE = 1 << 20
+#: The last ts of a request that never finishes: it is open at every cut, and owned by the last window.
+OPEN = np.iinfo(np.int64).max
+
+
+@dataclass
+class WindowPlan:
+    """The cheap pass's result (module docstring, steps 1-2)."""
+
+    #: cut times: window k holds a[k] <= ts < a[k+1]; a[0] is the first ts, a[-1] one past the last
+    cuts: np.ndarray
+    #: events per window (time order)
+    events: np.ndarray
+    #: per window, where its analysed rows start (c_k <= a_k)
+    starts: np.ndarray
+    #: per window, the requests carried alone (opened before c_k, still open at a_k), and their first ts
+    carried: list[dict[str, int]]
+    #: per request id: the ts of its last row (OPEN where it never finishes)
+    last_ts: dict[str, int]
+    #: the EVERY_WINDOW rows' ts (they are read once, in every window)
+    every_ts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def window_of(self, ts: np.ndarray | int) -> np.ndarray | int:
+        """The window holding ts (clamped to the first and last)."""
+        k = np.searchsorted(self.cuts, ts, side="right") - 1
+        return np.clip(k, 0, len(self.events) - 1)
+
+
+@dataclass
+class WindowInfo:
+    """One analysed window, for progress callbacks (`progress(info, info)`, like a partition's task and result)."""
+
+    instance: str
+    index: int
+    total: int
+    events: int
+    #: rows the window's analysis read (its events, the lookback before its cut, the carried rows)
+    analysed: int = 0
+    seconds: float = 0.0
+    summaries: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.instance} window {self.index + 1}/{self.total}"
+
+
+def _spans(table: pa.Table, keys: list[str], finish: bool = False) -> pa.Table:
+    """First and last ts per key of one batch (a hash aggregate, no sort); with `finish`, whether a row of the key
+    is a req_finish."""
+    out = table.group_by(keys).aggregate([("ts_ns", "min"), ("ts_ns", "max")]
+                                         + ([("finish", "max")] if finish else []))
+    return out.rename_columns([{"ts_ns_min": "first", "ts_ns_max": "last", "finish_max": "finished"}.get(c, c)
+                               for c in out.column_names])
+
+
+def plan_windows(batches: Any, window_events: int, lookback: int | None = None) -> WindowPlan:
+    """The windows of one instance's rows, from record batches (or tables) of PLAN_COLUMNS (module docstring,
+    steps 1-2). `lookback`: the most events a window's analysis starts before its cut (None: half a window)."""
+    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
+    ts_parts, req_parts, step_parts, every = [], [], [], []
+    for batch in batches:
+        table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+        if table.num_rows == 0:
+            continue
+        ts_parts.append(table.column("ts_ns").to_numpy())
+        req = dictionary_decoded(table.column("req"))
+        has_req = pc.is_valid(req)
+        finish = _kind_is(table.column("kind"), ("req_finish",))
+        req_parts.append(_spans(pa.table({"req": req, "ts_ns": table.column("ts_ns"), "finish": finish})
+                                .filter(has_req), ["req"], finish=True))
+        step = table.column("step")
+        # one int64 key per (dp_rank, step): a hash of one column is half the cost of two
+        key = pc.add(step, pc.shift_left(pc.add(pc.fill_null(table.column("dp_rank"), -1).cast(pa.int64()), 1), 40))
+        step_parts.append(_spans(pa.table({"step": key, "ts_ns": table.column("ts_ns")})
+                                 .filter(pc.is_valid(step)), ["step"]))
+        kinds = _kind_is(table.column("kind"), EVERY_WINDOW)
+        every.append(table.column("ts_ns").filter(kinds).to_numpy())
+    ts = np.concatenate(ts_parts) if ts_parts else np.empty(0, np.int64)
+    del ts_parts  # 8 bytes an event: one copy at a time
+    n = len(ts)
+    reqs = _combined(req_parts, ["req"])
+    steps = _combined(step_parts, ["step"])
+    every_ts = np.unique(np.concatenate(every)) if every else np.empty(0, np.int64)
+    if n == 0:
+        return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
+    count = max(1, -(-n // max(int(window_events), 1)))
+    # the cut times from a sorted sample of at most SAMPLE ts (every stride-th): a window holds window_events
+    # events give or take a stride's worth, and one sort of 1M values replaces a selection pass per cut
+    stride = max(1, n // SAMPLE)
+    sample = np.sort(ts[::stride])
+    marks = [min(k * n // count // stride, len(sample) - 1) for k in range(1, count)]
+    behind = [max(m - lookback // stride, 0) for m in marks]
+    first, last = int(ts.min()), int(ts.max())
+    mark_ts, behind_ts = sample[marks], sample[behind]
+    del sample
+    values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
+    keep = values > first
+    cuts = np.r_[first, values[keep], last + 1].astype(np.int64)
+    bounds = np.r_[first, behind_ts[at][keep]].astype(np.int64)
+    events = np.diff([np.count_nonzero(ts < c) for c in cuts])  # a compare per cut: faster than a search per ts
+    del ts
+    r_first, r_last = reqs["first"].to_numpy(np.int64), reqs["last"].to_numpy(np.int64)
+    if "finished" in reqs.columns:  # a request that never finishes is alive to the end of the trace
+        r_last = np.where(reqs["finished"].fillna(False).to_numpy(bool), r_last, OPEN)
+    s_first, s_last = steps["first"].to_numpy(np.int64), steps["last"].to_numpy(np.int64)
+    names = reqs["req"].astype(str).to_numpy(object)
+    starts = [first]
+    carried: list[dict[str, int]] = [{}]
+    for k in range(1, len(cuts) - 1):  # per window: few
+        a, bound = int(cuts[k]), int(bounds[k])
+        r_open = (r_first < a) & (r_last >= a)
+        s_open = (s_first < a) & (s_last >= a)
+        # back to the oldest open request or step, at most to the lookback bound: an older request is carried,
+        # and the rules still see a lookback's worth of the steps it waited through (unscheduled_request counts
+        # them; with fewer it would stay silent rather than report, marked, what it saw)
+        start = min([a] + ([int(r_first[r_open].min())] if r_open.any() else [])
+                    + ([int(s_first[s_open].min())] if s_open.any() else []))
+        start = max(start, bound)
+        starts.append(start)
+        early = r_open & (r_first < start)
+        carried.append(dict(zip(names[early].tolist(), r_first[early].tolist())))
+    return WindowPlan(cuts, np.asarray(events, np.int64), np.asarray(starts, np.int64), carried,
+                      dict(zip(names.tolist(), r_last.tolist())), every_ts)
+
+
+def _kind_is(column: pa.ChunkedArray, names: Sequence[str]) -> pa.ChunkedArray:
+    """Which rows are of these kinds, compared on the dictionary codes (no decoding of the column)."""
+    out = []
+    for chunk in column.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            codes = [i for i, v in enumerate(chunk.dictionary.to_pylist()) if v in names]
+            out.append(pc.is_in(chunk.indices, value_set=pa.array(codes, chunk.indices.type)))
+        else:
+            out.append(pc.is_in(chunk, value_set=pa.array(list(names), pa.string())))
+    return pa.chunked_array(out, pa.bool_())
+
+
+def _combined(parts: list[pa.Table], keys: list[str]) -> pd.DataFrame:
+    """The batches' spans per key merged: the earliest first, the latest last, any finish."""
+    if not parts:
+        return pd.DataFrame({**{k: pd.Series(dtype=object) for k in keys}, "first": pd.Series(dtype=np.int64),
+                             "last": pd.Series(dtype=np.int64)})
+    table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+    if len(parts) > 1:
+        finished = "finished" in table.column_names
+        table = table.group_by(keys).aggregate([("first", "min"), ("last", "max")]
+                                               + ([("finished", "max")] if finished else []))
+        table = table.rename_columns([{"first_min": "first", "last_max": "last", "finished_max": "finished"}.get(
+            c, c) for c in table.column_names])
+    return table.to_pandas()
+
+
+def window_rows(table: pa.Table, start: int, end: int, carried: dict[str, int]) -> pa.ChunkedArray:
+    """The mask of the rows window analyses (module docstring, step 2): start <= ts < end, the EVERY_WINDOW rows,
+    and the carried requests' rows before start."""
+    ts = table.column("ts_ns")
+    mask = pc.and_(pc.greater_equal(ts, pa.scalar(start, pa.int64())), pc.less(ts, pa.scalar(end, pa.int64())))
+    mask = pc.or_(mask, pc.is_in(dictionary_decoded(table.column("kind")), value_set=pa.array(EVERY_WINDOW)))
+    if carried:
+        early = pc.and_(pc.less(ts, pa.scalar(start, pa.int64())),
+                        pc.is_in(dictionary_decoded(table.column("req")),
+                                 value_set=pa.array(list(carried), pa.string())))
+        mask = pc.or_(mask, pc.fill_null(early, False))
+    return mask
+
+
+class MemorySource:
+    """The windows' rows from a loaded trace (one instance's rows)."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+
+    def plan_batches(self) -> list[pa.Table]:
+        return [self.trace.table.select(PLAN_COLUMNS)]
+
+    def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
+        out = self.trace.filter(window_rows(self.trace.table, start, end, plan.carried[k]))
+        out.__dict__.pop("events", None)
+        return out
+
+
+#: At most this many EVERY_WINDOW rows are fetched by their exact ts (row groups pruned by statistics); more are
+#: fetched by a filter on the kind (every row group read).
+EXACT_FETCH = 256
+
+
+class PathSource:
+    """The windows' rows read from a trace directory (one partition's files): the window's ts range (row groups
+    pruned by their ts statistics), then the EVERY_WINDOW and carried rows outside it."""
+
+    def __init__(self, path: str, instances: Sequence[str] | None, files: Sequence[str] | None,
+                 config: AnalysisConfig) -> None:
+        from pdtrace.trace.reader import column_stats, read_footers
+
+        self.path, self.instances, self.config = path, instances, config
+        footers = read_footers(path, files)
+        self.files = [f.path for f in footers.files]
+        #: per file, (first, last) ts_ns from its footer's statistics; None: unknown (always read)
+        self.spans: list[tuple[int, int] | None] = []
+        for name in self.files:
+            stats = column_stats(footers.metadata[name], "ts_ns")
+            self.spans.append((int(min(lo for lo, _ in stats)), int(max(hi for _, hi in stats)))
+                              if stats else None)
+
+    def between(self, lo: int, hi: int) -> list[str]:
+        """The files that may hold rows with lo <= ts < hi (by their footers): a window opens only those."""
+        out = [name for name, span in zip(self.files, self.spans) if span is None or (span[0] < hi and span[1] >= lo)]
+        return out or self.files[:1]
+
+    def _open(self, lo: int, hi: int, **kwargs: Any) -> Trace:
+        from pdtrace.trace.reader import open_trace
+
+        return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
+                          only_files=self.between(lo, hi), **kwargs)
+
+    def plan_batches(self) -> Any:
+        from pdtrace.trace.reader import _filter_expression, dataset
+
+        expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
+                                        self.config.until_ns, keep_config=True)  # what open_trace keeps
+        for name in self.files:  # file by file: the plan holds 5 columns of one batch at a time
+            yield from dataset([name]).to_batches(columns=PLAN_COLUMNS, filter=expression, batch_size=1 << 20)
+
+    def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
+        cfg = self.config
+        since = start if cfg.since_ns is None else max(start, int(cfg.since_ns))
+        until = end if cfg.until_ns is None else min(end, int(cfg.until_ns))
+        trace = self._open(since, until, since_ns=since, until_ns=until)
+        outside = [int(t) for t in plan.every_ts.tolist() if not since <= t < until]
+        terms = [ds.field("ts_ns") == t for t in outside] if len(outside) <= EXACT_FETCH else \
+            [ds.field("kind").isin(list(EVERY_WINDOW))]
+        carried = plan.carried[k]
+        if carried:
+            terms.append(ds.field("req").isin(list(carried)) & (ds.field("ts_ns") >= min(carried.values()))
+                         & (ds.field("ts_ns") < since))
+        if not outside and not carried:
+            return trace
+        where = terms[0]
+        for term in terms[1:]:
+            where = where | term
+        lo = min(outside + ([min(carried.values())] if carried else []))
+        hi = max(outside + ([since] if carried else [])) + 1
+        more = self._open(lo, hi, rows=where).table
+        ts = more.column("ts_ns")
+        loaded = pc.and_(pc.greater_equal(ts, pa.scalar(since, pa.int64())), pc.less(ts, pa.scalar(until, pa.int64())))
+        more = more.filter(pc.and_(window_rows(more, since, until, carried), pc.invert(loaded)))
+        table = pa.concat_tables([trace.table, more]).unify_dictionaries()
+        return Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
+                     skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
+                     window_source=trace.window_source)
+
+
+def finding_requests(frame: pd.DataFrame) -> list[list[str]]:
+    """Per finding, the requests it names on its own instance: `req`, `requests`, and its evidence's."""
+    out = []
+    for req, requests, evidence, instance in zip(frame["req"], frame["requests"], frame["evidence"],
+                                                 frame["instance"]):
+        names = [] if req is None or (not isinstance(req, str) and pd.isna(req)) else [str(req)]
+        names.extend(str(r) for r in (requests if isinstance(requests, (list, tuple)) else ()))
+        for ev in evidence if isinstance(evidence, (list, tuple)) else ():
+            if isinstance(ev, dict) and ev.get("req") is not None and ev.get("instance", instance) == instance:
+                names.append(str(ev["req"]))
+        out.append(names)
+    return out
+
+
+def owner(frame: pd.DataFrame, plan: WindowPlan) -> np.ndarray:
+    """The window that owns each finding (module docstring, step 4); -1: none (no request, no ts)."""
+    out = np.full(len(frame), -1, np.int64)
+    ts = pd.to_numeric(frame["ts_ns"], errors="coerce").to_numpy(np.float64)
+    for i, names in enumerate(finding_requests(frame)):  # few: findings
+        last = [plan.last_ts[n] for n in names if n in plan.last_ts]
+        if last:
+            out[i] = plan.window_of(max(last))
+        elif not np.isnan(ts[i]):
+            out[i] = plan.window_of(int(ts[i]))
+    return out
+
+
+#: Why a finding about a request carried alone into its window may differ from the whole-trace analysis's.
+CARRIED_WHY = ("the request began more than the lookback before the window's cut: its own rows are carried, the "
+               "steps and other requests before the window's start are not (step counts may be lower)")
+
+
+def carried_marked(frame: pd.DataFrame, carried: dict[str, int], start: int) -> pd.DataFrame:
+    """The window's findings, those naming a request carried alone into it (module docstring, "Exact") marked
+    `extra.windowed`."""
+    if not carried or len(frame) == 0:
+        return frame
+    hit = [bool(set(names) & carried.keys()) for names in finding_requests(frame)]
+    if not any(hit):
+        return frame
+    frame = frame.copy()
+    frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "carried": sorted(set(n) & carried.keys()),
+                                              "why": CARRIED_WHY}) if h else e
+                      for e, h, n in zip(frame["extra"], hit, finding_requests(frame))]
+    return frame
+
+
+@dataclass
+class WindowedResult:
+    frames: list[pd.DataFrame]
+    events: int
+    warnings: list[str]
+    windows: int
+    #: requests carried alone into some window (opened more than the lookback before its cut)
+    carried: int
+    #: per window, what `summarize(ctx, frames)` returned
+    summaries: list[Any] = field(default_factory=list)
+
+
+def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], config: AnalysisConfig,
+                    span: tuple[int, int] | None, instance: str = "", window_events: int | None = None,
+                    lookback: int | None = None, progress: Callable[[Any, Any], None] | None = None,
+                    summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None = None) -> WindowedResult:
+    """The rules' findings on one instance's rows, window by window (module docstring); per rule, the windows'
+    owned findings in window order."""
+    from pdtrace.analysis import allocation_settings
+
+    # as open_trace reads (pdtrace.trace.reader) and analyze() runs the rules: the plan's reads and arrays too
+    with system_memory_pool(), allocation_settings():
+        return _analyze_windows(source, rules, config, span, instance, window_events, lookback, progress, summarize)
+
+
+def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], config: AnalysisConfig,
+                     span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
+                     progress: Callable[[Any, Any], None] | None,
+                     summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
+    from pdtrace.analysis import checked_findings
+    from pdtrace.analysis.history import window_findings
+    from pdtrace.analysis.parallel import run_rules
+
+    window_events = int(window_events or config.window_events or DEFAULT_WINDOW_EVENTS)
+    lookback = lookback if lookback is not None else (int(config.window_lookback) or None)
+    plan = plan_windows(source.plan_batches(), window_events, lookback)
+    frames: list[list[pd.DataFrame]] = [[] for _ in rules]
+    warnings: list[str] = []
+    summaries: list[Any] = []
+    total = len(plan)
+    last = total - 1
+    first_ts = int(plan.cuts[0])
+    jobs = max(1, int(config.jobs))
+    for k in range(total):  # per window: few
+        began = time.perf_counter()
+        start, end = int(plan.starts[k]), int(plan.cuts[k + 1])
+        trace = source.rows(start, end, plan, k)
+        if start > first_ts:
+            trace.window_start_ns, trace.window_source = later_window(
+                trace.window_start_ns, trace.window_source, start, "since")
+        ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
+        analysed = len(trace)
+        found = [window_findings(ctx, checked_findings(frame, rule))
+                 for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
+        kept: list[pd.DataFrame] = []
+        for i, (frame, rule) in enumerate(zip(found, rules)):
+            if len(frame) and rule.id in PER_WINDOW:
+                frame = frame.copy()
+                frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
+                                                          "why": PER_WINDOW[rule.id]}) for e in frame["extra"]]
+                frame["message"] = [f"window {k + 1}/{total} ({(end - start) / 1e9:.1f} s from ts_ns {start}): "
+                                    f"{m}" for m in frame["message"]]
+            elif len(frame):
+                owners = owner(frame, plan)
+                frame = carried_marked(frame[(owners == k) | ((owners < 0) & (k == last))], plan.carried[k],
+                                       start)
+            kept.append(frame)
+            frames[i].append(frame)
+        if summarize is not None:
+            summaries.append(summarize(ctx, kept))
+        warnings.extend(w for w in trace.warnings if w not in warnings)
+        del ctx, trace
+        if progress is not None:
+            info = WindowInfo(instance, k, total, int(plan.events[k]), analysed,
+                              seconds=time.perf_counter() - began)
+            progress(info, info)
+    out = []
+    for parts in frames:
+        parts = [p for p in parts if len(p)]
+        out.append(pd.concat(parts, ignore_index=True) if parts else None)
+    from pdtrace.analysis.findings import empty_findings
+
+    return WindowedResult([empty_findings() if f is None else f for f in out], int(plan.events.sum()), warnings,
+                          total, len({r for c in plan.carried for r in c}), summaries)
+
