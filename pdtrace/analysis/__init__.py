@@ -39,6 +39,7 @@ from pdtrace.analysis.findings import (FINDING_COLUMNS, OPTIONAL_FINDING_COLUMNS
 from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
+from pdtrace.analysis.windows import window_size
 from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window, since_mask
@@ -202,7 +203,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
         if plan is not None:
             return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress, plan)
     if partitioned is None and isinstance(trace_or_path, Trace) and \
-            0 < (config or AnalysisConfig()).window_events < len(trace_or_path):
+            window_size(config or AnalysisConfig(), len(trace_or_path)):
         return _analyze_partitioned(trace_or_path, chosen, config, notes, None, progress)  # window by window
     if isinstance(trace_or_path, AnalysisContext) and config is None and window(
             trace_or_path.trace, trace_or_path.config) is trace_or_path.trace:

@@ -37,9 +37,12 @@ class AnalysisConfig:
     #: worker processes (0 = one per CPU; 1 = the partitions one after the other in this process). The findings
     #: are the same for every value.
     jobs: int = 0
-    #: An instance with more events than this is analysed window by window (`pdtrace.analysis.windows`: memory
-    #: bounded by the window, the same findings); 0 = never. The default fits a window and its lookback in ~2 GiB.
-    window_events: int = 5_000_000
+    #: An instance with more events than this is analysed window by window, this many events a window
+    #: (`pdtrace.analysis.windows`: memory bounded by the window, the same findings); 0 = never. The default
+    #: (WINDOWS_AUTO) analyses an instance whole up to `windows.WHOLE_MAX_EVENTS` (15M: what one process holds) and
+    #: above it in windows of `windows.DEFAULT_WINDOW_EVENTS` (5M: a window and its lookback in ~2 GiB);
+    #: `windows.window_size` reads it.
+    window_events: int = -1
     #: How far before its cut a window's analysis may start, in events, to hold the requests and steps open at the
     #: cut whole (0: half a window). A request opened earlier is carried alone (`pdtrace.analysis.windows`).
     window_lookback: int = 0

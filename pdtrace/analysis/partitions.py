@@ -64,6 +64,7 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.windows import window_size
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
@@ -373,7 +374,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
     if windowed is not None:
         return windowed
     trace = _load_partition(task)
-    if task.summaries and 0 < task.config.window_events < len(trace):  # an in-memory trace's rows: now known
+    if task.summaries and window_size(task.config, len(trace)):  # an in-memory trace's rows: now known
         return _run_windowed(task, rules, trace)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     with allocation_settings():
@@ -387,7 +388,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
 def _windowed(task: PartitionTask, rules: Sequence[Rule]) -> PartitionResult | None:
     """A partition read from files whose footers count more than `config.window_events` rows: analysed window by
     window (`pdtrace.analysis.windows`), never loaded whole. Linked groups (phase 2) are loaded whole."""
-    if task.trace is not None or not task.summaries or not 0 < task.config.window_events < task.rows:
+    if task.trace is not None or not task.summaries or not window_size(task.config, task.rows):
         return None
     return _run_windowed(task, rules, None)
 
@@ -689,7 +690,7 @@ def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
     plan = plan or plan_partitions(path)
     parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
     events = sum(p.rows for p in parts)
-    if parts and 0 < config.window_events < max(p.rows for p in parts):
+    if parts and window_size(config, max(p.rows for p in parts)):
         return plan  # an instance too large to analyse whole: its partition goes window by window
     if len(parts) < 2 or events < PARTITION_MIN_EVENTS or max(p.rows for p in parts) > 0.75 * events:
         return None

@@ -72,6 +72,19 @@ PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own
 #: Default events per window (`AnalysisConfig.window_events`): a window and its lookback fit in ~2 GiB while the
 #: rules run.
 DEFAULT_WINDOW_EVENTS = 5_000_000
+#: With `window_events` left at its default, an instance of at most this many events is analysed whole, as before
+#: windows existed (issue 14: one process holds about 15M events; bench/analyze.py's 10M-event trace stays whole).
+WHOLE_MAX_EVENTS = 15_000_000
+
+
+def window_size(config: Any, rows: int) -> int:
+    """Events per window for an instance of `rows` events under `config`, 0 to analyse it whole: the one reading of
+    `AnalysisConfig.window_events` (negative, the default: DEFAULT_WINDOW_EVENTS above WHOLE_MAX_EVENTS; 0: never;
+    N: windows of N for an instance of more than N)."""
+    n = int(config.window_events)
+    if n < 0:
+        return DEFAULT_WINDOW_EVENTS if rows > WHOLE_MAX_EVENTS else 0
+    return n if 0 < n < rows else 0
 PLAN_COLUMNS = ["ts_ns", "req", "step", "dp_rank", "kind"]
 #: Cut times come from a sorted sample of at most this many ts (`plan_windows`).
 SAMPLE = 1 << 20
@@ -409,7 +422,8 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules
 
-    window_events = int(window_events or config.window_events or DEFAULT_WINDOW_EVENTS)
+    window_events = int(window_events or (config.window_events if config.window_events > 0 else 0)
+                        or DEFAULT_WINDOW_EVENTS)
     lookback = lookback if lookback is not None else (int(config.window_lookback) or None)
     plan = plan_windows(source.plan_batches(), window_events, lookback)
     frames: list[list[pd.DataFrame]] = [[] for _ in rules]

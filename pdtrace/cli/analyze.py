@@ -135,8 +135,9 @@ def analyze(
                                        "at the same path. Needs pdtrace[dask]."),
     window_events: Optional[int] = typer.Option(None, "--window-events", help="Analyse an instance with more "
                                                 "events than this in time windows of at most this many, memory "
-                                                "bounded by the window (default 5,000,000; 0: never). Same "
-                                                "findings; pipeline_bubble is measured per window."),
+                                                "bounded by the window (default: an instance of more than 15M "
+                                                "events, in windows of 5M; 0: never). Same findings; "
+                                                "pipeline_bubble is measured per window."),
     partitions: Optional[bool] = typer.Option(None, "--partitions/--whole", help="Analyse instance by instance "
                                               "(default: when the trace is large and no instance dominates) or the "
                                               "whole trace in one process. Same findings either way."),
