@@ -47,8 +47,7 @@ ranks sat idle.
     their `req_sched` rows; a decode in flight has nothing to schedule until its step's sampled token is back, so
     `runnable - in_flight_requests` is what the scheduler could have put into another micro-batch; a partial
     prefill chunk in flight could be followed by its next chunk, so with chunked prefills that is a lower bound).
-    The request
-    counts are step functions built from the request lifecycles (req_add, req_wait_kv, kv_recv_done /
+    The request counts are step functions built from the request lifecycles (req_add, req_wait_kv, kv_recv_done /
     kv_recv_fail, req_finish) and from the steps' submit and output times, read with searchsorted.
 """
 
@@ -276,11 +275,13 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
         dp_span = int(cols.dp.max()) + 2 if cols.n else 2
         step_span = int(cols.step.max()) + 2 if cols.n else 2
 
+        def key_of(rows: np.ndarray) -> np.ndarray:  # (instance, dp_rank, step) as one int64
+            return (inst_codes[rows].astype(np.int64) * dp_span + cols.dp[rows] + 1) * step_span + cols.step[rows]
+
         def keyed(kinds: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
             rows = kind_rows(ctx, kinds)
             rows = rows[cols.step[rows] >= 0]
-            key = ((inst_codes[rows].astype(np.int64) * dp_span + cols.dp[rows] + 1) * step_span
-                   + cols.step[rows])
+            key = key_of(rows)
             first = _first_per_key(key, cols.ts[rows])
             return rows[first], key[first]
 
@@ -320,8 +321,7 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
         # requests scheduled in the step: its req_sched rows, counted per key
         q_rows = kind_rows(ctx, ("req_sched",))
         q_rows = q_rows[cols.step[q_rows] >= 0]
-        q_key = ((inst_codes[q_rows].astype(np.int64) * dp_span + cols.dp[q_rows] + 1) * step_span
-                 + cols.step[q_rows])
+        q_key = key_of(q_rows)
         q_at = np.searchsorted(all_keys, q_key)
         q_at = q_at[(q_at < n) & (all_keys[np.minimum(q_at, max(n - 1, 0))] == q_key)] if n else q_at[:0]
         frame["requests"] = np.bincount(q_at, minlength=n).astype(np.int64)

@@ -133,8 +133,7 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         if len(lanes) == 0:
             return pd.DataFrame()
         summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "packed", "interval",
-                  "burst_ideal_ns",
-                  "tp_lanes"]
+                  "burst_ideal_ns", "tp_lanes"]
         agg: dict[str, str] = {c: "sum" for c in summed}
         agg["bursts"] = "max"
         agg["p"] = "first"
