@@ -175,6 +175,63 @@ def test_a_quiet_recorder_hands_its_events_over_and_a_kill_loses_nothing(tmp_pat
     assert [r["step"] for r in events(tmp_path)] == list(range(200))
 
 
+def test_events_after_a_quiet_spell_are_marked_lost_when_the_process_is_killed_before_their_hand_over(
+        tmp_path: Path) -> None:
+    # vLLM serve's shutdown after a lone last request: the worker went quiet between requests (its writer process
+    # was told so: settled), then recorded the request's steps, and vLLM SIGKILLed it before their hand-over (while
+    # events keep coming, once per flush interval). That loss used to go unmarked (a real-engine run lost a
+    # request's worker rows with no recorder_gap): the first event after the quiet spell now tells the writer
+    # process at once.
+    child = start_child(with_started("""
+        rec = Recorder(directory, instance="k", role="both", source="test", flush_interval_s=3600,
+                       handle_sigterm=False)
+        for i in range(100):
+            rec.emit("sched", step=i)
+        for busy in (lambda: rec._rows, lambda: not rec._unsettled_sent, lambda: rec._unsettled_sent):
+            while busy():  # the writer thread's first tick hands them over, and a tick later it says "settled"
+                time.sleep(0.005)
+        writer_pid = writer_process.shared(spawn=False).pid
+        for i in range(100, 200):
+            rec.emit("sched", step=i)
+            time.sleep(0.002)  # never quiet for a tick again, and the flush interval is an hour: no hand-over
+        print(writer_pid, flush=True)
+        while True:
+            rec.emit("sched", step=-1)
+            time.sleep(0.002)
+    """), tmp_path)
+    try:
+        assert child.stdout is not None
+        writer_pid = int(child.stdout.readline())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+    assert wait_for(lambda: gone(writer_pid), timeout=30)
+    rows = events(tmp_path)
+    # What was handed over is whole (the writer thread's first tick may take some of the new events), and the
+    # loss after it is marked: one recorder_gap, last.
+    kept = [r["step"] for r in rows[:-1]]
+    assert kept == list(range(len(kept))) and len(kept) >= 100
+    assert (rows[-1]["kind"], rows[-1]["n"], rows[-1]["seq"]) == ("recorder_gap", None, len(kept))
+
+
+def test_a_writer_thread_that_slept_through_the_tick_does_not_take_a_busy_buffer_for_settled(
+        tmp_path: Path) -> None:
+    # On 2 cores vLLM's CPU workers spin OpenMP threads on both: the writer thread can sleep far past its tick.
+    # What it then sees (the buffer unchanged since its last look, long ago) is its own sleep, not the process's
+    # quiet; the newest row's own time decides.
+    rec = make(tmp_path, flush_interval_s=3600)
+    try:
+        rec._tick_s = 3600.0  # the writer thread, started by the first event, never wakes by itself
+        rec.emit("sched", step=1)
+        rec._tick_s = 2.0
+        rec._tick_slots, rec._tick_edits, rec._quiet_since = len(rec._rows), rec._edits, time.monotonic() - 60
+        assert not rec._settled(time.monotonic())  # the row is under a tick old
+        rec._rows[0] -= 5_000_000_000  # its ts_ns: five seconds ago
+        assert rec._settled(time.monotonic())
+    finally:
+        rec.close()
+
+
 def test_a_lost_writer_process_hands_over_to_the_writer_thread(tmp_path: Path) -> None:
     result = run_child(with_started("""
         rec, writer_pid = started("lost", 10)

@@ -602,6 +602,14 @@ class Recorder:
         # What the writer thread saw at its last tick (buffer slots, edit count) and since when nothing changed.
         self._edits = 0
         self._unsettled_sent = False  # the last batch handed to the writer process was not settled
+        # Whether the writer process was told that nothing is on its way from this writer (a settled batch or
+        # message), so that it would lose a new row silently if this process died before the row's batch. While
+        # true, the hot path's threshold is 0: the first new row takes the slow path, which wakes the writer thread
+        # to say otherwise at once (`_unsettle_pending`). A writer the child has not heard of yet is handed over at
+        # the writer thread's first tick.
+        self._settled_told = False
+        self._unsettle_pending = False
+        self._newest_taken_ts: Any = None  # ts_ns of the newest row of the last batch taken
         self._tick_slots = 0
         self._tick_edits = 0
         self._quiet_since = time.monotonic()
@@ -733,10 +741,40 @@ class Recorder:
             return
         writer = writer_process.shared(spawn=False)
         if writer is not None and writer.pid is not None:
+            with self._state_lock:
+                if self._rows:  # a row came meanwhile: not settled
+                    return
+                self._settled_told = True  # a row from now on goes through the slow path: see _settled_told
+                self._unsettle_pending = False
+                self._set_threshold()
             try:
                 writer.send(marshal.dumps(writer_process.settled_message(self._writer_key),
                                           writer_process.MARSHAL_VERSION))
                 self._unsettled_sent = False
+            except writer_process.WriterProcessLost as exc:
+                self._say_writer_process_lost(exc)
+            except Exception:
+                self._count_error()
+
+    def _tell_writer_process_unsettled(self) -> None:
+        """A row came after the writer process was told that nothing is on its way from this writer (settled): tell
+        it otherwise now, without handing anything over (no part file per quiet period), so that it marks a gap
+        should this process be killed before the row's batch. Called by the writer thread when the slow path woke it;
+        after the batch in flight, if any (the write lock)."""
+        with self._write_lock:
+            with self._state_lock:
+                if not self._unsettle_pending:
+                    return
+                self._unsettle_pending = False
+            if self._part_writer is not _write_part_default or self._pid != os.getpid():
+                return
+            writer = writer_process.shared(spawn=False)
+            if writer is None or writer.pid is None:
+                return
+            try:
+                writer.send(marshal.dumps(writer_process.unsettled_message(self._writer_key),
+                                          writer_process.MARSHAL_VERSION))
+                self._unsettled_sent = True
             except writer_process.WriterProcessLost as exc:
                 self._say_writer_process_lost(exc)
             except Exception:
@@ -779,6 +817,10 @@ class Recorder:
                     if buffered + events >= self.flush_events and not self._wake_pending:
                         self._wake_pending = True
                         self._wake.set()
+                    if self._settled_told:  # the writer process must hear of it before it could be lost
+                        self._settled_told = False
+                        self._unsettle_pending = True
+                        self._wake.set()
                 else:
                     if self._gap_count == 0:
                         self._gap_start = row[_TS]
@@ -795,6 +837,9 @@ class Recorder:
         (`_batched`). A buffer of r rows passes while r < rows accepted, exactly as when it held one tuple per row."""
         if self._state != _ON or self._gap_count:
             self._accept_below = -1
+            return
+        if self._settled_told:
+            self._accept_below = 0
             return
         room = self.max_buffered_events - self._in_flight
         if self._wake_pending:
@@ -840,6 +885,9 @@ class Recorder:
                     break
                 if woke:
                     self._wake.clear()
+                    if self._unsettle_pending and not self._wake_pending:
+                        self._tell_writer_process_unsettled()
+                        continue
                     self._drain(until_empty=False)
                     last_flush = time.monotonic()
                     continue
@@ -857,9 +905,22 @@ class Recorder:
                 self._count_error()
 
     def _settled(self, now: float) -> bool:
-        """Whether the buffer has not changed for a whole tick (no event, no edit): see IDLE_TICK_S."""
-        return (len(self._rows) == self._tick_slots and self._edits == self._tick_edits
-                and now - self._quiet_since >= self._tick_s * 0.999)
+        """Whether the buffer has not changed for a whole tick (no event, no edit): see IDLE_TICK_S. With the wall
+        clock, the newest row must also be a tick old by its own ts_ns: the writer thread may have slept through the
+        tick itself (vLLM's CPU workers spin OpenMP threads on every core), and its own sleep is not the process's
+        quiet; a batch wrongly taken as settled is lost without a gap if the process is killed next."""
+        if not (len(self._rows) == self._tick_slots and self._edits == self._tick_edits
+                and now - self._quiet_since >= self._tick_s * 0.999):
+            return False
+        if self._clock is time.time_ns:
+            try:
+                rows = self._rows
+                newest = rows[len(rows) - ROW_WIDTH + _TS] if rows else self._newest_taken_ts
+            except IndexError:  # taken meanwhile (a flush on another thread)
+                return False
+            if isinstance(newest, int) and time.time_ns() - newest < self._tick_s * 0.999e9:
+                return False
+        return True
 
     def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
         """Take the waiting rows and write them as one part; with `until_empty`, repeat until nothing is left (a gap
@@ -895,6 +956,11 @@ class Recorder:
             settled = self._state == _CLOSED or self._settled(time.monotonic())
             batch = self._rows[:slots]
             del self._rows[:slots]
+            self._newest_taken_ts = batch[slots - ROW_WIDTH + _TS]
+            # The batch holds every row so far. Settled: rows from now on must say so (the slow path, see
+            # _settled_told); the child reads messages in order, so a note sent after this batch follows it.
+            self._unsettle_pending = False
+            self._settled_told = settled
             count = slots // ROW_WIDTH + self._batched
             self._batched = 0
             seq_start = _claim_seq(self._writer_key, count)

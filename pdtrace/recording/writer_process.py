@@ -67,6 +67,17 @@ BYE = ("bye",)
 SETTLED = "settled"
 
 
+#: The first element of the message that says a writer has rows on their way again after a SETTLED (a batch or the
+#: message): a death before its next batch must be marked (`unsettled_message`).
+UNSETTLED = "unsettled"
+
+
+def unsettled_message(writer_key: Any) -> tuple:
+    """The message that tells the child that the recorder of `writer_key` holds rows it has not sent yet, after it
+    said it had none: a death from now on, before the next batch, is marked with a gap."""
+    return (UNSETTLED, writer_key)
+
+
 def settled_message(writer_key: Any) -> tuple:
     """The message that tells the child that the recorder of `writer_key` holds nothing it has not sent, and saw no
     event for a tick (or is closed): nothing is lost if the process dies before it sends anything else."""
@@ -455,9 +466,9 @@ def main() -> int:
             if message == BYE:
                 clean = True
                 error: Any = None
-            elif message[0] == SETTLED:
+            elif message[0] == SETTLED or message[0] == UNSETTLED:
                 if tuple(message[1]) in writers:
-                    writers[tuple(message[1])][3] = True
+                    writers[tuple(message[1])][3] = message[0] == SETTLED
                 error = None
             else:
                 checked, settled, flat, *arguments = message  # encode_batch's message: write_rows's arguments
