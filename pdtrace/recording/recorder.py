@@ -72,7 +72,9 @@ writer process's answer), and the exit hooks then stop the writer process (BYE).
 buffered here (at most what came since the last hand-over): the writer process, which is out of the recording
 process's tree (vLLM SIGKILLs every descendant at `vllm serve`'s shutdown), reads EOF, writes every batch it
 received whole, marks a `recorder_gap` (n null) if the last hand-over was not settled, and ends, so it never
-outlives the recording process by more than that. A forked child keeps the parent's
+outlives the recording process by more than that. A row recorded after a settled hand-over takes the slow path
+(threshold 0 while `_settled_told`), which wakes the writer thread to tell the writer process at once (`UNSETTLED`,
+no part file): what is left unmarked is the writer thread's wake-up, not a flush interval. A forked child keeps the parent's
 recorders but empties their buffers: it writes only its own events, under its own pid folder, opened on its
 first event, through its own writer process (it closes its copies of the parent's pipes).
 
