@@ -168,3 +168,64 @@ def test_record_ends_after_the_writer_processes_of_a_killed_command(cli, tmp_pat
     rows = pdtrace.open_trace(trace).table.to_pylist()
     assert sorted(r["step"] for r in rows if r["kind"] == "sched") == list(range(5000))
     assert not any(r["kind"] == "recorder_gap" for r in rows)
+
+
+WORKER_KILLED_AT_STOP = """
+import multiprocessing, os, pathlib, signal, sys, time
+from pdtrace.recording import session
+
+def worker(ready):
+    session.configure_from_env('test')
+    rec = session.recorder('w', 'both')
+    i = 0
+    while True:  # a busy engine worker: never quiet for a tick, handed over once per flush interval (1 s)
+        rec.emit('sched', step=i, n=1)
+        i += 1
+        if i == 50:
+            pathlib.Path(ready).write_text('ok')
+        time.sleep(0.001)
+
+if __name__ == '__main__':
+    child = multiprocessing.get_context('fork').Process(target=worker, args=(sys.argv[1],))
+    child.start()
+    def stop(signum, frame):  # what `vllm serve` does with its engine and workers when it is stopped
+        os.kill(child.pid, signal.SIGKILL)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    child.join()
+"""
+
+
+def test_a_stop_forwarded_by_record_loses_nothing_a_sigkilled_worker_recorded(tmp_path):
+    # `kill <pdtrace record>` on `vllm serve`: vLLM SIGKILLs its engine and workers at once. record first asks every
+    # recording process to hand its buffer over (FLUSH_REQUEST_SIGNAL), then forwards the stop: the worker's events
+    # reach the trace up to the stop, not only up to its last hand-over (up to a second earlier).
+    import subprocess
+
+    import pdtrace
+
+    script, ready, trace = tmp_path / "serve.py", tmp_path / "ready", tmp_path / "trace"
+    script.write_text(WORKER_KILLED_AT_STOP)
+    env = dict(os.environ, PDTRACE_WRITER_PROCESS="1")
+    proc = subprocess.Popen([PY, "-m", "pdtrace", "record", "-o", str(trace), "--", PY, str(script), str(ready)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        assert ready.exists(), proc.stdout.read() if proc.poll() is not None else "worker not ready"
+        time.sleep(0.6)  # past the writer thread's first hand-over (its first tick), well inside its 1 s interval
+        stopped_ns = time.time_ns()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert not (trace / ".pdtrace-flushed").exists()
+    rows = pdtrace.open_trace(trace).table.to_pylist()
+    steps = sorted(r["step"] for r in rows if r["kind"] == "sched")
+    assert steps == list(range(len(steps)))  # whole, in order
+    last_ns = max(r["ts_ns"] for r in rows if r["kind"] == "sched")
+    assert stopped_ns - last_ns < 100_000_000, f"the worker's last {(stopped_ns - last_ns) / 1e6:.0f} ms were lost"

@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -127,13 +128,26 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
         manifest["flight"] = {"seconds": flight.seconds, "mb": flight.mb, "dump_on_exit": flight.dump_on_exit,
                               "signal": flight.signal_name}
     write_manifest(output, manifest)
+    from pdtrace.recording.recorder import FLUSH_ACK_DIR, request_flush
+
     child: list[subprocess.Popen] = []
     pending: list[int] = []
+
+    flushed: list[bool] = []
 
     def forward(signum: int, _frame: Any) -> None:
         if not child:  # before the command exists: deliver it as soon as it does
             pending.append(signum)
             return
+        if flight is None and not flushed:
+            # The first stop: every recording process hands its buffer over first, since `vllm serve` SIGKILLs its
+            # engine and workers as soon as it is stopped (what they buffered since their last hand-over, up to a
+            # second, was lost). Bounded: a process that does not answer in time is stopped anyway.
+            flushed.append(True)
+            try:
+                request_flush(output, timeout=FLUSH_BEFORE_STOP_S)
+            except Exception:
+                pass
         try:
             child[0].send_signal(signum)
         except ProcessLookupError:
@@ -177,6 +191,7 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
             signal.signal(sig, handler)
     status = returncode if returncode >= 0 else 128 - returncode  # killed by signal N: 128 + N, as shells do
     _wait_for_writer_processes(output)
+    shutil.rmtree(output / FLUSH_ACK_DIR, ignore_errors=True)
     end_ns = time.time_ns()
     manifest.update(end=_iso(end_ns), end_ns=end_ns, exit_status=status,
                     signal=-returncode if returncode < 0 else None)
@@ -196,6 +211,9 @@ def _announce_flight(output: Path) -> None:
                           markup=False, highlight=False)
 
 
+#: How long a stop forwarded to the command waits, at most, for the recording processes to hand their buffers over
+#: (each takes milliseconds: a marshal and a pipe write).
+FLUSH_BEFORE_STOP_S = 2.0
 #: How long `record` waits, after its command ended, for writer processes still writing what they received.
 WRITERS_WAIT_S = 60.0
 

@@ -266,6 +266,8 @@ class FlightRecorder(Recorder):
     100k events/s: 976 vs 526 ns, the list's growth past millions of slots); with the buffer taken as in full
     recording and kept as chunks, the emitting thread's work is full recording's."""
 
+    WRITES_AS_IT_GOES = False
+
     def __init__(self, directory: str | os.PathLike[str], instance: str, *, seconds: float,
                  max_bytes: int = int(DEFAULT_MB * 1024 * 1024), controller: "FlightController | None" = None,
                  **kwargs: Any) -> None:
@@ -496,18 +498,6 @@ def _proc_start_time(pid: int) -> str | None:
         return None
 
 
-def _catches(pid: int, signum: int) -> bool:
-    """Whether process `pid` has a handler for `signum` (Linux /proc SigCgt); False where unknown."""
-    try:
-        with open(f"/proc/{pid}/status", "r", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
 def _write_json(path: Path, value: Any) -> None:
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
@@ -615,7 +605,7 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
         pid, name = target["pid"], target.get("signal")
         signum = getattr(signal, name, None) if isinstance(name, str) else None
         if (pid != me and isinstance(signum, int) and target.get("host", host) == host
-                and _catches(pid, signum)):
+                and _recorder._catches(pid, signum)):
             signals[pid] = signum  # the others: their poll serves the request
     _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
                                                   "by_pid": by_pid, "by": next(

@@ -539,6 +539,9 @@ class Recorder:
     idle_tick_s: how often the writer thread checks whether events stopped coming (IDLE_TICK_S).
     """
 
+    #: Whether parts are written while the process runs (a flight recorder writes only on a dump).
+    WRITES_AS_IT_GOES = True
+
     def __init__(self, directory: str | os.PathLike[str], instance: str, role: str = "both",
                  source: str = "unknown", dp_rank: int | None = 0, component: str = "scheduler",
                  clock: Clock | None = None, flush_events: int = 65536, flush_interval_s: float = 1.0,
@@ -866,6 +869,11 @@ class Recorder:
         _register_exit_hooks()
         if self._handle_sigterm:
             _install_sigterm_handler()
+            if self.WRITES_AS_IT_GOES:
+                try:  # the process is findable from now on, before its first part (request_flush)
+                    os.makedirs(self.folder, exist_ok=True)
+                except OSError:
+                    pass
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"pdtrace-recorder-{self.instance}", daemon=True)
         self._thread.start()
@@ -1454,6 +1462,16 @@ atexit.register(close_all)
 #: children, `docker stop`, systemd) and SIGINT (Ctrl-C reaches the whole process group).
 _FLUSH_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _signal_previous: dict[int, Any] = {}
+#: The signal with which `pdtrace record` asks every recording process to hand its buffer over before it forwards a
+#: stop to the command (`request_flush`): `vllm serve` SIGKILLs its engine and workers at once when it is stopped
+#: (its engine gets a SIGTERM a moment before; its workers none), which lost up to a flush interval of every
+#: process's events. vLLM handles SIGINT, SIGTERM and (one connector) SIGQUIT, never SIGUSR2; flight mode uses the
+#: same signal for its dumps (a flight process writes nothing until one), so the handler is installed only outside
+#: flight mode, and only over the default action.
+FLUSH_REQUEST_SIGNAL = signal.SIGUSR2
+#: Under the trace directory: the flush requests' acknowledgements, one file per process (its pid), holding the
+#: `time.time_ns()` at which its buffers were on their way to disk.
+FLUSH_ACK_DIR = ".pdtrace-flushed"
 
 
 def _install_sigterm_handler() -> None:
@@ -1464,6 +1482,12 @@ def _install_sigterm_handler() -> None:
     if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
     _sigterm_installed = True
+    if not os.environ.get("PDTRACE_FLIGHT", "").strip():
+        try:
+            if signal.getsignal(FLUSH_REQUEST_SIGNAL) == signal.SIG_DFL:
+                signal.signal(FLUSH_REQUEST_SIGNAL, _on_flush_request)
+        except (ValueError, OSError, AttributeError):
+            pass
     for signum in _FLUSH_SIGNALS:
         try:
             previous = signal.getsignal(signum)
@@ -1500,6 +1524,87 @@ def _on_sigterm(signum: int, frame: Any) -> None:
             pass
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _on_flush_request(signum: int, frame: Any) -> None:
+    """`pdtrace record` is about to stop its command (`request_flush`): hand every buffered event to the writer
+    (bounded like the SIGTERM flush), then say so in FLUSH_ACK_DIR. The process goes on as before."""
+    directories = set()
+    for rec in _live_recorders():
+        try:
+            if rec._state != _NEW:
+                rec._drain(until_empty=True, lock_timeout=2.0)
+            directories.add(os.fspath(rec.directory))
+        except Exception:
+            pass
+    for directory in directories:
+        try:
+            folder = os.path.join(directory, FLUSH_ACK_DIR)
+            os.makedirs(folder, exist_ok=True)
+            temporary = os.path.join(folder, f".{os.getpid()}.tmp")
+            with open(temporary, "w", encoding="ascii") as handle:
+                handle.write(str(time.time_ns()))
+            os.replace(temporary, os.path.join(folder, str(os.getpid())))
+        except Exception:
+            pass
+
+
+def request_flush(directory: str | os.PathLike[str], timeout: float = 2.0) -> tuple[int, int]:
+    """Ask every live recording process of the trace under `directory` (its pid folders; a process that recorded
+    nothing yet has nothing to lose) to hand its buffer over (FLUSH_REQUEST_SIGNAL, only to processes that catch
+    it: its default action would kill them), and wait up to `timeout` for their acknowledgements. Returns
+    (processes asked, processes that acknowledged)."""
+    me, started = os.getpid(), time.time_ns()
+    pids = set()
+    for instance in os.scandir(directory):
+        if instance.is_dir() and not instance.name.startswith("."):
+            pids.update(int(p.name) for p in os.scandir(instance.path) if p.is_dir() and p.name.isdigit())
+    asked = []
+    for pid in sorted(pids - {me}):
+        if _catches(pid, FLUSH_REQUEST_SIGNAL):
+            try:
+                os.kill(pid, FLUSH_REQUEST_SIGNAL)
+                asked.append(pid)
+            except OSError:
+                pass
+    folder = os.path.join(directory, FLUSH_ACK_DIR)
+    deadline = time.monotonic() + timeout
+    done: set[int] = set()
+    while True:
+        for pid in asked:
+            if pid not in done:
+                try:
+                    with open(os.path.join(folder, str(pid)), encoding="ascii") as handle:
+                        if int(handle.read() or 0) >= started:
+                            done.add(pid)
+                except (OSError, ValueError):
+                    if not _alive(pid):
+                        done.add(pid)  # gone meanwhile: nothing more to wait for
+        if len(done) == len(asked) or time.monotonic() >= deadline:
+            return len(asked), len(done)
+        time.sleep(0.005)
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (Linux /proc SigCgt); False where unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "r", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
 
 
 _fork_held: list[tuple[Recorder, tuple[bool, bool]]] = []
