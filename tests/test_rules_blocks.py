@@ -378,7 +378,7 @@ def test_immediate_free_under_defer_block_free_with_step_in_flight():
     assert len(found(not_deferred_trace(deferred=True))) == 0
 
 
-def quorum(ranks: list[int]) -> Trace:
+def quorum(ranks: list[int], lost_rank: int | None = None) -> Trace:
     b = builder()
     p = Engine(b, instance="P", role="prefill", tp=2)
     p.add("r1", n=32, remote_decode=True)
@@ -387,6 +387,9 @@ def quorum(ranks: list[int]) -> Trace:
     p.finish("r1", reason="length", delay_free=True)
     for tp in ranks:
         p.ev("kv_send_rank", component="worker", pid=1001 + tp, pp_rank=0, tp_rank=tp, step=0, req="r1")
+    if lost_rank is not None:  # that rank's process was killed before its last hand-over: its writer process says so
+        p.ev("recorder_gap", component="worker", pid=1001 + lost_rank, pp_rank=0, tp_rank=lost_rank,
+             detail={"cause": "the recording process was killed before its final flush"})
     p.step({})
     p.output()
     p.send_done("r1")
@@ -399,6 +402,13 @@ def test_per_rank_quorum():
     assert df.iloc[0]["extra"] == {"ranks_reported": 1, "ranks_expected": 2, "direction": "send"}
     assert len(found(quorum([0, 1]))) == 0
     assert len(found(quorum([0, 0]))) == 1            # one rank twice is not a quorum
+
+
+def test_quorum_with_the_silent_ranks_events_lost_is_a_warning_that_says_why():
+    df = found(quorum([0], lost_rank=1))
+    (row,) = df.itertuples()
+    assert (row.rule, row.subrule, row.severity) == ("premature_free", "quorum", "warning")
+    assert row.extra["downgraded"] == "recorder_gap" and "lost events" in row.message
 
 
 # -- use after free, double free --------------------------------------------------------------------------------

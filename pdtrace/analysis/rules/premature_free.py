@@ -15,7 +15,10 @@ Algorithm (all over arrays of `blocks_free` rows and ownership intervals; positi
   aggregated `kv_send_done` / `kv_recv_done` reached the scheduler before every expected rank reported (expected =
   `rulekit.expected_ranks`, the one definition leaked_blocks uses too: detail `expected_ranks`, else the
   scheduler's completions' `expected_ranks`, else engine_config tp*pp, else the ranks that reported that direction
-  for any request of the scheduler): the blocks are freed while some rank still transfers.
+  for any request of the scheduler): the blocks are freed while some rank still transfers. A `recorder_gap` or
+  `recorder_off` of the instance between the request's finish (else the completion) and the completion may hold
+  the silent rank's report (e.g. a worker SIGKILLed by vLLM's shutdown before its last hand-over): the finding is
+  a warning then (extra `downgraded`), and says so.
 - `async_load_reuse`: a freed block handed (a later `req_wait_kv` allocation) to a request whose KV arrives
   asynchronously before the step_output of the freeing request's last step: the remote write races that step.
   Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported. A sliding-window
@@ -39,7 +42,7 @@ from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import (Evidence, declared_ranks, defer_block_free, expected_ranks, fmt_blocks,
+from pdtrace.analysis.rulekit import (Evidence, declared_ranks, defer_block_free, expected_ranks, fmt_blocks, gaps,
                                       groups, sk_instance, step_index)
 
 RUNNING_FREE_REASONS = ("preempted", "skipped", "load_failed")
@@ -180,6 +183,9 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
     details = cols.details(done_rows)
     out = []
     ev = Evidence(cols)
+    gp = gaps(ctx)
+    finish_pos = request_state(ctx).finish_pos
+    rk_all = cols.rk
     for row, detail in zip(done_rows.tolist(), details):  # one per completion on an instance with rank rows
         direction = "send" if kind[row] == send_done else "recv"
         expected, source = expected_ranks(ctx, int(cols.sk[row]), direction, declared_ranks([detail]))
@@ -194,16 +200,23 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
         evidence = [ev.ref(row, f"aggregated kv_{direction}_done after {have} of {expected} ranks")]
         evidence += [ev.ref(int(r), "rank reported") for r in rank_rows_before[:8].tolist()]
         reqname = ev.ref(row).get("req")
+        rk_row, pos_row = int(rk_all[row]), int(cols.pos[row])
+        since = int(finish_pos[rk_row]) if rk_row >= 0 and 0 <= finish_pos[rk_row] <= pos_row else pos_row
+        gap = gp.covers(int(inst[row]), since, pos_row)
         out.append({
-            "rule": "premature_free", "subrule": "quorum", "severity": "error", "instance": instance,
+            "rule": "premature_free", "subrule": "quorum", "severity": "warning" if gap else "error",
+            "instance": instance,
             "dp_rank": dp, "req": reqname, "blocks": [], "step": ev.ref(row).get("step"),
             "ts_ns": int(cols.ts[row]),
             "message": f"kv_{direction}_done for {reqname} reached the scheduler after {have} of {expected} ranks "
                        f"reported: its blocks are freed while other ranks may still transfer them"
-                       + ("" if source in _RECORDED_RANK_SOURCES else f" ({expected} expected from {source})"),
+                       + ("" if source in _RECORDED_RANK_SOURCES else f" ({expected} expected from {source})")
+                       + (f" ({gap} in the trace before it: a rank's report may be among the lost events)"
+                          if gap else ""),
             "evidence": evidence, "context": f"premature_free:quorum:{direction}",
             "extra": {"ranks_reported": have, "ranks_expected": int(expected), "direction": direction,
-                      **({} if source in _RECORDED_RANK_SOURCES else {"ranks_source": source})},
+                      **({} if source in _RECORDED_RANK_SOURCES else {"ranks_source": source}),
+                      **({"downgraded": gap} if gap else {})},
         })
     return out
 
