@@ -203,7 +203,7 @@ def test_failing_dump_write_is_counted_and_the_engine_goes_on(tmp_path):
     rec = FlightRecorder(tmp_path, "inst", seconds=60.0, controller=ctl, handle_sigterm=False, part_writer=broken)
     for i in range(100):
         rec.emit("sched", step=i)
-    rec.flush()  # the engine-error trigger: returns at once, never raises
+    rec.flush()  # the engine-error trigger: never raises
     assert ctl.wait_idle(20.0)
     dump = tmp_path / "dump-0001"
     entry = manifest(dump)["processes"][str(os.getpid())]
@@ -211,6 +211,20 @@ def test_failing_dump_write_is_counted_and_the_engine_goes_on(tmp_path):
     assert ctl.errors >= 1 and not any(dump.rglob("*.parquet"))
     rec.emit("sched", step=100)  # still recording
     assert rec.buffered_events == 101 and not rec.closed
+    rec.close()
+
+
+def test_the_engine_error_flush_returns_with_the_dump_on_disk(tmp_path):
+    # vLLM's API server SIGKILLs a dead EngineCore at once: the hook that saw the failure must not return (and let
+    # vLLM report its death) before the dump is written. A real served engine lost its dump so.
+    ctl = FlightController(tmp_path, FlightConfig(seconds=60.0))
+    rec = FlightRecorder(tmp_path, "inst", seconds=60.0, controller=ctl, handle_sigterm=False)
+    for i in range(1000):
+        rec.emit("sched", step=i)
+    rec.flush()
+    dump = tmp_path / "dump-0001"
+    assert manifest(dump)["processes"][str(os.getpid())]["status"] == "written"  # no wait here: already so
+    assert len(list(dump.rglob("*.parquet"))) == 1
     rec.close()
 
 

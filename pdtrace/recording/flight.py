@@ -116,6 +116,10 @@ EXIT_JOIN_S = 10.0
 HEARTBEAT_S = 10.0
 #: How long exit and SIGTERM wait for a dump in progress.
 EXIT_WAIT_S = 20.0
+#: How long the hook that saw the engine fail waits for the dump it asked for (this process's part, then the other
+#: processes' of the request): vLLM's API server SIGKILLs the dead EngineCore, and its workers, at once (a real
+#: served engine lost its dump so on a loaded 2-core machine). The engine is dead: nothing is delayed but its end.
+DYING_WAIT_S = 5.0
 #: The smallest chunk the ring cuts the taken rows into (a chunk is an eighth of the bound, at most).
 MIN_PIECE_ROWS = 64
 
@@ -340,10 +344,12 @@ class FlightRecorder(Recorder):
 
     def flush(self) -> None:
         """What a hook calls when the process may die next (after recording `engine_error`): for a flight
-        recorder, dump this instance's window, across its processes. Returns at once. Never raises."""
+        recorder, dump this instance's window, across its processes, and return once the dump is on disk (at most
+        DYING_WAIT_S), as a flush returns once its rows are. Never raises."""
         try:
             if self._controller is not None and self._pid == os.getpid():
                 self._controller.trigger("engine_error", [self.instance])
+                self._controller.wait_dumped(DYING_WAIT_S)
         except Exception:
             self._count_error()
 
@@ -766,6 +772,22 @@ class FlightController:
                     return False
                 self._idle.wait(min(left, 0.1))
         return True
+
+    def wait_dumped(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until this process has served what it was asked, then until every process
+        named in its last dump's manifest has written its part (none `pending`); True when all did."""
+        deadline = time.monotonic() + timeout
+        if not self.wait_idle(timeout) or not self.dumps:
+            return False
+        manifest_path = self.directory / f"{DUMP_PREFIX}{self.dumps[-1]:04d}" / MANIFEST_NAME
+        while True:
+            manifest = _read_json(manifest_path)
+            processes = manifest.get("processes", {}) if isinstance(manifest, dict) else {}
+            if not any(isinstance(e, dict) and e.get("status") == "pending" for e in processes.values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
     def instances(self) -> list[str]:
         return sorted({rec.instance for rec in self._recorders})
