@@ -75,7 +75,5 @@ def assert_one_instance(trace: Path, pp_ranks: list[int], requests: int) -> None
     (inst,) = doc["instances"]
     assert inst["pp_ranks"] == pp_ranks and inst["tp_ranks"] == [0]
     assert [s["instance"] for s in doc["schedulers"]] == [inst["instance"]]
-    if "recorder_gap" in doc["kinds"]:  # a stop right after the last answer may lose rows, marked as lost
-        assert 0 < doc["requests"] <= requests, (doc["requests"], requests)
-    else:
-        assert doc["requests"] == requests, (doc["requests"], requests)
+    # every request, also where vLLM's stop left a recorder_gap: each process handed its buffer over before the stop
+    assert doc["requests"] == requests, (doc["requests"], requests)

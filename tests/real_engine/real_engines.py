@@ -77,7 +77,24 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: a server binds it seconds later, and a port the kernel
+    picked (port 0) can meanwhile go to any process's outgoing or port-0 socket (vLLM's own, the other engine's):
+    a NIXL side channel once failed with "Address already in use" so."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(10_000, max(low, 10_001)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no luck below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -4,8 +4,9 @@ process group) and `kill PID` / a supervisor (SIGTERM to `pdtrace record`, which
 
 What users rely on: nothing the recorder was handed is lost when the program it watches exits the way that
 program always exits. Every request the client got an answer for has its req_add and req_finish in the trace,
-its blocks freed, and every worker's batch_add matched by a batch_remove; or the trace marks the loss with a
-recorder_gap. Plus the healthy-run properties (one instance, no error or warning finding).
+its blocks freed, and every worker's batch_add matched by a batch_remove, although vLLM SIGKILLs its engine and
+workers at the stop (`pdtrace record` has them hand their buffers over first; a recorder_gap after the answers is
+allowed). Plus the healthy-run properties (one instance, no error or warning finding).
 """
 
 from __future__ import annotations
@@ -67,16 +68,18 @@ def test_every_request_was_answered(served):
 
 
 def _served_requests_recorded(trace) -> None:
-    """Every answered request's rows reached the trace, or the process that lost some says so (a recorder_gap of
-    its own; a recorder_off switches the check off for that process)."""
+    """Every answered request's rows reached the trace, in every process: a recorder_gap does not excuse them
+    (`pdtrace record` has every process hand its buffer over before it forwards the stop, and Ctrl-C reaches each
+    process, which flushes on it; what vLLM kills afterwards came after the answers). A recorder_off (a hook that
+    switched itself off) switches the check off for that process."""
     ev = R.events(trace)
-    marked = set(ev.loc[ev["kind"].isin(["recorder_gap", "recorder_off"]), "pid"].astype(int))
+    marked = set(ev.loc[ev["kind"] == "recorder_off", "pid"].astype(int))
     sched = ev[ev["component"].astype(str) == "scheduler"]
     if not set(sched["pid"].astype(int)) & marked:
         added = set(sched.loc[sched["kind"] == "req_add", "req"].astype(str))
         finished = set(sched.loc[sched["kind"] == "req_finish", "req"].astype(str))
         freed = set(sched.loc[sched["kind"] == "blocks_free", "req"].astype(str))
-        assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests, no recorder_gap"
+        assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests"
         assert finished == added and freed == added, (len(finished), len(freed))
     else:
         added = None
@@ -86,7 +89,7 @@ def _served_requests_recorded(trace) -> None:
             continue
         in_batch = set(rows.loc[rows["kind"] == "batch_add", "req"].astype(str))
         out_batch = set(rows.loc[rows["kind"] == "batch_remove", "req"].astype(str))
-        assert in_batch == out_batch, f"worker {pid}: {len(in_batch)} added, {len(out_batch)} removed, no gap"
+        assert in_batch == out_batch, f"worker {pid}: {len(in_batch)} added, {len(out_batch)} removed"
         if added is not None:
             assert in_batch == added, f"worker {pid}: {len(in_batch)} of {len(added)} requests"
 
