@@ -406,9 +406,9 @@ _RUN_WINDOW = 32
 #: The longest stretch of time one coalesced row stands for: a later empty step heads a new run. A trace's end is
 #: its last row's ts_ns, so an engine that steps idly (a delayed free or a KV wait pending) until it is stopped
 #: still has its end, and the time its requests were held, right to within this (without it, to within the
-#: writer's flush interval, 1 s, which made a leak with a short grace period come and go). Costs ~10 rows a second
+#: writer's flush interval, 1 s, which made a leak with a short grace period come and go). Costs ~12 rows a second
 #: of idle stepping at vLLM's ~1 kHz, against ~3000 uncoalesced.
-RUN_MAX_SPAN_NS = 100_000_000
+RUN_MAX_SPAN_NS = 250_000_000
 
 
 def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
