@@ -145,7 +145,12 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
             # second, was lost). Bounded: a process that does not answer in time is stopped anyway.
             flushed.append(True)
             try:
-                request_flush(output, timeout=FLUSH_BEFORE_STOP_S)
+                t0 = time.monotonic()
+                asked, answered = request_flush(output, timeout=FLUSH_BEFORE_STOP_S)
+                if asked:
+                    err_console.print(f"pdtrace: {answered} of {asked} recording processes handed their events over "
+                                      f"in {(time.monotonic() - t0) * 1e3:.0f} ms; stopping the command",
+                                      markup=False, highlight=False)
             except Exception:
                 pass
         try:

@@ -149,7 +149,7 @@ def test_worker_killed_no_error_finding_blames_the_scheduler(worker_killed):
 
 # ---------------------------------------------------------------------------------------- 3. the reader never comes
 N_A, N_B = 4, 4
-LEASE_S = 6
+LEASE_S = 10  # batch B must still be held at the stop: 3 s of sleep plus the stop (seconds on a loaded machine)
 
 
 @pytest.fixture(scope="module")

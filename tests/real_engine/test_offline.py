@@ -69,12 +69,21 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     requests are runnable, every one of them in that step. That is vLLM's scheduling (vllm#28270 part 1,
     vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning), measured on the real exec spans;
     not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
+    Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
+    sampling dominate), the first stage's idle time is that stage's imbalance instead (`stage_imbalance`, a
+    warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans.
     It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
     assert all(f["rule"] == "pipeline_bubble" and f["severity"] == "warning" for f in bad), bad[:3]
     bubbles = [f for f in doc["findings"] if f["rule"] == "pipeline_bubble"]
-    assert any(f["subrule"] == "single_micro_batch" for f in bubbles), [(f["subrule"], f["extra"]) for f in bubbles]
-    for f in bubbles:  # the packed time, not runnable requests left waiting, is what the stages lost
-        assert f["extra"]["unfilled_fraction"] < 0.5 and f["extra"]["packed_fraction"] > 0
+    seen = [(f["subrule"], f["extra"]["pp_rank"], round(f["extra"]["idle_fraction"], 3)) for f in bubbles]
+    for f in bubbles:  # no runnable request was left waiting outside the steps in flight
+        assert f["extra"]["unfilled_fraction"] < 0.5, seen
+    packed = any(f["subrule"] == "single_micro_batch" and f["extra"]["packed_fraction"] > 0 for f in bubbles)
+    last = [f for f in bubbles if f["extra"]["pp_rank"] == 1]
+    imbalance = any(f["subrule"] == "stage_imbalance" and f["extra"]["pp_rank"] == 0
+                    and f["extra"]["idle_ns_by_cause"]["stage_imbalance"] > 0.25 * f["extra"]["wall_ns"]
+                    for f in bubbles) and all(f["extra"]["idle_fraction"] < 0.1 for f in last)
+    assert packed or imbalance, seen
     assert code in (0, 1)
