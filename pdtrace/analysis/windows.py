@@ -9,10 +9,12 @@ state exactly*: the rows from the start of the oldest request or step still open
 Algorithm:
 1. Cheap pass (`plan_windows`, columns only: ts_ns, req, step, dp_rank, kind, read batch by batch): per request id
    its first and last ts, the last being the end of the trace where it has no req_finish (a request waiting
-   forever is alive at every cut, though it has no row after its admission); per (dp_rank, step) its first and last ts; the few rows of the kinds every window reads
-   (`EVERY_WINDOW`: engine_config, recorder_gap, recorder_off); the cut times a_1 < a_2 < ... at about every
-   `window_events`-th event in time order (quantiles of a sorted sample of 1M ts). Window k holds the events
-   with a_k <= ts < a_{k+1}.
+   forever is alive at every cut, though it has no row after its admission); per (dp_rank, step) its first and
+   last ts; the few rows of the kinds every window reads (`EVERY_WINDOW`: engine_config, recorder_gap,
+   recorder_off); the cut times a_1 < a_2 < ... at about every `window_events`-th event in time order (quantiles
+   of a sorted sample of 1M ts). Window k holds the events with a_k <= ts < a_{k+1}. Within a batch the first and
+   last ts are taken per dictionary code of req (as Parquet stores it: no string is decoded or hashed) and per
+   dense step offset (`_batch_spans`); the batches' few thousand requests each are merged by name.
 2. Context of window k: the requests and steps *open* at a_k (first < a_k <= last). The window is analysed from
    c_k = the earliest first ts among them, but no more than `lookback` events before a_k (default: half a
    window, so a window's analysis holds at most 1.5 times its events); a request opened earlier still is
@@ -39,11 +41,12 @@ and scenario at several window sizes; bench/long_trace.py at 10M events):
 - `pipeline_bubble` (PER_WINDOW) measures idle fractions over the analysed span, so it is measured per window:
   each window reports its own ranks' fractions over [c_k, a_{k+1}), its findings marked `extra.windowed`.
 
-Cost: the cheap pass reads 5 columns once; each window reads its rows (row groups pruned by their ts statistics)
-plus the overlap [c_k, a_k), which on a serving trace is the life of the longest running request (seconds: a few
-thousand events). A request that stays open for longer than the lookback (a request waiting forever) pulls every
-later window back by the whole lookback: at most twice the rows, the price of still counting the steps it waits
-through.
+Cost: the cheap pass reads 5 columns once (60M events: ~2.3 s read, ~2 s first/last; it was ~10 s with a hash
+aggregate of the decoded request strings); each window reads its rows (row groups pruned by their ts statistics,
+their kept rows sliced rather than copied: `pdtrace.trace.reader`) plus the overlap [c_k, a_k), which on a
+serving trace is the life of the longest running request (seconds: a few thousand events). A request that stays
+open for longer than the lookback (a request waiting forever) pulls every later window back by the whole
+lookback: at most twice the rows, the price of still counting the steps it waits through.
 """
 
 from __future__ import annotations
@@ -139,11 +142,13 @@ class WindowInfo:
 LO, HI = np.iinfo(np.int64).max, np.iinfo(np.int64).min
 
 
-def _first_last(codes: np.ndarray, ts: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per code in [0, m): the least and the greatest ts (LO > HI where the code has no row)."""
+def _first_last(codes: np.ndarray, ts: np.ndarray, m: int,
+                last_ts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per code in [0, m): the least ts and the greatest (of `last_ts` where given; LO > HI where the code has no
+    row)."""
     first, last = np.full(m, LO, np.int64), np.full(m, HI, np.int64)
     np.minimum.at(first, codes, ts)
-    np.maximum.at(last, codes, ts)
+    np.maximum.at(last, codes, ts if last_ts is None else last_ts)
     return first, last
 
 
@@ -161,8 +166,8 @@ def _kind_class(column: pa.Array) -> np.ndarray:
 def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     """One batch's part of the plan: per request (names, first, last, finished), per step key (keys, first, last),
     the EVERY_WINDOW rows' ts. First and last by `np.minimum.at` / `np.maximum.at` over the requests' dictionary
-    codes and the steps' dense offsets, rather than a hash aggregate of the request strings and step keys (20M
-    events: 1.5 s against 3.8 s, and the strings need not be decoded)."""
+    codes and the steps' dense offsets, rather than a hash aggregate of the request strings and step keys (the
+    batches of 20M events: 1.5 s against 3.8 s, and the strings are not decoded; the plan 2.8 s against 5.8 s)."""
     ts = batch.column("ts_ns").to_numpy()
     kind = _kind_class(batch.column("kind"))
     # requests: the dictionary's codes (the files' own dictionary; a plain column is encoded here)
@@ -204,19 +209,23 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
     """The windows of one instance's rows, from record batches (or tables) of PLAN_COLUMNS (module docstring,
     steps 1-2). `lookback`: the most events a window's analysis starts before its cut (None: half a window)."""
     lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
-    ts_parts, req_parts, step_parts, every = [], [], [], []
+    ts_parts: list[np.ndarray] = []
+    req_parts: list[tuple[Any, ...]] = []
+    step_parts: list[tuple[np.ndarray, ...]] = []
+    every: list[np.ndarray] = []
     for part in batches:
         for batch in part.to_batches() if isinstance(part, pa.Table) else [part]:
             if batch.num_rows == 0:
                 continue
             reqs, steps, every_ts = _batch_spans(batch)
             ts_parts.append(batch.column("ts_ns").to_numpy())  # 8 bytes an event, the batches' own buffers
-            req_parts.append(pa.table({"req": reqs[0], "first": reqs[1], "last": reqs[2], "finished": reqs[3]}))
-            step_parts.append(pa.table({"step": steps[0], "first": steps[1], "last": steps[2]}))
+            req_parts.append(reqs)
+            step_parts.append(steps)
             every.append(every_ts)
     n = sum(len(t) for t in ts_parts)
-    reqs = _combined(req_parts, ["req"])
-    steps = _combined(step_parts, ["step"])
+    names, r_first, r_last, finished = _merged_requests(req_parts)
+    s_first, s_last = _merged_steps(step_parts)
+    del req_parts, step_parts
     every_ts = np.unique(np.concatenate(every)) if every else np.empty(0, np.int64)
     if n == 0:
         return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
@@ -248,11 +257,7 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
             below[i] += np.count_nonzero(t < cuts[i])
     events = np.diff(below)
     del ts_parts
-    r_first, r_last = reqs["first"].to_numpy(np.int64), reqs["last"].to_numpy(np.int64)
-    if "finished" in reqs.columns:  # a request that never finishes is alive to the end of the trace
-        r_last = np.where(reqs["finished"].fillna(False).to_numpy(bool), r_last, OPEN)
-    s_first, s_last = steps["first"].to_numpy(np.int64), steps["last"].to_numpy(np.int64)
-    names = reqs["req"].astype(str).to_numpy(object)
+    r_last = np.where(finished, r_last, OPEN)  # a request that never finishes is alive to the end of the trace
     starts = [first]
     carried: list[dict[str, int]] = [{}]
     for k in range(1, len(cuts) - 1):  # per window: few
@@ -272,19 +277,28 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
                       dict(zip(names.tolist(), r_last.tolist())), every_ts)
 
 
-def _combined(parts: list[pa.Table], keys: list[str]) -> pd.DataFrame:
-    """The batches' spans per key merged: the earliest first, the latest last, any finish."""
+def _merged_requests(parts: list[tuple[Any, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(names, first, last, finished) per request from the batches' (`_batch_spans`): the earliest first, the
+    latest last, any finish. The names are encoded once and merged by code (a hash aggregate of the names by Arrow
+    cost 2-4 times as much: 0.3-0.5 s against 0.14 s with the steps' merge, at 20M events)."""
+    if not parts or not sum(len(p[1]) for p in parts):
+        empty = np.empty(0, np.int64)
+        return np.empty(0, object), empty, empty, np.empty(0, bool)
+    encoded = pc.dictionary_encode(pa.concat_arrays([p[0] for p in parts]))
+    codes, m = encoded.indices.to_numpy(), len(encoded.dictionary)
+    first, last = _first_last(codes, np.concatenate([p[1] for p in parts]), m, np.concatenate([p[2] for p in parts]))
+    finished = np.zeros(m, bool)
+    finished[codes[np.concatenate([p[3] for p in parts])]] = True
+    return encoded.dictionary.to_numpy(zero_copy_only=False).astype(object), first, last, finished
+
+
+def _merged_steps(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) per step key from the batches' (`_batch_spans`): the earliest first, the latest last."""
     if not parts:
-        return pd.DataFrame({**{k: pd.Series(dtype=object) for k in keys}, "first": pd.Series(dtype=np.int64),
-                             "last": pd.Series(dtype=np.int64)})
-    table = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-    if len(parts) > 1:
-        finished = "finished" in table.column_names
-        table = table.group_by(keys).aggregate([("first", "min"), ("last", "max")]
-                                               + ([("finished", "max")] if finished else []))
-        table = table.rename_columns([{"first_min": "first", "last_max": "last", "finished_max": "finished"}.get(
-            c, c) for c in table.column_names])
-    return table.to_pandas()
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    _, codes = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
+    m = int(codes.max()) + 1 if len(codes) else 0
+    return _first_last(codes, np.concatenate([p[1] for p in parts]), m, np.concatenate([p[2] for p in parts]))
 
 
 def window_rows(table: pa.Table, start: int, end: int, carried: dict[str, int]) -> pa.ChunkedArray:
