@@ -16,29 +16,41 @@
             lexsorts (block, ts), then drops it: the floor of bench/analyze.py over the whole instance, in slices
             a process can hold (one sort of 60M rows would not fit the memory target either)
    analyze  `python -m pdtrace analyze TRACE --format json [--window-events N]` (the windowed path: the instance
-            has more than --window-events events), wall time and the peak RSS of the whole process tree (sampled
-            VmRSS sum, bench/multi_instance.py's `run_tree`)
+            has more than --window-events events), wall time, CPU seconds (user + system, getrusage of the
+            children) and the peak RSS of the whole process tree (sampled VmRSS sum, bench/multi_instance.py's
+            `run_tree`)
    --whole  also `analyze --window-events 0` (the whole-trace analysis in one process; ~370 bytes per event, so at
             most ~10M events on a shared 24 GiB machine), and the comparison of the two JSON reports: the same
             findings (every field) apart from pipeline_bubble's, which the windowed path measures per window.
 Targets (issue 23): at 60M events tree peak RSS <= 4 GiB and wall <= 2.0x the floor; at 10M the findings equal the
 whole-trace analysis's.
 
-Measured on the shared 2-core machine (load average ~3 from other work), windows of 5M events (the default for an instance over 15M events; the 10M
-comparison below passed --window-events 5000000 since):
-- 60M events (12 windows, 26 tiles, built in 30 s): floor 10.5 s; analyze 40.0 s wall, 3.80x the floor (missed),
-  tree peak 1.93 GiB (met). Of the 40 s: the plan ~10 s (5 columns read and hashed per request and step), the
-  windows ~2.1 s each (a window of 5M events costs ~40% more per event than the whole-trace analysis of 10M:
-  per-window reads, validation and allocation).
-- 10M events: 2 windows 9.6 s (floor 3.3 s; 2.9x), 10 windows (--window-events 1000000) 8.3 s and 0.63 GiB;
-  the whole-trace analysis 4.2-4.6 s and 2.06-2.13 GiB. Findings equal the whole-trace analysis's (every field of
-  the 10 findings of the other rules); pipeline_bubble: 4 / 20 per-window findings against the whole trace's 2.
+Measured on the shared 2-core machine, windows of 5M events (the default for an instance over 15M events; the 10M
+comparison passes --window-events 5000000), with the load average of other work (vLLM engines) at the time: the wall
+times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and their ratio.
+- 60M events (12 windows, 26 tiles): load ~2.5: floor 12.8 s / 8.2 s, analyze 31.7 s / 34.3 s, 2.48x / 4.20x the
+  floor (cpu 47.3 s / 49.7 s: 3.95x / 4.11x); load 4-4.8: floor 18.3 s / 16.2 s, analyze 65.5 s / 56.8 s,
+  3.57x / 3.50x (cpu 3.70x / 3.78x). Target 2.0x missed; tree peak 1.35-1.56 GiB (met). Before issue 23's part 3
+  (fe4f2ea, runs interleaved with these): analyze 46.6 s (load 2.5, 5.87x, cpu 64.4 s) and 106.9 s (load 4.4,
+  7.96x, cpu 72.0 s), peak 1.96-2.01 GiB; the figure first noted (load ~3): 40.0 s, 3.80x.
+- Where the time goes, 20M events (4 windows) in one process with timers (load ~4.3: one core, wall = cpu): the plan
+  2.2 s (was 6.4 s: a hash aggregate of the decoded request strings), the windows' reads 4.8 s (the files 3.6 s,
+  was 5.0 s: the scanner's filter copied every kept row; normalising 0.3 s, validation 0.8 s), the rules 8.8 s
+  (unchanged), the link summary 0 s (was 1.5 s: a JSON parse of every req_add for links no other partition can
+  take), the rest 0.5 s: 16.3 s against 23.1 s. The reads cost about what the floor's own read does and the rules
+  cost per event what the whole-trace analysis does (10M below), so 2.0x needs faster rules, not fewer windows:
+  windows of 10M cost the same cpu as of 5M (20M events: 15.8-16.3 s against 15.6-16.8 s), 2.5M ~18% more.
+- 10M events (load ~3.9): 2 windows 11.9 s (floor 4.6 s: 2.56x; cpu 11.3 s), tree peak 1.20 GiB; the whole-trace
+  analysis 10.8 s (cpu 9.8 s), 2.11 GiB. Findings equal the whole-trace analysis's (every field of the 10 findings
+  of the other rules); pipeline_bubble: 4 per-window findings against the whole trace's 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -127,6 +139,16 @@ def write_tile(table: pa.Table, directory: Path, k: int, rows_per_file: int = 1_
                            row_group_size=256 * 1024)
 
 
+def timed_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, float, int, int, int]:
+    """run_tree's (wall, tree peak, bound, exit) with the CPU seconds (user + system) of the command's process tree
+    between them: on a shared machine the wall time follows the load, the CPU time much less."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, peak, bound, code = run_tree(cmd, stdout_path)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, peak, bound, code
+
+
 def compare(windowed: Path, whole: Path) -> str:
     """One line: whether the two JSON reports hold the same findings (every field; pipeline_bubble apart)."""
     def findings(path: Path) -> tuple[list[str], int]:
@@ -159,20 +181,23 @@ def main() -> None:
         args.window_events = 5_000_000
     if args.window_events is not None:
         cmd += ["--window-events", str(args.window_events)]
-    f_wall, f_peak, _, _ = run_tree([sys.executable, "-c", FLOOR_TILES, str(trace)])
-    print(f"floor (tile by tile, one process)  {f_wall:7.1f} s   peak RSS {f_peak / 1048576:5.2f} GiB")
-    wall, peak, bound, code = run_tree(cmd, report)
-    print(f"analyze (windowed)                 {wall:7.1f} s   {wall / f_wall:4.2f}x the floor (target <= 2.0x); "
-          f"tree peak RSS {peak / 1048576:5.2f} GiB sampled (target <= 4 GiB), sum of per-process peaks "
-          f"{bound / 1048576:5.2f} GiB; exit {code}")
+    print(f"load average {os.getloadavg()[0]:.1f} (2-core machine: other work slows the wall times)")
+    f_wall, f_cpu, f_peak, _, _ = timed_tree([sys.executable, "-c", FLOOR_TILES, str(trace)])
+    print(f"floor (tile by tile, one process)  {f_wall:7.1f} s   cpu {f_cpu:6.1f} s   peak RSS "
+          f"{f_peak / 1048576:5.2f} GiB")
+    wall, cpu, peak, bound, code = timed_tree(cmd, report)
+    print(f"analyze (windowed)                 {wall:7.1f} s   cpu {cpu:6.1f} s   {wall / f_wall:4.2f}x the floor "
+          f"(target <= 2.0x; cpu {cpu / f_cpu:4.2f}x); tree peak RSS {peak / 1048576:5.2f} GiB sampled (target <= "
+          f"4 GiB), sum of per-process peaks {bound / 1048576:5.2f} GiB; exit {code}; load average "
+          f"{os.getloadavg()[0]:.1f}")
     summary = json.loads(report.read_text())["summary"]
     print(f"  {summary.get('events'):,} events; windows {summary.get('windows')}; findings "
           f"{summary.get('by_severity')}")
     if args.whole:
         whole = args.dir / "report-whole.json"
-        wall_w, peak_w, _, code_w = run_tree(cmd[:7] + ["--window-events", "0"], whole)
-        print(f"analyze --window-events 0 (whole)  {wall_w:7.1f} s   peak RSS {peak_w / 1048576:5.2f} GiB; exit "
-              f"{code_w}")
+        wall_w, cpu_w, peak_w, _, code_w = timed_tree(cmd[:7] + ["--window-events", "0"], whole)
+        print(f"analyze --window-events 0 (whole)  {wall_w:7.1f} s   cpu {cpu_w:6.1f} s   peak RSS "
+              f"{peak_w / 1048576:5.2f} GiB; exit {code_w}")
         print(compare(report, whole))
 
 

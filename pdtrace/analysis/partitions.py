@@ -31,6 +31,7 @@ partition, links the two partitions for that rule; linked partitions form groups
 group the one rule runs again on the group's rows together, which is the whole-trace computation for those
 instances (the rule consults only the reader and the owner), and its findings for the group's instances replace
 the phase-1 ones. A healthy trace has no links; a buggy one re-reads only the instances involved.
+With one partition analysed nothing can link, and its summary is left empty (`PartitionTask.links`).
 
 Combining: per rule, the partitions' findings in partition order; then the order of `pdtrace.analysis.analyze`
 (errors first, then time, rule and instance; ties keep each rule's own order, which is the same on a partition as
@@ -309,6 +310,9 @@ class PartitionTask:
     config: AnalysisConfig
     span_ns: tuple[int, int]
     summaries: bool = True
+    #: whether other partitions are analysed with it: with none, nothing links and its LinkSummary is left empty
+    #: (the summary parses every req_add's detail: ~0.4 s a 5M-event window of bench/long_trace.py)
+    links: bool = True
     #: rows of its files per the footers: the runners start the largest tasks first (shorter makespan)
     rows: int = 0
     #: an in-memory trace (LocalRunner only): the partition is its rows of `instances`
@@ -380,7 +384,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
     with allocation_settings():
         frames = [window_findings(ctx, checked_findings(frame, rule)) for frame, rule in
                   zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
-        summary = link_summary(ctx, rules, frames, task.instances) if task.summaries else None
+        summary = _summary(task, rules)(ctx, frames) if task.summaries else None
     return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,
                            time.perf_counter() - start)
 
@@ -401,10 +405,27 @@ def _run_windowed(task: PartitionTask, rules: Sequence[Rule], trace: Trace | Non
         str(task.path), task.instances if task.filter_instances else None, task.files, task.config)
     result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances),
                              progress=task.progress,
-                             summarize=lambda ctx, frames: link_summary(ctx, rules, frames, task.instances))
+                             summarize=_summary(task, rules))
     return PartitionResult(task.instances, result.events, frames=result.frames, warnings=result.warnings,
                            summary=merged_summaries(result.summaries, task.instances),
                            seconds=time.perf_counter() - start, windows=result.windows, carried=result.carried)
+
+
+def _summary(task: PartitionTask, rules: Sequence[Rule]) -> Callable[[AnalysisContext, Sequence[pd.DataFrame]],
+                                                                      LinkSummary]:
+    """How the task's partition (or window) is summarised: `link_summary`, or, with no other partition to link to,
+    an empty summary."""
+    if task.links:
+        return lambda ctx, frames: link_summary(ctx, rules, frames, task.instances)
+    return lambda ctx, frames: _no_links(task.instances)
+
+
+def _no_links(instances: Sequence[str]) -> LinkSummary:
+    reads = pd.DataFrame({"owner": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                          "ts_ns": pd.Series(dtype=np.int64)})
+    gaps = pd.DataFrame({"instance": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                         "start_ts": pd.Series(dtype=np.int64), "end_ts": pd.Series(dtype=np.int64)})
+    return LinkSummary(tuple(instances), reads, gaps, ())
 
 
 def merged_summaries(summaries: Sequence[LinkSummary], instances: Sequence[str]) -> LinkSummary:
@@ -430,10 +451,8 @@ def link_summary(ctx: AnalysisContext, rules: Sequence[Rule], frames: Sequence[p
     ids = [r.id for r in rules]
     mine = set(instances)
     cols = columns(ctx)
-    reads = pd.DataFrame({"owner": pd.Series(dtype=object), "req": pd.Series(dtype=object),
-                          "ts_ns": pd.Series(dtype=np.int64)})
-    gaps = pd.DataFrame({"instance": pd.Series(dtype=object), "req": pd.Series(dtype=object),
-                         "start_ts": pd.Series(dtype=np.int64), "end_ts": pd.Series(dtype=np.int64)})
+    empty = _no_links(instances)
+    reads, gaps = empty.remote_reads, empty.gaps
     if "use_after_free" in ids and cols.n:
         from pdtrace.analysis.rules.use_after_free import remote_read_targets
 
@@ -645,7 +664,8 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         warnings = plan.warnings
     local = isinstance(runner, LocalRunner)  # per-window progress reaches back only from this process
     tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
-                           progress=progress if local else None, **_files_of([p], base)) for p in parts]
+                           links=len(parts) > 1, progress=progress if local else None, **_files_of([p], base))
+             for p in parts]
     results: list[PartitionResult | None] = [None] * len(tasks)
     for index, result in runner.run(tasks):
         results[index] = result
