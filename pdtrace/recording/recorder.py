@@ -752,14 +752,8 @@ class Recorder:
                 self._settled_told = True  # a row from now on goes through the slow path: see _settled_told
                 self._unsettle_pending = False
                 self._set_threshold()
-            try:
-                writer.send(marshal.dumps(writer_process.settled_message(self._writer_key),
-                                          writer_process.MARSHAL_VERSION))
+            if self._send_note(writer, writer_process.settled_message(self._writer_key)):
                 self._unsettled_sent = False
-            except writer_process.WriterProcessLost as exc:
-                self._say_writer_process_lost(exc)
-            except Exception:
-                self._count_error()
 
     def _tell_writer_process_unsettled(self) -> None:
         """A row came after the writer process was told that nothing is on its way from this writer (settled): tell
@@ -776,14 +770,20 @@ class Recorder:
             writer = writer_process.shared(spawn=False)
             if writer is None or writer.pid is None:
                 return
-            try:
-                writer.send(marshal.dumps(writer_process.unsettled_message(self._writer_key),
-                                          writer_process.MARSHAL_VERSION))
+            if self._send_note(writer, writer_process.unsettled_message(self._writer_key)):
                 self._unsettled_sent = True
-            except writer_process.WriterProcessLost as exc:
-                self._say_writer_process_lost(exc)
-            except Exception:
-                self._count_error()
+
+    def _send_note(self, writer: Any, message: tuple) -> bool:
+        """Send a settled / unsettled message to the writer process; whether it went (a failure is said or counted,
+        never raised)."""
+        try:
+            writer.send(marshal.dumps(message, writer_process.MARSHAL_VERSION))
+            return True
+        except writer_process.WriterProcessLost as exc:
+            self._say_writer_process_lost(exc)
+        except Exception:
+            self._count_error()
+        return False
 
     def _say_writer_process_lost(self, exc: Exception) -> None:
         try:
