@@ -94,6 +94,9 @@ fi
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" install -c "$pin_file" -e "$repo_root[test]"
 "${pip[@]}" install --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1"
+if [[ $cuda_torch == 1 ]]; then  # nixl's meta package picks its build by torch's CUDA: 2.11's is CUDA 13
+    "${pip[@]}" install --no-deps "nixl-cu13==1.5.1"
+fi
 
 # Smoke check: a CPU torch, and the modules the tier drives import.
 "$venv_dir/bin/python" - <<'PY'
