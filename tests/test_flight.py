@@ -228,6 +228,23 @@ def test_the_engine_error_flush_returns_with_the_dump_on_disk(tmp_path):
     rec.close()
 
 
+def test_a_flight_process_leaves_the_flush_request_signal_alone(tmp_path):
+    # `pdtrace record`'s flush request (SIGUSR2 before a stop) is for recorders that write as they go; a flight
+    # recorder writes only on a dump, so even with its dump signal moved to SIGUSR1 it does not take SIGUSR2 over.
+    code = (
+        "import signal\n"
+        "from pdtrace.recording import session\n"
+        "from pdtrace.recording.flight import FlightConfig\n"
+        f"session.configure({str(tmp_path / 't')!r}, source='test', flight=FlightConfig(seconds=5.0, "
+        "signal_name='SIGUSR1'))\n"
+        "rec = session.recorder('inst', 'both')\n"
+        "rec.emit('sched', step=1)\n"
+        "print(signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL, signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL)\n"
+        "session.close_all()\n")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
 # ---- triggers, as users meet them ----------------------------------------------------------------------------------
 
 

@@ -590,7 +590,15 @@ class Recorder:
         self.emit_counts = self._default.emit_counts  # type: ignore[method-assign]
         _LIVE.add(self)
         if handle_sigterm:
-            _install_sigterm_handler()
+            self._install_signal_handlers()
+
+    def _install_signal_handlers(self) -> None:
+        """Flush on SIGTERM / SIGINT; a recorder that writes as it goes also serves `pdtrace record`'s flush requests
+        (a flight recorder writes only on a dump, and its dump signal may be the same). Once per process, from the
+        main thread (each installer checks)."""
+        _install_sigterm_handler()
+        if self.WRITES_AS_IT_GOES:
+            _install_flush_request_handler()
 
     def _init_writer_state(self) -> None:
         """Per-writer (per-process) counters; a forked child starts from here again."""
@@ -742,18 +750,17 @@ class Recorder:
     def _tell_writer_process_settled(self) -> None:
         """Nothing of this writer is on its way (quiet since its last batch, or closed): the writer process must
         not mark a gap for it if this process dies now (a forked child leaving with os._exit, vLLM's SIGKILL)."""
-        if self._part_writer is not _write_part_default or self._pid != os.getpid():
+        writer = self._note_writer()
+        if writer is None:
             return
-        writer = writer_process.shared(spawn=False)
-        if writer is not None and writer.pid is not None:
-            with self._state_lock:
-                if self._rows:  # a row came meanwhile: not settled
-                    return
-                self._settled_told = True  # a row from now on goes through the slow path: see _settled_told
-                self._unsettle_pending = False
-                self._set_threshold()
-            if self._send_note(writer, writer_process.settled_message(self._writer_key)):
-                self._unsettled_sent = False
+        with self._state_lock:
+            if self._rows:  # a row came meanwhile: not settled
+                return
+            self._settled_told = True  # a row from now on goes through the slow path: see _settled_told
+            self._unsettle_pending = False
+            self._set_threshold()
+        if self._send_note(writer, writer_process.settled_message(self._writer_key)):
+            self._unsettled_sent = False
 
     def _tell_writer_process_unsettled(self) -> None:
         """A row came after the writer process was told that nothing is on its way from this writer (settled): tell
@@ -765,13 +772,17 @@ class Recorder:
                 if not self._unsettle_pending:
                     return
                 self._unsettle_pending = False
-            if self._part_writer is not _write_part_default or self._pid != os.getpid():
-                return
-            writer = writer_process.shared(spawn=False)
-            if writer is None or writer.pid is None:
-                return
-            if self._send_note(writer, writer_process.unsettled_message(self._writer_key)):
+            writer = self._note_writer()
+            if writer is not None and self._send_note(writer, writer_process.unsettled_message(self._writer_key)):
                 self._unsettled_sent = True
+
+    def _note_writer(self) -> Any:
+        """The writer process that settled / unsettled notes go to: this process's, running (never spawned for a
+        note), unless the recorder writes in-thread (a custom part writer) or is a forked copy; else None."""
+        if self._part_writer is not _write_part_default or self._pid != os.getpid():
+            return None
+        writer = writer_process.shared(spawn=False)
+        return writer if writer is not None and writer.pid is not None else None
 
     def _send_note(self, writer: Any, message: tuple) -> bool:
         """Send a settled / unsettled message to the writer process; whether it went (a failure is said or counted,
@@ -868,7 +879,7 @@ class Recorder:
         self._state = _ON
         _register_exit_hooks()
         if self._handle_sigterm:
-            _install_sigterm_handler()
+            self._install_signal_handlers()
             if self.WRITES_AS_IT_GOES:
                 try:  # the process is findable from now on, before its first part (request_flush)
                     os.makedirs(self.folder, exist_ok=True)
@@ -1422,6 +1433,7 @@ def _claim_part(key: tuple[str, str, int], folder: Path) -> int:
         return index
 _exit_hooks_pid: int | None = None
 _sigterm_installed = False
+_flush_request_installed = False
 
 
 def _live_recorders() -> list[Recorder]:
@@ -1466,8 +1478,8 @@ _signal_previous: dict[int, Any] = {}
 #: stop to the command (`request_flush`): `vllm serve` SIGKILLs its engine and workers at once when it is stopped
 #: (its engine gets a SIGTERM a moment before; its workers none), which lost up to a flush interval of every
 #: process's events. vLLM handles SIGINT, SIGTERM and (one connector) SIGQUIT, never SIGUSR2; flight mode uses the
-#: same signal for its dumps (a flight process writes nothing until one), so the handler is installed only outside
-#: flight mode, and only over the default action.
+#: same signal for its dumps (a flight process writes nothing until one), so only a recorder that writes as it goes
+#: installs the handler (`Recorder.WRITES_AS_IT_GOES`), and only over the default action.
 FLUSH_REQUEST_SIGNAL = signal.SIGUSR2
 #: Under the trace directory: the flush requests' acknowledgements, one file per process (its pid), holding the
 #: `time.time_ns()` at which its buffers were on their way to disk.
@@ -1482,12 +1494,6 @@ def _install_sigterm_handler() -> None:
     if _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
     _sigterm_installed = True
-    if not os.environ.get("PDTRACE_FLIGHT", "").strip():
-        try:
-            if signal.getsignal(FLUSH_REQUEST_SIGNAL) == signal.SIG_DFL:
-                signal.signal(FLUSH_REQUEST_SIGNAL, _on_flush_request)
-        except (ValueError, OSError, AttributeError):
-            pass
     for signum in _FLUSH_SIGNALS:
         try:
             previous = signal.getsignal(signum)
@@ -1524,6 +1530,20 @@ def _on_sigterm(signum: int, frame: Any) -> None:
             pass
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+
+def _install_flush_request_handler() -> None:
+    """Serve FLUSH_REQUEST_SIGNAL: once per process, only from the main thread, only over its default action (a
+    handler of the host's, or flight mode's dump signal, stays)."""
+    global _flush_request_installed
+    if _flush_request_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _flush_request_installed = True
+    try:
+        if signal.getsignal(FLUSH_REQUEST_SIGNAL) == signal.SIG_DFL:
+            signal.signal(FLUSH_REQUEST_SIGNAL, _on_flush_request)
+    except (ValueError, OSError, AttributeError):
+        pass
 
 
 def _on_flush_request(signum: int, frame: Any) -> None:
