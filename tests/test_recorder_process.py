@@ -412,3 +412,59 @@ def test_a_part_the_writer_process_cannot_write_is_counted_as_a_gap(tmp_path: Pa
     assert [r["seq"] for r in rows] == [5, 6]  # the lost rows leave their hole (0-4), the gap row is in place
     (part,) = find_part_files(tmp_path)
     assert int(pq.read_metadata(part).metadata[META_DROPPED.encode()]) == 5
+
+
+def test_the_writer_process_leaves_the_process_group_but_stays_in_the_session(tmp_path: Path) -> None:
+    # Its own process group: a terminal's Ctrl-C and `kill -- -PGID` do not reach it (it writes what it holds).
+    # The recording process's session: Linux's autogroup weighs a session as one task group, and a writer alone in
+    # a session of its own got 0.4 s of CPU in 2 minutes beside a vLLM worker's spinning threads.
+    result = run_child(with_started("""
+        rec, writer_pid = started("grouped", 3)
+        print(json.dumps({"pid": os.getpid(), "session": os.getsid(0), "group": os.getpgid(0),
+                          "writer_session": os.getsid(writer_pid), "writer_group": os.getpgid(writer_pid),
+                          "writer_parent": int(open(f"/proc/{writer_pid}/stat").read().rsplit(")", 1)[1].split()[1])}))
+        rec.close()
+    """), tmp_path)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["writer_session"] == doc["session"]
+    assert doc["writer_group"] not in (doc["group"], doc["session"])
+    assert doc["writer_parent"] != doc["pid"]  # no descendant: vLLM's shutdown SIGKILLs every one it finds
+
+
+
+def test_a_flush_request_is_acknowledged_only_once_the_rows_are_out(tmp_path: Path) -> None:
+    # `pdtrace record` says how many recording processes handed their events over before it stops the command: a
+    # process whose writer thread is stuck on a batch (holding the write lock past the handler's bound) must not
+    # be counted, and is once the writer is free again.
+    from pdtrace.recording.recorder import request_flush
+
+    trace = tmp_path / "trace"
+    proc = start_child("""
+        import pathlib
+        rec = Recorder(directory, instance="stuck", role="both", source="test", flush_interval_s=3600)
+        for i in range(10):
+            rec.emit("sched", step=i)
+        rec.flush()
+        rec.emit("sched", step=10)
+        rec._write_lock.acquire()  # the writer thread in a send that does not come back
+        print("held", flush=True)
+        for phase in ("release", "close"):
+            while not pathlib.Path(sys.argv[2], phase).exists():
+                time.sleep(0.01)
+            if phase == "release":
+                rec._write_lock.release()
+                print("released", flush=True)
+        rec.close()
+    """, trace, tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        assert request_flush(trace, timeout=4.0) == (1, 0)
+        (tmp_path / "release").touch()
+        assert proc.stdout.readline().strip() == "released"
+        assert request_flush(trace, timeout=4.0) == (1, 1)
+        assert sorted(r["step"] for r in events(trace)) == list(range(11))  # on disk before the acknowledgement
+        (tmp_path / "close").touch()
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()

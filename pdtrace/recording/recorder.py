@@ -943,14 +943,15 @@ class Recorder:
                 return False
         return True
 
-    def _drain(self, until_empty: bool, lock_timeout: float = -1) -> None:
+    def _drain(self, until_empty: bool, lock_timeout: float = -1) -> bool:
         """Take the waiting rows and write them as one part; with `until_empty`, repeat until nothing is left (a gap
-        row may follow the last batch). Serialised by the write lock."""
+        row may follow the last batch). Serialised by the write lock. Returns whether it got to write (False: the
+        lock stayed taken for `lock_timeout`, or this thread was already mid-write)."""
         me = threading.get_ident()
         if self._write_owner == me:  # re-entered (a signal handler interrupted this thread mid-write)
-            return
+            return False
         if not self._write_lock.acquire(timeout=lock_timeout):
-            return
+            return False
         self._write_owner = me
         try:
             for _ in range(4 if until_empty else 1):
@@ -959,6 +960,7 @@ class Recorder:
         finally:
             self._write_owner = None
             self._write_lock.release()
+        return True
 
     def _write_one_batch(self) -> bool:
         """Take all waiting rows, convert and write them. Returns whether there was anything."""
@@ -1548,16 +1550,18 @@ def _install_flush_request_handler() -> None:
 
 def _on_flush_request(signum: int, frame: Any) -> None:
     """`pdtrace record` is about to stop its command (`request_flush`): hand every buffered event to the writer
-    (bounded like the SIGTERM flush), then say so in FLUSH_ACK_DIR. The process goes on as before."""
-    directories = set()
+    (bounded like the SIGTERM flush), then say so in FLUSH_ACK_DIR, only where every recorder of the directory
+    got its rows out (a writer thread stuck on its batch keeps the lock: `pdtrace record` then counts this
+    process as not handed over). The process goes on as before."""
+    directories: dict[str, bool] = {}
     for rec in _live_recorders():
+        directory = os.fspath(rec.directory)
         try:
-            if rec._state != _NEW:
-                rec._drain(until_empty=True, lock_timeout=2.0)
-            directories.add(os.fspath(rec.directory))
+            done = rec._state == _NEW or rec._drain(until_empty=True, lock_timeout=2.0)
         except Exception:
-            pass
-    for directory in directories:
+            done = False
+        directories[directory] = directories.get(directory, True) and done
+    for directory in (d for d, done in directories.items() if done):
         try:
             folder = os.path.join(directory, FLUSH_ACK_DIR)
             os.makedirs(folder, exist_ok=True)

