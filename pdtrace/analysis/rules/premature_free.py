@@ -16,9 +16,10 @@ Algorithm (all over arrays of `blocks_free` rows and ownership intervals; positi
   `rulekit.expected_ranks`, the one definition leaked_blocks uses too: detail `expected_ranks`, else the
   scheduler's completions' `expected_ranks`, else engine_config tp*pp, else the ranks that reported that direction
   for any request of the scheduler): the blocks are freed while some rank still transfers. A `recorder_gap` or
-  `recorder_off` of the instance between the request's finish (else the completion) and the completion may hold
-  the silent rank's report (e.g. a worker SIGKILLed by vLLM's shutdown before its last hand-over): the finding is
-  a warning then (extra `downgraded`), and says so.
+  `recorder_off` of the instance between the request's finish (else the completion) and the completion, or a
+  gap of unknown size (a killed process's loss, which runs to its end) before the completion, may hold the silent
+  rank's report (e.g. a worker SIGKILLed by vLLM's shutdown before its last hand-over): the finding is a warning
+  then (extra `downgraded`), and says so.
 - `async_load_reuse`: a freed block handed (a later `req_wait_kv` allocation) to a request whose KV arrives
   asynchronously before the step_output of the freeing request's last step: the remote write races that step.
   Freeing under a step in flight is otherwise normal (same-stream GPU order) and not reported. A sliding-window
