@@ -20,9 +20,9 @@ in-thread writer (`WriterProcessLost`); so do a failed spawn and platforms witho
 `PDTRACE_WRITER_PROCESS=0` turns the process off.
 
 The child (`main`): forks off its launcher and starts a process group of its own (`_child_command`: out of the
-recording process's tree, which vLLM SIGKILLs at shutdown, and out of its process group), reads one message at a time, calls
-`pdtrace.recording.recorder.write_rows` (the same conversion and the same part files as the in-thread writer),
-replies. It ignores SIGINT and SIGTERM and ends on EOF of its stdin: the engine process closed it (after BYE),
+recording process's tree, which vLLM SIGKILLs at shutdown, and out of its process group), reads one message at a
+time, calls `pdtrace.recording.recorder.write_rows` (the same conversion and the same part files as the in-thread
+writer), replies. It ignores SIGINT and SIGTERM and ends on EOF of its stdin: the engine process closed it (after BYE),
 exited or was killed (SIGKILL included), so it never outlives its parent by more than the messages it has
 received, which it writes first; a message cut short by the parent's death is discarded, and a death without BYE
 is marked with a `recorder_gap` where events may be missing (see `main`). Its stdout carries only replies (print()
@@ -120,9 +120,10 @@ def _child_command() -> list[str]:
     child's sys.path (`-m` would let a `pdtrace` folder in the working directory, or PYTHONPATH, pick another).
 
     The interpreter forks at once and its parent exits, and the writer runs in a process group of its own: it is
-    no descendant of the recording process, nor in its process group (a terminal's Ctrl-C, `kill -- -PGID`). Why: vLLM stops its children with SIGTERM and
-    then SIGKILLs every descendant it finds (`kill_process_tree`: psutil's children(recursive=True), 0.10.1.1
-    vllm/utils/__init__.py:2572, 0.32.0 vllm/utils/system_utils.py:207), after a grace of 0 s for `vllm serve`
+    no descendant of the recording process, nor in its process group (a terminal's Ctrl-C, `kill -- -PGID`). Why:
+    vLLM stops its children with SIGTERM and then SIGKILLs every descendant it finds (`kill_process_tree`:
+    psutil's children(recursive=True), 0.10.1.1 vllm/utils/__init__.py:2572, 0.32.0
+    vllm/utils/system_utils.py:207), after a grace of 0 s for `vllm serve`
     (`AsyncLLM.shutdown(timeout=shutdown_timeout)`, default 0: 0.32.0 v1/utils.py `shutdown`), which killed the
     writer processes with the batches they held. Out of the tree, a writer reads its pipe to the end after its
     recording process died, writes what it received, and marks what may be lost (see `main`).
