@@ -194,6 +194,82 @@ def test_ring_under_its_memory_bound_cuts_nothing(tmp_path):
     assert facts["window_start_ns"] == clock.now - 600 * 10**9
 
 
+def test_a_held_ring_keeps_the_seconds_before_the_ask_however_late_the_dump(tmp_path):
+    """A dump asked for at T holds the SECONDS before T, even when it is written long after (the trimmer goes on
+    meanwhile), and everything since; once written, the ring trims as before."""
+    rec, clock = ring(tmp_path, seconds=10.0)
+    for i in range(2000):  # 20 s, 100 events a second
+        rec.emit("sched", step=i)
+        clock.now += 10_000_000
+    rec.trim()
+    asked = clock.now
+    rec.hold(asked)
+    for i in range(2000, 4000):  # the dump is written 20 s later
+        rec.emit("sched", step=i)
+        clock.now += 10_000_000
+        if i % 50 == 0:
+            rec.trim()
+    flat, events, facts = rec.snapshot(clock.now, asked)
+    steps = flat[3::12]
+    assert facts["window_start_ns"] == asked - 10 * 10**9
+    assert steps[0] == 1000 and steps[-1] == 3999 and events == 3000
+    rec.release(asked)
+    rec.trim()
+    flat, _, facts = rec.snapshot(clock.now)
+    assert facts["window_start_ns"] == clock.now - 10 * 10**9 and flat[3::12][0] == 3000
+    rec.close()
+
+
+def test_an_unheld_ring_says_how_far_back_a_late_dump_reaches(tmp_path):
+    """Without the hold (the ask came from another process), a late dump cannot reach the seconds before the ask
+    that the trimmer already dropped: its window starts after the newest dropped row, not at the ask's."""
+    rec, clock = ring(tmp_path, seconds=10.0)
+    asked = None
+    for i in range(4000):
+        if i == 2000:
+            asked = clock.now
+        rec.emit("sched", step=i)
+        clock.now += 10_000_000
+        if i % 50 == 49:
+            rec.trim()
+    flat, events, facts = rec.snapshot(clock.now, asked)
+    assert asked - 10 * 10**9 < facts["window_start_ns"] <= flat[0]
+    assert flat[0] >= facts["window_start_ns"] and facts["trimmed"] == 0
+    assert flat[3::12][-1] == 3999
+    rec.close()
+
+
+def test_an_engine_error_dump_served_late_still_holds_the_seconds_before_the_error(tmp_path):
+    """The controller's hold, end to end on real threads: the trigger comes while the flight thread cannot serve
+    (a dump in progress holds its lock) and the recorder's trimmer keeps running; the dump, written seconds later,
+    starts its window SECONDS before the trigger."""
+    ctl = FlightController(tmp_path, FlightConfig(seconds=1.0))
+    rec = FlightRecorder(tmp_path, "inst", seconds=1.0, controller=ctl, handle_sigterm=False)
+    ctl._serve_lock.acquire()
+    try:
+        start = time.time_ns()
+        while time.time_ns() - start < 1.5e9:
+            rec.emit("sched", step=1)
+            time.sleep(0.002)
+        asked = time.time_ns()
+
+        ctl.trigger("engine_error", [rec.instance])
+        while time.time_ns() - asked < 2.5e9:  # the trimmer (every 0.5 s) runs on
+            rec.emit("sched", step=2)
+            time.sleep(0.002)
+    finally:
+        ctl._serve_lock.release()
+    assert ctl.wait_dumped(20.0)
+    dump = tmp_path / "dump-0001"
+    entry = manifest(dump)["processes"][str(os.getpid())]
+    assert entry["status"] == "written", entry
+    assert asked - 1.05e9 <= entry["window_start_ns"] <= asked - 0.9e9, (entry["window_start_ns"] - asked) / 1e9
+    table = pq.read_table(next(dump.rglob("*.parquet")))
+    steps = table.column("step").to_pylist()
+    assert 1 in steps and 2 in steps  # before the ask and after it, up to the write
+    rec.close()
+
+
 def test_failing_dump_write_is_counted_and_the_engine_goes_on(tmp_path):
     def broken(table, path):
         raise OSError("disk full")

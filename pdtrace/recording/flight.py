@@ -25,7 +25,10 @@ Dumps. A dump N is a trace directory of format v1, `DIR/dump-NNNN/`: its `_manif
 `<instance>/<pid>/part-000000.parquet`, whose metadata adds `pdtrace.window_start_ns` (this writer holds every
 event it recorded from then on), `pdtrace.flight_seconds`, `pdtrace.flight_trimmed_events`, `pdtrace.flight_dump`.
 The manifest's `window_start_ns` is the latest of the processes' window starts: from then on every process's
-window is whole. What triggers one:
+window is whole. A process's window is the SECONDS before the dump was asked for (its request's `requested_ns`;
+for an engine error, the moment the hook saw it) and everything after, up to its write: a trigger holds the ring
+(`FlightRecorder.hold`) until the dump is written, so a dump served late (a busy flight thread, a loaded machine)
+still holds the seconds before the failure, not just those before its write. What triggers one:
   - the engine fails: a hook that sees vLLM raise out of a step or a client request records `engine_error` and calls
     the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance;
   - the dump signal (`SIGNAL_DEFAULT`, SIGUSR2: vLLM 0.27-0.33 handle SIGINT, SIGTERM and, in one connector,
@@ -284,6 +287,9 @@ class FlightRecorder(Recorder):
         self._ring_lock = threading.Lock()  # the chunks: the trimmer and a dump (never the emitting thread)
         self.trimmed_events = 0  # events the MB bound cut from inside the time window
         self._trim_cut_ts: int | None = None  # ts of the newest of them
+        self._age_cut_ts: int | None = None  # the newest ts of the chunks dropped for their age
+        # While a dump asked for at this ts is pending, the ring keeps the window before it (`hold`).
+        self._hold_ns: int | None = None
         self.row_bytes = 0.0
         # The process's engine_config rows, kept past the window: a dump without them would lose the pool size,
         # tp x pp, the release and its hook table, which every rule reads (configuration, not history).
@@ -373,7 +379,8 @@ class FlightRecorder(Recorder):
         try:
             taken = self._take()
             now = self._clock() if now_ns is None else now_ns
-            oldest = now - int(self.seconds * 1e9)
+            hold = self._hold_ns
+            oldest = (now if hold is None else min(now, hold)) - int(self.seconds * 1e9)
             with self._ring_lock:
                 if taken:
                     self._keep_config(taken)
@@ -388,7 +395,7 @@ class FlightRecorder(Recorder):
                         self._chunks.append(_Chunk(part, self.row_bytes))
                 chunks = self._chunks
                 while chunks and chunks[0].last_ts < oldest:
-                    chunks.popleft()
+                    self._age_cut_ts = max(self._age_cut_ts or 0, chunks.popleft().last_ts)
                 total = sum(chunk.bytes for chunk in chunks)
                 while len(chunks) > 1 and total > self.max_bytes:
                     chunk = chunks.popleft()
@@ -411,20 +418,38 @@ class FlightRecorder(Recorder):
                 self._config_rows += taken[i * ROW_WIDTH:(i + 1) * ROW_WIDTH]
         del self._config_rows[:-CONFIG_ROWS_KEPT * ROW_WIDTH]
 
-    def snapshot(self, now_ns: int) -> tuple[list[Any], int, dict[str, Any]]:
+    def hold(self, asked_ns: int) -> None:
+        """A dump was asked for at `asked_ns`: keep the window before it until `release(asked_ns)`, however late
+        the dump is written (the trimmer would otherwise keep only the last seconds before the write)."""
+        hold = self._hold_ns
+        self._hold_ns = asked_ns if hold is None else min(hold, asked_ns)
+
+    def release(self, asked_ns: int) -> None:
+        """The dump asked for at `asked_ns` is written: the ring trims as before (a later ask still holds)."""
+        hold = self._hold_ns
+        if hold is not None and hold <= asked_ns:
+            self._hold_ns = None
+
+    def snapshot(self, now_ns: int, asked_ns: int | None = None) -> tuple[list[Any], int, dict[str, Any]]:
         """(flat rows of the window, events, facts) at `now_ns`: the ring's chunks and the rows not taken yet,
         copied into one flat list (on the dumping thread; the emitting thread only waits for the state lock's
-        slice copy, as for a take of full recording's writer)."""
+        slice copy, as for a take of full recording's writer). The window is the `seconds` before `asked_ns`
+        (the moment the dump was asked for; default `now_ns`) and everything since; it starts later where the
+        ring no longer holds that far back (a chunk dropped for its age before the ask was held)."""
         with self._ring_lock:
             chunks = list(self._chunks)
             config = list(self._config_rows)
             trimmed = self.trimmed_events
             cut_ts = self._trim_cut_ts
+            age_cut_ts = self._age_cut_ts
         with self._state_lock:
             current = self._rows[:]
             channels = list(self._channel_keys)
             dropped = self._dropped
-        window_start = now_ns - int(self.seconds * 1e9)
+        end = now_ns if asked_ns is None else min(now_ns, asked_ns)
+        window_start = end - int(self.seconds * 1e9)
+        if age_cut_ts is not None and age_cut_ts >= window_start:
+            window_start = age_cut_ts + 1
         flat: list[Any] = []
         for chunk in chunks:
             if chunk.last_ts >= window_start:
@@ -463,12 +488,13 @@ class FlightRecorder(Recorder):
         return chunks[-1].last_ts if chunks else None
 
 
-    def write_dump(self, dump_dir: Path, dump: int, now_ns: int, in_thread: bool = False) -> dict[str, Any]:
-        """Write this recorder's window into the dump folder; its manifest entry. Through the writer process
-        (started now), or with `in_thread` on this thread: a process that is about to die (an engine error, its
-        exit) has no GIL left to spare, and the writer process's start (~1 s, more on a loaded machine) would be
-        most of the dump's time. Raises on failure."""
-        flat, events, facts = self.snapshot(now_ns)
+    def write_dump(self, dump_dir: Path, dump: int, now_ns: int, in_thread: bool = False,
+                   asked_ns: int | None = None) -> dict[str, Any]:
+        """Write this recorder's window (`snapshot`) into the dump folder; its manifest entry. Through the writer
+        process (started now), or with `in_thread` on this thread: a process that is about to die (an engine
+        error, its exit) has no GIL left to spare, and the writer process's start (~1 s, more on a loaded
+        machine) would be most of the dump's time. Raises on failure."""
+        flat, events, facts = self.snapshot(now_ns, asked_ns)
         entry: dict[str, Any] = {"instance": self.instance, "events": events,
                                  "window_start_ns": facts["window_start_ns"], "trimmed_events": facts["trimmed"],
                                  "dropped_events": facts["dropped"]}
@@ -662,7 +688,7 @@ class FlightController:
         self.last_error: str | None = None
         self.dumps: list[int] = []  # dump numbers this process wrote its part of
         self._recorders: list[FlightRecorder] = []
-        self._triggers: list[tuple[str, list[str] | None]] = []
+        self._triggers: list[tuple[str, list[str] | None, int]] = []  # (reason, instances, when)
         self._signals = 0  # signals received (the handler counts), and those the flight thread has looked at
         self._signals_seen = 0
         self._expected: list[float] = []  # when a served request announced a signal to this process
@@ -691,9 +717,13 @@ class FlightController:
         self._ensure_thread()
 
     def trigger(self, reason: str, instances: list[str] | None) -> None:
-        """Ask for a dump of `instances` (None: this process only) across their processes. Returns at once."""
+        """Ask for a dump of `instances` (None: this process only) across their processes. Returns at once.
+        The dump's window ends now (this process's ring holds it until written), not when the dump is served."""
+        asked_ns = time.time_ns()
+        for rec in list(self._recorders):
+            rec.hold(asked_ns)
         with self._idle:
-            self._triggers.append((reason, instances))
+            self._triggers.append((reason, instances, asked_ns))
             self._busy = True
         self._ensure_thread()
         self._wake.set()
@@ -733,8 +763,8 @@ class FlightController:
         naming it that it has not served. Never raises."""
         try:
             while self._triggers:
-                reason, instances = self._triggers.pop(0)
-                self._request(reason, instances)
+                reason, instances, asked_ns = self._triggers.pop(0)
+                self._request(reason, instances, asked_ns)
             self._serve_requests()
             if self._signals != self._signals_seen:
                 arrived = self._signals - self._signals_seen
@@ -746,7 +776,7 @@ class FlightController:
                 explained = min(arrived, len(self._expected))
                 del self._expected[:explained]
                 if arrived > explained:
-                    self._request("signal", self.instances())
+                    self._request("signal", self.instances(), time.time_ns())
                     self._serve_requests()
         except Exception as exc:
             self._count(exc)
@@ -792,7 +822,7 @@ class FlightController:
     def instances(self) -> list[str]:
         return sorted({rec.instance for rec in self._recorders})
 
-    def _request(self, reason: str, instances: list[str] | None) -> None:
+    def _request(self, reason: str, instances: list[str] | None, asked_ns: int) -> None:
         mine = self._registration()
         if instances is None:
             targets = [mine]
@@ -800,7 +830,7 @@ class FlightController:
             targets = [t for t in live_processes(self.directory) if _linked(mine, t, set(instances))]
             if not any(t["pid"] == self.pid for t in targets):
                 targets.append(mine)
-        request_dump(self.directory, reason, targets, by_pid=self.pid)
+        request_dump(self.directory, reason, targets, by_pid=self.pid, now_ns=asked_ns)
 
     def _serve_requests(self) -> None:
         # One serving thread at a time (the flight thread; the exit dump on a SIGTERM), bounded: the thread that
@@ -845,10 +875,12 @@ class FlightController:
         entries = []
         for rec in [r for r in self._recorders if r._pid == self.pid]:
             try:
-                entries.append(rec.write_dump(folder, number, now, in_thread=in_thread))
+                entries.append(rec.write_dump(folder, number, now, in_thread=in_thread, asked_ns=requested_ns))
             except Exception as exc:
                 self._count(exc)
                 entries.append({"instance": rec.instance, "status": "error", "error": self.last_error})
+            finally:
+                rec.release(requested_ns)
         written = [e for e in entries if e.get("status") == "written"]
         entry: dict[str, Any] = {"instances": [e["instance"] for e in entries],
                                  "status": ("error" if any(e.get("status") == "error" for e in entries)

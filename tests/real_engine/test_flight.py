@@ -49,6 +49,7 @@ def flight_crash(tmp_path_factory):
         wave_a = R.parallel_requests(lambda i: server.complete(R.prompt(i, 32), 8), list(range(N_WAVE)))
         time.sleep(WINDOW_S + 5)  # wave A ends up older than the window
         # wave B: long requests, still running when the worker dies (their answers are errors)
+        wave_b_sent_ns = time.time_ns()
         runner = threading.Thread(target=lambda: wave_b.extend(R.parallel_requests(
             lambda i: server.complete(R.prompt(100 + i, 32), 900, timeout_s=60), list(range(N_WAVE)), workers=8)))
         runner.start()
@@ -57,6 +58,7 @@ def flight_crash(tmp_path_factory):
         assert workers, "no worker process in the server's tree"
         import os
 
+        killed_ns = time.time_ns()
         os.kill(workers[0], signal.SIGKILL)
         runner.join(120)
         try:
@@ -69,7 +71,8 @@ def flight_crash(tmp_path_factory):
     if not server._log.closed:
         server._log.close()
     run = server.run()
-    run.extra.update(wave_a=wave_a, wave_b=wave_b, killed=workers[0])
+    run.extra.update(wave_a=wave_a, wave_b=wave_b, killed=workers[0], wave_b_sent_ns=wave_b_sent_ns,
+                     killed_ns=killed_ns)
     R.note_wall("serve in flight mode, worker killed", run)
     return run
 
@@ -98,14 +101,36 @@ def test_the_engine_error_dumped_the_engine_cores_window(flight_crash):
 
 
 def test_the_dump_is_the_last_window_not_the_run(flight_crash):
-    ev = R.events(_dumps(flight_crash)[0])
+    dump = _dumps(flight_crash)[0]
+    ev = R.events(dump)
+    manifest = json.loads((dump / "_manifest.json").read_text())
+    window_start = manifest["window_start_ns"]
+    error_ns = int(ev.loc[ev["kind"] == "engine_error", "ts_ns"].min())
+    adds = ev.loc[ev["kind"] == "req_add", "ts_ns"]
     added = requests_of(ev, "req_add")
     scheduled = requests_of(ev, "req_sched")
-    # wave B (the last N_WAVE requests the server was given) is in the window, wave A (20 s before) is not
-    assert len(added) == N_WAVE and scheduled >= added, (len(added), len(scheduled))
-    window_start = json.loads((_dumps(flight_crash)[0] / "_manifest.json").read_text())["window_start_ns"]
+    sent, killed = flight_crash.extra["wave_b_sent_ns"], flight_crash.extra["killed_ns"]
+    # seconds from wave B's sending: the kill, vLLM's engine error, the ask, the dump, the window, the adds
+    timeline = {name: round((int(ns) - sent) / 1e9, 2) for name, ns in (
+        ("killed", killed), ("engine_error", error_ns), ("asked", manifest["requested_ns"]),
+        ("window_start", window_start), ("first_add", adds.min() if len(adds) else sent),
+        ("last_add", adds.max() if len(adds) else sent))}
+    timeline["dumped"] = [round((e["dumped_ns"] - sent) / 1e9, 2) for e in manifest["processes"].values()
+                          if isinstance(e, dict) and "dumped_ns" in e]
+    # the window is the WINDOW_S seconds before the engine error, however late the dump was written
+    assert abs(window_start - (error_ns - WINDOW_S * 10**9)) < 10**9, timeline
     rows = ev[ev["kind"] != "engine_config"]  # a dump keeps its process's engine_config rows (every rule reads them)
-    assert int(rows["ts_ns"].min()) >= window_start - 10**9
+    assert int(rows["ts_ns"].min()) >= window_start - 10**9, timeline
+    # wave A (done 20 s before wave B, so before any window that holds the error) is not in it: only wave B's
+    # requests are, scheduled, and every one added is scheduled
+    assert len(scheduled) == N_WAVE and added <= scheduled, (len(added), len(scheduled), timeline)
+    # wave B was added in the second after its sending: in the window when vLLM saw the dead worker within
+    # WINDOW_S of it (4 s after it here, measured at 0.2 s after the kill), out of it otherwise
+    if error_ns - sent < (WINDOW_S - 2) * 10**9:
+        assert len(added) == N_WAVE, timeline
+    elif error_ns - sent > (WINDOW_S + 2) * 10**9:
+        assert not added, timeline
+    print("flight crash timeline (s from wave B's sending):", timeline)
 
 
 def test_analyze_finds_the_crash_and_no_false_alarm_from_the_cut(flight_crash):
