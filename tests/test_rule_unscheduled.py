@@ -109,7 +109,27 @@ def test_no_room_in_the_token_budget_is_not_starvation():
         e.output()
     f = findings(b.trace())
     assert len(by_sub(f, "starved")) == 0
-    assert list(by_sub(f, "never_scheduled")["req"]) == ["small"]
+    never = by_sub(f, "never_scheduled")
+    assert list(never["req"]) == ["small"]
+    # a full batch at every step of the wait but the first (room, too little to be starved): the queue of a loaded
+    # engine that the trace's end cuts, not a fault
+    assert never.iloc[0]["severity"] == "info" and never.iloc[0]["extra"]["steps_batch_full"] == 60
+    assert "a queue, not a fault" in never.iloc[0]["message"]
+
+
+def test_never_scheduled_with_room_in_the_batch_but_not_the_pool_stays_a_warning():
+    # 20 of the wait's steps had token budget left; what kept the request out then was the pool, not the batch
+    b, e = engine()
+    e.add("runner", n=16)
+    e.add("big", n=640)  # 40 blocks: never fits in the 32-block pool
+    e.step({"runner": 16}, alloc={"runner": [1]})
+    e.output()
+    for i in range(60):
+        e.step({"runner": 2048 if i < 40 else 1})
+        e.output()
+    never = by_sub(findings(b.trace()), "never_scheduled")
+    assert list(never["req"]) == ["big"] and never.iloc[0]["severity"] == "warning"
+    assert never.iloc[0]["extra"]["steps_batch_full"] == 40 and never.iloc[0]["extra"]["steps_short_of_blocks"] == 21
 
 
 def preempted(resume_after: int | None) -> object:

@@ -19,7 +19,11 @@ Subrules (thresholds from AnalysisConfig: starve_steps, zombie_steps, grace_s):
   end of the trace, warning when it was served late. The message names the head-of-line blocker: the oldest request that
   was waiting unscheduled when the period began.
 - `never_scheduled`: never scheduled, unfinished, not waiting for remote KV, and starve_steps steps went by after
-  req_add without room for it (with room it is `starved`): warning (an overloaded pool, not a scheduler bug).
+  req_add without room for it (with room it is `starved`): warning (an overloaded pool, not a scheduler bug); info
+  when no step kept it out for want of blocks (budget left, fewer free blocks than its prompt needs:
+  `extra.steps_short_of_blocks` = 0), each either ran a full batch (token budget spent or max_num_seqs running, from
+  engine_config; `extra.steps_batch_full`) or had room (fewer times than starve_steps): the queue of a loaded
+  engine that a stop or a dump cuts.
 - `preempted_not_resumed`: preempted, unfinished, no req_sched after the preemption while starve_steps steps went
   by: error when starve_steps of them had room, warning otherwise.
 - `stuck_waiting_kv`: a receive (every req_wait_kv opens one: a request preempted after its KV arrived may wait
@@ -135,6 +139,14 @@ class SchedCounter:
         """sched rows that scheduled tokens (other requests ran), strictly between a and b."""
         lo, hi = self._range(sk, a, b)
         return self.cum_busy[hi] - self.cum_busy[lo]
+
+    def short_of_blocks(self, sk: int, a: int, b: int, need: int) -> tuple[int, int]:
+        """(steps whose batch was full: token budget spent or max_num_seqs running, steps with budget left but
+        fewer than `need` free blocks) strictly between a and b, exactly (one slice: for a candidate finding)."""
+        lo, hi = self._range(np.array([sk]), np.array([a]), np.array([b]))
+        s = slice(int(lo[0]), int(hi[0]))
+        budget = self.budget[s]
+        return int(np.count_nonzero(~budget)), int(np.count_nonzero(budget & (self.free[s] < need)))
 
     def room_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray, need: np.ndarray,
                      threshold: int) -> np.ndarray:
@@ -442,7 +454,17 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             msg = (f"request {cols.rk_names['req'].iloc[r]} was never scheduled: {n_steps} steps "
                    f"({_fmt_ms(waited_ns)}) since it was added, none with room for it "
                    f"(>= {int(need[r])} free blocks and token budget)")
-            out.add("never_scheduled", "warning", r, srow, NO, msg, evidence, extra)
+            n_full, n_short = sc.short_of_blocks(int(sk[i]), int(pos[i]), int(end_pos[i]), int(need[r]))
+            extra["steps_batch_full"] = n_full
+            extra["steps_short_of_blocks"] = n_short
+            sev = "warning"
+            if n_short == 0 and n_full:
+                # no step kept it out for want of blocks, each ran a full batch (or had room, too few times to be
+                # starved): the queue of a loaded engine when the trace ends (a stop, a dump)
+                sev = "info"
+                msg += (f"; {n_full} of them ran a full batch (max_num_seqs or the token budget), none kept it out "
+                        "for want of blocks: a queue, not a fault")
+            out.add("never_scheduled", sev, r, srow, NO, msg, evidence, extra)
             reported[r] = True
 
     # --- stuck_waiting_kv -----------------------------------------------------------------------------------
