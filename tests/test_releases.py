@@ -239,6 +239,26 @@ def test_before_0_22_the_prefill_side_send_has_nixls_abort_timeout(version):
     assert behaviour_of(version).nixl_send_lease_s is None
 
 
+@pytest.mark.parametrize("version,idles", [("0.17.1", True), ("0.21.0", True), ("0.33.0", False)])
+def test_a_send_still_held_after_the_decode_side_read_it_cites_the_read(version, idles):
+    # P still holds r1 10 s after D received it (kv_recv_done): the completion waits for P's next step, which an
+    # engine before 0.22 takes only with its next request (it does not step with only sends pending)
+    from pdtrace.analysis.rules.leaked_blocks import RULE as LEAKED
+
+    trace = _lost_send_trace(version, hold_s=10.0)
+    found = LEAKED.run(AnalysisContext(trace, AnalysisConfig()))
+    held = found[(found["instance"] == "P") & (found["req"] == "r1")].iloc[0]
+    assert held["subrule"] == "still_held" and held["extra"]["peer_read"] is True
+    assert "the decode side already read it" in held["message"]
+    assert ("does not step with only sends pending" in held["message"]) is idles
+    read = [e for e in held["evidence"] if e.get("kind") == "kv_recv_done"]
+    assert len(read) == 1 and read[0]["instance"] == "D" and read[0]["req"] == "r1-d"
+    # D still waiting: nothing read, nothing cited
+    waiting = LEAKED.run(AnalysisContext(_lost_send_trace(version, decode="waits", hold_s=10.0), AnalysisConfig()))
+    held = waiting[(waiting["instance"] == "P") & (waiting["req"] == "r1")].iloc[0]
+    assert held["extra"]["peer_read"] is False and "already read" not in held["message"]
+
+
 def test_nixl_lease_is_renewed_while_the_decode_side_still_waits():
     # D still waits for the read after 100 s: its heartbeats keep P's lease alive, P's blocks are held for that wait
     found = _leaks(_lost_send_trace("0.33.0", decode="waits", hold_s=100.0))

