@@ -30,7 +30,9 @@ IMPORT_NEEDS = (
 _OLDER_NEEDS = ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba", "mistral-common")
 #: Per release (by its `major.minor` prefix): what it needs on top of IMPORT_NEEDS.
 EXTRA_NEEDS: dict[str, tuple[str, ...]] = {f"0.{minor}": _OLDER_NEEDS for minor in range(10, 18)}
-EXTRA_NEEDS["0.20"] = ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba")
+#: 0.18 to 0.23 import gguf (transformers_utils.gguf_utils) and the rest at module level, without mistral_common.
+EXTRA_NEEDS.update({f"0.{minor}": ("setproctitle", "blake3", "diskcache", "compressed-tensors", "gguf", "numba")
+                    for minor in range(18, 24)})
 #: Needed though a release's metadata may not name them (pulled in transitively by a full install; the harmony
 #: parser module `openai_harmony` is imported by `vllm.entrypoints` whatever the metadata calls its package).
 UNLISTED: dict[str, str] = {"numpy": "", "packaging": "", "urllib3": "", "uvloop": "", "pyzmq": "",
@@ -43,8 +45,14 @@ NO_DEPS = ("xgrammar",)
 PINS: dict[str, dict[str, str]] = {
     "0.10": {"transformers": "<5"},
     "0.11": {"transformers": "<5"},
+    "0.18": {"xgrammar": "==0.1.32"},  # as 0.20
+    "0.19": {"xgrammar": "==0.1.32"},
     "0.20": {"xgrammar": "==0.1.32"},  # 0.2.x fails against the release's apache-tvm-ffi
+    "0.21": {"xgrammar": "==0.1.32"},
+    "0.22": {"xgrammar": "==0.2.5.post1"},  # as 0.24: the release pins apache-tvm-ffi==0.1.9
+    "0.23": {"xgrammar": "==0.2.5.post1"},
     "0.24": {"xgrammar": "==0.2.5.post1"},  # the newest xgrammar for the release's apache-tvm-ffi==0.1.9
+    "0.25": {"xgrammar": "==0.2.5.post1"},  # as 0.24: the newest passes extra_lib_paths, which 0.1.9 lacks
     "0.26": {"xgrammar": "==0.2.5.post1"},  # 0.2.9 needs apache-tvm-ffi>=0.1.11, the release pins 0.1.10
     "0.33.0": {"numpy": "==2.3.5", "msgspec": "==0.23.0", "pydantic": "==2.14.4", "transformers": "==5.20.2",
                "openai-harmony": "==0.0.8", "fastapi": "==0.136.3", "llguidance": "==1.7.6"},
