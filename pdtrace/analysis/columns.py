@@ -520,8 +520,16 @@ class Columns:
         req, _ = self.codes("req")
         if self.n == 0:
             return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
-        has = req >= 0
         width = int(req.max()) + 1
+        if len(self._sched_keys[1]) == 1 and width < 2**31 - 1:
+            # one scheduler (an instance's partition or window): a request key is its req code where every code
+            # is used, as the reader's codes are (numbered by first appearance): one cast, no combined key and
+            # lookup table (5M rows: 0.02 s against 0.06 s)
+            seen = np.zeros(width + 1, bool)
+            seen[req] = True  # a null (-1) marks the extra slot
+            if seen[:width].all():
+                return req.astype(np.int32), np.zeros(width, np.int64), np.arange(width, dtype=np.int64)
+        has = req >= 0
         space = (int(self.sk.max()) + 1) * width
         if space < 2**31 - 1:
             # dense key space: int32 arithmetic, one scatter of the keys seen and a lookup table instead of hashing
