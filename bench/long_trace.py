@@ -1,7 +1,7 @@
 """One instance's long trace analysed window by window (run by hand; prints figures, asserts nothing).
 
     .venv/bin/python bench/long_trace.py [--events 60000000] [--tile 2500000] [--dir /tmp/pdtrace-bench-long]
-                                         [--window-events N] [--whole] [--build-only]
+                                         [--window-events N] [--whole] [--build-only] [--profile]
 
 1. Generator: the healthy P/D trace of bench/analyze.py built once with --tile events (its four injected faults),
    of which the decode instance `D` is kept (one instance: ~96% of the rows), then tiled in time until the trace
@@ -54,6 +54,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -149,6 +150,62 @@ def timed_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, 
     return wall, cpu, peak, bound, code
 
 
+def profile(trace: Path, window_events: int | None) -> None:
+    """--profile: `pdtrace analyze TRACE` in this process on one thread (rules one after the other), with the CPU
+    seconds (time.process_time) of the plan, the windows' reads, and each shared table and rule summed over the
+    windows, each table timed without the tables it builds on (a table is charged to the first rule that asks).
+    Pin it to one core (taskset -c 0) for figures that do not depend on the other work."""
+    import collections
+    import contextlib
+    import io
+
+    from pdtrace.analysis import once, parallel
+    from pdtrace.analysis import windows as W
+    from pdtrace.cli import main as cli_main
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    inner: list[float] = []  # per open timer: the time of the timers nested in it
+
+    def timed(name: str, call: Any) -> Any:
+        t0 = time.process_time()
+        inner.append(0.0)
+        try:
+            return call()
+        finally:
+            dt = time.process_time() - t0
+            spent[name] += dt - inner.pop()
+            if inner:
+                inner[-1] += dt
+
+    cache_get = once.OnceCache.get
+
+    def get(self: Any, key: Any, build: Any) -> Any:
+        return cache_get(self, key, lambda: timed(f"table {key}", build))
+
+    def run_rules(ctx: Any, rules: Any, jobs: int) -> list[Any]:
+        return [timed(f"rule {rule.id}", lambda rule=rule: rule.run(ctx)) for rule in rules]
+
+    rows, plan = W.PathSource.rows, W.plan_windows
+    once.OnceCache.get = get  # type: ignore[method-assign]
+    parallel.run_rules = run_rules  # type: ignore[assignment]
+    W.PathSource.rows = lambda self, *a: timed("window reads", lambda: rows(self, *a))  # type: ignore[method-assign]
+    W.plan_windows = lambda *a, **k: timed("plan", lambda: plan(*a, **k))  # type: ignore[assignment]
+    args = ["analyze", str(trace), "--format", "json", "--jobs", "1"]
+    if window_events is not None:
+        args += ["--window-events", str(window_events)]
+    t0, w0 = time.process_time(), time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        cli_main(args)
+    total, wall = time.process_time() - t0, time.perf_counter() - w0
+    rules = sum(v for k, v in spent.items() if k.startswith(("rule ", "table ")))
+    print(f"analyze in one process: cpu {total:.2f} s (wall {wall:.2f} s, load average {os.getloadavg()[0]:.1f}): "
+          f"plan {spent['plan']:.2f} s, window reads {spent['window reads']:.2f} s, rules and their tables "
+          f"{rules:.2f} s, the rest {total - spent['plan'] - spent['window reads'] - rules:.2f} s")
+    for name, value in sorted(spent.items(), key=lambda kv: -kv[1]):
+        if value >= 0.01 and name not in ("plan", "window reads"):
+            print(f"  {name:<50} {value:6.2f} s")
+
+
 def compare(windowed: Path, whole: Path) -> str:
     """One line: whether the two JSON reports hold the same findings (every field; pipeline_bubble apart)."""
     def findings(path: Path) -> tuple[list[str], int]:
@@ -171,9 +228,13 @@ def main() -> None:
     parser.add_argument("--window-events", type=int, default=None, help="analyze --window-events (default: its)")
     parser.add_argument("--whole", action="store_true", help="also the whole-trace analysis, and compare")
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="time the plan, reads, tables and rules in-process")
     args = parser.parse_args()
     trace = build(args.dir, args.events, args.tile)
     if args.build_only:
+        return
+    if args.profile:
+        profile(trace, args.window_events)
         return
     report = args.dir / "report.json"
     cmd = [sys.executable, "-m", "pdtrace", "analyze", str(trace), "--format", "json"]
