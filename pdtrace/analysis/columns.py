@@ -524,7 +524,7 @@ class Columns:
         if len(self._sched_keys[1]) == 1 and width < 2**31 - 1:
             # one scheduler (an instance's partition or window): a request key is its req code where every code
             # is used, as the reader's codes are (numbered by first appearance): one cast, no combined key and
-            # lookup table (5M rows: 0.02 s against 0.06 s)
+            # lookup table (`_request_keys` of a 5M-row window: 0.03 s against 0.045 s)
             seen = np.zeros(width + 1, bool)
             seen[req] = True  # a null (-1) marks the extra slot
             if seen[:width].all():

@@ -245,8 +245,8 @@ def _requests_before(cols: Any, hist: History) -> None:
     """`History.requests`, `transfer_start` and `finish_at`: the request keys without a req_add in the window, each
     until the first req_add of its (instance, req) id there. Ids are compared as one int64 per key (instance code,
     req code), so only the keys and rows of the few ids begun before the window reach Python (a dict of every
-    request's first req_add and a loop over every req_finish / req_wait_kv row cost 0.1 s per 5M-row window:
-    bench/long_trace.py)."""
+    request's first req_add and a loop over every req_finish / req_wait_kv row were most of `history`'s 0.13 s per
+    5M-row window, now 0.03 s with `_blocks_before`: bench/long_trace.py, one core)."""
     adds = cols.req_rows("req_add")
     add_pos = first_per_key(cols.rk[adds], cols.pos[adds], cols.n_requests)
     early = np.flatnonzero(add_pos < 0)
@@ -285,8 +285,7 @@ def _blocks_before(cols: Any, hist: History, sk_key: list[tuple[str, int]]) -> N
     """`History.blocks`: per (scheduler, block), pre-window when its first row of _BLOCK_KINDS is no allocation,
     until its first allocation. The first row and the first allocation per (scheduler, block) are minima of the
     rows' positions, one `np.minimum.at` each over the dense (scheduler, block) key space (a stable sort of every
-    (key, position) where the block ids are sparse): CPU 0.02 s against 0.09 s per 5M-row window
-    (bench/long_trace.py)."""
+    (key, position) where the block ids are sparse), not a stable sort of every flattened block."""
     rows, blocks = cols.block_rows
     kinds = cols.codes("kind")[0][rows]  # the kinds of the rows that hold blocks only, not a mask of every row
     keep = _kind_mask(kinds, [cols.code_of("kind", k) for k in _BLOCK_KINDS if cols.code_of("kind", k) >= 0],

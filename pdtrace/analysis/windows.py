@@ -410,7 +410,7 @@ def _keep_req_dictionary(out: Trace, trace: Trace, extra: Trace, keep: pa.Chunke
     """Hand the reader's `req` dictionary indices (`pdtrace.trace.reader.REQ_DICTIONARY_ATTR`) of the window's
     rows and of its extra rows on to the concatenated trace, so that the request codes come from the Parquet
     dictionary's indices rather than a hash of every request string (`columns.Columns.codes`: 5M rows, CPU
-    0.11 s against 0.03 s; bench/long_trace.py)."""
+    0.05 s against 0.10 s; bench/long_trace.py, one core)."""
     from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
 
     main, other = getattr(trace, REQ_DICTIONARY_ATTR, None), getattr(extra, REQ_DICTIONARY_ATTR, None)
