@@ -1,7 +1,7 @@
 """One instance's long trace analysed window by window (run by hand; prints figures, asserts nothing).
 
     .venv/bin/python bench/long_trace.py [--events 60000000] [--tile 2500000] [--dir /tmp/pdtrace-bench-long]
-                                         [--window-events N] [--whole] [--build-only]
+                                         [--window-events N] [--whole] [--build-only] [--profile]
 
 1. Generator: the healthy P/D trace of bench/analyze.py built once with --tile events (its four injected faults),
    of which the decode instance `D` is kept (one instance: ~96% of the rows), then tiled in time until the trace
@@ -22,27 +22,35 @@
    --whole  also `analyze --window-events 0` (the whole-trace analysis in one process; ~370 bytes per event, so at
             most ~10M events on a shared 24 GiB machine), and the comparison of the two JSON reports: the same
             findings (every field) apart from pipeline_bubble's, which the windowed path measures per window.
+   --profile  instead of all that: the windowed analysis in this process on one thread, the CPU seconds of the plan,
+            the windows' reads and each shared table and rule summed over the windows (run it under taskset -c 0)
 Targets (issue 23): at 60M events tree peak RSS <= 4 GiB and wall <= 2.0x the floor; at 10M the findings equal the
 whole-trace analysis's.
 
 Measured on the shared 2-core machine, windows of 5M events (the default for an instance over 15M events; the 10M
-comparison passes --window-events 5000000), with the load average of other work (vLLM engines) at the time: the wall
-times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and their ratio.
-- 60M events (12 windows, 26 tiles): load ~2.5: floor 12.8 s / 8.2 s, analyze 31.7 s / 34.3 s, 2.48x / 4.20x the
-  floor (cpu 47.3 s / 49.7 s: 3.95x / 4.11x); load 4-4.8: floor 18.3 s / 16.2 s, analyze 65.5 s / 56.8 s,
-  3.57x / 3.50x (cpu 3.70x / 3.78x). Target 2.0x missed; tree peak 1.35-1.56 GiB (met). Before issue 23's part 3
-  (fe4f2ea, runs interleaved with these): analyze 46.6 s (load 2.5, 5.87x, cpu 64.4 s) and 106.9 s (load 4.4,
-  7.96x, cpu 72.0 s), peak 1.96-2.01 GiB; the figure first noted (load ~3): 40.0 s, 3.80x.
-- Where the time goes, 20M events (4 windows) in one process with timers (load ~4.3: one core, wall = cpu): the plan
-  2.2 s (was 6.4 s: a hash aggregate of the decoded request strings), the windows' reads 4.8 s (the files 3.6 s,
-  was 5.0 s: the scanner's filter copied every kept row; normalising 0.3 s, validation 0.8 s), the rules 8.8 s
-  (unchanged), the link summary 0 s (was 1.5 s: a JSON parse of every req_add for links no other partition can
-  take), the rest 0.5 s: 16.3 s against 23.1 s. The reads cost about what the floor's own read does and the rules
-  cost per event what the whole-trace analysis does (10M below), so 2.0x needs faster rules, not fewer windows:
-  windows of 10M cost the same cpu as of 5M (20M events: 15.8-16.3 s against 15.6-16.8 s), 2.5M ~18% more.
-- 10M events (load ~3.9): 2 windows 11.9 s (floor 4.6 s: 2.56x; cpu 11.3 s), tree peak 1.20 GiB; the whole-trace
-  analysis 10.8 s (cpu 9.8 s), 2.11 GiB. Findings equal the whole-trace analysis's (every field of the 10 findings
-  of the other rules); pipeline_bubble: 4 per-window findings against the whole trace's 2.
+comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
+time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
+their ratio, the primary figure.
+- 60M events (12 windows, 26 tiles), after issue 23 part 3's rule work (load 3.6-4.5): floor 9.1-9.4 s / cpu 8.2 s,
+  analyze 24.8-25.1 s / cpu 23.4 s: 2.68-2.72x the floor (cpu 2.85x), tree peak 1.28-1.32 GiB. The code before it
+  (6bf2839), run between them: floor 8.2 s / 7.6 s, analyze 33.1 s / cpu 30.3 s: 4.04x (cpu 4.01x), peak 1.50 GiB.
+  Findings identical (every field, in order). Target 2.0x still missed; peak (<= 4 GiB) met.
+  History: before part 3 (fe4f2ea) 46.6-106.9 s (5.9-8.0x, cpu 64-72 s), then 31.7-65.5 s (2.5-4.2x, cpu 3.7-4.1x).
+- Where the time goes, 20M events (4 windows), `--profile` (one process, one thread, taskset -c 0; load 2.6-3.9):
+  cpu 7.0-7.5 s: the plan 1.1-1.2 s, the windows' reads 2.4-2.5 s (the files 2.1 s, normalising 0.2 s, validation
+  0.16 s, was ~0.45 s: a hash group-by of (kind, component, reason)), the rules and their tables 3.0-3.3 s (was
+  4.4-4.5 s, interleaved runs of 6bf2839), the rest 0.4 s; before: 8.5-8.9 s. Largest now (was): step_frame 0.37 s
+  (1.04: a searchsorted per req_sched row), unscheduled_request 0.35 s (0.31), gap_frame 0.25 s, req codes 0.20 s
+  (0.33: a hash of every request string), ownership and request_state 0.19 s each, the global order 0.15 s,
+  history 0.10 s (0.45: Python loops over every request), leaked_blocks 0.09 s (0.20: per-finding lookups); every
+  other table or rule under 0.12 s. What is left is spread over passes of a few ms per 1M rows each, and the plan
+  plus the reads alone (1.3x the floor's CPU at 60M: 3.6 s + 7.3 s against 8.2 s) already take most of 2.0x: the
+  target needs the plan's read shared with the windows' or cheaper, not only faster rules. (Earlier figure, 20M
+  at load ~4.3, timers of another harness: plan 2.2 s, reads 4.8 s, rules 8.8 s.)
+- 10M events (load 3.6): 2 windows 5.7 s (floor 2.8 s: 2.03x; cpu 5.1 s against 2.2 s: 2.32x), tree peak 1.15 GiB;
+  the whole-trace analysis 4.7 s (cpu 4.5 s), 1.98 GiB. Findings equal the whole-trace analysis's (every field of
+  the 10 findings of the other rules); pipeline_bubble: 4 per-window findings against the whole trace's 2.
+  (Before: load ~3.9, 11.9 s, cpu 11.3 s, 2.56x.)
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -149,6 +158,62 @@ def timed_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, 
     return wall, cpu, peak, bound, code
 
 
+def profile(trace: Path, window_events: int | None) -> None:
+    """--profile: `pdtrace analyze TRACE` in this process on one thread (rules one after the other), with the CPU
+    seconds (time.process_time) of the plan, the windows' reads, and each shared table and rule summed over the
+    windows, each table timed without the tables it builds on (a table is charged to the first rule that asks).
+    Pin it to one core (taskset -c 0) for figures that do not depend on the other work."""
+    import collections
+    import contextlib
+    import io
+
+    from pdtrace.analysis import once, parallel
+    from pdtrace.analysis import windows as W
+    from pdtrace.cli import main as cli_main
+
+    spent: dict[str, float] = collections.defaultdict(float)
+    inner: list[float] = []  # per open timer: the time of the timers nested in it
+
+    def timed(name: str, call: Any) -> Any:
+        t0 = time.process_time()
+        inner.append(0.0)
+        try:
+            return call()
+        finally:
+            dt = time.process_time() - t0
+            spent[name] += dt - inner.pop()
+            if inner:
+                inner[-1] += dt
+
+    cache_get = once.OnceCache.get
+
+    def get(self: Any, key: Any, build: Any) -> Any:
+        return cache_get(self, key, lambda: timed(f"table {key}", build))
+
+    def run_rules(ctx: Any, rules: Any, jobs: int) -> list[Any]:
+        return [timed(f"rule {rule.id}", lambda rule=rule: rule.run(ctx)) for rule in rules]
+
+    rows, plan = W.PathSource.rows, W.plan_windows
+    once.OnceCache.get = get  # type: ignore[method-assign]
+    parallel.run_rules = run_rules  # type: ignore[assignment]
+    W.PathSource.rows = lambda self, *a: timed("window reads", lambda: rows(self, *a))  # type: ignore[method-assign]
+    W.plan_windows = lambda *a, **k: timed("plan", lambda: plan(*a, **k))  # type: ignore[assignment]
+    args = ["analyze", str(trace), "--format", "json", "--jobs", "1"]
+    if window_events is not None:
+        args += ["--window-events", str(window_events)]
+    t0, w0 = time.process_time(), time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        cli_main(args)
+    total, wall = time.process_time() - t0, time.perf_counter() - w0
+    rules = sum(v for k, v in spent.items() if k.startswith(("rule ", "table ")))
+    print(f"analyze in one process: cpu {total:.2f} s (wall {wall:.2f} s, load average {os.getloadavg()[0]:.1f}): "
+          f"plan {spent['plan']:.2f} s, window reads {spent['window reads']:.2f} s, rules and their tables "
+          f"{rules:.2f} s, the rest {total - spent['plan'] - spent['window reads'] - rules:.2f} s")
+    for name, value in sorted(spent.items(), key=lambda kv: -kv[1]):
+        if value >= 0.01 and name not in ("plan", "window reads"):
+            print(f"  {name:<50} {value:6.2f} s")
+
+
 def compare(windowed: Path, whole: Path) -> str:
     """One line: whether the two JSON reports hold the same findings (every field; pipeline_bubble apart)."""
     def findings(path: Path) -> tuple[list[str], int]:
@@ -171,9 +236,13 @@ def main() -> None:
     parser.add_argument("--window-events", type=int, default=None, help="analyze --window-events (default: its)")
     parser.add_argument("--whole", action="store_true", help="also the whole-trace analysis, and compare")
     parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="time the plan, reads, tables and rules in-process")
     args = parser.parse_args()
     trace = build(args.dir, args.events, args.tile)
     if args.build_only:
+        return
+    if args.profile:
+        profile(trace, args.window_events)
         return
     report = args.dir / "report.json"
     cmd = [sys.executable, "-m", "pdtrace", "analyze", str(trace), "--format", "json"]

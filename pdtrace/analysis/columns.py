@@ -188,9 +188,12 @@ def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list
     dtype = np.int16 if size < 32_000 else np.int32
     if _numbered_by_first_seen(raw, size):
         return raw.astype(dtype, copy=False), [str(v) for v in dictionary.to_pylist()]
-    rows = np.flatnonzero(raw >= 0)
-    first = np.full(size, n, np.int64)
-    first[raw[rows[::-1]]] = rows[::-1]  # the last write wins: each code's first row
+    # each code's first row: a scatter of every row number in reverse, the last write wins; a null (-1) lands in
+    # the extra slot (no list of the non-null rows first: 0.021 s against 0.030 s at 5M rows)
+    dtype_rows = np.int32 if n < 2**31 - 1 else np.int64
+    first = np.full(size + 1, n, dtype_rows)
+    first[raw[::-1]] = np.arange(n - 1, -1, -1, dtype=dtype_rows)
+    first = first[:size]
     used = np.flatnonzero(first < n)
     ranked = used[np.argsort(first[used], kind="stable")]
     dtype = np.int16 if len(ranked) < 32_000 else np.int32
@@ -517,8 +520,16 @@ class Columns:
         req, _ = self.codes("req")
         if self.n == 0:
             return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
-        has = req >= 0
         width = int(req.max()) + 1
+        if len(self._sched_keys[1]) == 1 and width < 2**31 - 1:
+            # one scheduler (an instance's partition or window): a request key is its req code where every code
+            # is used, as the reader's codes are (numbered by first appearance): one cast, no combined key and
+            # lookup table (`_request_keys` of a 5M-row window: 0.03 s against 0.045 s)
+            seen = np.zeros(width + 1, bool)
+            seen[req] = True  # a null (-1) marks the extra slot
+            if seen[:width].all():
+                return req.astype(np.int32), np.zeros(width, np.int64), np.arange(width, dtype=np.int64)
+        has = req >= 0
         space = (int(self.sk.max()) + 1) * width
         if space < 2**31 - 1:
             # dense key space: int32 arithmetic, one scatter of the keys seen and a lookup table instead of hashing

@@ -25,8 +25,15 @@ OPTIONAL_FINDING_COLUMNS: tuple[str, ...] = ("requests",)
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
 
 
+_EMPTY: list[pd.DataFrame] = []
+
+
 def empty_findings() -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS})
+    """A findings DataFrame without rows: a copy of one built once (building it costs ~1 ms, and every rule without
+    findings returns one, per window of a long trace)."""
+    if not _EMPTY:
+        _EMPTY.append(pd.DataFrame({c: pd.Series(dtype=object) for c in FINDING_COLUMNS}))
+    return _EMPTY[0].copy()
 
 
 def findings_frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:

@@ -54,7 +54,7 @@ ranks sat idle.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
@@ -262,6 +262,33 @@ def _first_per_key(key: np.ndarray, ts: np.ndarray) -> np.ndarray:
     return order[first]
 
 
+def _requests_per_key(cols: Any, rows: np.ndarray, all_keys: np.ndarray, dp_span: int,
+                      step_span: int) -> np.ndarray:
+    """How many of `rows` (the req_sched rows) each step key of `all_keys` (sorted, distinct) holds: the keys of
+    `_step_frame` (instance, dp_rank, step), built per row as its scheduler's base key (a small table indexed by
+    `Columns.sk`) plus its step, then counted with one bincount over
+    the keys' range (a row whose key lies outside it, or whose step is null, falls in a bin no key reads). Where
+    that range is sparse (more than 4 bins a row), a searchsorted of every row among the keys instead. req_sched
+    is most of a trace's rows: on a 5M-row window (4M req_sched rows) `_step_frame` took CPU 0.09 s against
+    0.23 s with three gathers, int64 arithmetic and a searchsorted per row (bench/long_trace.py, one core)."""
+    n = len(all_keys)
+    if n == 0 or len(rows) == 0:
+        return np.zeros(n, np.int64)
+    _, sk_inst, sk_dp = cols._sched_keys
+    base = (sk_inst.astype(np.int64) * dp_span + sk_dp + 1) * step_span  # per scheduler key, in key order
+    # a null step (-1) gives base - 1: the previous scheduler's step_span - 1, never a step
+    key = cols.step[rows].astype(np.int64)
+    key += base[0] if len(base) == 1 else base[cols.sk[rows]]  # one scheduler (a partition's): no gather
+    low, span = int(all_keys[0]), int(all_keys[-1]) - int(all_keys[0]) + 1
+    if span <= 4 * len(rows) + (1 << 16):
+        key -= low - 1
+        np.clip(key, 0, span + 1, out=key)  # 0: below the keys, span + 1: above them
+        return np.bincount(key, minlength=span + 2)[all_keys - (low - 1)].astype(np.int64, copy=False)
+    at = np.searchsorted(all_keys, key)
+    at = at[(at < n) & (all_keys[np.minimum(at, n - 1)] == key)]
+    return np.bincount(at, minlength=n).astype(np.int64)
+
+
 @shared_table(cost=0.09)
 def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """step_table with integer `inst` codes and the sched row index `row` (internal form).
@@ -318,13 +345,7 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
         for name, values in sched_detail.items():
             frame[name] = spread(s_key, values, np.nan, np.float64)
         frame["empty_run"] = np.where(frame["row"] >= 0, frame["empty_run"].fillna(1.0), np.nan)
-        # requests scheduled in the step: its req_sched rows, counted per key
-        q_rows = kind_rows(ctx, ("req_sched",))
-        q_rows = q_rows[cols.step[q_rows] >= 0]
-        q_key = key_of(q_rows)
-        q_at = np.searchsorted(all_keys, q_key)
-        q_at = q_at[(q_at < n) & (all_keys[np.minimum(q_at, max(n - 1, 0))] == q_key)] if n else q_at[:0]
-        frame["requests"] = np.bincount(q_at, minlength=n).astype(np.int64)
+        frame["requests"] = _requests_per_key(cols, kind_rows(ctx, ("req_sched",)), all_keys, dp_span, step_span)
         frame["submit_ts"] = pd.array(spread(u_key, cols.ts[u_rows], _NULL, np.int64), dtype="Int64")
         frame["in_flight"] = spread(u_key, number(u_rows), np.nan, np.float64)
         frame["output_ts"] = pd.array(spread(o_key, cols.ts[o_rows], _NULL, np.int64), dtype="Int64")

@@ -325,6 +325,51 @@ def check_values(table: pa.Table, where: str, file_starts: Sequence[int] | None 
     return notes
 
 
+#: `_distinct_rows` counts codes over the product of the dictionaries' sizes up to this many (else a hash group-by).
+_DENSE_PRODUCT = 1 << 20
+
+
+def _distinct_rows(triples: pa.Table, keys: list[str]) -> list[dict[str, Any]]:
+    """The distinct rows of `triples` over `keys`, as `group_by(keys).aggregate([]).to_pylist()` gives them (in
+    another order). Dictionary columns of one dictionary each (`unify_dictionaries`) with a small product of sizes
+    (kinds x components x reasons: a few thousand): one int32 code per row from the indices (a null is one more
+    index), a scatter of the codes, and only the codes present decoded; 5M rows, CPU 0.03 s against 0.08 s for
+    Arrow's hash group-by (bench/long_trace.py: every window of a long trace is validated). Else that group-by."""
+    columns = [triples.column(name) for name in keys]
+    if triples.num_rows == 0 or not all(pa.types.is_dictionary(c.type) and c.num_chunks for c in columns):
+        return triples.group_by(keys).aggregate([]).to_pylist()
+    dictionaries = [c.chunk(0).dictionary for c in columns]
+    sizes = [len(d) + 1 for d in dictionaries]  # the last index of each: null
+    if int(np.prod(sizes, dtype=np.float64)) > _DENSE_PRODUCT or any(
+            not chunk.dictionary.equals(d) for c, d in zip(columns, dictionaries) for chunk in c.chunks[1:]) or len(
+            {tuple(len(chunk) for chunk in c.chunks) for c in columns}) != 1:  # the columns chunked alike
+        return triples.group_by(keys).aggregate([]).to_pylist()
+    code = np.zeros(triples.num_rows, np.int32)  # < _DENSE_PRODUCT
+    start = 0
+    for i in range(columns[0].num_chunks):  # chunk by chunk: the temporaries stay small
+        n = len(columns[0].chunk(i))
+        piece = code[start:start + n]
+        for column, size in zip(columns, sizes):
+            indices = column.chunk(i).indices
+            if indices.null_count:
+                indices = pc.fill_null(indices, size - 1)
+            piece *= size
+            piece += indices.to_numpy(zero_copy_only=False)
+        start += n
+    seen = np.zeros(int(np.prod(sizes)), bool)
+    seen[code] = True  # a scatter: bincount would copy the codes to int64 first
+    present = np.flatnonzero(seen)
+    names = [d.to_pylist() + [None] for d in dictionaries]
+    out = []
+    for value in present.tolist():  # per distinct row: a few dozen
+        row = {}
+        for name, size, values in zip(reversed(keys), reversed(sizes), reversed(names)):
+            value, index = divmod(value, size)
+            row[name] = values[index]
+        out.append({name: row[name] for name in keys})
+    return out
+
+
 def _pairing_violations(table: pa.Table, where: str, order: Mapping[str, int]) -> list[tuple[int, int, str]]:
     """The first row of each offending pairing: a known kind on a component `KINDS` does not allow for it, a
     `reason` outside REASONS[kind] for the kinds REASONS lists. The distinct (kind, component, reason) triples come
@@ -337,7 +382,7 @@ def _pairing_violations(table: pa.Table, where: str, order: Mapping[str, int]) -
     triples = pa.table({name: table.column(name) for name in keys})
     if any(pa.types.is_dictionary(t) for t in triples.schema.types):
         triples = triples.unify_dictionaries()
-    distinct = triples.group_by(keys).aggregate([]).to_pylist()
+    distinct = _distinct_rows(triples, keys)
     bad: dict[tuple[str, str, str], str] = {}  # (column, kind, value) -> the message after the row
     for triple in distinct:
         kind = triple["kind"]

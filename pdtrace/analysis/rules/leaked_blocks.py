@@ -118,21 +118,27 @@ def run(ctx: Any) -> pd.DataFrame:
 
     open_iv = np.flatnonzero(own.free_row < 0)
     if len(open_iv):
-        for group in groups(own.rk[open_iv]):
+        found = groups(own.rk[open_iv])
+        # the holders' transfer state at the end, for all of them at once (per request, three lookups cost ~0.2 ms)
+        holders = np.array([int(own.rk[open_iv[g[0]]]) for g in found], np.int64)
+        at_end = np.full(len(holders), end_pos, np.int64)
+        sends_open = st.send_open_at(holders, at_end).tolist()
+        recvs_open = st.recv_open_at(holders, at_end).tolist()
+        waits = [w.tolist() for w in st.recv_window_at(holders, at_end)]
+        for i, group in enumerate(found):
             members = open_iv[group]
             rk = int(own.rk[members[0]])
             sk = int(own.sk[members[0]])
             blocks = sorted({int(b) for b in own.block[members]})
             alloc_row = int(own.alloc_row[members].min())
             fin = int(st.finish_pos[rk])
-            send_open = bool(st.send_open_at(np.array([rk]), np.array([end_pos]))[0])
-            recv_open = bool(st.recv_open_at(np.array([rk]), np.array([end_pos]))[0])
+            send_open, recv_open = bool(sends_open[i]), bool(recvs_open[i])
             ev.refs([alloc_row] + ([int(cols.order[fin])] if fin >= 0 else []))
             evidence = [ev.ref(alloc_row, "allocated here")]
             failure = failures.get(sk)
             crash: EngineFailure | None = None
             extra_more: dict[str, Any] = {}
-            wait_start, wait_close = (int(x[0]) for x in st.recv_window_at(np.array([rk]), np.array([end_pos])))
+            wait_start, wait_close = int(waits[0][i]), int(waits[1][i])
             if send_open or recv_open:
                 since = fin if send_open else wait_start
                 wait_grace, wait_grace_ns, lease_from = grace, grace_ns, None
