@@ -12,7 +12,10 @@ PDTRACE_WRITER_PROCESS=1, the default) or off (`thread`, PDTRACE_WRITER_PROCESS=
 timed. Figures: output tokens per second of the timed generate, and the median engine step (wall time of
 `EngineCore.step` / `step_with_batch_queue`, timed by a wrapper the child puts on both methods in every arm, so
 its own cost cancels). For that the engine core runs in the child's process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
-scheduler, engine loop and hooks there; the PP=2 workers are still processes of their own).
+scheduler, engine loop and hooks there; the PP=2 workers are still processes of their own). A second view, less
+sensitive to a shared machine's noise than tokens/s: the CPU seconds (user + system) the whole process tree spent
+in the timed generate (the child, its workers and pdtrace's writer processes, read with psutil before and after),
+per 1000 output tokens, and the writer processes' share of them.
 
 Rounds alternate the arms (a rotating order) so that drift on a shared machine cancels; the figures are medians
 over rounds of each arm's change against the same round's plain run (paired), with the spread (min .. max) of
@@ -84,13 +87,35 @@ def child(spec: dict) -> None:
     llm.generate(warm, params, use_tqdm=False)
     prompts = [TokensPrompt(prompt_token_ids=[100 + (7 * i + j) % 30000 for j in range(plen)]) for i in range(n)]
     del steps[:]
+    before = tree_cpu()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    after = tree_cpu()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cpu = {pid: t - before.get(pid, (None, 0.0))[1] for pid, (_, t) in after.items()}
     print("RESULT " + json.dumps({"tokens_s": tokens / wall, "wall_s": wall, "tokens": tokens,
                                   "median_step_ms": statistics.median(steps) / 1e6 if steps else None,
-                                  "steps": len(steps)}), flush=True)
+                                  "steps": len(steps), "cpu_s": sum(cpu.values()),
+                                  "writer_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "writer")}),
+          flush=True)
+
+
+def tree_cpu() -> dict[int, tuple[str, float]]:
+    """pid -> (kind, user + system CPU seconds) of this process and its descendants: the whole engine (the engine
+    core runs here; PP workers are children) and pdtrace's writer processes (kind `writer`)."""
+    import psutil
+
+    me = psutil.Process()
+    found = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            kind = "writer" if "pdtrace.recording.writer_process" in " ".join(proc.cmdline()) else "engine"
+            found[proc.pid] = (kind, times.user + times.system)
+        except psutil.Error:
+            pass
+    return found
 
 
 def run_arm(arm: str, spec: dict, work: Path) -> dict:
@@ -114,6 +139,11 @@ def run_arm(arm: str, spec: dict, work: Path) -> dict:
         raise SystemExit(f"{arm} run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     shutil.rmtree(trace, ignore_errors=True)
     return json.loads(lines[-1][7:])
+
+
+def cpu_per_1k(result: dict) -> float:
+    """The process tree's CPU seconds per 1000 output tokens of the timed generate."""
+    return 1000 * result["cpu_s"] / result["tokens"]
 
 
 def main() -> None:
@@ -149,7 +179,7 @@ def main() -> None:
                     results[arm].append(run_arm(arm, spec, work))
                 print(f"PP={pp} round {r + 1}: " + ", ".join(
                     f"{arm} {results[arm][-1]['tokens_s']:.0f} tok/s, step {results[arm][-1]['median_step_ms']:.2f} ms"
-                    for arm in arms), flush=True)
+                    f", cpu {cpu_per_1k(results[arm][-1]):.3f} s/1k tok" for arm in arms), flush=True)
             plain = results["plain"]
             print(f"PP={pp}: {args.rounds} rounds, {args.requests} requests x {args.prompt_len} tokens, "
                   f"{args.max_tokens} out; plain {statistics.median(p['tokens_s'] for p in plain):.0f} tok/s, "
@@ -157,9 +187,13 @@ def main() -> None:
             for arm in arms[1:]:
                 tok = [100 * (a["tokens_s"] / p["tokens_s"] - 1) for a, p in zip(results[arm], plain)]
                 step = [100 * (a["median_step_ms"] / p["median_step_ms"] - 1) for a, p in zip(results[arm], plain)]
+                cpu = [100 * (cpu_per_1k(a) / cpu_per_1k(p) - 1) for a, p in zip(results[arm], plain)]
+                writer = [100 * a["writer_cpu_s"] / a["cpu_s"] for a in results[arm]]
                 print(f"  {arm:8s} tokens/s {statistics.median(tok):+.1f} % (rounds {min(tok):+.1f} .. "
                       f"{max(tok):+.1f}), median step {statistics.median(step):+.1f} % (rounds {min(step):+.1f} .. "
-                      f"{max(step):+.1f})")
+                      f"{max(step):+.1f}), tree CPU per token {statistics.median(cpu):+.1f} % (rounds "
+                      f"{min(cpu):+.1f} .. {max(cpu):+.1f}), of which writer processes "
+                      f"{statistics.median(writer):.2f} % of the tree's CPU")
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
