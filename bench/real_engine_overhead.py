@@ -102,17 +102,26 @@ def child(spec: dict) -> None:
 
 
 def tree_cpu() -> dict[int, tuple[str, float]]:
-    """pid -> (kind, user + system CPU seconds) of this process and its descendants: the whole engine (the engine
-    core runs here; PP workers are children) and pdtrace's writer processes (kind `writer`)."""
+    """pid -> (kind, user + system CPU seconds) of this process and its descendants (the engine: the engine core
+    runs here, PP workers are children; kind `engine`) and of pdtrace's writer processes (kind `writer`), which are
+    no descendants (writer_process._child_command detaches them) but stay in this process's session."""
     import psutil
 
     me = psutil.Process()
+    procs = {p.pid: ("engine", p) for p in [me, *me.children(recursive=True)]}
+    session = os.getsid(0)
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if ("pdtrace.recording.writer_process" in " ".join(proc.info["cmdline"] or ())
+                    and os.getsid(proc.pid) == session):
+                procs[proc.pid] = ("writer", proc)
+        except (psutil.Error, OSError):
+            pass
     found = {}
-    for proc in [me, *me.children(recursive=True)]:
+    for pid, (kind, proc) in procs.items():
         try:
             times = proc.cpu_times()
-            kind = "writer" if "pdtrace.recording.writer_process" in " ".join(proc.cmdline()) else "engine"
-            found[proc.pid] = (kind, times.user + times.system)
+            found[pid] = (kind, times.user + times.system)
         except psutil.Error:
             pass
     return found
