@@ -179,8 +179,9 @@ def _kind_rows(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     """One batch's part of the plan: per request (names, first, last, finished), per step key (keys, first, last),
     the EVERY_WINDOW rows' ts. First and last by `np.minimum.at` / `np.maximum.at` over the requests' dictionary
-    codes and the steps' dense offsets, rather than a hash aggregate of the request strings and step keys (the
-    batches of 20M events: 1.5 s against 3.8 s, and the strings are not decoded; the plan 2.8 s against 5.8 s)."""
+    codes, and per run of equal step keys (`_step_spans`), rather than a hash aggregate of the request strings and
+    step keys (the batches of 20M events: 1.5 s against 3.8 s, and the strings are not decoded; the plan 2.8 s
+    against 5.8 s; with `_step_spans` and `_kind_rows`, CPU 0.24 s against 0.38 s, one core)."""
     ts = batch.column("ts_ns").to_numpy()
     finish_rows, every_rows = _kind_rows(batch.column("kind"))
     # requests: the dictionary's codes (the files' own dictionary; a plain column is encoded here)
@@ -203,7 +204,7 @@ def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray) -> tuple[np.ndar
     step left out. A step's rows come in runs (a scheduler step's req_sched rows one after another), so the first
     and last ts are reduced per run of equal keys (`np.minimum.reduceat`: two passes that stream), then per key over
     the runs; the values are read from the Arrow buffers (no fill_null, min_max or casts). The plan's batches of
-    20M events: 0.10 s against 0.25 s for `np.minimum.at` over dense offsets of every row (one core)."""
+    20M events: CPU 0.12 s against 0.19 s for `np.minimum.at` over dense offsets of every row (one core)."""
     if step.null_count == len(step):
         return (np.empty(0, np.int64),) * 3
     key = _values(rank, np.int64, -1)
@@ -256,7 +257,8 @@ def plan_windows(batches: Any, window_events: int, lookback: int | None = None) 
     for t in ts_parts:  # ts[::stride] of the parts end to end, never concatenated
         sample.append(t[(-offset) % stride::stride])
         offset += len(t)
-    sample = np.sort(np.concatenate(sample))
+    # each part's sample is a sorted run (a row group in time order): the stable sort merges them, 2 ms against 19 ms
+    sample = np.sort(np.concatenate(sample), kind="stable")
     marks = [min(k * n // count // stride, len(sample) - 1) for k in range(1, count)]
     behind = [max(m - lookback // stride, 0) for m in marks]
     lows, highs = np.array([t.min() for t in ts_parts]), np.array([t.max() for t in ts_parts])
