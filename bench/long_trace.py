@@ -31,26 +31,30 @@ Measured on the shared 2-core machine, windows of 5M events (the default for an 
 comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
 time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
 their ratio, the primary figure.
-- 60M events (12 windows, 26 tiles), after issue 23 part 3's rule work (load 3.6-4.5): floor 9.1-9.4 s / cpu 8.2 s,
-  analyze 24.8-25.1 s / cpu 23.4 s: 2.68-2.72x the floor (cpu 2.85x), tree peak 1.28-1.32 GiB. The code before it
-  (6bf2839), run between them: floor 8.2 s / 7.6 s, analyze 33.1 s / cpu 30.3 s: 4.04x (cpu 4.01x), peak 1.50 GiB.
-  Findings identical (every field, in order). Target 2.0x still missed; peak (<= 4 GiB) met.
-  History: before part 3 (fe4f2ea) 46.6-106.9 s (5.9-8.0x, cpu 64-72 s), then 31.7-65.5 s (2.5-4.2x, cpu 3.7-4.1x).
-- Where the time goes, 20M events (4 windows), `--profile` (one process, one thread, taskset -c 0; load 2.6-3.9):
-  cpu 7.0-7.5 s: the plan 1.1-1.2 s, the windows' reads 2.4-2.5 s (the files 2.1 s, normalising 0.2 s, validation
-  0.16 s, was ~0.45 s: a hash group-by of (kind, component, reason)), the rules and their tables 3.0-3.3 s (was
-  4.4-4.5 s, interleaved runs of 6bf2839), the rest 0.4 s; before: 8.5-8.9 s. Largest now (was): step_frame 0.37 s
-  (1.04: a searchsorted per req_sched row), unscheduled_request 0.35 s (0.31), gap_frame 0.25 s, req codes 0.20 s
-  (0.33: a hash of every request string), ownership and request_state 0.19 s each, the global order 0.15 s,
-  history 0.10 s (0.45: Python loops over every request), leaked_blocks 0.09 s (0.20: per-finding lookups); every
-  other table or rule under 0.12 s. What is left is spread over passes of a few ms per 1M rows each, and the plan
-  plus the reads alone (1.3x the floor's CPU at 60M: 3.6 s + 7.3 s against 8.2 s) already take most of 2.0x: the
-  target needs the plan's read shared with the windows' or cheaper, not only faster rules. (Earlier figure, 20M
-  at load ~4.3, timers of another harness: plan 2.2 s, reads 4.8 s, rules 8.8 s.)
-- 10M events (load 3.6): 2 windows 5.7 s (floor 2.8 s: 2.03x; cpu 5.1 s against 2.2 s: 2.32x), tree peak 1.15 GiB;
-  the whole-trace analysis 4.7 s (cpu 4.5 s), 1.98 GiB. Findings equal the whole-trace analysis's (every field of
+- 60M events (12 windows, 26 tiles), after issue 23 part 3 round 2 (the plan, the reads, req codes; load 2.6-4.2,
+  4 runs interleaved with 3111b5e's): analyze cpu 20.6-21.9 s (mean 21.1 s), wall 21.3-22.4 s; 3111b5e cpu
+  21.6-24.0 s (mean 22.6 s), wall 19.7-25.7 s; the floor (all 8 runs) cpu 6.9-8.2 s (mean 7.7 s), wall 6.9-9.4 s:
+  cpu 2.73x the mean floor (per run 2.52-2.89x), 3111b5e 2.94x (2.71-3.17x); wall 2.31-3.23x. Tree peak
+  1.20-1.31 GiB. Findings identical to 3111b5e's (every field, in order). Target 2.0x still missed; peak met.
+  History: round 1 (load 3.6-4.5) cpu 23.4 s, 2.85x (6bf2839 before it: 30.3 s, 4.01x); before part 3 (fe4f2ea)
+  cpu 64-72 s (5.9-8.0x wall).
+- Where the time goes, 20M events (4 windows), `--profile` (one process, one thread, taskset -c 0; load 2.9-3.3,
+  4 runs interleaved with 3111b5e's, one outlier left out): cpu 6.9-7.6 s (3111b5e: 7.4-7.9 s): the plan
+  1.02-1.13 s (1.18-1.30: step spans per run of equal keys, kind rows by code comparison), the windows' reads
+  2.37-2.52 s (2.54-2.61: the seq check's chunked take, the EVERY_WINDOW rows read once, the time filter evaluated
+  only at a window's ends; of which the Parquet decode ~2.0 s, req's cast to strings 0.2-0.3 s, validation ~0.15 s),
+  the rules and their tables 3.1-3.5 s (3.2-3.6; req codes 0.13-0.15 s, was 0.20-0.22), the rest 0.4 s (of which
+  ~0.15 s compiling pdtrace's modules: this shell sets PYTHONDONTWRITEBYTECODE). Largest now: step_frame 0.38 s,
+  unscheduled_request 0.36 s, gap_frame 0.25 s, request_state and ownership 0.19 s each, the global order 0.16 s,
+  request keys 0.13 s; every other under 0.11 s. The reads (~1.0x the floor's CPU: the floor is mostly the same
+  Parquet decode) and the plan's read of 5 columns (~0.5 s per 20M) stay; what is left is spread over passes of a
+  few ms per 1M rows each (the zombie check's stable sort 30-50 ms a window, req's cast 50-80 ms a window).
+  Round 1 (3111b5e's own runs, load 2.6-3.9): cpu 7.0-7.5 s: plan 1.1-1.2 s, reads 2.4-2.5 s, rules 3.0-3.3 s (was
+  4.4-4.5 s: step_frame 1.04 s -> 0.37 s, history 0.45 -> 0.10 s, req codes 0.33 -> 0.20 s), the rest 0.4 s.
+- 10M events (load 2.5): 2 windows 5.6 s (floor 2.6 s: 2.15x; cpu 5.5 s against 2.4 s: 2.26x), tree peak 1.12 GiB;
+  the whole-trace analysis 4.6 s (cpu 4.6 s), 1.98 GiB. Findings equal the whole-trace analysis's (every field of
   the 10 findings of the other rules); pipeline_bubble: 4 per-window findings against the whole trace's 2.
-  (Before: load ~3.9, 11.9 s, cpu 11.3 s, 2.56x.)
+  (Round 1: load 3.6, 5.7 s, cpu 5.1 s, 2.32x; before it: load ~3.9, 11.9 s, cpu 11.3 s, 2.56x.)
 """
 
 from __future__ import annotations

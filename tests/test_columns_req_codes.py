@@ -75,6 +75,21 @@ def test_first_seen_codes_unifies_chunks_with_different_dictionaries() -> None:
     np.testing.assert_array_equal(codes, want_codes)
 
 
+def test_first_seen_codes_of_a_cut_row_group_match_hashed_codes_and_leave_the_column_unchanged() -> None:
+    dictionary = pa.array(["gone", "req-b", "req-a"])  # a row group's dictionary, its first rows cut off
+    chunks = [pa.DictionaryArray.from_arrays(pa.array([2, 1], pa.int32()), dictionary),
+              pa.DictionaryArray.from_arrays(pa.array([1, 2], pa.int32()), pa.array(["req-x", "req-b", "req-a"])),
+              pa.DictionaryArray.from_arrays(pa.array([0, 1], pa.int32()), pa.array(["req-c", "req-a"]))]
+    column = pa.chunked_array(chunks)
+    before = column.to_pylist()
+    codes, names = _first_seen_codes(column, 6)
+    want_codes, want_names = dictionary_codes(column.cast(pa.string()))
+    assert names == want_names == ["req-a", "req-b", "req-c"]
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(codes, [0, 1, 1, 0, 2, 0])
+    assert column.to_pylist() == before
+
+
 @pytest.mark.parametrize("rows", [[0], [5, 0, 3, 3, 1], [], [2, 3, 4, 5], [4, 2]])
 def test_take_rows_matches_chunked_take(rows: list[int]) -> None:
     column = pa.chunked_array([pa.array(["a", None, "c"]), pa.array([], pa.string()), pa.array(["d", "e"]),

@@ -119,9 +119,9 @@ def test_instance_filter_does_not_read_other_instances_files(trace_dir, monkeypa
     read: list[str] = []
     original = reader._read_files
 
-    def spy(paths, columns, expression):
+    def spy(paths, columns, expression, *rest):
         read.extend(paths)
-        return original(paths, columns, expression)
+        return original(paths, columns, expression, *rest)
 
     monkeypatch.setattr(reader, "_read_files", spy)
     trace = open_trace(trace_dir, instances="decode-0")

@@ -175,6 +175,52 @@ def _numbered_by_first_seen(raw: np.ndarray, size: int) -> bool:
     return bool((values <= bound + 1).all())
 
 
+def _first_seen_by_runs(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list[str]] | None:
+    """`_first_seen_codes` run by run of chunks sharing one dictionary (a Parquet row group's batches), or None
+    when the result fails its check. A whole row group's dictionary holds its values in first-seen order, every one
+    used; only a row group cut at a window's edge (a slice or a filter) does not, and only such a run is renumbered
+    (one scatter over its rows). Then encoding the runs' dictionaries end to end numbers the names by first
+    appearance in the rows, so the codes need no pass over every row beyond one lookup. A 5M-row window (46
+    chunks): CPU 32-37 ms against 55 ms for the renumbering of every row that a cut row group forced before
+    (bench/long_trace.py, one core)."""
+    chunks = [c for c in column.chunks if len(c)]
+    runs: list[tuple[pa.Array, np.ndarray]] = []
+    i = 0
+    while i < len(chunks):
+        d = chunks[i].dictionary
+        j = i + 1
+        while j < len(chunks) and (chunks[j].dictionary is d or chunks[j].dictionary.equals(d)):
+            j += 1
+        raw = _concat_values([c.indices for c in chunks[i:j]], np.int32, NO)
+        if not _numbered_by_first_seen(raw, len(d)):
+            first = np.full(len(d) + 1, len(raw), np.int64)
+            first[raw[::-1]] = np.arange(len(raw) - 1, -1, -1)  # each code's first row (the last write wins)
+            used = np.flatnonzero(first[:len(d)] < len(raw))
+            ranked = used[np.argsort(first[used], kind="stable")]
+            lut = np.full(len(d) + 1, NO, np.int32)
+            lut[ranked] = np.arange(len(ranked), dtype=np.int32)
+            raw = lut[raw]  # a new array (raw may be a view of the Arrow buffer); a null (-1) reads lut[-1]: NO
+            d = d.take(pa.array(ranked, pa.int64()))
+        runs.append((d, raw))
+        i = j
+    if not runs:
+        return None
+    encoded = pc.dictionary_encode(pa.concat_arrays([d for d, _ in runs]))
+    ids = _values(encoded.indices, np.int32, NO)
+    size = len(encoded.dictionary)
+    dtype = np.int16 if size < 32_000 else np.int32
+    out = np.empty(n, dtype)
+    start = bound = 0
+    for d, raw in runs:
+        lut = np.append(ids[bound:bound + len(d)], NO).astype(dtype)
+        np.take(lut, raw, out=out[start:start + len(raw)])
+        start += len(raw)
+        bound += len(d)
+    if start != n or not _numbered_by_first_seen(out, size):
+        return None
+    return out, [str(v) for v in encoded.dictionary.to_pylist()]
+
+
 def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list[str]]:
     """What `dictionary_codes` gives for the strings of a dictionary<int32, string> column whose dictionary may be
     in any order and hold unused values: codes renumbered by first appearance in row order, unused names dropped.
@@ -183,6 +229,9 @@ def _first_seen_codes(column: pa.ChunkedArray, n: int) -> tuple[np.ndarray, list
     codes."""
     if column.num_chunks == 0 or n == 0:
         return np.empty(0, np.int16), []
+    by_runs = _first_seen_by_runs(column, n)
+    if by_runs is not None:
+        return by_runs
     dictionary, raw = _unified_indices(column)
     size = len(dictionary)
     dtype = np.int16 if size < 32_000 else np.int32

@@ -323,16 +323,48 @@ _DICTIONARY_READ = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dicti
 REQ_DICTIONARY_ATTR = "_req_dictionary"
 
 
-def _read_files(paths: list[str], columns: list[str], expression: ds.Expression | None) -> pa.Table:
+def _read_files(paths: list[str], columns: list[str], expression: ds.Expression | None,
+                inside: tuple[int, int] | None = None) -> pa.Table:
     files = dataset(paths, format=_DICTIONARY_READ if "req" in columns else "parquet")
     if expression is None:
         return files.to_table(columns=columns)
     if set(columns) != set(COLUMNS):  # the expression may name a column not read: the scanner filters
         return files.to_table(columns=columns, filter=expression)
-    return _sliced(files, columns, expression)
+    return _sliced(files, columns, expression, inside)
 
 
-def _sliced(files: ds.Dataset, columns: list[str], expression: ds.Expression) -> pa.Table:
+def _kept(table: pa.Table, expression: ds.Expression, inside: tuple[int, int] | None) -> np.ndarray:
+    """Per row of `table`, whether `expression` keeps it (null: not). `inside` = (since, until): the expression
+    keeps every row with since <= ts_ns < until (a time window's, no other filter), so it is evaluated only on the
+    batches holding a row outside (the window's two ends): a 5M-row window of bench/long_trace.py, CPU 9-13 ms
+    against 20-29 ms (one core); with `keep_config`, whose is_in decodes the dictionary `kind` column, 12-31 ms
+    against 88-107 ms."""
+    def evaluated(part: pa.Table) -> np.ndarray:
+        keep = ds.dataset(part).to_table(columns={"keep": expression}).column("keep")
+        return pc.fill_null(keep, False).to_numpy(zero_copy_only=False) if len(keep) else np.zeros(0, bool)
+
+    if inside is None or "ts_ns" not in table.column_names:
+        return evaluated(table)
+    since, until = inside
+    out = np.empty(table.num_rows, bool)
+    start = 0
+    for batch in table.to_batches():
+        column = batch.column("ts_ns")
+        piece = out[start:start + len(column)]
+        start += len(column)
+        if column.null_count:  # not a valid trace (the checks say so later): the expression decides
+            piece[...] = evaluated(pa.Table.from_batches([batch]))
+            continue
+        ts = column.to_numpy()
+        np.greater_equal(ts, since, out=piece)
+        piece &= ts < until
+        if not piece.all():
+            piece |= evaluated(pa.Table.from_batches([batch]))
+    return out
+
+
+def _sliced(files: ds.Dataset, columns: list[str], expression: ds.Expression,
+            inside: tuple[int, int] | None = None) -> pa.Table:
     """The rows of `files` that `expression` keeps, as the scanner's filter would give them (same rows, same order),
     without copying every kept row: row groups are pruned by their statistics as the scanner does, then a row
     group whose kept rows are all of it, or one run of at least half of it, is kept as a zero-copy slice; only the
@@ -343,8 +375,7 @@ def _sliced(files: ds.Dataset, columns: list[str], expression: ds.Expression) ->
     groups = [group for fragment in files.get_fragments()
               for group in fragment.split_by_row_group(filter=expression, schema=files.schema)]
     table = ds.FileSystemDataset(groups, files.schema, files.format, files.filesystem).to_table(columns=columns)
-    keep = ds.dataset(table).to_table(columns={"keep": expression}).column("keep")
-    keep = pc.fill_null(keep, False).to_numpy(zero_copy_only=False) if len(keep) else np.zeros(0, bool)
+    keep = _kept(table, expression, inside)
     batches, start = [], 0
     for batch in table.to_batches():
         mask = keep[start:start + batch.num_rows]
@@ -527,6 +558,9 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             runs.append((plain, [name]))
 
     expression = _filter_expression(wanted_instances, since_ns, until_ns, keep_config)
+    # a time window alone keeps every row of [since, until) (`_kept`)
+    inside = (int(since_ns), int(until_ns)) if (wanted_instances is None and rows is None and since_ns is not None
+                                                 and until_ns is not None) else None
     if rows is not None:
         expression = rows if expression is None else expression & rows
     tables = []
@@ -536,7 +570,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
     file_rows: list[int] | None = []
     for _schema, paths in runs:
         try:
-            raw = _read_files(paths, selected, expression)
+            raw = _read_files(paths, selected, expression, inside)
             tables.append(normalize_table(raw, selected, paths[0]))
             req_parts.append(_req_dictionary(raw))
             counts = [footer_rows[name] for name in paths]
