@@ -30,6 +30,17 @@ Measured again 2026-12-02 on an AVX2-only 2-core VM (no AVX-512: bf16 runs ~14x 
 moved into the recording process's session (it had been starved there; see writer_process._child_command),
 `--rounds 5 --pp 1 --arms plain,process`: plain 418 tok/s, median step 117.46 ms; writer process -4.8 % tokens/s
 (rounds -9.9 .. +2.7), median step +5.1 % (-0.2 .. +7.2). Still unresolved against the 2 % target.
+
+Measured 2026-12-02 on the same AVX2 VM with nothing else running (load 1.3-1.6 at the start), `--rounds 5 --pp 1`
+and `--pp 2`, `--arms plain,process`:
+- PP=1: plain 572 tok/s, median step 82.74 ms; writer process tokens/s +3.1 % (rounds -2.0 .. +14.3), median step
+  -0.6 % (-12.0 .. +0.3), tree CPU per token -2.5 % (-10.8 .. +1.7); the writer processes used 0.28 % of the
+  tree's CPU.
+- PP=2: plain 318 tok/s, median step 82.00 ms; writer process tokens/s -1.6 % (-3.0 .. +4.1), median step +1.3 %
+  (-2.6 .. +1.8), tree CPU per token +1.5 % (-3.7 .. +3.1); writer processes 0.65 % of the tree's CPU (three
+  recording processes: the engine and two PP workers).
+No cost is resolved beyond the rounds' spread; what recording itself consumes (the writer processes, plus the hooks'
+~400 events/s at ~1 us on the engine's thread) is under 1 % of the tree's CPU.
 """
 
 from __future__ import annotations
