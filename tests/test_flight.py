@@ -252,7 +252,6 @@ def test_an_engine_error_dump_served_late_still_holds_the_seconds_before_the_err
             rec.emit("sched", step=1)
             time.sleep(0.002)
         asked = time.time_ns()
-
         ctl.trigger("engine_error", [rec.instance])
         while time.time_ns() - asked < 2.5e9:  # the trimmer (every 0.5 s) runs on
             rec.emit("sched", step=2)

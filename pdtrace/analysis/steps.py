@@ -662,11 +662,16 @@ def pipeline_sizes(ctx: AnalysisContext) -> dict[tuple[int, int], int]:
     # spans come in lane order (instance, dp, pp, tp): the last span of each (inst, dp) has its highest pp
     last = np.flatnonzero(np.r_[(inst[1:] != inst[:-1]) | (dp[1:] != dp[:-1]), True]) if len(inst) else inst
     sizes = {(i, d): p + 1 for i, d, p in zip(inst[last].tolist(), dp[last].tolist(), pp[last].tolist())}
-    cfg = engine_configs(ctx)
-    for inst, dp, pp in zip(cfg["inst"], cfg["dp"], cfg["pp"], strict=True):
-        if not np.isnan(pp):
-            sizes[(int(inst), int(dp))] = int(pp)
+    sizes.update(config_numbers(ctx, "pp"))
     return sizes
+
+
+def config_numbers(ctx: AnalysisContext, name: str) -> dict[tuple[int, int], int]:
+    """One engine_config number (a column of `engine_configs`: pp, max_num_seqs, ...) per scheduler (inst, dp)
+    that recorded it, for `sizes_of`."""
+    cfg = engine_configs(ctx)
+    return {(int(i), int(d)): int(v) for i, d, v in zip(cfg["inst"], cfg["dp"], cfg[name], strict=True)
+            if not np.isnan(v)}
 
 
 def sizes_of(sizes: dict[tuple[int, int], int], inst: np.ndarray, dp: np.ndarray, fill: int = 1) -> np.ndarray:

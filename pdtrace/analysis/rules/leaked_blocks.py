@@ -257,11 +257,17 @@ def send_lease(ctx: Any, rk: int, sk: int, fin: int) -> tuple[int, float] | None
     prefill, decode, _, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, st.n))
     if not decode[rk]:
         return None
-    decode_side = _decode_sides(ctx).get((sk_instance(cols, sk)[0], str(cols.rk_names["req"].iloc[rk])))
+    decode_side = _decode_side_of(ctx, sk, rk)
     if decode_side is None:
         return None
     ends = [int(p) for p in (st.recv_close_pos[decode_side], st.finish_pos[decode_side]) if p >= 0]
     return (min(ends), lease) if ends else None
+
+
+def _decode_side_of(ctx: Any, sk: int, rk: int) -> int | None:
+    """The request key of the decode side of request `rk` on scheduler `sk` (`_decode_sides`), or None."""
+    cols = columns(ctx)
+    return _decode_sides(ctx).get((sk_instance(cols, sk)[0], str(cols.rk_names["req"].iloc[rk])))
 
 
 def _decode_sides(ctx: Any) -> dict[tuple[str, str], int]:
@@ -325,7 +331,7 @@ def _peer_read_row(ctx: Any, sk: int, rk: int) -> int | None:
     """The row of the `kv_recv_done` with which the decode side of prefill request `rk` (the request naming it
     as its remote side, in the same trace) received its KV, or None."""
     cols = columns(ctx)
-    decode_side = _decode_sides(ctx).get((sk_instance(cols, sk)[0], str(cols.rk_names["req"].iloc[rk])))
+    decode_side = _decode_side_of(ctx, sk, rk)
     if decode_side is None:
         return None
     pos = int(request_state(ctx).recv_close_pos[decode_side])

@@ -21,8 +21,8 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    and did not: vLLM #28270), and *packed* otherwise: every runnable request already was (the scheduler had put
    them all into fewer than p micro-batches, and a decode in flight has nothing to schedule until its token is
    back: vLLM #41682, one micro-batch for all sequences), or the steps in flight held max_num_seqs requests and the
-   others waited for a seat (the real-engine test's PP=2 run: max_num_seqs 16, 24 requests, 16 in one micro-batch). The fraction is lost time
-   over the active wall (wall minus `idle_no_requests`).
+   others waited for a seat (the real-engine test's PP=2 run: max_num_seqs 16, 24 requests, 16 in one
+   micro-batch). The fraction is lost time over the active wall (wall minus `idle_no_requests`).
 5. Per (instance, dp_rank, pp_rank), summing its TP lanes: severity `error` when the unfilled `queue_not_full`
    time alone is at least half the active time (`ERROR_FRACTION`): the pipeline is not pipelining although the
    work to fill it is waiting, vLLM #28270's signature. When unfilled and packed time together reach that, it is
@@ -52,8 +52,8 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.rulekit import engine_configs, sk_instance
-from pdtrace.analysis.steps import BUBBLE_CAUSES, busy_spans, gap_frame, instances, pipeline_sizes, sizes_of
-from pdtrace.analysis.steps import engine_configs as engine_configs_table
+from pdtrace.analysis.steps import (BUBBLE_CAUSES, busy_spans, config_numbers, gap_frame, instances, pipeline_sizes,
+                                    sizes_of)
 
 ERROR_FRACTION = 0.5
 _CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait")
@@ -97,14 +97,12 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         code = {c: BUBBLE_CAUSES.index(c) for c in BUBBLE_CAUSES}
         queue = cause == code["queue_not_full"]
         runnable = gaps["runnable"].to_numpy()
+        in_flight_requests = gaps["in_flight_requests"].to_numpy()
         starved_queue = queue & (runnable >= p_gap)
         # what the running set can hold: past max_num_seqs the waiting requests cannot be admitted into a step
-        cfg = engine_configs_table(ctx)
-        limits = {(int(i), int(d)): int(m) for i, d, m in zip(cfg["inst"], cfg["dp"], cfg["max_num_seqs"],
-                                                               strict=True) if not np.isnan(m)}
-        admissible = np.minimum(runnable, sizes_of(limits, gaps["inst"].to_numpy(), gaps["dp"].to_numpy(),
-                                                   fill=np.iinfo(np.int64).max))
-        unfilled_queue = starved_queue & (admissible > gaps["in_flight_requests"].to_numpy())
+        seats = sizes_of(config_numbers(ctx, "max_num_seqs"), gaps["inst"].to_numpy(), gaps["dp"].to_numpy(),
+                         fill=np.iinfo(np.int64).max)
+        unfilled_queue = starved_queue & (np.minimum(runnable, seats) > in_flight_requests)
         avoidable_mask = ((cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"])
                           | (cause == code["sampled_token_wait"]) | starved_queue)
         min_ns = max(int(ctx.config.bubble_min_ns), 1)
@@ -117,8 +115,7 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
         unfilled = per_lane(np.where(unfilled_queue, dur, 0.0))
         packed = per_lane(np.where(starved_queue & ~unfilled_queue, dur, 0.0))
         # packed because the running set was full: runnable requests waited for a seat (max_num_seqs)
-        seated = per_lane(np.where(starved_queue & ~unfilled_queue
-                                   & (runnable > gaps["in_flight_requests"].to_numpy()), dur, 0.0))
+        seated = per_lane(np.where(starved_queue & ~unfilled_queue & (runnable > in_flight_requests), dur, 0.0))
         interval = per_lane((dur >= min_ns).astype(np.float64))
 
         # bursts: runs of busy spans between idle_no_requests gaps; m = distinct steps in the burst
