@@ -146,7 +146,9 @@ SIGTERM_CHILD = """
 mode = sys.argv[2]
 if mode == "host_exits":
     def host_handler(signum, frame):
-        print("host handler ran", flush=True)
+        # os.write, not print: the signal can land inside print("ready") below, and a print from the handler then
+        # re-enters stdout's buffered writer (RuntimeError: reentrant call) where PYTHONUNBUFFERED is not set
+        os.write(1, b"host handler ran\\n")
         sys.exit(3)
     signal.signal(signal.SIGTERM, host_handler)
 elif mode == "host_ignores":
