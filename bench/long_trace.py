@@ -31,6 +31,20 @@ Measured on the shared 2-core machine, windows of 5M events (the default for an 
 comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
 time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
 their ratio, the primary figure.
+- 60M events on a quiet machine (2026-12-03, load 0.4-1.0, 2 runs of each interleaved): the floor wall 2.8-3.0 s,
+  cpu 4.7-5.0 s (Arrow's decode is threaded: wall < cpu); analyze wall 10.7-11.4 s, cpu 12.9-13.7 s: cpu
+  2.69-2.83x, wall 3.82-3.97x (the windowed analysis is mostly one thread, so on a quiet machine the wall ratio is
+  the worse one; on a busy one, below, the floor's wall suffers most). Tree peak 1.23-1.24 GiB.
+  Measured and not adopted, both on this run's trace:
+  * windows in a pool of worker processes (forkserver, one window each at a time, Arrow's and the rules' threads
+    shared out, ownership kept in the parent): 2 processes wall
+    12.7-13.2 s, cpu 22.2-22.6 s, tree peak 3.17-3.18 GiB: slower, 1.7x the CPU and 2.6x the memory on 2 cores
+    (a window took 1.15 s beside another against 0.91 s alone, and the plan, 2 s, still runs first, alone).
+    A machine with many idle cores may gain; nobody measured one.
+  * reading window k+1 on a thread while the rules run on window k: wall 11.1-11.9 s, cpu 17.3-18.8 s, peak
+    1.85-1.98 GiB: no faster, 35 % more CPU (the read and the rules contend for the same 2 cores and the GIL).
+  2.0x the floor's wall is out of reach on 2 cores by any scheduling: the windows' reads alone cost about the
+  floor's CPU, and the rules as much again.
 - 60M events (12 windows, 26 tiles), after issue 23 part 3 round 2 (the plan, the reads, req codes; load 2.6-4.2,
   4 runs interleaved with 3111b5e's): analyze cpu 20.6-21.9 s (mean 21.1 s), wall 21.3-22.4 s; 3111b5e cpu
   21.6-24.0 s (mean 22.6 s), wall 19.7-25.7 s; the floor (all 8 runs) cpu 6.9-8.2 s (mean 7.7 s), wall 6.9-9.4 s:
@@ -154,12 +168,15 @@ def write_tile(table: pa.Table, directory: Path, k: int, rows_per_file: int = 1_
 
 def timed_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, float, int, int, int]:
     """run_tree's (wall, tree peak, bound, exit) with the CPU seconds (user + system) of the command's process tree
-    between them: on a shared machine the wall time follows the load, the CPU time much less."""
+    between them: on a shared machine the wall time follows the load, the CPU time much less. The larger of
+    getrusage's children (exact, but blind to worker processes a forkserver starts: they are its children, never
+    reaped by the command) and the sum of each process's CPU as last sampled (every 50 ms)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    wall, peak, bound, code = run_tree(cmd, stdout_path)
+    sampled: dict[int, float] = {}
+    wall, peak, bound, code = run_tree(cmd, stdout_path, sampled)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, cpu, peak, bound, code
+    return wall, max(cpu, sum(sampled.values())), peak, bound, code
 
 
 def profile(trace: Path, window_events: int | None) -> None:
@@ -239,6 +256,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pdtrace-bench-long"))
     parser.add_argument("--window-events", type=int, default=None, help="analyze --window-events (default: its)")
     parser.add_argument("--whole", action="store_true", help="also the whole-trace analysis, and compare")
+    parser.add_argument("--jobs", type=int, default=None, help="analyze --jobs (default: its; the windows of one "
+                        "instance run one after the other in the analysing process whatever it is)")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="time the plan, reads, tables and rules in-process")
     args = parser.parse_args()
@@ -254,6 +273,8 @@ def main() -> None:
         args.window_events = 5_000_000
     if args.window_events is not None:
         cmd += ["--window-events", str(args.window_events)]
+    if args.jobs is not None:
+        cmd += ["--jobs", str(args.jobs)]
     print(f"load average {os.getloadavg()[0]:.1f} (2-core machine: other work slows the wall times)")
     f_wall, f_cpu, f_peak, _, _ = timed_tree([sys.executable, "-c", FLOOR_TILES, str(trace)])
     print(f"floor (tile by tile, one process)  {f_wall:7.1f} s   cpu {f_cpu:6.1f} s   peak RSS "

@@ -126,11 +126,24 @@ def tree_memory_kib(pid: int) -> dict[int, tuple[int, int]]:
     return found
 
 
-def run_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, int, int, int]:
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far (/proc/PID/stat), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_tree(cmd: list[str], stdout_path: Path | None = None,
+             cpu: dict[int, float] | None = None) -> tuple[float, int, int, int]:
     """(wall s, tree peak KiB, tree bound KiB, exit status). The tree peak is the largest sum of VmRSS over the
     process tree seen at one instant, sampled every 50 ms (a lower bound of the true peak: a spike between two
     samples is missed); the bound is the sum over every process ever seen of its own peak (VmHWM), an upper
-    bound (it adds peaks that may not coincide)."""
+    bound (it adds peaks that may not coincide). `cpu`, where given, gets {pid: CPU seconds last seen} of every
+    process of the tree (a lower bound: at most a sample's worth of each is missed), which counts what
+    getrusage's children miss: descendants that are not reaped by the command (a forkserver's workers)."""
     out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
@@ -144,6 +157,9 @@ def run_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, in
             peak[0] = max(peak[0], sum(rss for rss, _ in now.values()))
             for p, (_, high) in now.items():
                 hwm[p] = max(hwm.get(p, 0), high)
+                seen = process_cpu_s(p) if cpu is not None else None
+                if seen is not None:
+                    cpu[p] = max(cpu.get(p, 0.0), seen)  # type: ignore[index]
             done.wait(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
