@@ -269,6 +269,34 @@ def test_an_engine_error_dump_served_late_still_holds_the_seconds_before_the_err
     rec.close()
 
 
+def test_a_dump_slower_than_the_signal_grace_is_not_taken_for_a_second_ask(tmp_path, monkeypatch):
+    """The signal a request announced belongs to that request however long the dump takes: a real engine's ring
+    (1.46M events, ~4 s to write, more than SIGNAL_GRACE_S) made one `pdtrace dump` into three dumps of the run,
+    each worker taking the request's own signal, counted after its slow dump, for a user's kill -USR2."""
+    monkeypatch.setattr(flight, "SIGNAL_GRACE_S", 0.3)
+
+    def slow(table, path):
+        time.sleep(0.8)  # longer than the grace
+        pq.write_table(table, path)
+
+    ctl = FlightController(tmp_path, FlightConfig(seconds=60.0))
+    rec = FlightRecorder(tmp_path, "inst", seconds=60.0, controller=ctl, handle_sigterm=False, part_writer=slow)
+    for i in range(100):
+        rec.emit("sched", step=i)
+    with ctl._serve_lock:  # the request as `pdtrace dump` leaves it, this process named as signalled
+        number, _ = flight.request_dump(tmp_path, "pdtrace dump", [ctl._registration()])
+        path = tmp_path / flight.REGISTRY / "requests" / f"{number:04d}.json"
+        flight._write_json(path, dict(json.loads(path.read_text()), signalled=[os.getpid()]))
+    ctl.on_signal()  # what the dump signal's handler does, after the request is on disk
+    ctl._wake.set()
+    assert wait_for(lambda: done(tmp_path / "dump-0001"))
+    assert ctl.wait_idle(20.0)
+    time.sleep(2 * flight.POLL_S + 0.3)  # a poll after the grace has passed: nothing more
+    assert ctl.dumps == [1] and ctl.errors == 0
+    assert sorted(p.name for p in tmp_path.glob("dump-*")) == ["dump-0001"]
+    rec.close()
+
+
 def test_failing_dump_write_is_counted_and_the_engine_goes_on(tmp_path):
     def broken(table, path):
         raise OSError("disk full")

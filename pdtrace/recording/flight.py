@@ -863,10 +863,13 @@ class FlightController:
             self._seen.add(name)
             # A request older than this process's registration names an earlier process with the same pid.
             if self.pid in request.get("pids", ()) and int(request.get("requested_ns", 0)) >= self._registered_ns:
-                if self.pid in request.get("signalled", ()):
-                    self._expected.append(time.monotonic())
                 self._dump(int(request["dump"]), int(request["requested_ns"]),
                            in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid)
+                if self.pid in request.get("signalled", ()):
+                    # stamped once the dump is written, not when the request was read: a large ring's dump takes
+                    # longer than SIGNAL_GRACE_S (1.46M events: ~4 s), and the request's own signal, counted after
+                    # it, was then taken for a user's and dumped the run again (3 dumps of one `pdtrace dump`)
+                    self._expected.append(time.monotonic())
 
     def _dump(self, number: int, requested_ns: int, in_thread: bool = False) -> None:
         folder = self.directory / f"{DUMP_PREFIX}{number:04d}"
