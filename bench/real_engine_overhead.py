@@ -73,11 +73,13 @@ process,flight`, 20 pairs each, hooks on vs off:
 - PP=2 full: off 2488 tok/s; tokens/s -0.97 % (-4.92 .. +2.89), CPU per token +1.89 % (-2.23 .. +6.41); 178742
   rows per 'on' block; writer processes 1.17 %.
 - PP=2 flight: off 2503 tok/s; tokens/s -5.75 % (-10.45 .. -1.34), CPU per token +7.50 % (+2.33 .. +13.32).
-At PP=1 flight costs no more than full recording. At PP=2 it cost more, resolved from zero, though the two
-intervals overlap; not explained yet. A suspect, unmeasured: this arm's ring keeps every row of the run (1.46M
-per worker by the end, as Python lists), which every full garbage collection traverses, where a real flight window
-(300 s) stays bounded. That run also found a bug (fixed since): each worker took the dump request's own signal for
-a user's and dumped the run twice more.
+- PP=2 flight again, after the fix below (`--pp 2 --inproc-arms flight`, load 0.9 at the start): off 2143 tok/s;
+  tokens/s -4.36 % (-8.00 .. -0.88), CPU per token +5.32 % (+1.42 .. +9.53); 178742 rows per 'on' block (one dump).
+At PP=1 flight costs no more than full recording. At PP=2 it cost more in both runs, resolved from zero (the
+intervals overlap full recording's); not explained. Not the ring's growth: the pairs' mean change is no worse in
+each run's second half (-4.0 % against -4.8 %, and -7.5 % against -4.0 %) than in its first. The first run also
+found a bug (fixed since): each worker took the dump request's own signal for a user's and dumped the run twice
+more.
 """
 
 from __future__ import annotations
