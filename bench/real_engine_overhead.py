@@ -76,11 +76,24 @@ process,flight`, 20 pairs each, hooks on vs off:
 - PP=2 flight: off 2503 tok/s; tokens/s -5.75 % (-10.45 .. -1.34), CPU per token +7.50 % (+2.33 .. +13.32).
 - PP=2 flight again, after the fix below (`--pp 2 --inproc-arms flight`, load 0.9 at the start): off 2143 tok/s;
   tokens/s -4.36 % (-8.00 .. -0.88), CPU per token +5.32 % (+1.42 .. +9.53); 178742 rows per 'on' block (one dump).
-At PP=1 flight costs no more than full recording. At PP=2 it cost more in both runs, resolved from zero (the
-intervals overlap full recording's); not explained. Not the ring's growth: the pairs' mean change is no worse in
-each run's second half (-4.0 % against -4.8 %, and -7.5 % against -4.0 %) than in its first. The first run also
-found a bug (fixed since): each worker took the dump request's own signal for a user's and dumped the run twice
-more.
+At PP=1 flight costs no more than full recording. At PP=2 the flight arm's mean was below full recording's in
+those two runs, but the A/B does not separate the arms: measured again 2026-12-03 (same machine and command,
+`--pp 2`), flight -3.04 % tokens/s (10 pairs, -6.53 .. +0.56) and -0.45 % (3 pairs, -2.18 .. +2.98), full recording
+-1.09 % (10 pairs, -3.62 .. +1.32), -1.58 % (10 pairs, -4.76 .. +1.55) and -0.52 % (3 pairs): one arm's runs spread
+over 5 points, more than any gap between the arms. What pdtrace itself spends, measured directly on the same PP=2
+engine, is no more in flight mode:
+- pdtrace's threads in worker PP0, per-thread CPU from /proc/PID/task over the same 3 pairs of blocks (thread names
+  from py-spy dump): flight 50 ms (the ring's trimmer 40 ms, the flight thread 10 ms, ~770 wake-ups) against full
+  recording's writer thread 100 ms (2134 wake-ups), beside ~75 s of the main thread (0.07 % against 0.13 %); full
+  recording's writer processes add 1.1 % of the tree's CPU, flight mode has none while healthy.
+- a whole-tree py-spy profile (`py-spy record --subprocesses -r 50`, 2 pairs): samples in pdtrace's frames 0.69 %
+  (flight) against 0.70 % (full) in the workers, 2.32 % against 2.34 % in the engine's process.
+- the garbage collector (gc.callbacks in every process): the same collections in both arms (workers: 13 full
+  collections, 3.2 s, most of them at start-up).
+The `workers' CPU per token` and `the rest's CPU per token` lines split the tree's CPU (PP > 1): full recording's
+'rest' (the engine's process and the writer processes) rose 16.9 % and 18.7 % per token in its 'on' blocks, the
+writers' hand-over; flight's did not (+2.3 %, -2.8 %). The workers' CPU includes vLLM's spin-wait for the next
+step, so it follows the engine's pace as much as the hooks' cost.
 """
 
 from __future__ import annotations
@@ -216,7 +229,8 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
         blocks.append({"on": on, "tokens_s": tokens / wall, "tokens": tokens, "start_ns": start_ns,
                        "end_ns": end_ns, "median_step_ms": statistics.median(steps) / 1e6,
                        "cpu_s": sum(cpu.values()),
-                       "writer_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "writer")})
+                       "writer_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "writer"),
+                       "worker_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "worker")})
     state = switch(True)
     if any(errors for _, _, errors in state):
         raise SystemExit(f"a hook failed during the blocks (its errors switch recording off): {state}")
@@ -231,6 +245,12 @@ def tree_cpu() -> dict[int, tuple[str, float]]:
 
     me = psutil.Process()
     procs = {p.pid: ("engine", p) for p in [me, *me.children(recursive=True)]}
+    for pid, (_, proc) in list(procs.items()):
+        try:
+            if pid != me.pid and proc.name().startswith("VLLM::Worker"):  # vLLM's title for a PP/TP worker
+                procs[pid] = ("worker", proc)
+        except psutil.Error:
+            pass
     session = os.getsid(0)
     for proc in psutil.process_iter(["cmdline"]):
         try:
@@ -338,7 +358,15 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
               f"{statistics.median(on_rows)} trace rows per 'on' block, {max(off_rows)} at most per 'off' block")
         for name, change in (("tokens/s", lambda a, b: a["tokens_s"] / b["tokens_s"]),
                              ("median step", lambda a, b: a["median_step_ms"] / b["median_step_ms"]),
-                             ("tree CPU per token", lambda a, b: cpu_per_1k(a) / cpu_per_1k(b))):
+                             ("tree CPU per token", lambda a, b: cpu_per_1k(a) / cpu_per_1k(b)),
+                             # where it goes at PP > 1: the PP workers, and the rest (the engine's process,
+                             # the writers)
+                             *((("workers' CPU per token", lambda a, b: (a["worker_cpu_s"] / a["tokens"])
+                                 / (b["worker_cpu_s"] / b["tokens"])),
+                                ("the rest's CPU per token", lambda a, b:
+                                 ((a["cpu_s"] - a["worker_cpu_s"]) / a["tokens"])
+                                 / ((b["cpu_s"] - b["worker_cpu_s"]) / b["tokens"])))
+                               if all(block["worker_cpu_s"] for block in blocks) else ())):
             diffs = [100 * (change(on, off) - 1) for on, off in pairs]
             mean, low, high = mean_interval(diffs)
             print(f"  hooks on vs off, {name}: mean {mean:+.2f} % (95 % interval {low:+.2f} .. {high:+.2f}), "
