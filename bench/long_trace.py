@@ -31,6 +31,12 @@ Measured on the shared 2-core machine, windows of 5M events (the default for an 
 comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
 time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
 their ratio, the primary figure.
+- 60M events, later the same day (load 1.0-1.8, 2 runs of each window size interleaved): windows of 5M (the
+  default) analyze wall 9.1-9.4 s, cpu 13.9-14.5 s against the floor's 3.4-3.7 s and 5.7-6.2 s: wall 2.53-2.66x,
+  cpu 2.35-2.45x, tree peak 1.29-1.32 GiB; windows of 10M (`--window-events 10000000`): wall 9.5 s, cpu 14.9 s,
+  2.53-2.84x, peak 2.20-2.24 GiB: fewer, larger windows save nothing (the lookback is seconds of a serving trace,
+  and the work is per row) and cost memory. The same profile at 20M on one core: cpu 4.70 s, the plan 0.73 s, the
+  reads 1.62 s, the rules and their tables 2.07 s (none over 0.26 s), the rest 0.26 s.
 - 60M events on a quiet machine (2026-12-03, load 0.4-1.0, 2 runs of each interleaved): the floor wall 2.8-3.0 s,
   cpu 4.7-5.0 s (Arrow's decode is threaded: wall < cpu); analyze wall 10.7-11.4 s, cpu 12.9-13.7 s: cpu
   2.69-2.83x, wall 3.82-3.97x (the windowed analysis is mostly one thread, so on a quiet machine the wall ratio is
