@@ -91,8 +91,8 @@ engine, is no more in flight mode:
 - the garbage collector (gc.callbacks in every process): the same collections in both arms (workers: 13 full
   collections, 3.2 s, most of them at start-up).
 The `workers' CPU per token` and `the rest's CPU per token` lines split the tree's CPU (PP > 1): full recording's
-'rest' (the engine's process and the writer processes) rose 16.9 % and 18.7 % per token in its 'on' blocks, the
-writers' hand-over; flight's did not (+2.3 %, -2.8 %). The workers' CPU includes vLLM's spin-wait for the next
+'rest' (the engine's process and the writer processes, which only full recording has) rose 16.9 % and 18.7 % per
+token in its 'on' blocks; flight's did not (+2.3 %, -2.8 %). How much of the rest the writers are was not printed. The workers' CPU includes vLLM's spin-wait for the next
 step, so it follows the engine's pace as much as the hooks' cost.
 """
 
