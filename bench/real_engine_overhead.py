@@ -92,8 +92,9 @@ engine, is no more in flight mode:
   collections, 3.2 s, most of them at start-up).
 The `workers' CPU per token` and `the rest's CPU per token` lines split the tree's CPU (PP > 1): full recording's
 'rest' (the engine's process and the writer processes, which only full recording has) rose 16.9 % and 18.7 % per
-token in its 'on' blocks; flight's did not (+2.3 %, -2.8 %). How much of the rest the writers are was not printed. The workers' CPU includes vLLM's spin-wait for the next
-step, so it follows the engine's pace as much as the hooks' cost.
+token in its 'on' blocks; flight's did not (+2.3 %, -2.8 %). How much of the rest the writers are was not
+printed. The workers' CPU includes vLLM's spin-wait for the next step, so it follows the engine's pace as much as
+the hooks' cost.
 """
 
 from __future__ import annotations
@@ -300,9 +301,12 @@ def run_arm(arm: str, spec: dict, work: Path, keep_trace: bool = False) -> dict:
     return result
 
 
-def cpu_per_1k(result: dict) -> float:
-    """The process tree's CPU seconds per 1000 output tokens of the timed generate."""
-    return 1000 * result["cpu_s"] / result["tokens"]
+def cpu_per_1k(result: dict, part: str = "tree") -> float:
+    """CPU seconds per 1000 output tokens of the timed generate: of the process tree (`tree`), of its PP workers
+    (`workers`, --inproc blocks), or of the rest (`rest`: the engine's process and the writer processes)."""
+    cpu = {"tree": result["cpu_s"], "workers": result.get("worker_cpu_s", 0.0),
+           "rest": result["cpu_s"] - result.get("worker_cpu_s", 0.0)}[part]
+    return 1000 * cpu / result["tokens"]
 
 
 def mean_interval(values: list[float], resamples: int = 10000) -> tuple[float, float, float]:
@@ -356,17 +360,14 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
         print(f"PP={pp}, {arm}: {len(pairs)} pairs of blocks ({args.block_requests} requests x {args.prompt_len} "
               f"tokens, {args.max_tokens} out), one recorded engine; hooks off {off_tok:.0f} tok/s, "
               f"{statistics.median(on_rows)} trace rows per 'on' block, {max(off_rows)} at most per 'off' block")
-        for name, change in (("tokens/s", lambda a, b: a["tokens_s"] / b["tokens_s"]),
-                             ("median step", lambda a, b: a["median_step_ms"] / b["median_step_ms"]),
-                             ("tree CPU per token", lambda a, b: cpu_per_1k(a) / cpu_per_1k(b)),
-                             # where it goes at PP > 1: the PP workers, and the rest (the engine's process,
-                             # the writers)
-                             *((("workers' CPU per token", lambda a, b: (a["worker_cpu_s"] / a["tokens"])
-                                 / (b["worker_cpu_s"] / b["tokens"])),
-                                ("the rest's CPU per token", lambda a, b:
-                                 ((a["cpu_s"] - a["worker_cpu_s"]) / a["tokens"])
-                                 / ((b["cpu_s"] - b["worker_cpu_s"]) / b["tokens"])))
-                               if all(block["worker_cpu_s"] for block in blocks) else ())):
+        # where the CPU goes at PP > 1: the PP workers, and the rest (the engine's process, the writers)
+        parts = [("tree", "tree")] + ([("workers'", "workers"), ("the rest's", "rest")]
+                                      if all(block["worker_cpu_s"] for block in blocks) else [])
+        changes = [("tokens/s", lambda a, b: a["tokens_s"] / b["tokens_s"]),
+                   ("median step", lambda a, b: a["median_step_ms"] / b["median_step_ms"])]
+        changes += [(f"{label} CPU per token", lambda a, b, part=part: cpu_per_1k(a, part) / cpu_per_1k(b, part))
+                    for label, part in parts]
+        for name, change in changes:
             diffs = [100 * (change(on, off) - 1) for on, off in pairs]
             mean, low, high = mean_interval(diffs)
             print(f"  hooks on vs off, {name}: mean {mean:+.2f} % (95 % interval {low:+.2f} .. {high:+.2f}), "
