@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -225,59 +225,79 @@ def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray) -> tuple[np.ndar
     return (keys,) + _first_last(at, first[keep], len(keys), last[keep])
 
 
-def plan_windows(batches: Any, window_events: int, lookback: int | None = None) -> WindowPlan:
-    """The windows of one instance's rows, from record batches (or tables) of PLAN_COLUMNS (module docstring,
-    steps 1-2). `lookback`: the most events a window's analysis starts before its cut (None: half a window)."""
-    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
-    ts_parts: list[np.ndarray] = []
-    req_parts: list[tuple[Any, ...]] = []
-    step_parts: list[tuple[np.ndarray, ...]] = []
-    every: list[np.ndarray] = []
+def _group_parts(group: Any, stride: int) -> list[tuple[Any, ...]]:
+    """One group's part of the plan (`plan_windows`): per batch `_batch_spans` plus the batch's ts sample (every
+    `stride`-th), its row count, least and greatest ts. A group is a batch, a table or a callable returning an
+    iterable of them (a file's batches, read where it is called: on a plan thread)."""
+    batches = group() if callable(group) else [group]
+    out = []
     for part in batches:
         for batch in part.to_batches() if isinstance(part, pa.Table) else [part]:
             if batch.num_rows == 0:
                 continue
-            reqs, steps, every_ts = _batch_spans(batch)
-            ts_parts.append(batch.column("ts_ns").to_numpy())  # 8 bytes an event, the batches' own buffers
-            req_parts.append(reqs)
-            step_parts.append(steps)
-            every.append(every_ts)
-    n = sum(len(t) for t in ts_parts)
-    names, r_first, r_last, finished = _merged_requests(req_parts)
-    s_first, s_last = _merged_steps(step_parts)
-    del req_parts, step_parts
-    every_ts = np.unique(np.concatenate(every)) if every else np.empty(0, np.int64)
+            ts = batch.column("ts_ns").to_numpy()
+            # the sample is copied: the batch's buffers go when the batch does (the plan holds no 8 bytes an event)
+            out.append(_batch_spans(batch) + (ts[::stride].copy(), len(ts), int(ts.min()), int(ts.max())))
+    return out
+
+
+def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per count c: the least sampled ts with more than c events (by the samples' weights) at or before it."""
+    below = np.cumsum(weight)
+    return sample[np.minimum(np.searchsorted(below, counts, side="right"), len(sample) - 1)]
+
+
+def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
+                 rows: int | None = None, jobs: int = 1) -> WindowPlan:
+    """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
+    PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
+    `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
+    else every ts is sampled). `lookback`: the most events a window's analysis starts before its cut (None: half a
+    window)."""
+    groups = list(groups)
+    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
+    if rows is None and all(isinstance(g, (pa.Table, pa.RecordBatch)) for g in groups):
+        rows = sum(g.num_rows for g in groups)
+    stride = max(1, int(rows or 0) // SAMPLE)
+    if jobs > 1 and len(groups) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        # the files' decoding releases the GIL, and so do the numpy passes over a batch: 60M events (bench/
+        # long_trace.py) wall 1.05-1.6 s on 2 threads against 1.4-1.6 s on one
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pdtrace-plan") as pool:
+            parts = [p for done in pool.map(lambda g: _group_parts(g, stride), groups) for p in done]
+    else:
+        parts = [p for g in groups for p in _group_parts(g, stride)]
+    n = sum(p[4] for p in parts)
+    names, r_first, r_last, finished = _merged_requests([p[0] for p in parts])
+    s_first, s_last = _merged_steps([p[1] for p in parts])
+    every_ts = np.unique(np.concatenate([p[2] for p in parts])) if parts else np.empty(0, np.int64)
     if n == 0:
         return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
     count = max(1, -(-n // max(int(window_events), 1)))
-    # the cut times from a sorted sample of at most SAMPLE ts (every stride-th): a window holds window_events
-    # events give or take a stride's worth, and one sort of 1M values replaces a selection pass per cut
-    stride = max(1, n // SAMPLE)
-    sample, offset = [], 0
-    for t in ts_parts:  # ts[::stride] of the parts end to end, never concatenated
-        sample.append(t[(-offset) % stride::stride])
-        offset += len(t)
-    # each part's sample is a sorted run (a row group in time order): the stable sort merges them, 2 ms against 19 ms
-    sample = np.sort(np.concatenate(sample), kind="stable")
-    marks = [min(k * n // count // stride, len(sample) - 1) for k in range(1, count)]
-    behind = [max(m - lookback // stride, 0) for m in marks]
-    lows, highs = np.array([t.min() for t in ts_parts]), np.array([t.max() for t in ts_parts])
-    first, last = int(lows.min()), int(highs.max())
-    mark_ts, behind_ts = sample[marks], sample[behind]
-    del sample
+    # the cut times are quantiles of the ts sample, each sampled ts weighing the events of its batch it stands
+    # for (exact where every ts is sampled: stride 1); one sort of at most ~SAMPLE values replaces a selection
+    # pass per cut. Each batch's sample is a sorted run (a row group in time order): the stable sort merges them.
+    sample = np.concatenate([p[3] for p in parts])
+    weight = np.concatenate([np.full(len(p[3]), p[4] / len(p[3])) for p in parts])
+    order = np.argsort(sample, kind="stable")
+    sample, weight = sample[order], weight[order]
+    del order
+    first, last = min(p[5] for p in parts), max(p[6] for p in parts)
+    targets = np.array([k * n // count for k in range(1, count)], np.float64)
+    mark_ts = _weighted_quantiles(sample, weight, targets)
+    behind_ts = _weighted_quantiles(sample, weight, np.maximum(targets - lookback, 0))
     values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
     keep = values > first
     cuts = np.r_[first, values[keep], last + 1].astype(np.int64)
     bounds = np.r_[first, behind_ts[at][keep]].astype(np.int64)
-    # events before each cut: a part wholly before or after it counts at once; a compare only where a cut falls
-    # within a part's ts range (a part is a row group of one writer: few do)
-    below = np.zeros(len(cuts), np.int64)
-    for t, lo, hi in zip(ts_parts, lows.tolist(), highs.tolist()):
-        below += np.where(cuts > hi, len(t), 0)
-        for i in np.flatnonzero((cuts > lo) & (cuts <= hi)).tolist():
-            below[i] += np.count_nonzero(t < cuts[i])
+    # events per window, by the sample's weights (exact with stride 1; `analyze_windows` counts them exactly in
+    # each window's rows)
+    below = np.r_[0.0, np.cumsum(weight)][np.searchsorted(sample, cuts, side="left")]
+    below = np.rint(below).astype(np.int64)
+    below[0], below[-1] = 0, n
     events = np.diff(below)
-    del ts_parts
+    del sample, weight
     r_last = np.where(finished, r_last, OPEN)  # a request that never finishes is alive to the end of the trace
     starts = [first]
     carried: list[dict[str, int]] = [{}]
@@ -342,8 +362,13 @@ class MemorySource:
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
 
-    def plan_batches(self) -> list[pa.Table]:
+    def plan_groups(self) -> list[pa.Table]:
+        """The plan's input (`plan_windows`): the loaded rows' PLAN_COLUMNS."""
         return [self.trace.table.select(PLAN_COLUMNS)]
+
+    @property
+    def plan_rows(self) -> int:
+        return len(self.trace)
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         out = self.trace.filter(window_rows(self.trace.table, start, end, plan.carried[k]))
@@ -367,6 +392,8 @@ class PathSource:
         self.path, self.instances, self.config = path, instances, config
         footers = read_footers(path, files)
         self.files = [f.path for f in footers.files]
+        #: the files' rows by their footers: at least the instance's (`plan_windows` sizes its ts sample by it)
+        self.plan_rows = sum(f.rows for f in footers.files)
         #: per file, (first, last) ts_ns from its footer's statistics; None: unknown (always read)
         self.spans: list[tuple[int, int] | None] = []
         for name in self.files:
@@ -386,15 +413,20 @@ class PathSource:
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
                           only_files=self.between(lo, hi), **kwargs)
 
-    def plan_batches(self) -> Any:
+    def plan_groups(self) -> list[Callable[[], Any]]:
+        """The plan's input (`plan_windows`): per file, a call reading its PLAN_COLUMNS in batches, with the rows
+        `open_trace` keeps; `plan_windows` reads the files on its threads."""
         from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset
 
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
-        for name in self.files:  # file by file: the plan holds 5 columns of one batch at a time
+
+        def batches(name: str) -> Any:
             # req as the files' dictionary codes: the plan groups by code, never decoding the strings
-            yield from dataset([name], format=_DICTIONARY_READ).to_batches(columns=PLAN_COLUMNS, filter=expression,
-                                                                           batch_size=1 << 20)
+            return dataset([name], format=_DICTIONARY_READ).to_batches(columns=PLAN_COLUMNS, filter=expression,
+                                                                      batch_size=1 << 20)
+
+        return [lambda name=name: batches(name) for name in self.files]
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         cfg = self.config
@@ -454,6 +486,14 @@ def _keep_req_dictionary(out: Trace, trace: Trace, extra: Trace, keep: pa.Chunke
     req = pa.chunked_array(main[1].chunks + other[1].filter(keep).chunks, main[1].type)
     if len(req) == out.table.num_rows:
         setattr(out, REQ_DICTIONARY_ATTR, (out.table, req))
+
+
+def _events_in(trace: Trace, a: int, b: int) -> int:
+    """The window's own events: its rows with a <= ts < b (not the lookback's, the carried or EVERY_WINDOW rows
+    outside)."""
+    ts = trace.table.column("ts_ns")
+    return int(pc.sum(pc.and_(pc.greater_equal(ts, pa.scalar(a, pa.int64())),
+                              pc.less(ts, pa.scalar(b, pa.int64())))).as_py() or 0)
 
 
 def finding_requests(frame: pd.DataFrame) -> list[list[str]]:
@@ -539,14 +579,15 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     window_events = int(window_events or (config.window_events if config.window_events > 0 else 0)
                         or DEFAULT_WINDOW_EVENTS)
     lookback = lookback if lookback is not None else (int(config.window_lookback) or None)
-    plan = plan_windows(source.plan_batches(), window_events, lookback)
+    jobs = max(1, int(config.jobs))
+    plan = plan_windows(source.plan_groups(), window_events, lookback, rows=source.plan_rows, jobs=jobs)
     frames: list[list[pd.DataFrame]] = [[] for _ in rules]
     warnings: list[str] = []
     summaries: list[Any] = []
+    events: list[int] = []  # per window, its events (the plan's are estimates where it sampled the ts)
     total = len(plan)
     last = total - 1
     first_ts = int(plan.cuts[0])
-    jobs = max(1, int(config.jobs))
     for k in range(total):  # per window: few
         began = time.perf_counter()
         start, end = int(plan.starts[k]), int(plan.cuts[k + 1])
@@ -556,6 +597,7 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                 trace.window_start_ns, trace.window_source, start, "since")
         ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
         analysed = len(trace)
+        events.append(_events_in(trace, int(plan.cuts[k]), end))
         found = [window_findings(ctx, checked_findings(frame, rule))
                  for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
         kept: list[pd.DataFrame] = []
@@ -577,7 +619,7 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
         warnings.extend(w for w in trace.warnings if w not in warnings)
         del ctx, trace
         if progress is not None:
-            info = WindowInfo(instance, k, total, int(plan.events[k]), analysed,
+            info = WindowInfo(instance, k, total, events[-1], analysed,
                               seconds=time.perf_counter() - began)
             progress(info, info)
     out = []
@@ -586,6 +628,6 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
         out.append(pd.concat(parts, ignore_index=True) if parts else None)
     from pdtrace.analysis.findings import empty_findings
 
-    return WindowedResult([empty_findings() if f is None else f for f in out], int(plan.events.sum()), warnings,
+    return WindowedResult([empty_findings() if f is None else f for f in out], sum(events), warnings,
                           total, len({r for c in plan.carried for r in c}), summaries)
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
-import typer
+from pdtrace.malloc import single_arena
+
+# before anything starts a thread: numpy's and pyarrow's imports start threads that would each get an arena of
+# their own, and glibc hands later threads (the rules') one of those (see pdtrace.malloc)
+single_arena()
+
+import typer  # noqa: E402
 
 from pdtrace.cli.app import app, err_console
-from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError
-from pdtrace.malloc import single_arena
+from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError  # noqa: E402
 
 # Each import registers one verb on `app`, in the order `pdtrace --help` lists them.
 from pdtrace.cli import record, dump, info, analyze, show, plot, export  # noqa: E402,F401  isort: skip
@@ -17,7 +22,6 @@ from pdtrace.cli import record, dump, info, analyze, show, plot, export  # noqa:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pdtrace` console script: the one place where errors become exit statuses."""
-    single_arena()  # a process of our own: its threads share one malloc arena (see pdtrace.malloc)
     try:
         rv = app(args=argv, prog_name="pdtrace", standalone_mode=False)
     except PdtraceError as exc:
