@@ -27,6 +27,7 @@ import pytest
 from test_rules_window import TRACES
 from pdtrace.analysis import analyze
 from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.registry import load_rules
 from pdtrace.analysis.windows import CARRIED_WHY, PER_WINDOW, plan_windows
 from pdtrace.trace.model import Trace
 
@@ -102,6 +103,54 @@ def test_the_windows_cut_through_open_requests_and_steps() -> None:
     assert all(not c for c in plan.carried)
     tight = plan_windows([table.select(["ts_ns", "req", "step", "dp_rank", "kind"])], 200, lookback=10)
     assert any(tight.carried) and (tight.starts >= plan.starts).all()
+
+
+def test_a_sampled_plan_cuts_windows_of_about_the_asked_size_and_counts_them_exactly(monkeypatch: Any) -> None:
+    # a long trace's plan keeps every stride-th ts, each weighing the events it stands for; a small SAMPLE makes
+    # this sample trace's plan sample (stride > 1), and the windows its cuts give still report the whole trace's
+    # findings, each counting its own events exactly
+    from pdtrace.analysis import windows as W
+
+    trace = TRACES["sample:healthy_pd_pp1"]()
+    table = trace.table.filter(pc.equal(trace.table.column("instance").cast("string"), "decode-0"))
+    columns = table.select(list(W.PLAN_COLUMNS))
+    exact = plan_windows([columns], 200, lookback=UNBOUNDED)
+    monkeypatch.setattr(W, "SAMPLE", 64)
+    stride = table.num_rows // 64
+    assert stride > 1
+    sampled = plan_windows([columns.slice(0, 700), columns.slice(700)], 200, lookback=UNBOUNDED)  # two batches
+    ts = table.column("ts_ns").to_numpy()
+    counts = [int(((ts >= a) & (ts < b)).sum()) for a, b in zip(sampled.cuts[:-1], sampled.cuts[1:])]
+    assert sum(counts) == int(sampled.events.sum()) == table.num_rows
+    assert abs(len(sampled) - len(exact)) <= 1
+    assert all(abs(c - 200) <= 2 * stride + 50 for c in counts[:-1])  # ties of equal ts stay in one window
+    assert all(abs(e - c) <= 2 * stride for e, c in zip(sampled.events.tolist(), counts))  # estimates
+    assert sampled.last_ts == exact.last_ts and (sampled.every_ts == exact.every_ts).all()
+
+    source = W.MemorySource(Trace.from_table(table))
+    used = plan_windows(source.plan_groups(), 200, lookback=UNBOUNDED, rows=source.plan_rows)
+    seen: list[Any] = []
+    got = W.analyze_windows(source, list(load_rules().values()), AnalysisConfig(jobs=1), None, "decode-0",
+                            window_events=200, lookback=UNBOUNDED, progress=lambda info, _: seen.append(info))
+    assert [info.events for info in seen] == [int(((ts >= a) & (ts < b)).sum())
+                                              for a, b in zip(used.cuts[:-1], used.cuts[1:])]
+    assert got.events == table.num_rows
+    problems, _ = _differences("sample:healthy_pd_pp1", 200, UNBOUNDED)
+    assert problems == []
+
+
+def test_the_plan_read_on_threads_is_the_plan_read_in_order() -> None:
+    # PathSource hands the plan one call per file; on two threads they complete out of order, and the merge
+    # (earliest first, latest last, any finish) does not depend on it
+    from pdtrace.analysis.windows import PathSource
+
+    path = ROOT / "sample_traces" / "healthy_pd_pp1" / "trace"
+    source = PathSource(str(path), ["decode-0"], None, AnalysisConfig())
+    assert len(source.plan_groups()) > 1
+    one, two = (plan_windows(source.plan_groups(), 300, rows=source.plan_rows, jobs=jobs) for jobs in (1, 2))
+    for name in ("cuts", "events", "starts", "every_ts"):
+        assert (getattr(one, name) == getattr(two, name)).all(), name
+    assert one.carried == two.carried and one.last_ts == two.last_ts and len(one) >= 2
 
 
 def test_a_request_that_never_finishes_is_open_to_the_end() -> None:
