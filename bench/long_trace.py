@@ -1,7 +1,7 @@
 """One instance's long trace analysed window by window (run by hand; prints figures, asserts nothing).
 
     .venv/bin/python bench/long_trace.py [--events 60000000] [--tile 2500000] [--dir /tmp/pdtrace-bench-long]
-                                         [--window-events N] [--whole] [--build-only] [--profile]
+                                         [--repeat 3] [--window-events N] [--whole] [--build-only] [--profile]
 
 1. Generator: the healthy P/D trace of bench/analyze.py built once with --tile events (its four injected faults),
    of which the decode instance `D` is kept (one instance: ~96% of the rows), then tiled in time until the trace
@@ -11,10 +11,14 @@
    running for hours (60M events at 3k events/s is 5.6 hours). Written per writer, per tile, in part files of 1M
    rows (`TRACE/D/<pid>/part-tKKK-NN.parquet`, zstd), so a window's row groups are found by their ts statistics.
    Reused while `TRACE/_events` says the same events and tile.
-2. Benchmark, each as a subprocess:
+2. Benchmark, each as a subprocess, --repeat times interleaved (the order reversed every other run, so that a
+   change of the machine's load falls on every arm), medians reported as bench/analyze.py does:
    floor    one process that, tile after tile, reads every column of the tile, flattens the block lists and
             lexsorts (block, ts), then drops it: the floor of bench/analyze.py over the whole instance, in slices
             a process can hold (one sort of 60M rows would not fit the memory target either)
+   floor malloc  the same on Arrow's system (malloc) memory pool (ARROW_DEFAULT_MEMORY_POOL=system), the pool
+            the analysis reads into: steadier and faster than the default pool's (bench/analyze.py's second
+            floor); the target is against the first, as in bench/analyze.py, both ratios are printed
    analyze  `python -m pdtrace analyze TRACE --format json [--window-events N]` (the windowed path: the instance
             has more than --window-events events), wall time, CPU seconds (user + system, getrusage of the
             children) and the peak RSS of the whole process tree (sampled VmRSS sum, bench/multi_instance.py's
@@ -84,6 +88,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -173,14 +178,24 @@ def write_tile(table: pa.Table, directory: Path, k: int, rows_per_file: int = 1_
                            row_group_size=256 * 1024)
 
 
-def timed_tree(cmd: list[str], stdout_path: Path | None = None) -> tuple[float, float, int, int, int]:
+def timed_tree(cmd: list[str], stdout_path: Path | None = None,
+               env: dict[str, str] | None = None) -> tuple[float, float, int, int, int]:
     """run_tree's (wall, tree peak, bound, exit) with the CPU seconds (user + system) of the command's process tree
     between them: on a shared machine the wall time follows the load, the CPU time much less. The larger of
     getrusage's children (exact, but blind to worker processes a forkserver starts: they are its children, never
     reaped by the command) and the sum of each process's CPU as last sampled (every 50 ms)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     sampled: dict[int, float] = {}
-    wall, peak, bound, code = run_tree(cmd, stdout_path, sampled)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # run_tree's child inherits this process's environment
+    try:
+        wall, peak, bound, code = run_tree(cmd, stdout_path, sampled)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, max(cpu, sum(sampled.values())), peak, bound, code
@@ -262,6 +277,7 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=2_500_000, help="events of the base P/D trace (D: ~96%%)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pdtrace-bench-long"))
     parser.add_argument("--window-events", type=int, default=None, help="analyze --window-events (default: its)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each arm, interleaved; medians reported")
     parser.add_argument("--whole", action="store_true", help="also the whole-trace analysis, and compare")
     parser.add_argument("--jobs", type=int, default=None, help="analyze --jobs (default: its; the windows of one "
                         "instance run one after the other in the analysing process whatever it is)")
@@ -283,14 +299,31 @@ def main() -> None:
     if args.jobs is not None:
         cmd += ["--jobs", str(args.jobs)]
     print(f"load average {os.getloadavg()[0]:.1f} (2-core machine: other work slows the wall times)")
-    f_wall, f_cpu, f_peak, _, _ = timed_tree([sys.executable, "-c", FLOOR_TILES, str(trace)])
-    print(f"floor (tile by tile, one process)  {f_wall:7.1f} s   cpu {f_cpu:6.1f} s   peak RSS "
-          f"{f_peak / 1048576:5.2f} GiB")
-    wall, cpu, peak, bound, code = timed_tree(cmd, report)
-    print(f"analyze (windowed)                 {wall:7.1f} s   cpu {cpu:6.1f} s   {wall / f_wall:4.2f}x the floor "
-          f"(target <= 2.0x; cpu {cpu / f_cpu:4.2f}x); tree peak RSS {peak / 1048576:5.2f} GiB sampled (target <= "
-          f"4 GiB), sum of per-process peaks {bound / 1048576:5.2f} GiB; exit {code}; load average "
-          f"{os.getloadavg()[0]:.1f}")
+    floor_cmd = [sys.executable, "-c", FLOOR_TILES, str(trace)]
+    malloc_env = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
+    runs: dict[str, list[tuple[float, float, int]]] = {"floor": [], "floor malloc": [], "analyze": []}
+    code = 0
+    for i in range(args.repeat):  # interleaved, so that a change of the machine's load falls on every arm
+        for name in (("floor", "floor malloc", "analyze") if i % 2 == 0 else ("analyze", "floor malloc", "floor")):
+            if name == "analyze":
+                wall, cpu, peak, _, code = timed_tree(cmd, report)
+            else:
+                wall, cpu, peak, _, _ = timed_tree(floor_cmd, env=malloc_env if name == "floor malloc" else None)
+            runs[name].append((wall, cpu, peak))
+        print(f"  run {i + 1}: " + " | ".join(f"{name} {r[-1][0]:5.2f} s wall {r[-1][1]:5.2f} s cpu"
+                                             for name, r in runs.items()), flush=True)
+    fig = {name: (statistics.median(x[0] for x in r), statistics.median(x[1] for x in r), max(x[2] for x in r))
+           for name, r in runs.items()}
+    for name, (wall, cpu, peak) in fig.items():
+        print(f"{name:<13} median {wall:6.2f} s wall {cpu:6.2f} s cpu   peak RSS {peak / 1048576:5.2f} GiB"
+              + ("   (the process tree's, sampled; target <= 4 GiB)" if name == "analyze" else ""))
+    wall, cpu, _ = fig["analyze"]
+    for name in ("floor", "floor malloc"):
+        f_wall, f_cpu, _ = fig[name]
+        per_run = [a[0] / f[0] for a, f in zip(runs["analyze"], runs[name])]
+        print(f"analyze / {name:<12}: {wall / f_wall:4.2f}x wall (per run {min(per_run):4.2f}-{max(per_run):4.2f}x), "
+              f"{cpu / f_cpu:4.2f}x cpu" + ("   (target <= 2.0x)" if name == "floor" else ""))
+    print(f"  exit {code}; load average {os.getloadavg()[0]:.1f}")
     summary = json.loads(report.read_text())["summary"]
     print(f"  {summary.get('events'):,} events; windows {summary.get('windows')}; findings "
           f"{summary.get('by_severity')}")
