@@ -590,12 +590,6 @@ class LocalRunner:
             yield index, run_partition(task)
 
 
-def _worker_start() -> None:
-    from pdtrace.malloc import single_arena
-
-    single_arena()  # as the CLI does for its own process (see pdtrace.malloc)
-
-
 class ProcessRunner:
     """Tasks in a pool of `workers` processes (forkserver: a clean interpreter, not a copy of this one); at most
     `workers` partitions in flight, so memory is bounded by the largest `workers` of them."""
@@ -606,10 +600,16 @@ class ProcessRunner:
         self.threads_per_task = max(1, default_workers() // self.workers)
 
     def run(self, tasks: Sequence[PartitionTask]) -> Iterator[tuple[int, PartitionResult]]:
+        # The initializer is pdtrace.malloc's own (standard library only): a worker unpickles it, and so imports its
+        # module, before it runs it, and this module would bring numpy and pyarrow, whose threads take arenas of
+        # their own first (see pdtrace.malloc). Under `python -m pdtrace` nothing else is imported before it; under
+        # the `pdtrace` script the worker re-imports the script, and with it pdtrace.cli, which does the same.
+        from pdtrace.malloc import single_arena
+
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)) or 1, mp_context=context,
-                                 initializer=_worker_start) as pool:
+                                 initializer=single_arena) as pool:
             largest_first = sorted(range(len(tasks)), key=lambda i: -tasks[i].rows)
             futures: dict[Future, int] = {pool.submit(run_partition, tasks[i]): i for i in largest_first}
             try:
