@@ -19,6 +19,7 @@ from pdtrace.analysis import AnalysisConfig, analyze, summarize_findings
 from pdtrace.analysis.partitions import plan_partitions
 from pdtrace.report.json_report import render_json
 from pdtrace.trace.model import Trace
+from pdtrace import open_trace as pdtrace_open
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = sorted(p / "trace" for p in (REPO / "sample_traces").iterdir() if (p / "trace").is_dir())
@@ -234,6 +235,43 @@ def test_an_instance_whose_only_file_is_corrupt_is_skipped_as_in_a_whole_trace_r
         assert len(warnings) == 1 and str(victim) in warnings[0] and "corrupt" in warnings[0], res.stderr
         outputs.append(json.loads(res.stdout)["findings"])
     assert outputs[0] and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_a_corrupt_file_of_an_instance_read_window_by_window_is_skipped_as_in_a_whole_trace_run(
+        tmp_path: Path, cli) -> None:
+    """One of several part files of a windowed instance has a corrupt data page under an intact footer: the windowed
+    path (its plan reads every file, on one thread or two) skips the file with the whole-trace read's warning, and
+    reports what the whole-trace analysis reports; it used to stop with an internal error."""
+    import pyarrow.parquet as pq
+
+    from pdtrace.trace.builder import write_table
+
+    sample = Path(__file__).resolve().parents[1] / "sample_traces" / "lost_send_completion" / "trace"
+    trace_dir = write_table(pdtrace_open(sample).table, tmp_path / "trace", rows_per_file=200)
+    victim = sorted((trace_dir / "prefill-0").rglob("*.parquet"))[2]
+    pq.write_table(pq.read_table(victim), victim, compression="zstd", use_dictionary=False)
+    footer = pq.ParquetFile(victim).metadata
+    data = bytearray(victim.read_bytes())
+    for column in range(footer.num_columns):  # the last bytes of each column chunk's compressed data
+        chunk = footer.row_group(0).column(column)
+        end = chunk.data_page_offset + chunk.total_compressed_size
+        data[end - 6:end] = b"\x5a" * 6
+    victim.write_bytes(bytes(data))
+
+    def findings(doc: dict) -> list[tuple]:
+        return sorted((f["rule"], f["subrule"], f["severity"], f["req"]) for f in doc["findings"]
+                      if f["rule"] != "pipeline_bubble")  # measured per window
+
+    reports = []
+    for flags in (["--whole"], ["--window-events", "300", "--jobs", "1"], ["--window-events", "300", "--jobs", "2"]):
+        res = cli("analyze", trace_dir, "--format", "json", *flags)
+        assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
+        warnings = [line for line in res.stderr.splitlines() if line.startswith("pdtrace: warning:")]
+        assert len(warnings) == 1 and str(victim) in warnings[0] and "corrupt" in warnings[0], res.stderr
+        reports.append(json.loads(res.stdout))
+    assert reports[1]["summary"]["windows"] and not reports[0]["summary"].get("windows")
+    assert findings(reports[0]) and findings(reports[0]) == findings(reports[1]) == findings(reports[2])
+    assert reports[0]["summary"]["events"] == reports[1]["summary"]["events"] == reports[2]["summary"]["events"]
 
 
 def test_instance_selection_marks_the_findings_of_the_whole_trace(tmp_path: Path) -> None:

@@ -69,6 +69,7 @@ from pdtrace.analysis.columns import _bits, _values
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
+from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
 from pdtrace.trace.reader import system_memory_pool
 
@@ -374,6 +375,10 @@ class MemorySource:
     def plan_rows(self) -> int:
         return len(self.trace)
 
+    @property
+    def warnings(self) -> list[str]:
+        return []  # the loaded trace's own are the windows'
+
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         out = self.trace.filter(window_rows(self.trace.table, start, end, plan.carried[k]))
         out.__dict__.pop("events", None)
@@ -405,11 +410,22 @@ class PathSource:
             self.spans.append((int(min(lo for lo, _ in stats)), int(max(hi for _, hi in stats)))
                               if stats else None)
         self._every: Trace | None = None  # `rows`: the EVERY_WINDOW rows, read once
+        #: files whose data the plan could not decode (a corrupt page under an intact footer), with why: skipped
+        #: by every window, as the whole-trace read skips them (`warnings`). A corrupt page in a column the plan
+        #: does not read is skipped by the windows that read it (`open_trace`'s own fallback), after the plan
+        #: counted the file's rows.
+        self.corrupt: dict[str, str] = {}
+
+    @property
+    def warnings(self) -> list[str]:
+        """The plan's skipped files, worded as `open_trace` words them."""
+        return [f"{name}: skipped: {why}" for name, why in self.corrupt.items()]
 
     def between(self, lo: int, hi: int) -> list[str]:
         """The files that may hold rows with lo <= ts < hi (by their footers): a window opens only those."""
-        out = [name for name, span in zip(self.files, self.spans) if span is None or (span[0] < hi and span[1] >= lo)]
-        return out or self.files[:1]
+        files = [(n, s) for n, s in zip(self.files, self.spans) if n not in self.corrupt]
+        out = [name for name, span in files if span is None or (span[0] < hi and span[1] >= lo)]
+        return out or [n for n, _ in files[:1]]
 
     def _open(self, lo: int, hi: int, **kwargs: Any) -> Trace:
         from pdtrace.trace.reader import open_trace
@@ -420,15 +436,20 @@ class PathSource:
     def plan_groups(self) -> list[Callable[[], Any]]:
         """The plan's input (`plan_windows`): per file, a call reading its PLAN_COLUMNS in batches, with the rows
         `open_trace` keeps; `plan_windows` reads the files on its threads."""
-        from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset
+        from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset, describe_unreadable
 
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
 
         def batches(name: str) -> Any:
-            # req as the files' dictionary codes: the plan groups by code, never decoding the strings
-            return dataset([name], format=_DICTIONARY_READ).to_batches(columns=PLAN_COLUMNS, filter=expression,
-                                                                      batch_size=1 << 20)
+            # req as the files' dictionary codes: the plan groups by code, never decoding the strings. A file at a
+            # time, whole, so that a corrupt page skips the file (no part of it counted), as open_trace does.
+            try:
+                return list(dataset([name], format=_DICTIONARY_READ).to_batches(
+                    columns=PLAN_COLUMNS, filter=expression, batch_size=1 << 20))
+            except (OSError, pa.ArrowException) as exc:
+                self.corrupt[name] = describe_unreadable(name, exc)
+                return []
 
         return [lambda name=name: batches(name) for name in self.files]
 
@@ -436,6 +457,8 @@ class PathSource:
         cfg = self.config
         since = start if cfg.since_ns is None else max(start, int(cfg.since_ns))
         until = end if cfg.until_ns is None else min(end, int(cfg.until_ns))
+        if not self.between(since, until):  # every file of the partition corrupt: no rows, as in a whole read
+            return Trace.from_table(SCHEMA.empty_table(), path=self.path)
         trace = self._open(since, until, since_ns=since, until_ns=until)
         outside = [int(t) for t in plan.every_ts.tolist() if not since <= t < until]
         carried = plan.carried[k]
@@ -586,7 +609,7 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     jobs = max(1, int(config.jobs))
     plan = plan_windows(source.plan_groups(), window_events, lookback, rows=source.plan_rows, jobs=jobs)
     frames: list[list[pd.DataFrame]] = [[] for _ in rules]
-    warnings: list[str] = []
+    warnings: list[str] = list(source.warnings)
     summaries: list[Any] = []
     events: list[int] = []  # per window, its events (the plan's are estimates where it sampled the ts)
     total = len(plan)
