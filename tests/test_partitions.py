@@ -207,6 +207,22 @@ def test_bad_partition_is_one_line_exit_2(tmp_path: Path, cli) -> None:
     assert res.exit_code == 2 and "no Parquet files" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+def corrupt_data_pages(victim: Path) -> "pq.FileMetaData":
+    """Rewrite a part file so that the last bytes of each column chunk's compressed data are garbage, its footer
+    intact (a corrupt page: the footer reads, the data does not); returns the footer."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(victim), victim, compression="zstd", use_dictionary=False)
+    footer = pq.ParquetFile(victim).metadata
+    data = bytearray(victim.read_bytes())
+    for column in range(footer.num_columns):
+        chunk = footer.row_group(0).column(column)
+        end = chunk.data_page_offset + chunk.total_compressed_size
+        data[end - 6:end] = b"\x5a" * 6
+    victim.write_bytes(bytes(data))
+    return footer
+
+
 def test_an_instance_whose_only_file_is_corrupt_is_skipped_as_in_a_whole_trace_run(tmp_path: Path, cli) -> None:
     """A data page of D1's only part file is corrupt, its footer intact: the whole-trace read skips the file with a
     warning, and so do the partitioned runs (in process and in workers), with the same report."""
@@ -217,14 +233,7 @@ def test_an_instance_whose_only_file_is_corrupt_is_skipped_as_in_a_whole_trace_r
     trace_dir = tmp_path / "trace"
     write_table(cross_instance_trace().table, trace_dir)
     victim = next((trace_dir / "D1").rglob("*.parquet"))
-    pq.write_table(pq.read_table(victim), victim, compression="zstd", use_dictionary=False)
-    footer = pq.ParquetFile(victim).metadata
-    data = bytearray(victim.read_bytes())
-    for column in range(footer.num_columns):  # the last bytes of each column chunk's compressed data
-        chunk = footer.row_group(0).column(column)
-        end = chunk.data_page_offset + chunk.total_compressed_size
-        data[end - 6:end] = b"\x5a" * 6
-    victim.write_bytes(bytes(data))
+    footer = corrupt_data_pages(victim)
     assert pq.ParquetFile(victim).metadata.num_rows == footer.num_rows  # the footer still reads
 
     outputs = []
@@ -242,21 +251,12 @@ def test_a_corrupt_file_of_an_instance_read_window_by_window_is_skipped_as_in_a_
     """One of several part files of a windowed instance has a corrupt data page under an intact footer: the windowed
     path (its plan reads every file, on one thread or two) skips the file with the whole-trace read's warning, and
     reports what the whole-trace analysis reports; it used to stop with an internal error."""
-    import pyarrow.parquet as pq
-
     from pdtrace.trace.builder import write_table
 
     sample = Path(__file__).resolve().parents[1] / "sample_traces" / "lost_send_completion" / "trace"
     trace_dir = write_table(pdtrace_open(sample).table, tmp_path / "trace", rows_per_file=200)
     victim = sorted((trace_dir / "prefill-0").rglob("*.parquet"))[2]
-    pq.write_table(pq.read_table(victim), victim, compression="zstd", use_dictionary=False)
-    footer = pq.ParquetFile(victim).metadata
-    data = bytearray(victim.read_bytes())
-    for column in range(footer.num_columns):  # the last bytes of each column chunk's compressed data
-        chunk = footer.row_group(0).column(column)
-        end = chunk.data_page_offset + chunk.total_compressed_size
-        data[end - 6:end] = b"\x5a" * 6
-    victim.write_bytes(bytes(data))
+    corrupt_data_pages(victim)
 
     def findings(doc: dict) -> list[tuple]:
         return sorted((f["rule"], f["subrule"], f["severity"], f["req"]) for f in doc["findings"]
