@@ -234,16 +234,35 @@ def _group_parts(group: Any, stride: int) -> list[tuple[Any, ...]]:
     """One group's part of the plan (`plan_windows`): per batch `_batch_spans` plus the batch's ts sample (every
     `stride`-th), its row count, least and greatest ts. A group is a batch, a table or a callable returning an
     iterable of them (a file's batches, read where it is called: on a plan thread)."""
-    batches = group() if callable(group) else [group]
     out = []
-    for part in batches:
-        for batch in part.to_batches() if isinstance(part, pa.Table) else [part]:
-            if batch.num_rows == 0:
-                continue
-            ts = batch.column("ts_ns").to_numpy()
-            # the sample is copied: the batch's buffers go when the batch does (the plan holds no 8 bytes an event)
-            out.append(_batch_spans(batch) + (ts[::stride].copy(), len(ts), int(ts.min()), int(ts.max())))
+    try:
+        for part in group() if callable(group) else [group]:
+            for batch in part.to_batches() if isinstance(part, pa.Table) else [part]:
+                if batch.num_rows == 0:
+                    continue
+                ts = batch.column("ts_ns").to_numpy()
+                # the sample is copied: the batch's buffers go with the batch (the plan holds no 8 bytes an event)
+                out.append(_batch_spans(batch) + (ts[::stride].copy(), len(ts), int(ts.min()), int(ts.max())))
+    except (OSError, pa.ArrowException) as exc:
+        if not isinstance(group, PlanFile):
+            raise
+        group.unreadable(exc)  # the whole file is left out, as open_trace leaves a corrupt file out
+        return []
     return out
+
+
+class PlanFile:
+    """One file's PLAN_COLUMNS for the plan, in batches read where it is called (on a plan thread); a file whose
+    data cannot be decoded (a corrupt page under an intact footer) goes to `skip` with the reason."""
+
+    def __init__(self, name: str, read: Callable[[str], Any], skip: Callable[[str, BaseException], None]) -> None:
+        self.name, self.read, self.skip = name, read, skip
+
+    def __call__(self) -> Any:
+        return self.read(self.name)
+
+    def unreadable(self, exc: BaseException) -> None:
+        self.skip(self.name, exc)
 
 
 def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -433,25 +452,23 @@ class PathSource:
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
                           only_files=self.between(lo, hi), **kwargs)
 
-    def plan_groups(self) -> list[Callable[[], Any]]:
-        """The plan's input (`plan_windows`): per file, a call reading its PLAN_COLUMNS in batches, with the rows
-        `open_trace` keeps; `plan_windows` reads the files on its threads."""
+    def plan_groups(self) -> list[PlanFile]:
+        """The plan's input (`plan_windows`): per file, its PLAN_COLUMNS in batches, with the rows `open_trace`
+        keeps; `plan_windows` reads the files on its threads, and a file it cannot decode is skipped (`corrupt`)."""
         from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset, describe_unreadable
 
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
 
         def batches(name: str) -> Any:
-            # req as the files' dictionary codes: the plan groups by code, never decoding the strings. A file at a
-            # time, whole, so that a corrupt page skips the file (no part of it counted), as open_trace does.
-            try:
-                return list(dataset([name], format=_DICTIONARY_READ).to_batches(
-                    columns=PLAN_COLUMNS, filter=expression, batch_size=1 << 20))
-            except (OSError, pa.ArrowException) as exc:
-                self.corrupt[name] = describe_unreadable(name, exc)
-                return []
+            # req as the files' dictionary codes: the plan groups by code, never decoding the strings
+            return dataset([name], format=_DICTIONARY_READ).to_batches(columns=PLAN_COLUMNS, filter=expression,
+                                                                      batch_size=1 << 20)
 
-        return [lambda name=name: batches(name) for name in self.files]
+        def skip(name: str, exc: BaseException) -> None:
+            self.corrupt[name] = describe_unreadable(name, exc)
+
+        return [PlanFile(name, batches, skip) for name in self.files]
 
     def rows(self, start: int, end: int, plan: WindowPlan, k: int) -> Trace:
         cfg = self.config
