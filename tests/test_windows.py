@@ -224,6 +224,25 @@ def test_a_trace_read_window_by_window_from_its_files_gives_the_same_findings(sa
             assert bool(got.attrs.get("windows")) == (since is None and largest > size) or since is not None
 
 
+@pytest.mark.parametrize("how", ["metadata", "manifest"])
+@pytest.mark.parametrize("sample", ["starve", "lost_send_completion", "few_requests_pp"])
+def test_a_flight_dump_read_window_by_window_gives_the_dumps_findings(tmp_path: Path, sample: str, how: str) -> None:
+    # a dump starts mid-run (its window in the files' metadata or the manifest): window 1 of its windowed analysis
+    # keeps the dump's window, later windows start at their cuts, and together they report what the whole dump does
+    from test_rules_window import _window_dir, cut_times, table_of
+
+    name = f"sample:{sample}"
+    cut = cut_times(table_of(name))[1]
+    path = _window_dir(tmp_path, name, cut, how)
+    whole = analyze(path, config=AnalysisConfig(jobs=1, window_events=0), partitioned=False)
+    got = analyze(path, config=AnalysisConfig(jobs=1, window_events=150, window_lookback=UNBOUNDED))
+    assert max(w["windows"] for w in got.attrs["windows"].values()) >= 4
+    assert got.attrs["window"]["start_ns"] == whole.attrs["window"]["start_ns"] == cut
+    assert got.attrs["window"]["source"] == how
+    assert sorted(_record(r) for r in got.to_dict("records") if r["rule"] not in PER_WINDOW) == sorted(
+        _record(r) for r in whole.to_dict("records") if r["rule"] not in PER_WINDOW)
+
+
 def _leak_then_traffic(gap: bool) -> Trace:
     """A request that finishes and never frees its blocks (leaked_blocks `definitely`), then 40 steps of healthy
     requests, and, with `gap`, a recorder_gap near the end: the gap lies in a later window than the leak, yet lowers
