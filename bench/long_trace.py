@@ -50,7 +50,7 @@ their ratio, the primary figure.
   --against does): median 9.28 s against 9.74 s wall, 14.2 s against 14.9 s cpu (another 4 pairs: 8.73 s against
   9.19 s). The plan alone, fresh processes: wall 1.3-1.5 s against 2.0-2.3 s, peak 560 MB against 960-985 MB.
   Where the wall time goes (one run, quiet machine): the plan 1.3-1.7 s, the windows' reads 2.65 s (the floor's
-  decode: every column of every row), the rules 4.3 s on 2 threads (a window's graph keeps both threads 97-99 %
+  decode: every column of every row), the rules 4.3 s on 2 threads (a window's graph keeps both threads 96-99 %
   busy: `parallel._run`'s schedule, each node timed), the rest ~0.5 s. The rules and the plan alone cost more
   than the whole floor, which is all that 2.0x leaves them on 2 cores.
   Measured and not adopted: reading window k+1 while the rules of window k run on one thread (and Arrow on one):
