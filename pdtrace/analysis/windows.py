@@ -366,11 +366,16 @@ def _merged_steps(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.n
     return _first_last(codes, np.concatenate([p[1] for p in parts]), m, np.concatenate([p[2] for p in parts]))
 
 
+def in_time(ts: pa.ChunkedArray, start: int, end: int) -> pa.ChunkedArray:
+    """The mask start <= ts < end of a ts_ns column."""
+    return pc.and_(pc.greater_equal(ts, pa.scalar(start, pa.int64())), pc.less(ts, pa.scalar(end, pa.int64())))
+
+
 def window_rows(table: pa.Table, start: int, end: int, carried: dict[str, int]) -> pa.ChunkedArray:
     """The mask of the rows window analyses (module docstring, step 2): start <= ts < end, the EVERY_WINDOW rows,
     and the carried requests' rows before start."""
     ts = table.column("ts_ns")
-    mask = pc.and_(pc.greater_equal(ts, pa.scalar(start, pa.int64())), pc.less(ts, pa.scalar(end, pa.int64())))
+    mask = in_time(ts, start, end)
     mask = pc.or_(mask, pc.is_in(dictionary_decoded(table.column("kind")), value_set=pa.array(EVERY_WINDOW)))
     if carried:
         early = pc.and_(pc.less(ts, pa.scalar(start, pa.int64())),
@@ -474,7 +479,7 @@ class PathSource:
         cfg = self.config
         since = start if cfg.since_ns is None else max(start, int(cfg.since_ns))
         until = end if cfg.until_ns is None else min(end, int(cfg.until_ns))
-        if not self.between(since, until):  # every file of the partition corrupt: no rows, as in a whole read
+        if len(self.corrupt) == len(self.files):  # every file of the partition corrupt: no rows, as a whole read
             return Trace.from_table(SCHEMA.empty_table(), path=self.path)
         trace = self._open(since, until, since_ns=since, until_ns=until)
         outside = [int(t) for t in plan.every_ts.tolist() if not since <= t < until]
@@ -488,9 +493,7 @@ class PathSource:
                 self._every = self._extra([int(t) for t in plan.every_ts.tolist()], {}, since)
             extra = self._every
         more = extra.table
-        ts = more.column("ts_ns")
-        loaded = pc.and_(pc.greater_equal(ts, pa.scalar(since, pa.int64())), pc.less(ts, pa.scalar(until, pa.int64())))
-        keep = pc.and_(window_rows(more, since, until, carried), pc.invert(loaded))
+        keep = pc.and_(window_rows(more, since, until, carried), pc.invert(in_time(more.column("ts_ns"), since, until)))
         table = pa.concat_tables([trace.table, more.filter(keep)]).unify_dictionaries()
         out = Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
                     skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
@@ -535,9 +538,7 @@ def _keep_req_dictionary(out: Trace, trace: Trace, extra: Trace, keep: pa.Chunke
 def _events_in(trace: Trace, a: int, b: int) -> int:
     """The window's own events: its rows with a <= ts < b (not the lookback's, the carried or EVERY_WINDOW rows
     outside)."""
-    ts = trace.table.column("ts_ns")
-    return int(pc.sum(pc.and_(pc.greater_equal(ts, pa.scalar(a, pa.int64())),
-                              pc.less(ts, pa.scalar(b, pa.int64())))).as_py() or 0)
+    return int(pc.sum(in_time(trace.table.column("ts_ns"), a, b)).as_py() or 0)
 
 
 def finding_requests(frame: pd.DataFrame) -> list[list[str]]:
