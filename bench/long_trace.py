@@ -205,19 +205,11 @@ def timed_tree(cmd: list[str], stdout_path: Path | None = None,
     """run_tree's (wall, tree peak, bound, exit) with the CPU seconds (user + system) of the command's process tree
     between them: on a shared machine the wall time follows the load, the CPU time much less. The larger of
     getrusage's children (exact, but blind to worker processes a forkserver starts: they are its children, never
-    reaped by the command) and the sum of each process's CPU as last sampled (every 50 ms)."""
+    reaped by the command) and the sum of each process's CPU as last sampled (every 50 ms). `env`: variables added to
+    the child's environment."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     sampled: dict[int, float] = {}
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # run_tree's child inherits this process's environment
-    try:
-        wall, peak, bound, code = run_tree(cmd, stdout_path, sampled)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    wall, peak, bound, code = run_tree(cmd, stdout_path, sampled, env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, max(cpu, sum(sampled.values())), peak, bound, code

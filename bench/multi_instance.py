@@ -136,8 +136,8 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
-def run_tree(cmd: list[str], stdout_path: Path | None = None,
-             cpu: dict[int, float] | None = None) -> tuple[float, int, int, int]:
+def run_tree(cmd: list[str], stdout_path: Path | None = None, cpu: dict[int, float] | None = None,
+             env: dict[str, str] | None = None) -> tuple[float, int, int, int]:
     """(wall s, tree peak KiB, tree bound KiB, exit status). The tree peak is the largest sum of VmRSS over the
     process tree seen at one instant, sampled every 50 ms (a lower bound of the true peak: a spike between two
     samples is missed); the bound is the sum over every process ever seen of its own peak (VmHWM), an upper
@@ -146,7 +146,8 @@ def run_tree(cmd: list[str], stdout_path: Path | None = None,
     getrusage's children miss: descendants that are not reaped by the command (a forkserver's workers)."""
     out = open(stdout_path, "wb") if stdout_path else subprocess.DEVNULL
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE,
+                            env=None if env is None else {**os.environ, **env})  # env: variables added
     peak = [0]
     hwm: dict[int, int] = {}
     done = threading.Event()
