@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow.compute as pc
 import pytest
@@ -282,3 +283,26 @@ def test_a_recorder_gap_in_a_later_window_lowers_a_leak_as_on_the_whole_trace(ga
     leaks = [r for r in expected.to_dict("records") if r["rule"] == "leaked_blocks" and r["req"] == "leak"]
     assert [r["severity"] for r in leaks] == (["warning"] if gap else ["error"])
     assert sorted(map(_record, got.to_dict("records"))) == sorted(map(_record, expected.to_dict("records")))
+
+
+def test_step_spans_are_reduced_densely_or_by_a_sort_alike() -> None:
+    # `_key_spans`: a dp_rank's steps over a dense range go through offsets, sparse ones through np.unique; both
+    # give each key's least first and greatest last, keys ascending, dp_ranks apart
+    from pdtrace.analysis import windows as W
+
+    rng = np.random.default_rng(7)
+    dense = (1 << 40) + rng.integers(1000, 1400, 3000)  # dp_rank 0: 400 steps, each in several runs
+    sparse = (3 << 40) + rng.choice(np.arange(0, 10**9, 997), 500)  # dp_rank 2: spread far apart
+    keys = np.concatenate([dense, sparse])
+    first = rng.integers(0, 10**6, len(keys))
+    last = first + rng.integers(0, 1000, len(keys))
+    got = W._key_spans(keys, first, last)
+    distinct, at = np.unique(keys, return_inverse=True)
+    want_first = np.full(len(distinct), W.LO)
+    want_last = np.full(len(distinct), W.HI)
+    np.minimum.at(want_first, at, first)
+    np.maximum.at(want_last, at, last)
+    for g, w in zip(got, (distinct, want_first, want_last)):
+        np.testing.assert_array_equal(g, w)
+    empty = W._key_spans(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    assert all(len(a) == 0 for a in empty)
