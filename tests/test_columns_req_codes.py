@@ -96,3 +96,41 @@ def test_take_rows_matches_chunked_take(rows: list[int]) -> None:
                                pa.array(["f"])])
     picked = np.array(rows, np.int64)
     assert take_rows(column, picked).to_pylist() == column.take(pa.array(picked)).to_pylist()
+
+
+@pytest.mark.parametrize("since", [False, True])
+def test_a_trace_read_with_req_as_dictionary_holds_the_same_rows_and_codes(since: bool) -> None:
+    # open_trace(req_dictionary=True), as the windows read: `req` stays dictionary<int32, string> with each row
+    # group's own dictionary (never unified), the other columns as the plain read gives them, and the request codes
+    # of the analyses the same
+    from pdtrace.trace.reader import REQ_DICTIONARY_TYPE
+
+    path = SAMPLES / "healthy_pd_pp1" / "trace"
+    plain = open_trace(path, warn=False)
+    cut = int(np.sort(plain.table.column("ts_ns").to_numpy())[len(plain) // 3]) if since else None
+    plain = open_trace(path, warn=False, since_ns=cut)
+    coded = open_trace(path, warn=False, since_ns=cut, req_dictionary=True)
+    assert coded.table.schema.field("req").type == REQ_DICTIONARY_TYPE
+    assert plain.table.schema.field("req").type == pa.string()
+    assert coded.table.column("req").num_chunks > 1
+    assert len({id(chunk.dictionary) for chunk in coded.table.column("req").chunks}) > 1  # not unified
+    assert coded.table.column("req").cast(pa.string()).to_pylist() == plain.table.column("req").to_pylist()
+    assert coded.table.drop_columns(["req"]).equals(plain.table.drop_columns(["req"]))
+    assert getattr(coded, REQ_DICTIONARY_ATTR)[0] is coded.table
+    got, want = Columns(coded).codes("req"), Columns(plain).codes("req")
+    assert got[1] == want[1]
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("req_type", [pa.large_string(), pa.string(), pa.dictionary(pa.int8(), pa.large_string())])
+def test_normalize_keeps_any_string_req_as_the_one_dictionary_type(req_type: pa.DataType) -> None:
+    # every run of files read for a window must give `req` one type, or their tables would not concatenate
+    from pdtrace.trace.reader import REQ_DICTIONARY_TYPE, normalize_table
+
+    table = open_trace(SAMPLES / "healthy_pd_pp1" / "trace", warn=False).table
+    names = table.column("req")
+    other = table.set_column(table.column_names.index("req"), pa.field("req", req_type), names.cast(req_type))
+    got = normalize_table(other, req_dictionary=True)
+    assert got.schema.field("req").type == REQ_DICTIONARY_TYPE
+    assert got.column("req").cast(pa.string()).to_pylist() == names.to_pylist()
+    assert normalize_table(other).schema.field("req").type == pa.string()

@@ -71,7 +71,7 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
 from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
-from pdtrace.trace.reader import system_memory_pool
+from pdtrace.trace.reader import REQ_DICTIONARY_ATTR, REQ_DICTIONARY_TYPE, system_memory_pool, unified
 
 #: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
 #: the end of the trace lowers a leak found at that moment).
@@ -483,8 +483,9 @@ class PathSource:
     def _open(self, lo: int, hi: int, **kwargs: Any) -> Trace:
         from pdtrace.trace.reader import open_trace
 
+        # req as read (dictionary codes): the rules read requests by code, never the strings
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
-                          only_files=self.between(lo, hi), **kwargs)
+                          only_files=self.between(lo, hi), req_dictionary=True, **kwargs)
 
     def plan_groups(self) -> list[PlanFile]:
         """The plan's input (`plan_windows`): per file, its PLAN_COLUMNS in batches, with the rows `open_trace`
@@ -523,11 +524,12 @@ class PathSource:
             extra = self._every
         more = extra.table
         keep = pc.and_(window_rows(more, since, until, carried), pc.invert(in_time(more.column("ts_ns"), since, until)))
-        table = pa.concat_tables([trace.table, more.filter(keep)]).unify_dictionaries()
+        table = unified(pa.concat_tables([trace.table, more.filter(keep)]))  # both read as open_trace reads
         out = Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
                     skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
                     window_source=trace.window_source)
-        _keep_req_dictionary(out, trace, extra, keep)
+        if table.schema.field("req").type == REQ_DICTIONARY_TYPE:
+            setattr(out, REQ_DICTIONARY_ATTR, (table, table.column("req")))
         return out
 
     def _extra(self, outside: list[int], carried: dict[str, int], since: int) -> Trace:
@@ -547,21 +549,6 @@ class PathSource:
         lo = min(outside + ([min(carried.values())] if carried else []))
         hi = max(outside + ([since] if carried else [])) + 1
         return self._open(lo, hi, rows=where)
-
-
-def _keep_req_dictionary(out: Trace, trace: Trace, extra: Trace, keep: pa.ChunkedArray) -> None:
-    """Hand the reader's `req` dictionary indices (`pdtrace.trace.reader.REQ_DICTIONARY_ATTR`) of the window's
-    rows and of its extra rows on to the concatenated trace, so that the request codes come from the Parquet
-    dictionary's indices rather than a hash of every request string (`columns.Columns.codes`: 5M rows, CPU
-    0.05 s against 0.10 s; bench/long_trace.py, one core)."""
-    from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
-
-    main, other = getattr(trace, REQ_DICTIONARY_ATTR, None), getattr(extra, REQ_DICTIONARY_ATTR, None)
-    if main is None or other is None or main[0] is not trace.table or other[0] is not extra.table:
-        return
-    req = pa.chunked_array(main[1].chunks + other[1].filter(keep).chunks, main[1].type)
-    if len(req) == out.table.num_rows:
-        setattr(out, REQ_DICTIONARY_ATTR, (out.table, req))
 
 
 def _events_in(trace: Trace, a: int, b: int) -> int:
