@@ -44,10 +44,10 @@ and scenario at several window sizes; bench/long_trace.py at 10M events):
 - `pipeline_bubble` (PER_WINDOW) measures idle fractions over the analysed span, so it is measured per window:
   each window reports its own ranks' fractions over [c_k, a_{k+1}), its findings marked `extra.windowed`.
 
-Cost: the cheap pass reads 5 columns once (60M events: wall 1.3-1.5 s on 2 threads, 560 MB peak; it was
-2.0-2.3 s and 960-985 MB holding every ts, and ~10 s with a hash aggregate of the decoded request strings); each
-window reads its rows (row groups pruned by their ts statistics,
-their kept rows sliced rather than copied: `pdtrace.trace.reader`) plus the overlap [c_k, a_k), which on a
+Cost: the cheap pass reads 5 columns once (60M events: wall 1.2-1.6 s on 2 threads, median 1.44 s, 560 MB peak;
+it was 2.0-2.3 s and 960-985 MB holding every ts, and ~10 s with a hash aggregate of the decoded request strings);
+each window reads its rows (row groups pruned by their ts statistics, their kept rows sliced rather than copied,
+`req` left as Parquet's dictionary codes: `pdtrace.trace.reader`) plus the overlap [c_k, a_k), which on a
 serving trace is the life of the longest running request (seconds: a few thousand events). A request that stays
 open for longer than the lookback (a request waiting forever) pulls every later window back by the whole
 lookback: at most twice the rows, the price of still counting the steps it waits through.
