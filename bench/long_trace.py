@@ -38,6 +38,26 @@ Measured on the shared 2-core machine, windows of 5M events (the default for an 
 comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
 time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
 their ratio, the primary figure.
+- 60M events, 2026-12-03 (fourth session), after the plan's step keys reduced over dense ranges (5d3456d) and the
+  windows' `req` left as Parquet's dictionary codes (d5f8faf), two `--repeat 5 --against` runs (base cca9a49),
+  medians:
+    load       analyze wall / cpu    against (cca9a49)    floor wall / cpu    ratio wall (per run)   cpu
+    1.7        8.99 s / 14.3 s       10.36 s / 16.2 s     4.10 s / 6.57 s     2.19x (1.92-3.04x)     2.18x
+    1.6-1.8    8.72 s / 13.8 s        9.13 s / 14.2 s     4.62 s / 7.19 s     1.89x (1.55-3.08x)     1.93x
+  Tree peak 1.17-1.18 GiB (cca9a49: 1.22-1.23). Against the malloc floor 2.53-2.76x. The per-run ratio spans
+  1.55-3.08x because the floor on Arrow's default pool took 2.61-5.83 s in one set (its malloc twin 3.02-3.88 s):
+  the target is met in one set's median and missed in the other's, so not reliably.
+  On one core (`taskset -c 0 ... --profile`, 2 runs each): analyze cpu 10.94-11.41 s (cca9a49: 11.58-11.97 s):
+  the plan 1.60-1.67 s, the windows' reads 3.79-3.89 s (4.16-4.17 s), the rules and their tables 5.14-5.42 s, the
+  rest 0.41-0.43 s; the floor on one core 4.35-4.54 s wall: 2.5x. This machine's second core buys little: the
+  floor 3.3-4.5 s on two cores against 4.35-4.54 s on one, analyze 8.0-9.0 s against 10.9-11.4 s, and every
+  phase's CPU grows when both cores are busy (the plan 1.6 -> 2.5 s, the reads 4.1 -> 4.5 s, the rules 5.3 ->
+  6.2 s; /proc/stat shows no steal time), which is why overlapping phases (below, and again this session:
+  reading window k+1 on one Arrow thread during window k's rules, wall +0.6-0.9 s, user +1.3 s, +650 MB) loses.
+  Also measured this session and left: per-window fixed costs (windows of 10M against 5M on one core: 11.2-12.3 s
+  against 11.6-12.1 s, no difference past the noise); numpy's huge pages (NUMPY_MADVISE_HUGEPAGE=0: the same,
+  5 pairs; its 2 MiB pages are 7 ms/MB to fault in when the VM's memory is cold, 0.06 when warm, but the analysis
+  already asks for 4 KiB pages, `allocation_settings`).
 - 60M events, 2026-12-03 (third session), after the plan on the analysis' threads with a ts sample and one malloc
   arena taken before numpy's and pyarrow's threads (bcf8ac9). The machine's speed drifted through the session
   (the same analyze took 8.5-9.9 s in one quarter hour, 10-12.6 s in another; the floor 3.1-6.1 s), so only runs
