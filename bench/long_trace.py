@@ -57,7 +57,12 @@ their ratio, the primary figure.
   Also measured this session and left: per-window fixed costs (windows of 10M against 5M on one core: 11.2-12.3 s
   against 11.6-12.1 s, no difference past the noise); numpy's huge pages (NUMPY_MADVISE_HUGEPAGE=0: the same,
   5 pairs; its 2 MiB pages are 7 ms/MB to fault in when the VM's memory is cold, 0.06 when warm, but the analysis
-  already asks for 4 KiB pages, `allocation_settings`).
+  already asks for 4 KiB pages, `allocation_settings`); keeping the row groups a window decoded across its end for
+  the next window (decoded rows 64.4M -> 60.6M for 60.0M kept): the reads alone, 4 interleaved pairs, wall
+  2.28-2.46 s against 2.28-2.32 s, cpu 3.77-4.06 s against 3.87-3.95 s, no gain to keep its code for.
+  Not tried, and why: a plan built while the windows are read (each window's open requests from the windows before
+  it) saves only the plan's decode of 5 columns (~0.6 s wall) and is not exact: a request that finished before a
+  cut and has a row after the next one (a delayed free) is open at the cut, and nothing read so far says so.
 - 60M events, 2026-12-03 (third session), after the plan on the analysis' threads with a ts sample and one malloc
   arena taken before numpy's and pyarrow's threads (bcf8ac9). The machine's speed drifted through the session
   (the same analyze took 8.5-9.9 s in one quarter hour, 10-12.6 s in another; the floor 3.1-6.1 s), so only runs
