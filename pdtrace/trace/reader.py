@@ -292,13 +292,13 @@ def normalize_table(table: pa.Table, columns: list[str] | None = None, where: st
     for i, target in enumerate(fields):
         column = table.column(target.name)
         if req_dictionary and target.name == "req":
-            fields[i] = pa.field("req", REQ_DICTIONARY_TYPE, target.nullable)
-            if column.type != REQ_DICTIONARY_TYPE:  # another string type (`check_schema`): one type for every run
-                column = (column.cast(REQ_DICTIONARY_TYPE) if pa.types.is_dictionary(column.type)
-                          else pc.dictionary_encode(column.cast(pa.string())))
-        elif column.type != target.type:
+            fields[i] = target = pa.field("req", REQ_DICTIONARY_TYPE, target.nullable)
+        if column.type != target.type:
             try:
-                if pa.types.is_dictionary(target.type):
+                if target.name == "req" and req_dictionary:  # another string type: one type for every run
+                    column = (column.cast(REQ_DICTIONARY_TYPE) if pa.types.is_dictionary(column.type)
+                              else pc.dictionary_encode(column.cast(pa.string())))
+                elif pa.types.is_dictionary(target.type):
                     if pa.types.is_dictionary(column.type):
                         if column.type.value_type != pa.string():
                             column = column.cast(pa.dictionary(column.type.index_type, pa.string()))
@@ -618,7 +618,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
                 try:
                     tables.append(normalize_table(_read_files([name], selected, expression), selected, name,
                                                   req_dictionary))
-                    req_parts.append(_req_dictionary(tables[-1]) if req_dictionary else None)
+                    req_parts.append(None)
                     if file_rows is not None:
                         file_rows.append(tables[-1].num_rows)
                 except (OSError, pa.ArrowException) as exc:
