@@ -110,3 +110,16 @@ def test_cli_dask_unreachable_scheduler_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("pdtrace: error: cannot connect to the Dask scheduler")
+
+
+@pytest.mark.slow
+def test_cli_dask_window_by_window_in_a_process_of_its_own(scheduler_address: str) -> None:
+    """Each instance of a sample analysed window by window in the worker process (the windows read from the files
+    there, `req` as Parquet's codes): the report of the local windowed run, every field."""
+    trace = REPO / "sample_traces" / "healthy_pd_pp1" / "trace"
+    args = ("analyze", trace, "--format", "json", "--window-events", "300", "--fail-on", "never")
+    on_cluster, local = _pdtrace(*args, "--dask", scheduler_address), _pdtrace(*args)
+    assert on_cluster.returncode == local.returncode == 0, on_cluster.stderr + local.stderr
+    report = json.loads(on_cluster.stdout)
+    assert report == json.loads(local.stdout)
+    assert max(w["windows"] for w in report["summary"]["windows"].values()) >= 2

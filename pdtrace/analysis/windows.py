@@ -524,7 +524,7 @@ class PathSource:
             extra = self._every
         more = extra.table
         keep = pc.and_(window_rows(more, since, until, carried), pc.invert(in_time(more.column("ts_ns"), since, until)))
-        table = unified(pa.concat_tables([trace.table, more.filter(keep)]))  # both read as open_trace reads
+        table = unified(pa.concat_tables([trace.table, more.filter(keep)]))  # both read by `_open`: req as codes
         out = Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
                     skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
                     window_source=trace.window_source)
