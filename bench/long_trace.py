@@ -45,10 +45,11 @@ their ratio, the primary figure.
     1.7        8.99 s / 14.3 s       10.36 s / 16.2 s     4.10 s / 6.57 s     2.19x (1.92-3.04x)     2.18x
     1.6-1.8    8.72 s / 13.8 s        9.13 s / 14.2 s     4.62 s / 7.19 s     1.89x (1.55-3.08x)     1.93x
     0.4-2.0    8.52 s / 13.5 s        8.59 s / 13.3 s     3.82 s / 6.02 s     2.23x (1.92-3.11x)     2.25x
+    0.5-1.3    8.28 s / 13.1 s        (--repeat 5 alone)  3.95 s / 6.16 s     2.10x (1.78-3.41x)     2.12x
   Tree peak 1.17-1.18 GiB (cca9a49: 1.22-1.25). Against the malloc floor 2.53-2.76x. Against cca9a49 0.87x,
   0.96x and 0.99x wall: a few per cent at most on 2 cores, within the machine's drift. The per-run ratio spans
   1.55-3.11x because the floor on Arrow's default pool took 2.61-5.83 s in one set (its malloc twin 3.02-3.88 s):
-  the target is met in one set's median and missed in two, so not reliably.
+  the target is met in one set's median and missed in three, so not reliably.
   On one core (`taskset -c 0 ... --profile`, 2 runs each): analyze cpu 10.94-11.41 s (cca9a49: 11.58-11.97 s):
   the plan 1.60-1.67 s, the windows' reads 3.79-3.89 s (4.16-4.17 s), the rules and their tables 5.14-5.42 s, the
   rest 0.41-0.43 s; the floor on one core 4.35-4.54 s wall: 2.5x. This machine's second core buys little: the
