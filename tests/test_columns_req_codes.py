@@ -4,6 +4,7 @@ chunk by chunk match a chunked take."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -134,3 +135,20 @@ def test_normalize_keeps_any_string_req_as_the_one_dictionary_type(req_type: pa.
     assert got.schema.field("req").type == REQ_DICTIONARY_TYPE
     assert got.column("req").cast(pa.string()).to_pylist() == names.to_pylist()
     assert normalize_table(other).schema.field("req").type == pa.string()
+
+
+def test_a_req_column_of_codes_gives_the_hashed_codes_without_the_kept_indices(monkeypatch: Any) -> None:
+    # a window's table (`PathSource.rows`) concatenates reads whose req is dictionary<int32, string>, one dictionary
+    # per row group, and holds no kept indices: Columns takes the codes from the column itself, by first
+    # appearance, never through `dictionary_codes` (which unifies the row groups' dictionaries: a hash of each name)
+    from pdtrace.analysis import columns as C
+
+    path = SAMPLES / "healthy_pd_pp1" / "trace"
+    coded = open_trace(path, warn=False, req_dictionary=True)
+    plain = open_trace(path, warn=False)
+    want = Columns(plain).codes("req")
+    delattr(coded, REQ_DICTIONARY_ATTR)
+    monkeypatch.setattr(C, "dictionary_codes", lambda column: pytest.fail("req's names hashed"))
+    got = Columns(coded).codes("req")
+    assert got[1] == want[1]
+    np.testing.assert_array_equal(got[0], want[0])

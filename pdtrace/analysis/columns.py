@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from pdtrace.analysis.once import OnceCache, once_property
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.trace.model import Trace, parse_details, rows_by_chunk
-from pdtrace.trace.reader import REQ_DICTIONARY_ATTR
+from pdtrace.trace.reader import REQ_DICTIONARY_ATTR, REQ_DICTIONARY_TYPE
 
 NO = -1  # the "absent" value of every code, key, step and position array
 ABSENT = -2  # code_of() for a value the column does not hold
@@ -361,7 +361,10 @@ class Columns:
             codes = _first_seen_codes(kept[1], self.n)
             delattr(self.trace, REQ_DICTIONARY_ATTR)  # its indices are not needed again: free them
             return codes
-        return dictionary_codes(self.table.column(name))
+        column = self.table.column(name)
+        if name == "req" and column.type == REQ_DICTIONARY_TYPE:  # read as codes: `open_trace(req_dictionary=True)`
+            return _first_seen_codes(column, self.n)
+        return dictionary_codes(column)
 
     def once(self, key: Any, build: Any) -> Any:
         """A value derived from these columns, built once (by the first caller, on any thread) and kept."""

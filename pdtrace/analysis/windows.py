@@ -71,7 +71,7 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
 from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
-from pdtrace.trace.reader import REQ_DICTIONARY_ATTR, REQ_DICTIONARY_TYPE, system_memory_pool, unified
+from pdtrace.trace.reader import system_memory_pool, unified
 
 #: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
 #: the end of the trace lowers a leak found at that moment).
@@ -525,12 +525,9 @@ class PathSource:
         more = extra.table
         keep = pc.and_(window_rows(more, since, until, carried), pc.invert(in_time(more.column("ts_ns"), since, until)))
         table = unified(pa.concat_tables([trace.table, more.filter(keep)]))  # both read by `_open`: req as codes
-        out = Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
-                    skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
-                    window_source=trace.window_source)
-        if table.schema.field("req").type == REQ_DICTIONARY_TYPE:
-            setattr(out, REQ_DICTIONARY_ATTR, (table, table.column("req")))
-        return out
+        return Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
+                     skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
+                     window_source=trace.window_source)
 
     def _extra(self, outside: list[int], carried: dict[str, int], since: int) -> Trace:
         """The rows a window reads besides its time range: those at the EVERY_WINDOW rows' ts `outside` (or of

@@ -649,9 +649,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             warnings.warn(note, TraceWarning, stacklevel=3)
     trace = Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
     trace.window_start_ns, trace.window_source = trace_window(manifest, files, footers, since_ns)
-    if req_dictionary and "req" in table.column_names and table.schema.field("req").type == REQ_DICTIONARY_TYPE:
-        setattr(trace, REQ_DICTIONARY_ATTR, (table, table.column("req")))
-    elif req_parts and all(part is not None for part in req_parts):
+    if req_parts and all(part is not None for part in req_parts):
         req = pa.chunked_array([c for part in req_parts for c in part.chunks],  # type: ignore[union-attr]
                                pa.dictionary(pa.int32(), pa.string()))
         if len(req) == table.num_rows:
