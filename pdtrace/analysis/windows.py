@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
@@ -149,6 +149,22 @@ LO, HI = np.iinfo(np.int64).max, np.iinfo(np.int64).min
 NO_STEP = HI  # the key of a row without a step (`_step_spans`): no (dp_rank, step) has it
 
 
+class BatchPart(NamedTuple):
+    """One batch's part of the plan (`_group_parts`)."""
+
+    #: per request seen: (names, first ts, last ts, finished)
+    reqs: tuple[Any, ...]
+    #: per step key (step + (dp_rank + 1) << 40): (keys, first ts, last ts)
+    steps: tuple[np.ndarray, ...]
+    #: the EVERY_WINDOW rows' ts
+    every_ts: np.ndarray
+    least: int
+    greatest: int
+    #: every stride-th ts, each standing for rows / len(sample) events
+    sample: np.ndarray
+    rows: int
+
+
 def _first_last(codes: np.ndarray, ts: np.ndarray, m: int,
                 last_ts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per code in [0, m): the least ts and the greatest (of `last_ts` where given; LO > HI where the code has no
@@ -183,10 +199,11 @@ def _kind_rows(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     """One batch's part of the plan: per request (names, first, last, finished), per step key (keys, first, last),
-    the EVERY_WINDOW rows' ts. First and last by `np.minimum.at` / `np.maximum.at` over the requests' dictionary
-    codes, and per run of equal step keys (`_step_spans`), rather than a hash aggregate of the request strings and
-    step keys (the batches of 20M events: 1.5 s against 3.8 s, and the strings are not decoded; the plan 2.8 s
-    against 5.8 s; with `_step_spans` and `_kind_rows`, CPU 0.24 s against 0.38 s, one core)."""
+    the EVERY_WINDOW rows' ts, the batch's least and greatest ts. First and last by `np.minimum.at` /
+    `np.maximum.at` over the requests' dictionary codes, and per run of equal step keys (`_step_spans`), rather
+    than a hash aggregate of the request strings and step keys (the batches of 20M events: 1.5 s against 3.8 s,
+    and the strings are not decoded; the plan 2.8 s against 5.8 s; with `_step_spans` and `_kind_rows`, CPU 0.24 s
+    against 0.38 s, one core)."""
     ts = batch.column("ts_ns").to_numpy()
     finish_rows, every_rows = _kind_rows(batch.column("kind"))
     # requests: the dictionary's codes (the files' own dictionary; a plain column is encoded here)
@@ -194,14 +211,14 @@ def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     req = req if pa.types.is_dictionary(req.type) else pc.dictionary_encode(req)
     m = len(req.dictionary)
     codes = (pc.fill_null(req.indices, m) if req.null_count else req.indices).to_numpy()  # null: code m, dropped
-    first, last = _first_last(codes, ts, m + 1)
+    first, last = _first_last(codes, ts, m + 1)  # every row has a code (null: m), so these bound the batch too
     finished = np.zeros(m + 1, bool)
     finished[codes[finish_rows]] = True
     seen = np.flatnonzero(first[:m] <= last[:m])
     reqs = (req.dictionary.take(pa.array(seen)).cast(pa.string()), first[seen], last[seen], finished[seen])
     # steps: one int64 key per (dp_rank, step) (step + (dp_rank + 1) << 40), a null step dropped
     steps = _step_spans(batch.column("step"), batch.column("dp_rank"), ts)
-    return reqs, steps, ts[every_rows]
+    return reqs, steps, ts[every_rows], int(first.min()), int(last.max())
 
 
 def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -260,10 +277,10 @@ def _key_spans(keys: np.ndarray, first: np.ndarray, last: np.ndarray) -> tuple[n
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
 
 
-def _group_parts(group: Any, stride: int) -> list[tuple[Any, ...]]:
+def _group_parts(group: Any, stride: int) -> list[BatchPart]:
     """One group's part of the plan (`plan_windows`): per batch `_batch_spans` plus the batch's ts sample (every
-    `stride`-th), its row count, least and greatest ts. A group is a batch, a table or a callable returning an
-    iterable of them (a file's batches, read where it is called: on a plan thread)."""
+    `stride`-th) and its row count. A group is a batch, a table or a callable returning an iterable of them (a
+    file's batches, read where it is called: on a plan thread)."""
     out = []
     try:
         for part in group() if callable(group) else [group]:
@@ -272,7 +289,7 @@ def _group_parts(group: Any, stride: int) -> list[tuple[Any, ...]]:
                     continue
                 ts = batch.column("ts_ns").to_numpy()
                 # the sample is copied: the batch's buffers go with the batch (the plan holds no 8 bytes an event)
-                out.append(_batch_spans(batch) + (ts[::stride].copy(), len(ts), int(ts.min()), int(ts.max())))
+                out.append(BatchPart(*_batch_spans(batch), ts[::stride].copy(), len(ts)))
     except (OSError, pa.ArrowException) as exc:
         if not isinstance(group, PlanFile):
             raise
@@ -322,22 +339,22 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
             parts = [p for done in pool.map(lambda g: _group_parts(g, stride), groups) for p in done]
     else:
         parts = [p for g in groups for p in _group_parts(g, stride)]
-    n = sum(p[4] for p in parts)
-    names, r_first, r_last, finished = _merged_requests([p[0] for p in parts])
-    s_first, s_last = _merged_steps([p[1] for p in parts])
-    every_ts = np.unique(np.concatenate([p[2] for p in parts])) if parts else np.empty(0, np.int64)
+    n = sum(p.rows for p in parts)
+    names, r_first, r_last, finished = _merged_requests([p.reqs for p in parts])
+    s_first, s_last = _merged_steps([p.steps for p in parts])
+    every_ts = np.unique(np.concatenate([p.every_ts for p in parts])) if parts else np.empty(0, np.int64)
     if n == 0:
         return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
     count = max(1, -(-n // max(int(window_events), 1)))
     # the cut times are quantiles of the ts sample, each sampled ts weighing the events of its batch it stands
     # for (exact where every ts is sampled: stride 1); one sort of at most ~SAMPLE values replaces a selection
     # pass per cut. Each batch's sample is a sorted run (a row group in time order): the stable sort merges them.
-    sample = np.concatenate([p[3] for p in parts])
-    weight = np.concatenate([np.full(len(p[3]), p[4] / len(p[3])) for p in parts])
+    sample = np.concatenate([p.sample for p in parts])
+    weight = np.concatenate([np.full(len(p.sample), p.rows / len(p.sample)) for p in parts])
     order = np.argsort(sample, kind="stable")
     sample, weight = sample[order], weight[order]
     del order
-    first, last = min(p[5] for p in parts), max(p[6] for p in parts)
+    first, last = min(p.least for p in parts), max(p.greatest for p in parts)
     targets = np.array([k * n // count for k in range(1, count)], np.float64)
     mark_ts = _weighted_quantiles(sample, weight, targets)
     behind_ts = _weighted_quantiles(sample, weight, np.maximum(targets - lookback, 0))
