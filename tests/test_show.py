@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from pdtrace.analysis.story import collapse_runs, related_requests, request_story, step_ranks, step_story
@@ -204,3 +208,85 @@ def test_show_step_inside_an_empty_run_names_the_run(cli, tmp_path):
     assert set(step_ranks(trace, 5)["relation"]) == {"no_output"}
     head = cli("show", tmp_path / "t", "--step", "1")
     assert "waited for every rank: yes, 2/2" in head.stdout
+
+
+def _unconfigured_lagging_rank() -> object:
+    """lagging_rank_trace without its engine_config: the lanes step 1 expects (rank 1's, which never executes it)
+    are known only from the exec rows of other steps."""
+    from pdtrace.trace.model import Trace
+
+    trace = lagging_rank_trace()
+    return Trace.from_table(trace.table.filter(pc.not_equal(pc.cast(trace.table.column("kind"), pa.string()),
+                                                            "engine_config")))
+
+
+BUILT_STORIES = {"healthy_pd": healthy_pd, "deferred_frees": deferred_frees, "empty_run": empty_run_trace,
+                 "lagging_rank": lagging_rank_trace, "unconfigured_lagging_rank": _unconfigured_lagging_rank}
+
+
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
+
+
+def _story_names() -> list[str]:
+    return sorted(p.name for p in SAMPLES.iterdir() if (p / "trace").is_dir()) + sorted(BUILT_STORIES)
+
+
+def _story_trace(name: str) -> object:
+    from pdtrace.trace.reader import open_trace
+
+    return BUILT_STORIES[name]() if name in BUILT_STORIES else open_trace(SAMPLES / name / "trace", warn=False)
+
+
+def _same(got: pd.DataFrame, want: pd.DataFrame, what: str) -> None:
+    pd.testing.assert_frame_equal(got.reset_index(drop=True), want.reset_index(drop=True), obj=what)
+
+
+@pytest.mark.parametrize("name", _story_names())
+def test_a_story_read_alone_is_the_whole_traces(name, tmp_path):
+    """`show` reads only a request's or a step's rows (`request_rows`, `step_rows`); the stories must be those of
+    the whole trace: a spread of the sample's requests and steps, with and without --instance."""
+    from pdtrace.analysis.columns import columns
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.story import folded_steps, request_rows, step_rows
+    from pdtrace.trace.builder import write_table
+
+    whole = _story_trace(name)
+    path = tmp_path / "t"
+    write_table(whole.table, path)
+    cols = columns(AnalysisContext(whole))
+    req_names = cols.codes("req")[1]
+    instances = cols.codes("instance")[1]
+    stride = max(1, len(req_names) // 3)
+    for req in req_names[::stride] + req_names[-1:]:
+        for instance in [None] + instances[-1:]:
+            rows = request_rows(path, req, instance)
+            assert len(rows) < len(whole) or len(req_names) == 1
+            _same(request_story(rows, req, instance), request_story(whole, req, instance), f"{req} {instance}")
+            assert related_requests(rows, req, instance) == related_requests(whole, req, instance)
+    steps = sorted({int(s) for s in cols.step[cols.step >= 0].tolist()})
+    for step in steps[::max(1, len(steps) // 3)] + steps[-1:] + [max(steps, default=0) + 1]:
+        rows, lanes = step_rows(path, step)
+        for instance in [None] + instances[-1:]:
+            _same(step_story(rows, step, instance), step_story(whole, step, instance), f"step {step} {instance}")
+            _same(step_ranks(rows, step, instance, lanes), step_ranks(whole, step, instance), f"ranks {step}")
+            _same(folded_steps(rows, step, instance), folded_steps(whole, step, instance), f"folded {step}")
+
+
+def test_show_reads_only_the_story(cli, tmp_path, monkeypatch):
+    """`show` never loads the whole trace: each read it makes is filtered to the story's rows."""
+    from pdtrace.trace import reader
+    from pdtrace.trace.builder import write_table
+
+    write_table(healthy_pd().table, tmp_path / "t")
+    calls = []
+    real = reader.open_trace
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("rows"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "open_trace", spy)
+    monkeypatch.setattr("pdtrace.analysis.story.open_trace", spy)
+    assert cli("show", tmp_path / "t", "--req", "r1").exit_code == 0
+    assert cli("show", tmp_path / "t", "--step", "2").exit_code == 0
+    assert calls and all(rows is not None for rows in calls)

@@ -19,21 +19,36 @@ points.
 `folded_steps(trace, step, instance=None)`  per scheduler whose coalesced `sched` row (detail `empty_run` = k,
     at step K0) covers `step` (K0 < step < K0 + k): instance, dp_rank, first_step K0, last_step K0 + k - 1.
 `collapse_runs(story)`  consecutive `req_sched` rows of one request as one row (for reading long decodes).
+
+Read from a trace directory, a story needs its own rows, not the trace's: `request_rows(path, req, instance)` and
+`step_rows(path, step, instance)` read just the rows the functions above read about one request or step (row
+filters on the files, which hold only the kept rows in memory), so `pdtrace show` on a six-hour trace costs a few
+scans of the files instead of loading 60M events (bench/long_trace.py's trace: ~20 GB, a MemoryError). The
+stories they give are the whole trace's (tests/test_show.py compares them on every sample).
+- request_rows: (1) the `req_add` rows (one a request) and the rows naming `req`: `related_requests` on them gives
+  the (instance, req) pairs, since every P/D link is a `req_add` row; (2) every row of the pairs' ids; (3) where
+  the story has deferred frees, the request-less `blocks_pool_free` rows of their instances from the first of them.
+- step_rows: the rows of the step, the `engine_config` rows, the `sched` rows before the step that head a run of
+  empty steps (detail `empty_run`), and the rank lanes (`rank_lanes`) of the whole trace's exec rows, which
+  `step_ranks` takes instead of the lanes of the rows it is given.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
 
 from pdtrace.analysis.columns import columns
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.steps import detail_number, detail_text, exec_spans, step_table
 from pdtrace.trace.model import Trace
+from pdtrace.trace.reader import open_trace, unified
 
 STORY_COLUMNS = ("ts_ns", "instance", "role", "dp_rank", "pid", "component", "pp_rank", "tp_rank", "kind", "step",
                  "req", "blocks", "n", "reason", "status", "delay_free", "deferred", "detail", "seq")
@@ -144,16 +159,31 @@ def step_story(trace: Trace, step: int, instance: str | None = None) -> pd.DataF
     return _frame(trace, np.flatnonzero(mask))
 
 
-def step_ranks(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:
-    """Per rank lane and RPC: exec_end of step `step` before or after its step_output, or never."""
+def rank_lanes(trace: Trace) -> pd.DataFrame:
+    """The distinct rank lanes (instance, dp_rank, pp_rank, tp_rank; a null rank -1) of the trace's exec_begin and
+    exec_end rows: the lanes `step_ranks` expects, with engine_config's grid."""
+    table = trace.table.select(["instance", "dp_rank", "pp_rank", "tp_rank", "kind"])
+    table = table.filter(pc.is_in(pc.cast(table.column("kind"), pa.string()),
+                                  value_set=pa.array(["exec_begin", "exec_end"])))
+    frame = pd.DataFrame({"instance": pc.cast(table.column("instance"), pa.string()).to_numpy(zero_copy_only=False),
+                          **{name: pc.fill_null(table.column(name), -1).to_numpy().astype(np.int64)
+                             for name in ("dp_rank", "pp_rank", "tp_rank")}})
+    return frame.drop_duplicates().reset_index(drop=True)
+
+
+def step_ranks(trace: Trace, step: int, instance: str | None = None,
+               lanes: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per rank lane and RPC: exec_end of step `step` before or after its step_output, or never. `lanes`: the
+    trace's `rank_lanes` where `trace` holds only some of its rows (`step_rows`); None: this trace's."""
     ctx = AnalysisContext(trace)
     cols = columns(ctx)
     inst_codes, inst_names = cols.codes("instance")
-    exec_rows = cols.rows_of("exec_begin", "exec_end")
-    pp = pc.fill_null(trace.table.column("pp_rank"), -1).to_numpy().astype(np.int64)
-    tp = pc.fill_null(trace.table.column("tp_rank"), -1).to_numpy().astype(np.int64)
-    lanes = pd.DataFrame({"inst": inst_codes[exec_rows], "dp": cols.dp[exec_rows].astype(np.int64),
-                          "pp": pp[exec_rows], "tp": tp[exec_rows]}).drop_duplicates()
+    lanes = rank_lanes(trace) if lanes is None else lanes
+    code_of = {name: i for i, name in enumerate(inst_names)}
+    lanes = pd.DataFrame({"inst": np.array([code_of.get(name, -9) for name in lanes["instance"]], np.int64),
+                          "dp": lanes["dp_rank"].to_numpy(np.int64), "pp": lanes["pp_rank"].to_numpy(np.int64),
+                          "tp": lanes["tp_rank"].to_numpy(np.int64)})
+    lanes = lanes[lanes["inst"] >= 0]
     cfg_rows = cols.rows_of("engine_config")
     if len(cfg_rows):
         cfg_pp = detail_number(ctx, cfg_rows, "pp")
@@ -240,3 +270,47 @@ def collapse_runs(story: pd.DataFrame, kinds: Iterable[str] = ("req_sched",)) ->
     out["last_step"] = pd.array(story.groupby("_run", sort=True)["step"].last().to_numpy(), dtype="Int64")
     out["count"] = story.groupby("_run", sort=True).size().to_numpy()
     return out.reset_index(drop=True)
+
+
+def _read(path: str | os.PathLike[str], rows: ds.Expression, columns: list[str] | None = None) -> Trace:
+    return open_trace(path, columns=columns, rows=rows, warn=False)
+
+
+def _joined(first: Trace, more: Trace) -> Trace:
+    """`first` with the rows of `more` (another filtered read of the same trace) appended."""
+    if len(more) == 0:
+        return first
+    table = unified(pa.concat_tables([first.table, more.table]))
+    warnings = first.warnings + [w for w in more.warnings if w not in first.warnings]
+    return Trace(table=table, path=first.path, manifest=first.manifest, files=first.files, skipped=first.skipped,
+                 warnings=warnings, window_start_ns=first.window_start_ns, window_source=first.window_source)
+
+
+def request_rows(path: str | os.PathLike[str], req: str, instance: str | None = None) -> Trace:
+    """The rows of the trace at `path` that `request_story` and `related_requests` read about `req` (module
+    docstring): the same story, holding the request's rows and one row a request rather than the trace."""
+    kind = ds.field("kind")
+    adds = _read(path, (ds.field("req") == req) | (kind == "req_add"))
+    pairs = related_requests(adds, req, instance)
+    if not pairs:
+        return adds
+    rows = _read(path, ds.field("req").isin(sorted({r for _, r in pairs})))
+    story = request_story(rows, req, instance)
+    deferred = story[(story["kind"] == "blocks_free") & story["deferred"].fillna(False).astype(bool)]
+    if len(deferred) == 0:
+        return rows
+    drains = _read(path, (kind == "blocks_pool_free") & ds.field("req").is_null()
+                   & ds.field("instance").isin(sorted(set(deferred["instance"].astype(str))))
+                   & (ds.field("ts_ns") >= int(deferred["ts_ns"].min())))
+    return _joined(rows, drains)
+
+
+def step_rows(path: str | os.PathLike[str], step: int) -> tuple[Trace, pd.DataFrame]:
+    """(the rows of the trace at `path` that `step_story`, `step_ranks` and `folded_steps` read about step
+    `step`, the trace's `rank_lanes`) (module docstring): the same story, holding the step's rows."""
+    kind, number = ds.field("kind"), ds.field("step")
+    rows = _read(path, (number == int(step)) | (kind == "engine_config")
+                 | ((kind == "sched") & (number < int(step)) & pc.match_substring(ds.field("detail"), "empty_run")))
+    lanes = _read(path, kind.isin(["exec_begin", "exec_end"]),
+                  columns=["instance", "dp_rank", "pp_rank", "tp_rank", "kind"])
+    return rows, rank_lanes(lanes)

@@ -101,7 +101,11 @@ def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) 
     each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
     from pdtrace.trace.reader import open_trace
 
-    trace = open_trace(path, columns=columns, warn=False, **kwargs)
+    return warned(open_trace(path, columns=columns, warn=False, **kwargs))
+
+
+def warned(trace: "Trace") -> "Trace":
+    """The trace, its warnings (skipped files, unknown kinds, bad manifest) printed to stderr, one line each."""
     for note in trace.warnings:
         err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     return trace

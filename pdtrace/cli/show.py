@@ -2,8 +2,9 @@
 every instance (P and D joined through req_add's remote links), or of one step across the scheduler, the engine
 and every rank, with, for the step, which ranks' exec_end came before its step_output and which after (or never).
 
-The computation is `pdtrace.analysis.story`; this module loads the trace and renders. An unknown request or step is
-a one-line error and exit status 2.
+The computation is `pdtrace.analysis.story`, on the rows it reads about the request or step (`request_rows`,
+`step_rows`: not the whole trace); this module renders. An unknown request or step is a one-line error and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any, Optional
 import pandas as pd
 import typer
 
-from pdtrace.cli.app import app, out_console
-from pdtrace.cli.app import load_trace
+from pdtrace.cli.app import app, out_console, warned
 from pdtrace.errors import UsageError
 
 
@@ -167,13 +167,14 @@ def show(
     carried, then which ranks' exec_end came before the step_output and which after (or never): whether
     update_from_output waited for every PP rank.
     """
-    from pdtrace.analysis.story import folded_steps, related_requests, request_story, step_ranks, step_story
+    from pdtrace.analysis.story import (folded_steps, related_requests, request_rows, request_story, step_ranks,
+                                        step_rows, step_story)
 
     if (req is None) == (step is None):
         raise UsageError("give exactly one of --req ID or --step K")
-    loaded = load_trace(trace)
     where = f" on instance {instance}" if instance else ""
     if req is not None:
+        loaded = warned(request_rows(trace, req, instance))  # the story's rows, not the trace's
         story = request_story(loaded, req, instance)
         if len(story) == 0:
             raise UsageError(f"request {req!r} not found in {trace}{where}")
@@ -185,10 +186,12 @@ def show(
             return
         _render_request(req, pairs, story, full)
         return
+    loaded, lanes = step_rows(trace, int(step))  # type: ignore[arg-type]
+    warned(loaded)
     story = step_story(loaded, int(step), instance)  # type: ignore[arg-type]
     if len(story) == 0:
         raise UsageError(f"step {step} not found in {trace}{where}")
-    ranks = step_ranks(loaded, int(step), instance)  # type: ignore[arg-type]
+    ranks = step_ranks(loaded, int(step), instance, lanes)  # type: ignore[arg-type]
     folded = folded_steps(loaded, int(step), instance)  # type: ignore[arg-type]
     if fmt is ShowFormat.json:
         start = int(story["ts_ns"].iloc[0])

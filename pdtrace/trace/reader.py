@@ -348,11 +348,14 @@ REQ_DICTIONARY_TYPE = pa.dictionary(pa.int32(), pa.string())
 
 
 def _read_files(paths: list[str], columns: list[str], expression: ds.Expression | None,
-                inside: tuple[int, int] | None = None) -> pa.Table:
+                inside: tuple[int, int] | None = None, selective: bool = False) -> pa.Table:
+    """The rows of `paths` that `expression` keeps. `selective`: it keeps few of them (a `rows` filter: one
+    request's rows, one step's), so the scanner filters batch by batch and holds only those; otherwise `_sliced`
+    keeps whole row groups as slices (a window: most rows)."""
     files = dataset(paths, format=_DICTIONARY_READ if "req" in columns else "parquet")
     if expression is None:
         return files.to_table(columns=columns)
-    if set(columns) != set(COLUMNS):  # the expression may name a column not read: the scanner filters
+    if selective or set(columns) != set(COLUMNS):  # the expression may name a column not read: the scanner filters
         return files.to_table(columns=columns, filter=expression)
     return _sliced(files, columns, expression, inside)
 
@@ -460,8 +463,9 @@ def open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None = Non
         `pdtrace.analysis.partitions`); the trace's path stays `path`. They are part of a trace whose other files
         are read elsewhere, so when every one of them turns out corrupt the result is an empty trace listing them
         in `skipped`, as a whole-trace read would skip them, not an error.
-    rows: a further row filter (a pyarrow dataset expression), ANDed with the others (a window's extra rows,
-        `pdtrace.analysis.windows`).
+    rows: a further row filter (a pyarrow dataset expression), ANDed with the others, that keeps few rows (a
+        window's extra rows, `pdtrace.analysis.windows`; a story's, `pdtrace.analysis.story`): the files are
+        filtered batch by batch, so memory holds the kept rows, not the files'.
     keep_config: with since_ns, keep the `engine_config` rows from before it too (`model.WINDOW_KEEPS`: what the
         analysis of a window reads, configuration rather than history).
     req_dictionary: the table's `req` as read from Parquet, REQ_DICTIONARY_TYPE with a dictionary per row group,
@@ -589,6 +593,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
     # a time window alone keeps every row of [since, until) (`_kept`)
     inside = (int(since_ns), int(until_ns)) if (wanted_instances is None and rows is None and since_ns is not None
                                                  and until_ns is not None) else None
+    selective = rows is not None
     if rows is not None:
         expression = rows if expression is None else expression & rows
     tables = []
@@ -598,7 +603,7 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
     file_rows: list[int] | None = []
     for _schema, paths in runs:
         try:
-            raw = _read_files(paths, selected, expression, inside)
+            raw = _read_files(paths, selected, expression, inside, selective)
             tables.append(normalize_table(raw, selected, paths[0], req_dictionary))
             req_parts.append(_req_dictionary(raw))
             counts = [footer_rows[name] for name in paths]
@@ -610,14 +615,14 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
         except TraceError:
             # A value that does not fit the format's type (say a pid beyond int32): name the file that holds it.
             for name in paths:
-                normalize_table(_read_files([name], selected, expression), selected, name)
+                normalize_table(_read_files([name], selected, expression, None, selective), selected, name)
             raise
         except (OSError, pa.ArrowException):
             # A corrupt data page somewhere in the run: read its files one by one and skip the bad ones.
             for name in paths:
                 try:
-                    tables.append(normalize_table(_read_files([name], selected, expression), selected, name,
-                                                  req_dictionary))
+                    tables.append(normalize_table(_read_files([name], selected, expression, None, selective),
+                                                  selected, name, req_dictionary))
                     req_parts.append(None)
                     if file_rows is not None:
                         file_rows.append(tables[-1].num_rows)
