@@ -290,3 +290,14 @@ def test_show_reads_only_the_story(cli, tmp_path, monkeypatch):
     assert cli("show", tmp_path / "t", "--req", "r1").exit_code == 0
     assert cli("show", tmp_path / "t", "--step", "2").exit_code == 0
     assert calls and all(rows is not None for rows in calls)
+
+
+def test_cli_show_reads_a_trace_by_url(cli, tmp_path):
+    """show takes the locations analyze and info take: a file:// URL (the Path argument it had mangled it)."""
+    from pdtrace.trace.builder import write_table
+
+    write_table(healthy_pd().table, tmp_path / "t")
+    by_path = cli("show", tmp_path / "t", "--req", "r1", "--format", "json")
+    by_url = cli("show", (tmp_path / "t").as_uri(), "--req", "r1", "--format", "json")
+    assert by_url.exit_code == 0, by_url.stderr
+    assert json.loads(by_url.stdout)["events"] == json.loads(by_path.stdout)["events"]

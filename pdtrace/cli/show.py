@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from pathlib import Path
 from typing import Any, Optional
 
 import pandas as pd
 import typer
 
-from pdtrace.cli.app import app, out_console, warned
+from pdtrace.cli.app import TraceLocation, app, out_console, warned
 from pdtrace.errors import UsageError
 
 
@@ -153,7 +152,7 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd
 
 @app.command("show")
 def show(
-    trace: Path = typer.Argument(..., help="Trace directory (or one Parquet part file)."),
+    trace: TraceLocation,
     req: Optional[str] = typer.Option(None, "--req", help="Request id: its story on every instance."),
     step: Optional[int] = typer.Option(None, "--step", help="Step id: its story across scheduler, engine, ranks."),
     instance: Optional[str] = typer.Option(None, "--instance", help="Only this instance (the request's or step's)."),
