@@ -26,8 +26,9 @@ filters on the files, which hold only the kept rows in memory), so `pdtrace show
 scans of the files instead of loading 60M events (bench/long_trace.py's trace: ~20 GB, a MemoryError). The
 stories they give are the whole trace's (tests/test_show.py compares them on every sample).
 - request_rows: (1) the `req_add` rows (one a request) and the rows naming `req`: `related_requests` on them gives
-  the (instance, req) pairs, since every P/D link is a `req_add` row; (2) every row of the pairs' ids; (3) where
-  the story has deferred frees, the request-less `blocks_pool_free` rows of their instances from the first of them.
+  the (instance, req) pairs, since every P/D link is a `req_add` row; (2) every row of the pairs' ids, where they
+  are not all `req` (P and D often share the id); (3) where the story has deferred frees, the request-less
+  `blocks_pool_free` rows of their instances from the first of them.
 - step_rows: the rows of the step, the `engine_config` rows, the `sched` rows before the step that head a run of
   empty steps (detail `empty_run`), and the rank lanes (`rank_lanes`) of the whole trace's exec rows, which
   `step_ranks` takes instead of the lanes of the rows it is given.
@@ -294,7 +295,9 @@ def request_rows(path: str | os.PathLike[str], req: str, instance: str | None = 
     pairs = related_requests(adds, req, instance)
     if not pairs:
         return adds
-    rows = _read(path, ds.field("req").isin(sorted({r for _, r in pairs})))
+    names = sorted({r for _, r in pairs})
+    # the first read holds every row of `req` already; the other ids' need a second (a P/D pair renamed across sides)
+    rows = adds if names == [req] else _read(path, ds.field("req").isin(names))
     story = request_story(rows, req, instance)
     deferred = story[(story["kind"] == "blocks_free") & story["deferred"].fillna(False).astype(bool)]
     if len(deferred) == 0:
