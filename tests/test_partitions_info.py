@@ -74,3 +74,27 @@ def test_export_of_one_instance_reads_only_its_files(trace_dir: Path, tmp_path: 
     assert json.loads((tmp_path / "d1.json").read_text()) == json.loads((tmp_path / "ref.json").read_text())
     res = cli("plot", trace_dir, "--kind", "steps", "--instance", "nope", "-o", tmp_path / "x.png")
     assert res.exit_code == 2 and "nothing to show" in res.stderr
+
+
+def test_info_rows_reads_an_instance_in_groups_of_files(tmp_path: Path, cli) -> None:
+    """`info --rows` holds a group of an instance's files at a time (an instance of hours does not fit): with
+    groups of one small file each, a request's rows span several groups, and the merged summary is still the one
+    load's (requests counted once, each scheduler's steps summed, its first and last step kept)."""
+    trace_dir = write_table(cross_instance_trace().table, tmp_path / "trace", rows_per_file=2)
+    full = info_json(cli, trace_dir)
+    assert max(len(list(d.rglob("*.parquet"))) for d in trace_dir.iterdir() if d.is_dir()) > 3
+    groups: list[int] = []
+    from pdtrace.trace import summary
+
+    real = summary.file_groups
+
+    def one_file_each(files, rows_of, most):
+        out = real(files, rows_of, 1)
+        groups.append(len(out))
+        return out
+
+    with mock.patch("pdtrace.analysis.partitions.PARTITION_MIN_EVENTS", 0), \
+            mock.patch("pdtrace.trace.summary.file_groups", one_file_each):
+        rows = info_json(cli, trace_dir, "--rows")
+    assert groups and max(groups) > 3
+    assert rows == full

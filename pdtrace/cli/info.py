@@ -10,8 +10,9 @@ requests, manifest {command, vllm_version, vllm_table, created} or null, warning
 Which rows are read: a trace under PARTITION_MIN_EVENTS events (or one file) is loaded whole, as always. A larger
 trace is summarised from its Parquet footers alone (`summarize_footers`: row counts, statistics, metadata;
 `rows_read` false): `kinds`, `requests`, `schedulers` and per-instance `requests` are then null, and the table
-says "-" for them and how to get them. `--rows` reads the rows, one instance at a time (each instance's summary,
-merged: the memory of the largest instance). `--instance NAME` (repeatable) summarises only those instances,
+says "-" for them and how to get them. `--rows` reads the rows, one instance at a time and an instance's files in
+groups of at most a window's events (`analysis.windows.DEFAULT_WINDOW_EVENTS`; the summaries merged, requests
+counted over the groups: the memory of a group, not of an instance of hours). `--instance NAME` (repeatable) summarises only those instances,
 reading only their part files.
 
 Warnings found while loading (skipped part files, unknown kinds, a bad manifest) go to stderr, one line each;
@@ -132,8 +133,9 @@ def info(
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
     from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
+    from pdtrace.analysis.windows import DEFAULT_WINDOW_EVENTS
     from pdtrace.format import COLUMNS
-    from pdtrace.trace.summary import merge_summaries, summarize, summarize_footers
+    from pdtrace.trace.summary import file_groups, merge_summaries, request_names, summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
     # a trace, so every value the validator knows how to check is loaded and checked.
@@ -144,13 +146,17 @@ def info(
     elif plan.events < PARTITION_MIN_EVENTS or not is_directory(trace):
         summary = summarize(load_trace(trace, columns=columns))
     elif rows:
-        parts = []
+        parts, names = [], {}
+        rows_of = {f.path: f.rows for f in plan.footers.files}
         for part in plan.partitions:
-            loaded = load_trace(trace, columns=columns, instances=[part.instance] if part.shared else None,
-                                only_files=part.files)
-            parts.append(summarize(loaded))
-            del loaded
-        summary = merge_summaries(parts, plan.footers)
+            for group in file_groups(list(part.files), rows_of, DEFAULT_WINDOW_EVENTS):  # an instance of hours
+                loaded = load_trace(trace, columns=columns, instances=[part.instance] if part.shared else None,
+                                    only_files=group)
+                parts.append(summarize(loaded))
+                for instance, seen in request_names(loaded).items():
+                    names.setdefault(instance, set()).update(seen)
+                del loaded
+        summary = merge_summaries(parts, plan.footers, names)
     else:
         for note in plan.warnings:
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)

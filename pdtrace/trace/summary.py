@@ -26,7 +26,10 @@ skipped_files, dropped_events, sources, versions, time, manifest and the instanc
 its files hold no other instance, and roles / pids / ranks when every row group of its files holds one value of
 them (the recorder writes one file per process), else null; `schedulers`, `kinds`, `requests` and per-instance
 `requests` need the rows and are null. `rows_read` (added key, also in `summarize`) says which it is.
-`merge_summaries(parts, footers)` folds summaries of disjoint instance partitions into the whole trace's.
+`merge_summaries(parts, footers, request_names)` folds summaries of parts of the trace into the whole trace's: of
+disjoint instance partitions, or of groups of one instance's files (`file_groups`: what `info --rows` reads at a
+time, so memory holds a group, not an instance of hours) with the union of each part's `request_names` (a request's
+rows span its files, so its count is not a sum).
 
 Algorithm: a few Arrow hash group-bys over the whole table (per instance; per scheduler on the `sched` rows),
 `value_counts` of `kind`, `min_max` of `ts_ns`, and a regex extraction of `empty_run` from the `detail` of `sched`
@@ -164,6 +167,31 @@ def _kinds(table: pa.Table) -> dict[str, int]:
     return {k: counted[k] for k in ordered}
 
 
+def request_names(trace: Trace) -> dict[str, set[str]]:
+    """Per instance, the distinct non-null `req` values of the loaded rows (for `merge_summaries`)."""
+    table = trace.table.select(["instance", "req"])
+    if table.num_rows == 0:
+        return {}
+    if any(pa.types.is_dictionary(t) for t in table.schema.types):
+        table = table.unify_dictionaries()
+    groups = table.group_by("instance").aggregate([("req", "distinct")]).to_pylist()
+    return {g["instance"]: {r for r in g["req_distinct"] if r is not None} for g in groups}
+
+
+def file_groups(files: list[str], rows_of: dict[str, int], most: int) -> list[list[str]]:
+    """`files` in consecutive groups of at most `most` rows by their footers (a larger file alone)."""
+    groups: list[list[str]] = []
+    rows = 0
+    for name in files:
+        if groups and rows + rows_of.get(name, 0) <= most:
+            groups[-1].append(name)
+            rows += rows_of.get(name, 0)
+        else:
+            groups.append([name])
+            rows = rows_of.get(name, 0)
+    return groups
+
+
 def summarize(trace: Trace) -> dict[str, Any]:
     """Summarise a trace (loaded with at least SUMMARY_COLUMNS); keys as in the module docstring."""
     missing = [c for c in SUMMARY_COLUMNS if c not in trace.table.column_names]
@@ -260,9 +288,12 @@ def summarize_footers(footers: "TraceFooters", instances_of: dict[str, list[str]
             "rows_read": False}
 
 
-def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters") -> dict[str, Any]:
-    """The whole trace's summary from `summarize` of disjoint instance partitions (each read alone): sums, unions
-    and extremes of theirs; the file-level keys from the footers (every file, as one load would list them)."""
+def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",
+                    names: dict[str, set[str]] | None = None) -> dict[str, Any]:
+    """The whole trace's summary from `summarize` of parts of it, each read alone (module docstring): sums, unions
+    and extremes of theirs, an instance or scheduler in several parts folded into one row; the file-level keys from
+    the footers (every file, as one load would list them). `names`: per instance, the union of the parts'
+    `request_names`, which count its requests (needed where one instance spans parts)."""
     starts = [p["time"]["start_ns"] for p in parts if p["time"]["start_ns"] is not None]
     ends = [p["time"]["end_ns"] for p in parts if p["time"]["end_ns"] is not None]
     start, end = (min(starts), max(ends)) if starts else (None, None)
@@ -271,17 +302,35 @@ def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters") -> dic
         for kind, n in part["kinds"].items():
             counted[kind] = counted.get(kind, 0) + n
     ordered = [k for k in KINDS if k in counted] + sorted(k for k in counted if k not in KINDS)
-    instances = sorted((i for p in parts for i in p["instances"]), key=lambda i: i["instance"])
+    instances: dict[str, dict[str, Any]] = {}
+    for row in (i for p in parts for i in p["instances"]):
+        have = instances.setdefault(row["instance"], dict(row, events=0, requests=0))
+        for key in ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks"):
+            have[key] = sorted(set(have[key]) | set(row[key]))
+        have["events"] += row["events"]
+        have["requests"] += row["requests"]
+    for name, row in instances.items():
+        if names is not None:
+            row["requests"] = len(names.get(name, ()))
+    schedulers: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for row in (r for p in parts for r in p["schedulers"]):
+        have = schedulers.setdefault((row["instance"], row["dp_rank"]), dict(row, steps=0, sched_events=0))
+        have["steps"] += row["steps"]
+        have["sched_events"] += row["sched_events"]
+        for key, pick in (("first_step", min), ("last_step", max)):
+            known = [v for v in (have[key], row[key]) if v is not None]
+            have[key] = pick(known) if known else None
     skipped = [f"{s.path}: skipped: {s.reason}" for s in footers.skipped]
     warnings = list(footers.notes)
     for part in parts:
         warnings.extend(w for w in part["warnings"] if w not in warnings and w not in skipped)
+    rows = [instances[name] for name in sorted(instances)]
     return {**_file_keys(footers), "events": sum(p["events"] for p in parts),
             "time": {"start_ns": start, "end_ns": end, "duration_ns": None if start is None else end - start,
                      "start": _iso(start), "end": _iso(end)},
-            "instances": instances,
-            "schedulers": sorted((s for p in parts for s in p["schedulers"]),
+            "instances": rows,
+            "schedulers": sorted(schedulers.values(),
                                  key=lambda r: (r["instance"], -1 if r["dp_rank"] is None else r["dp_rank"])),
             "kinds": {k: counted[k] for k in ordered},
-            "requests": sum(i["requests"] for i in instances),
+            "requests": sum(i["requests"] for i in rows),
             "warnings": warnings + skipped, "rows_read": True}
