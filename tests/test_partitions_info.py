@@ -98,3 +98,32 @@ def test_info_rows_reads_an_instance_in_groups_of_files(tmp_path: Path, cli) -> 
         rows = info_json(cli, trace_dir, "--rows")
     assert groups and max(groups) > 3
     assert rows == full
+
+
+def test_info_rows_lists_a_file_it_cannot_decode_as_skipped_as_one_load_does(tmp_path: Path, cli) -> None:
+    """A part file with a corrupt data page under an intact footer: the one-load summary counts it skipped, not
+    loaded; so must the merged `--rows` summary (it counted it loaded, from the footers)."""
+    from test_partitions import corrupt_data_pages
+
+    trace_dir = write_table(cross_instance_trace().table, tmp_path / "trace", rows_per_file=2)
+    victim = sorted((trace_dir / "D1").rglob("*.parquet"))[1]
+    corrupt_data_pages(victim)
+    full = info_json(cli, trace_dir)
+    assert [s["path"] for s in full["skipped_files"]] == [str(victim)]
+    with mock.patch("pdtrace.analysis.partitions.PARTITION_MIN_EVENTS", 0):
+        rows = info_json(cli, trace_dir, "--rows")
+    assert rows == full
+
+
+def test_info_of_one_instance_is_the_summary_of_its_files_loaded_at_once(tmp_path: Path, cli) -> None:
+    """`info --instance` reads the instance's files in groups (one file each here) and gives what one load of
+    those files gives, every key."""
+    from pdtrace.analysis.partitions import open_instances
+    from pdtrace.trace.summary import summarize
+
+    trace_dir = write_table(cross_instance_trace().table, tmp_path / "trace", rows_per_file=2)
+    one_load = summarize(open_instances(trace_dir, ["D1"])[0])
+    with mock.patch("pdtrace.analysis.windows.DEFAULT_WINDOW_EVENTS", 1):
+        got = info_json(cli, trace_dir, "--instance", "D1")
+    assert got == json.loads(json.dumps(one_load))
+    assert got["files"] > 3

@@ -89,11 +89,18 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
 
     trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links)
     if trace is None:
-        raise EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
-                             f"{', '.join(sorted(plan.instances))})")
+        raise no_such_instances(names, plan.instances)
     for note in trace.warnings:
         err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     return trace, span
+
+
+def no_such_instances(names: Iterable[str], known: Iterable[str]) -> Exception:
+    """The one-line error (exit 2) for --instance names none of which the trace holds."""
+    from pdtrace.plot.window import EmptySelection
+
+    return EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
+                          f"{', '.join(sorted(known))})")
 
 
 def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":

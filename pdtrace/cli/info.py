@@ -12,8 +12,8 @@ trace is summarised from its Parquet footers alone (`summarize_footers`: row cou
 `rows_read` false): `kinds`, `requests`, `schedulers` and per-instance `requests` are then null, and the table
 says "-" for them and how to get them. `--rows` reads the rows, one instance at a time and an instance's files in
 groups of at most a window's events (`analysis.windows.DEFAULT_WINDOW_EVENTS`; the summaries merged, requests
-counted over the groups: the memory of a group, not of an instance of hours). `--instance NAME` (repeatable) summarises only those instances,
-reading only their part files.
+counted over the groups: the memory of a group, not of an instance of hours). `--instance NAME` (repeatable)
+summarises only those instances, reading only their part files, in the same groups.
 
 Warnings found while loading (skipped part files, unknown kinds, a bad manifest) go to stderr, one line each;
 unreadable input is a one-line error and exit status 2.
@@ -28,7 +28,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from pdtrace.cli.app import (InstanceOption, TraceArgument, app, err_console, load_instances, load_trace,
+from pdtrace.cli.app import (InstanceOption, TraceArgument, app, err_console, load_trace, no_such_instances,
                              out_console)
 
 
@@ -123,6 +123,25 @@ def _render(summary: dict[str, Any]) -> None:
         out_console.print(skipped)
 
 
+def _read_summary(trace: Any, partitions: list[Any], footers: Any, columns: list[str]) -> dict[str, Any]:
+    """The summary of the partitions' rows, read one partition at a time and a partition's files in groups of at
+    most a window's events (an instance of hours does not fit in memory), merged."""
+    from pdtrace.analysis.windows import DEFAULT_WINDOW_EVENTS
+    from pdtrace.trace.summary import file_groups, merge_summaries, request_names, summarize
+
+    parts, names = [], {}  # type: ignore[var-annotated]
+    rows_of = {f.path: f.rows for f in footers.files}
+    for part in partitions:
+        for group in file_groups(list(part.files), rows_of, DEFAULT_WINDOW_EVENTS):
+            loaded = load_trace(trace, columns=columns, instances=[part.instance] if part.shared else None,
+                                only_files=group)
+            parts.append(summarize(loaded))
+            for name, seen in request_names(loaded).items():
+                names.setdefault(name, set()).update(seen)
+            del loaded
+    return merge_summaries(parts, footers, names)
+
+
 @app.command()
 def info(
     trace: TraceArgument,
@@ -133,30 +152,25 @@ def info(
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
     from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
-    from pdtrace.analysis.windows import DEFAULT_WINDOW_EVENTS
     from pdtrace.format import COLUMNS
-    from pdtrace.trace.summary import file_groups, merge_summaries, request_names, summarize, summarize_footers
+    from pdtrace.trace.reader import read_footers
+    from pdtrace.trace.summary import summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
     # a trace, so every value the validator knows how to check is loaded and checked.
     columns = [c for c in COLUMNS if c != "blocks"]
     plan = plan_partitions(trace)  # footers only
     if instance:
-        summary = summarize(load_instances(trace, instance, columns=columns)[0])
+        chosen = [p for p in plan.partitions if p.instance in set(instance)]
+        if not chosen:
+            raise no_such_instances(instance, plan.instances)
+        # the footers of their files alone, as a load of only those files reads them
+        footers = read_footers(trace, only_files=sorted({f for p in chosen for f in p.files}))
+        summary = _read_summary(trace, chosen, footers, columns)
     elif plan.events < PARTITION_MIN_EVENTS or not is_directory(trace):
         summary = summarize(load_trace(trace, columns=columns))
     elif rows:
-        parts, names = [], {}
-        rows_of = {f.path: f.rows for f in plan.footers.files}
-        for part in plan.partitions:
-            for group in file_groups(list(part.files), rows_of, DEFAULT_WINDOW_EVENTS):  # an instance of hours
-                loaded = load_trace(trace, columns=columns, instances=[part.instance] if part.shared else None,
-                                    only_files=group)
-                parts.append(summarize(loaded))
-                for instance, seen in request_names(loaded).items():
-                    names.setdefault(instance, set()).update(seen)
-                del loaded
-        summary = merge_summaries(parts, plan.footers, names)
+        summary = _read_summary(trace, plan.partitions, plan.footers, columns)
     else:
         for note in plan.warnings:
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)

@@ -292,8 +292,19 @@ def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",
                     names: dict[str, set[str]] | None = None) -> dict[str, Any]:
     """The whole trace's summary from `summarize` of parts of it, each read alone (module docstring): sums, unions
     and extremes of theirs, an instance or scheduler in several parts folded into one row; the file-level keys from
-    the footers (every file, as one load would list them). `names`: per instance, the union of the parts'
-    `request_names`, which count its requests (needed where one instance spans parts)."""
+    the footers (every file, as one load would list them, but those a part could not decode: skipped, as one load
+    skips them). `names`: per instance, the union of the parts' `request_names`, which count its requests (needed
+    where one instance spans parts)."""
+    from dataclasses import replace
+
+    from pdtrace.trace.model import SkippedFile
+
+    unreadable = [SkippedFile(s["path"], s["reason"]) for p in parts for s in p["skipped_files"]
+                  if all(s["path"] != k.path for k in footers.skipped)]
+    if unreadable:
+        gone = {s.path for s in unreadable}
+        footers = replace(footers, files=[f for f in footers.files if f.path not in gone],
+                          skipped=footers.skipped + unreadable)
     starts = [p["time"]["start_ns"] for p in parts if p["time"]["start_ns"] is not None]
     ends = [p["time"]["end_ns"] for p in parts if p["time"]["end_ns"] is not None]
     start, end = (min(starts), max(ends)) if starts else (None, None)
@@ -325,12 +336,13 @@ def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",
     for part in parts:
         warnings.extend(w for w in part["warnings"] if w not in warnings and w not in skipped)
     rows = [instances[name] for name in sorted(instances)]
-    return {**_file_keys(footers), "events": sum(p["events"] for p in parts),
-            "time": {"start_ns": start, "end_ns": end, "duration_ns": None if start is None else end - start,
-                     "start": _iso(start), "end": _iso(end)},
-            "instances": rows,
-            "schedulers": sorted(schedulers.values(),
-                                 key=lambda r: (r["instance"], -1 if r["dp_rank"] is None else r["dp_rank"])),
-            "kinds": {k: counted[k] for k in ordered},
-            "requests": sum(i["requests"] for i in rows),
-            "warnings": warnings + skipped, "rows_read": True}
+    merged = {**_file_keys(footers), "events": sum(p["events"] for p in parts),
+              "time": {"start_ns": start, "end_ns": end, "duration_ns": None if start is None else end - start,
+                       "start": _iso(start), "end": _iso(end)},
+              "instances": rows,
+              "schedulers": sorted(schedulers.values(),
+                                   key=lambda r: (r["instance"], -1 if r["dp_rank"] is None else r["dp_rank"])),
+              "kinds": {k: counted[k] for k in ordered},
+              "requests": sum(i["requests"] for i in rows),
+              "warnings": warnings + skipped, "rows_read": True}
+    return {key: merged[key] for key in parts[0]} if parts else merged  # in summarize's order
