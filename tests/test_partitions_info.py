@@ -127,3 +127,36 @@ def test_info_of_one_instance_is_the_summary_of_its_files_loaded_at_once(tmp_pat
         got = info_json(cli, trace_dir, "--instance", "D1")
     assert got == json.loads(json.dumps(one_load))
     assert got["files"] > 3
+
+
+def test_plot_and_export_refuse_a_load_that_would_not_fit(trace_dir: Path, tmp_path: Path, cli) -> None:
+    """plot and export hold every event they show: where the footers' rows need more than the memory available,
+    one line and exit 2 before reading a row, rather than the kernel's OOM killer; --instance counts only its
+    partitions (and their peers'); --no-memory-check loads anyway."""
+    from pdtrace.cli.app import LOAD_EVENT_BYTES
+
+    events = open_trace(trace_dir, warn=False).table.num_rows
+    d1 = open_trace(trace_dir, instances=["D1"], warn=False).table.num_rows
+    budget = (events - 1) * LOAD_EVENT_BYTES  # one event short of the whole trace
+    with mock.patch("pdtrace.cli.app.available_memory", return_value=budget), \
+            mock.patch("pdtrace.trace.reader._read_files", side_effect=AssertionError("rows read")):
+        for verb, out in (("plot", tmp_path / "x.png"), ("export", tmp_path / "x.json")):
+            res = cli(verb, trace_dir, "-o", out)
+            assert res.exit_code == 2, res.stderr
+            assert "events to load" in res.stderr and "--no-memory-check" in res.stderr
+            assert len(res.stderr.strip().splitlines()) == 1
+    with mock.patch("pdtrace.cli.app.available_memory", return_value=budget):
+        assert cli("export", trace_dir, "-o", tmp_path / "y.json", "--no-memory-check").exit_code == 0
+        assert d1 < events
+        assert cli("export", trace_dir, "--instance", "D1", "-o", tmp_path / "z.json").exit_code == 0
+    with mock.patch("pdtrace.cli.app.available_memory", return_value=None):  # unknown (not Linux): no check
+        assert cli("plot", trace_dir, "--kind", "steps", "-o", tmp_path / "w.png").exit_code == 0
+
+
+def test_available_memory_is_what_the_kernel_says_here() -> None:
+    from pdtrace.cli.app import available_memory
+
+    found = available_memory()
+    assert found is None or found > 0
+    if Path("/proc/meminfo").exists():
+        assert found is not None

@@ -256,19 +256,26 @@ def linked_instances(plan: PartitionPlan, instances: Iterable[str]) -> list[str]
     return sorted((linked - mine) & set(plan.instances))
 
 
-def open_instances(path: str | os.PathLike[str], instances: Sequence[str], columns: Iterable[str] | None = None,
-                   with_links: bool = False) -> tuple[Trace | None, tuple[int, int] | None, PartitionPlan]:
-    """(the rows of `instances` only, read from their partitions' files; the whole trace's span per the footers,
-    so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace.
-    `with_links`: also the rows of their `linked_instances`, so that findings on `instances` are those of the
-    whole trace (the caller shows only `instances`)."""
-    from pdtrace.trace.reader import open_trace
-
-    plan = plan_partitions(path)
+def instance_partitions(plan: PartitionPlan, instances: Sequence[str], with_links: bool = False) -> list[Partition]:
+    """The partitions of `instances`, with `with_links` also those of their `linked_instances` (what
+    `open_instances` reads)."""
     chosen = set(instances)
     if with_links and any(p.instance in chosen for p in plan.partitions):
         chosen |= set(linked_instances(plan, chosen))
-    wanted = [p for p in plan.partitions if p.instance in chosen]
+    return [p for p in plan.partitions if p.instance in chosen]
+
+
+def open_instances(path: str | os.PathLike[str], instances: Sequence[str], columns: Iterable[str] | None = None,
+                   with_links: bool = False, plan: PartitionPlan | None = None
+                   ) -> tuple[Trace | None, tuple[int, int] | None, PartitionPlan]:
+    """(the rows of `instances` only, read from their partitions' files; the whole trace's span per the footers,
+    so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace.
+    `with_links`: also the rows of their `linked_instances`, so that findings on `instances` are those of the
+    whole trace (the caller shows only `instances`). `plan`: the trace's, where the caller has read it."""
+    from pdtrace.trace.reader import open_trace
+
+    plan = plan_partitions(path) if plan is None else plan
+    wanted = instance_partitions(plan, instances, with_links)
     if not wanted:
         return None, plan.stats_span, plan
     files = sorted({f for p in wanted for f in p.files})

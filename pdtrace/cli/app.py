@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from pdtrace import __version__
+from pdtrace.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.trace.model import Trace
@@ -37,6 +38,9 @@ TraceLocation = Annotated[str, typer.Argument(help="Trace directory, one Parquet
                                               show_default=False)]
 InstanceOption = Annotated[Optional[list[str]], typer.Option("--instance", "-i",
                                                              help="Only this instance (repeat for several).")]
+MemoryCheckOption = Annotated[bool, typer.Option("--memory-check/--no-memory-check",
+                                                 help="Refuse a load that would need more memory than is "
+                                                      "available (plot and export hold the events they show).")]
 SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",
                                                              help="Window start, seconds from the trace start.")]
 UntilSecondsOption = Annotated[Optional[float], typer.Option("--until",
@@ -75,24 +79,67 @@ def _root(
 
 
 def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterable[str] | None = None,
-                   with_links: bool = False) -> tuple["Trace", tuple[int, int] | None]:
+                   with_links: bool = False, memory_check: bool = True) -> tuple["Trace", tuple[int, int] | None]:
     """(trace, span) for a verb that shows only `instances` (--instance): only their partitions are read
     (`pdtrace.analysis.partitions.open_instances`), plus with `with_links` those of the instances linked to them,
     so that the findings a plot or export marks are the whole trace's (its selection still shows `instances`
     only); span is the whole trace's (first, last) ts, for an AnalysisContext's `span_ns`. Without instances, the
-    whole trace and None. Warnings as load_trace's."""
+    whole trace and None. Warnings as load_trace's. `memory_check`: refuse a load that would not fit in the memory
+    available (`check_memory`)."""
+    from pdtrace.analysis.partitions import instance_partitions, open_instances, plan_partitions
+
     names = list(instances or ())
+    plan = plan_partitions(path)  # footers only
+    if memory_check:
+        chosen = instance_partitions(plan, names, with_links) if names else plan.partitions
+        rows_of = {f.path: f.rows for f in plan.footers.files}
+        check_memory(sum(rows_of[f] for f in {f for p in chosen for f in p.files}), path)
     if not names:
         return load_trace(path, columns=columns), None
-    from pdtrace.analysis.partitions import open_instances
-    from pdtrace.plot.window import EmptySelection
-
-    trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links)
+    trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links, plan=plan)
     if trace is None:
         raise no_such_instances(names, plan.instances)
-    for note in trace.warnings:
-        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
-    return trace, span
+    return warned(trace), span
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still take: the least of the kernel's MemAvailable and the room under its
+    cgroup's limit (a container's); None where neither is known (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as current:
+            top = limit.read().strip()
+            if top != "max":
+                found.append(max(int(top) - int(current.read().strip()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+#: Peak bytes per event of `plot` and `export`, which hold every event they show with the tables they draw from:
+#: 190-213 measured on bench/long_trace.py's 60M events (plot --kind blocks 11.4 GB, requests 12.8 GB, export 11.8
+#: GB; `/usr/bin/time -v`, 2026-12-03).
+LOAD_EVENT_BYTES = 215
+
+
+def check_memory(events: int, path: Any) -> None:
+    """Refuse, one line and exit 2, to load `events` events for a verb that holds them all (plot, export) when at
+    `LOAD_EVENT_BYTES` each they need more memory than is available: such a load ends in the kernel's OOM killer,
+    which may take another process with it (the vLLM engine on the same host)."""
+    available = available_memory()
+    need = events * LOAD_EVENT_BYTES
+    if available is not None and need > available:
+        raise UsageError(f"{path}: {events:,} events to load (~{need / 2**30:.1f} GiB), more than the "
+                         f"{available / 2**30:.1f} GiB of memory available: give --instance for fewer, or "
+                         "--no-memory-check to load them anyway (analyze, show and info read a trace of any length "
+                         "in bounded memory)")
 
 
 def no_such_instances(names: Iterable[str], known: Iterable[str]) -> Exception:

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
-                             app, err_console, load_instances, out_console)
+from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
+                             UntilSecondsOption, app, err_console, load_instances, out_console)
 
 
 class ExportFormat(str, Enum):
@@ -33,6 +33,7 @@ def export(
     since: SinceSecondsOption = None,
     until: UntilSecondsOption = None,
     request: RequestOption = None,
+    memory_check: MemoryCheckOption = True,
 ) -> None:
     """Export a trace to Chrome Trace Event JSON or Perfetto protobuf: processes per instance, threads per rank
     and request, slices, block counters and P->D transfer flows.
@@ -47,7 +48,8 @@ def export(
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read
-    loaded, span = load_instances(trace, instance, with_links=True)  # --instance: theirs and their peers' partitions
+    # --instance: theirs and their peers' partitions
+    loaded, span = load_instances(trace, instance, with_links=True, memory_check=memory_check)
     stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))

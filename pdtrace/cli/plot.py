@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, RequestOption, SinceSecondsOption, TraceArgument, UntilSecondsOption,
-                             app, err_console, load_instances, out_console)
+from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
+                             UntilSecondsOption, app, err_console, load_instances, out_console)
 
 
 class PlotKind(str, Enum):
@@ -36,6 +36,7 @@ def plot(
     since: SinceSecondsOption = None,
     until: UntilSecondsOption = None,
     request: RequestOption = None,
+    memory_check: MemoryCheckOption = True,
     dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
 ) -> None:
     """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps.
@@ -45,7 +46,8 @@ def plot(
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.plot import Window, default_output, render
 
-    loaded, span = load_instances(trace, instance, with_links=True)  # --instance: theirs and their peers' partitions
+    # --instance: theirs and their peers' partitions
+    loaded, span = load_instances(trace, instance, with_links=True, memory_check=memory_check)
     target = output or default_output(str(trace), kind.value)
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
     err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
