@@ -52,6 +52,20 @@ Measured on the shared 2-core machine, windows of 5M events (the default for an 
 comparison passes --window-events 5000000), with the load average of other work (vLLM engines, test runs) at the
 time: the wall times follow it, the floor's most, so each line also gives the CPU seconds of the process tree and
 their ratio, the primary figure.
+- 60M events, 2026-12-03 (fifth session; no change to the windowed path): `--repeat 3` at load 0.6: 1.97x (per run
+  1.72-3.23x; the floor 2.84-5.60 s, analyze 8.80-9.66 s); `--repeat 5 --against` cb2c55e at load 0.8-1.6: 2.41x
+  (1.97-2.78x; analyze 9.75-11.99 s, against 1.01x). Where the CPU goes, `perf record -g` of the CLI (2 cores):
+  numpy 37 %, Arrow and Parquet 29 %, the kernel 11 % (page faults: 275K minor faults, ~1.1 GB, about the peak RSS:
+  each page is faulted once), libpython 9 %. Of note: ZSTD_createDCtx 6 %, nearly all on two CPUID instructions
+  (ZSTD checks for BMI2 on every context, and Arrow's Parquet reader makes a context per page): a VM exit here,
+  ~35 us each; the floor decodes the same pages and pays the same. numpy's gathers (mapiter_get, mapiter_trivial_get)
+  10 %: np.take is 20-30 % faster on random indices (5M int64: 33.8 ms against 43.7 ms), 2-3 % of the whole, not
+  pursued. Python's cyclic GC: 0.08 s in all (gc.callbacks), nothing to gain. Tried and left: the plan's reads
+  through pq.ParquetFile with the footers already read instead of a dataset per file (in one process 0.74-0.81 s
+  against 0.92-1.09 s CPU on one core; the plan alone in fresh processes, 4 pairs, no wall difference past the
+  noise); ARROW_DEFAULT_MEMORY_POOL=system for the whole CLI (Parquet's own buffers come from mimalloc, which faults
+  2 MiB pages in afresh: 5 % of one profile; 2 pairs: sys 1.21-1.26 s against 1.38-1.63 s, wall in the noise, and
+  the variable would reach the processes `pdtrace record` starts).
 - 60M events, 2026-12-03 (fourth session), after the plan's step keys reduced over dense ranges (5d3456d) and the
   windows' `req` left as Parquet's dictionary codes (d5f8faf), two `--repeat 5 --against` runs (base cca9a49),
   medians:
