@@ -272,24 +272,26 @@ def test_a_story_read_alone_is_the_whole_traces(name, tmp_path):
             _same(folded_steps(rows, step, instance), folded_steps(whole, step, instance), f"folded {step}")
 
 
-def test_show_reads_only_the_story(cli, tmp_path, monkeypatch):
+def test_show_reads_only_the_story(cli, tmp_path):
     """`show` never loads the whole trace: each read it makes is filtered to the story's rows."""
+    from unittest import mock
+
     from pdtrace.trace import reader
     from pdtrace.trace.builder import write_table
 
     write_table(healthy_pd().table, tmp_path / "t")
-    calls = []
     real = reader.open_trace
+    for args in (("--req", "r1"), ("--step", "2")):
+        calls = []
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("rows"))
-        return real(*args, **kwargs)
+        def spy(*a, **kwargs):
+            calls.append(kwargs.get("rows"))
+            return real(*a, **kwargs)
 
-    monkeypatch.setattr(reader, "open_trace", spy)
-    monkeypatch.setattr("pdtrace.analysis.story.open_trace", spy)
-    assert cli("show", tmp_path / "t", "--req", "r1").exit_code == 0
-    assert cli("show", tmp_path / "t", "--step", "2").exit_code == 0
-    assert calls and all(rows is not None for rows in calls)
+        # (mock.patch, not monkeypatch: the cli fixture undoes monkeypatch after each call)
+        with mock.patch.object(reader, "open_trace", spy), mock.patch("pdtrace.analysis.story.open_trace", spy):
+            assert cli("show", tmp_path / "t", *args).exit_code == 0
+        assert calls and all(rows is not None for rows in calls), args
 
 
 def test_cli_show_reads_a_trace_by_url(cli, tmp_path):
