@@ -144,6 +144,8 @@ def test_cli_show_step_says_which_ranks_came_before_the_output(cli, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--req", "missing"], "request 'missing' not found"),
     (["--step", "999"], "step 999 not found"),
+    (["--step", str(2**80)], f"step {2**80} not found"),  # beyond int64: no row has it, no overflow
+    (["--step", str(-2**80)], f"step {-2**80} not found"),
     (["--step", "1", "--instance", "nowhere"], "step 1 not found"),
     ([], "exactly one of --req"),
     (["--req", "a", "--step", "1"], "exactly one of --req"),

@@ -52,6 +52,7 @@ from pdtrace.analysis.steps import detail_number, detail_text, exec_spans, step_
 from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace, unified
 
+INT64_MAX = np.iinfo(np.int64).max
 STORY_COLUMNS = ("ts_ns", "instance", "role", "dp_rank", "pid", "component", "pp_rank", "tp_rank", "kind", "step",
                  "req", "blocks", "n", "reason", "status", "delay_free", "deferred", "detail", "seq")
 RANK_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "rpc", "exec_begin_ts", "exec_end_ts", "output_ts",
@@ -313,8 +314,9 @@ def step_rows(path: str | os.PathLike[str], step: int) -> tuple[Trace, pd.DataFr
     """(the rows of the trace at `path` that `step_story`, `step_ranks` and `folded_steps` read about step
     `step`, the trace's `rank_lanes`) (module docstring): the same story, holding the step's rows."""
     kind, number = ds.field("kind"), ds.field("step")
-    rows = _read(path, (number == int(step)) | (kind == "engine_config")
-                 | ((kind == "sched") & (number < int(step)) & pc.match_substring(ds.field("detail"), "empty_run")))
+    step = max(min(int(step), INT64_MAX), -INT64_MAX)  # beyond int64 no row has it (and the filter cannot say it)
+    rows = _read(path, (number == step) | (kind == "engine_config")
+                 | ((kind == "sched") & (number < step) & pc.match_substring(ds.field("detail"), "empty_run")))
     lanes = _read(path, kind.isin(["exec_begin", "exec_end"]),
                   columns=["instance", "dp_rank", "pp_rank", "tp_rank", "kind"])
     return rows, rank_lanes(lanes)
