@@ -26,7 +26,7 @@ skipped_files, dropped_events, sources, versions, time, manifest and the instanc
 its files hold no other instance, and roles / pids / ranks when every row group of its files holds one value of
 them (the recorder writes one file per process), else null; `schedulers`, `kinds`, `requests` and per-instance
 `requests` need the rows and are null. `rows_read` (added key, also in `summarize`) says which it is.
-`merge_summaries(parts, footers, request_names)` folds summaries of parts of the trace into the whole trace's: of
+`merge_summaries(parts, footers, names)` folds summaries of parts of the trace into the whole trace's: of
 disjoint instance partitions, or of groups of one instance's files (`file_groups`: what `info --rows` reads at a
 time, so memory holds a group, not an instance of hours) with the union of each part's `request_names` (a request's
 rows span its files, so its count is not a sum).
@@ -38,6 +38,7 @@ rows; no Python loop over events.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pdtrace.format import KINDS
-from pdtrace.trace.model import Trace, dropped_events
+from pdtrace.trace.model import SkippedFile, Trace, dropped_events
 from pdtrace.trace.reader import column_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -295,10 +296,6 @@ def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",
     the footers (every file, as one load would list them, but those a part could not decode: skipped, as one load
     skips them). `names`: per instance, the union of the parts' `request_names`, which count its requests (needed
     where one instance spans parts)."""
-    from dataclasses import replace
-
-    from pdtrace.trace.model import SkippedFile
-
     unreadable = [SkippedFile(s["path"], s["reason"]) for p in parts for s in p["skipped_files"]
                   if all(s["path"] != k.path for k in footers.skipped)]
     if unreadable:
