@@ -54,7 +54,8 @@ time: the wall times follow it, the floor's most, so each line also gives the CP
 their ratio, the primary figure.
 - 60M events, 2026-12-03 (fifth session; no change to the windowed path): `--repeat 3` at load 0.6: 1.97x (per run
   1.72-3.23x; the floor 2.84-5.60 s, analyze 8.80-9.66 s); `--repeat 5 --against` cb2c55e at load 0.8-1.6: 2.41x
-  (1.97-2.78x; analyze 9.75-11.99 s, against 1.01x). Where the CPU goes, `perf record -g` of the CLI (2 cores):
+  (1.97-2.78x; analyze 9.75-11.99 s, against 1.01x); `--repeat 5` at load 1.6-2.0: 2.26x (1.73-2.80x; analyze
+  8.53-9.92 s median, the floor 3.13-5.04 s), tree peak 1.16 GiB. Where the CPU goes, `perf record -g` of the CLI (2 cores):
   numpy 37 %, Arrow and Parquet 29 %, the kernel 11 % (page faults: 275K minor faults, ~1.1 GB, about the peak RSS:
   each page is faulted once), libpython 9 %. Of note: ZSTD_createDCtx 6 %, nearly all on two CPUID instructions
   (ZSTD checks for BMI2 on every context, and Arrow's Parquet reader makes a context per page): a VM exit here,
