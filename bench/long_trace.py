@@ -40,6 +40,11 @@ Measured `--show` (2026-12-03, fifth session; f60c097 and its successor against 
   against 40.2 s, 44.3 s, 9.13 GiB; `show --step` 6.4 s, 10.2 s, 1.38 GiB against 40.5 s, 41.9 s, 9.62 GiB;
   `info --rows` 8.3 s, 12.4 s, 0.82 GiB against 24.5 s, 27.4 s, 6.77 GiB; the same JSON each time. (cb2c55e under
   `prlimit --as=8000000000`: a MemoryError.) A day of one instance (~250M events) would need ~40 GiB before.
+- After 7984d4a (the rank lanes taken distinct in Arrow), 60M events: `show --step` 4.4 s, 1.11 GiB; `show --req`
+  7.3 s, 1.14 GiB; `info --rows` 8.2 s, 0.86 GiB. 20M events against cb2c55e: `--req` 2.1 s and 0.65 GiB against
+  8.9 s and 2.98 GiB, `--step` 1.9 s and 0.58 GiB against 8.0 s and 3.30 GiB, the same JSON; `info --rows` 3.0 s
+  and 0.77 GiB against 3.2 s and 2.44 GiB, the same values, its keys now in the one-load summary's order (cb2c55e's
+  merged summary put the file keys first, so the bytes differ).
 - 20M events (`--events 20000000 --dir /tmp/pdtrace-bench-20m --show --against` cb2c55e, before info's groups):
   `--req` 3.6 s wall and 0.67 GiB against 11.7 s and 2.99 GiB; `--step` 2.9 s and 0.63 GiB against 11.6 s and
   3.30 GiB; the same JSON.
