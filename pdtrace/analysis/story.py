@@ -23,7 +23,7 @@ points.
 Read from a trace directory, a story needs its own rows, not the trace's: `request_rows(path, req, instance)` and
 `step_rows(path, step)` read just the rows the functions above read about one request or step (row filters on the
 files, which hold only the kept rows in memory), so `pdtrace show` on a six-hour trace costs a few scans of the
-files instead of a load of every event (`bench/long_trace.py --show`, 60M events: 6-7 s at 1.2-1.4 GiB against
+files instead of a load of every event (`bench/long_trace.py --show`, 60M events: 4-7 s at 1.1 GiB against
 40 s at 9.1-9.6 GiB). The stories they give are the whole trace's (tests/test_show.py compares them on every
 sample and on built traces with renamed P/D ids, deferred drains, empty-step runs and a rank missing a step).
 - request_rows: (1) the `req_add` rows (one a request) and the rows naming `req`: `related_requests` on them gives
