@@ -39,7 +39,7 @@ from pdtrace.analysis.findings import (FINDING_COLUMNS, OPTIONAL_FINDING_COLUMNS
 from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
-from pdtrace.analysis.windows import window_size
+from pdtrace.analysis.windows import judged, window_size
 from pdtrace.errors import UsageError
 from pdtrace.malloc import GLIBC_DEFAULT_THRESHOLD, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, glibc_mallopt
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window, since_mask
@@ -217,7 +217,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
     with allocation_settings():
-        frames = [window_findings(ctx, checked_findings(frame, rule))
+        frames = [judged(ctx, window_findings(ctx, checked_findings(frame, rule)))
                   for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
     findings = ordered_findings(frames)
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,

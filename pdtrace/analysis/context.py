@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import pyarrow.compute as pc
 
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.once import OnceCache
 from pdtrace.trace.model import Trace
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.analysis.windows import WindowEnd
 
 T = TypeVar("T")
 
@@ -22,6 +25,10 @@ class AnalysisContext:
     #: (first, last) `ts_ns` of the whole analysed trace when `trace` is one partition of it
     #: (`pdtrace.analysis.partitions`); None: `trace` is the whole trace.
     span_ns: tuple[int, int] | None = None
+    #: Where `trace` is a time window of a longer trace that goes on after it (`pdtrace.analysis.windows.
+    #: read_time_window`): its end and the requests' last rows, so that a finding about a request it holds only
+    #: the beginning of is left out (`windows.judged`). None: the trace ends where the run does, as far as known.
+    window_end: WindowEnd | None = None
 
     def cached(self, key: str, build: Callable[[], T]) -> T:
         """Compute a derived table once per analysis run (e.g. the sorted event order, block ownership), also when

@@ -65,7 +65,7 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.windows import window_size
+from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_window, read_time_window, window_size
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
@@ -285,6 +285,30 @@ def open_instances(path: str | os.PathLike[str], instances: Sequence[str], colum
     return trace, span, plan
 
 
+def open_window(path: str | os.PathLike[str], instances: Sequence[str], since_ns: int | None, until_ns: int | None,
+                config: AnalysisConfig, with_links: bool = False, plan: PartitionPlan | None = None,
+                check: Callable[[int], None] | None = None) -> tuple[Trace | None, TimeWindow | None]:
+    """The rows of the time window [since_ns, until_ns) of `instances` (all where empty; `with_links` as
+    `open_instances`), read as the windowed analysis reads a window (`pdtrace.analysis.windows.plan_time_window`):
+    from the oldest request or step open at since_ns, at most the lookback before it, with the carried requests'
+    own rows. One plan covers the chosen partitions' files (a request id that several instances use gets the
+    union of their spans: a few more rows, never fewer). `check(rows)`: called with at most how many rows the read
+    holds, before it reads them (a memory check). The trace is None when none of `instances` is in the trace; it
+    is marked as starting mid-run where it does, and the TimeWindow says where it ends (`window_end`)."""
+    plan = plan_partitions(path) if plan is None else plan
+    wanted = instance_partitions(plan, instances, with_links) if instances else plan.partitions
+    if not wanted:
+        return None, None
+    files = sorted({f for p in wanted for f in p.files})
+    chosen = [p.instance for p in wanted] if len(wanted) < len(plan.partitions) and any(
+        p.shared for p in wanted) else None
+    source = PathSource(str(path), chosen, files, config)
+    window = plan_time_window(source, since_ns, until_ns, config)
+    if check is not None:
+        check(window.rows)
+    return read_time_window(source, window), window
+
+
 # ----------------------------------------------------------------------------------------------------- phase 1
 
 @dataclass
@@ -405,7 +429,7 @@ def _windowed(task: PartitionTask, rules: Sequence[Rule]) -> PartitionResult | N
 
 
 def _run_windowed(task: PartitionTask, rules: Sequence[Rule], trace: Trace | None) -> PartitionResult:
-    from pdtrace.analysis.windows import MemorySource, PathSource, analyze_windows
+    from pdtrace.analysis.windows import MemorySource, analyze_windows
 
     start = time.perf_counter()
     source: Any = MemorySource(trace) if trace is not None else PathSource(

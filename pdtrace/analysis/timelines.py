@@ -191,8 +191,10 @@ def leaked_blocks_findings(ctx: "AnalysisContext") -> pd.DataFrame | None:
     no such rule is registered."""
     from pdtrace.analysis import available_rules
 
+    from pdtrace.analysis.windows import judged
+
     rule = available_rules()[0].get("leaked_blocks")
-    return ctx.cached("timelines.leaked_blocks", lambda: rule.run(ctx)) if rule else None
+    return ctx.cached("timelines.leaked_blocks", lambda: judged(ctx, rule.run(ctx))) if rule else None
 
 
 def _leak_findings(ctx: "AnalysisContext", findings: pd.DataFrame | None) -> pd.DataFrame:

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
@@ -117,6 +117,8 @@ class WindowPlan:
     last_ts: dict[str, int]
     #: the EVERY_WINDOW rows' ts (they are read once, in every window)
     every_ts: np.ndarray
+    #: per request id, the ts of its last row, also where it never finishes (`plan_windows(row_ends=True)`)
+    row_ends: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return len(self.events)
@@ -175,10 +177,10 @@ def _first_last(codes: np.ndarray, ts: np.ndarray, m: int,
     return first, last
 
 
-def _kind_rows(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(req_finish rows, EVERY_WINDOW rows) of the kind column, as row numbers: a comparison of the indices with
-    the few dictionary codes of those kinds, the kinds never decoded (the plan's batches of 20M events: CPU 0.02 s
-    against 0.06 s for a gather of a class per row through the dictionary; one core)."""
+def _kind_rows(column: pa.Array, *groups: Sequence[str]) -> list[np.ndarray]:
+    """Per group of kinds, the rows of the kind column with one of them, as row numbers: a comparison of the
+    indices with the few dictionary codes of those kinds, the kinds never decoded (the plan's batches of 20M
+    events: CPU 0.02 s against 0.06 s for a gather of a class per row through the dictionary; one core)."""
     if not pa.types.is_dictionary(column.type):
         column = pc.dictionary_encode(column)
     names = column.dictionary.to_pylist()
@@ -193,8 +195,24 @@ def _kind_rows(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
             mask |= values == code
         return np.flatnonzero(mask)
 
-    return (rows([i for i, v in enumerate(names) if v == "req_finish"]),
-            rows([i for i, v in enumerate(names) if v in EVERY_WINDOW]))
+    return [rows([i for i, v in enumerate(names) if v in group]) for group in groups]
+
+
+#: Kinds whose `blocks` a request takes, and gives up (`_held`). Not req_wait_kv: its blocks are also the
+#: blocks_alloc of the same `allocate_slots` call (its table's growth).
+TAKES, GIVES = ("blocks_alloc",), ("blocks_free",)
+
+
+def _held(batch: pa.RecordBatch, codes: np.ndarray, m: int) -> np.ndarray | None:
+    """Per request code, the blocks its rows of the batch take less those they give up (TAKES, GIVES); None
+    without a `blocks` column (the windowed analysis' plan does not read it)."""
+    if "blocks" not in batch.schema.names:
+        return None
+    takes, gives = _kind_rows(batch.column("kind"), TAKES, GIVES)
+    length = pc.fill_null(pc.list_value_length(batch.column("blocks")), 0).to_numpy()
+    held = np.bincount(codes[takes], weights=length[takes], minlength=m)
+    held -= np.bincount(codes[gives], weights=length[gives], minlength=m)
+    return held.astype(np.int64)
 
 
 def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
@@ -205,7 +223,7 @@ def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     and the strings are not decoded; the plan 2.8 s against 5.8 s; with `_step_spans` and `_kind_rows`, CPU 0.24 s
     against 0.38 s, one core)."""
     ts = batch.column("ts_ns").to_numpy()
-    finish_rows, every_rows = _kind_rows(batch.column("kind"))
+    finish_rows, every_rows = _kind_rows(batch.column("kind"), ("req_finish",), EVERY_WINDOW)
     # requests: the dictionary's codes (the files' own dictionary; a plain column is encoded here)
     req = batch.column("req")
     req = req if pa.types.is_dictionary(req.type) else pc.dictionary_encode(req)
@@ -215,7 +233,9 @@ def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     finished = np.zeros(m + 1, bool)
     finished[codes[finish_rows]] = True
     seen = np.flatnonzero(first[:m] <= last[:m])
-    reqs = (req.dictionary.take(pa.array(seen)).cast(pa.string()), first[seen], last[seen], finished[seen])
+    held = _held(batch, codes, m + 1)
+    reqs = (req.dictionary.take(pa.array(seen)).cast(pa.string()), first[seen], last[seen], finished[seen],
+            None if held is None else held[seen])
     # steps: one int64 key per (dp_rank, step) (step + (dp_rank + 1) << 40), a null step dropped
     steps = _step_spans(batch.column("step"), batch.column("dp_rank"), ts)
     return reqs, steps, ts[every_rows], int(first.min()), int(last.max())
@@ -319,12 +339,21 @@ def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarr
 
 
 def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
-                 rows: int | None = None, jobs: int = 1) -> WindowPlan:
+                 rows: int | None = None, jobs: int = 1, cuts: Sequence[int] | None = None,
+                 ahead: tuple[int, int] | None = None, whole_steps: bool = False,
+                 row_ends: bool = False) -> WindowPlan:
     """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
     PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
     `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
     else every ts is sampled). `lookback`: the most events a window's analysis starts before its cut (None: half a
-    window)."""
+    window). `cuts`: the cut times (`plan_time_window`'s), instead of one every `window_events` events; those
+    outside the rows' time range are left out; `ahead` = (least, most): then one more cut after the last, at the
+    end of the requests and steps open at the last (a read up to it holds them whole), but about `least` events
+    after it at least and `most` at most.
+    `whole_steps`: a step open at a cut takes the window's start back to its first row, and one open at the last
+    cut the read-ahead on to its last row, whatever the lookback (a plot draws the steps in flight at its edges
+    whole; a step hung for longer than the lookback most of all).
+    `row_ends`: also `WindowPlan.row_ends`."""
     groups = list(groups)
     lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
     if rows is None and all(isinstance(g, (pa.Table, pa.RecordBatch)) for g in groups):
@@ -340,7 +369,11 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     else:
         parts = [p for g in groups for p in _group_parts(g, stride)]
     n = sum(p.rows for p in parts)
-    names, r_first, r_last, finished = _merged_requests([p.reqs for p in parts])
+    names, r_first, r_last, finished, held = _merged_requests([p.reqs for p in parts])
+    # a request whose last row leaves it holding blocks (where the plan read them): it holds them from then on
+    holding = held > 0 if held is not None else np.zeros(len(r_last), bool)
+    r_row_last = r_last  # its last row, also where it never finishes
+    r_last = np.where(finished, r_last, OPEN)  # a request that never finishes is alive to the end of the trace
     s_first, s_last = _merged_steps([p.steps for p in parts])
     every_ts = np.unique(np.concatenate([p.every_ts for p in parts])) if parts else np.empty(0, np.int64)
     if n == 0:
@@ -355,11 +388,25 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     sample, weight = sample[order], weight[order]
     del order
     first, last = min(p.least for p in parts), max(p.greatest for p in parts)
-    targets = np.array([k * n // count for k in range(1, count)], np.float64)
-    mark_ts = _weighted_quantiles(sample, weight, targets)
+    if cuts is None:
+        targets = np.array([k * n // count for k in range(1, count)], np.float64)
+        mark_ts = _weighted_quantiles(sample, weight, targets)
+    else:  # the events before each given cut, by the sample's weights
+        mark_ts = np.asarray(sorted(int(c) for c in cuts), np.int64)
+        targets = np.r_[0.0, np.cumsum(weight)][np.searchsorted(sample, mark_ts, side="left")]
+        if ahead is not None and len(targets):
+            a = int(mark_ts[-1])
+            least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(ahead, np.float64))
+            # the last rows of those open at a (a request that never finishes: its last row, not OPEN); a step's
+            # whole with `whole_steps`, as at a window's start
+            r_end = int(r_row_last[(r_first < a) & (r_last >= a)].max(initial=a)) + 1
+            s_end = int(s_last[(s_first < a) & (s_last >= a)].max(initial=a)) + 1
+            mark_ts = np.r_[mark_ts, max(a + 1, int(least), min(r_end, int(most)),
+                                         s_end if whole_steps else min(s_end, int(most)))]
+            targets = np.r_[targets, targets[-1]]  # its lookback bound is not used (no window starts there)
     behind_ts = _weighted_quantiles(sample, weight, np.maximum(targets - lookback, 0))
     values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
-    keep = values > first
+    keep = (values > first) & (values <= last)
     cuts = np.r_[first, values[keep], last + 1].astype(np.int64)
     bounds = np.r_[first, behind_ts[at][keep]].astype(np.int64)
     # events per window, by the sample's weights (exact with stride 1; `analyze_windows` counts them exactly in
@@ -369,7 +416,6 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     below[0], below[-1] = 0, n
     events = np.diff(below)
     del sample, weight
-    r_last = np.where(finished, r_last, OPEN)  # a request that never finishes is alive to the end of the trace
     starts = [first]
     carried: list[dict[str, int]] = [{}]
     for k in range(1, len(cuts) - 1):  # per window: few
@@ -379,29 +425,37 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
         # back to the oldest open request or step, at most to the lookback bound: an older request is carried,
         # and the rules still see a lookback's worth of the steps it waited through (unscheduled_request counts
         # them; with fewer it would stay silent rather than report, marked, what it saw)
-        start = min([a] + ([int(r_first[r_open].min())] if r_open.any() else [])
-                    + ([int(s_first[s_open].min())] if s_open.any() else []))
+        oldest_step = [int(s_first[s_open].min())] if s_open.any() else []
+        start = min([a] + ([int(r_first[r_open].min())] if r_open.any() else []) + oldest_step)
         start = max(start, bound)
+        if whole_steps:
+            start = min([start] + oldest_step)
         starts.append(start)
-        early = r_open & (r_first < start)
+        early = (r_open & (r_first < start)) | (holding & (r_last < start))
         carried.append(dict(zip(names[early].tolist(), r_first[early].tolist())))
     return WindowPlan(cuts, np.asarray(events, np.int64), np.asarray(starts, np.int64), carried,
-                      dict(zip(names.tolist(), r_last.tolist())), every_ts)
+                      dict(zip(names.tolist(), r_last.tolist())), every_ts,
+                      dict(zip(names.tolist(), r_row_last.tolist())) if row_ends else None)
 
 
-def _merged_requests(parts: list[tuple[Any, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(names, first, last, finished) per request from the batches' (`_batch_spans`): the earliest first, the
-    latest last, any finish. The names are encoded once and merged by code (a hash aggregate of the names by Arrow
-    cost 2-4 times as much: 0.3-0.5 s against 0.14 s with the steps' merge, at 20M events)."""
+def _merged_requests(parts: list[tuple[Any, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                              np.ndarray | None]:
+    """(names, first, last, finished, held) per request from the batches' (`_batch_spans`): the earliest first,
+    the latest last, any finish, the blocks held after its last row (the sum of `_held`; None where the batches
+    have no blocks). The names are encoded once and merged by code (a hash aggregate of the names by Arrow cost 2-4
+    times as much: 0.3-0.5 s against 0.14 s with the steps' merge, at 20M events)."""
     if not parts or not sum(len(p[1]) for p in parts):
         empty = np.empty(0, np.int64)
-        return np.empty(0, object), empty, empty, np.empty(0, bool)
+        return np.empty(0, object), empty, empty, np.empty(0, bool), None
     encoded = pc.dictionary_encode(pa.concat_arrays([p[0] for p in parts]))
     codes, m = encoded.indices.to_numpy(), len(encoded.dictionary)
     first, last = _first_last(codes, np.concatenate([p[1] for p in parts]), m, np.concatenate([p[2] for p in parts]))
     finished = np.zeros(m, bool)
     finished[codes[np.concatenate([p[3] for p in parts])]] = True
-    return encoded.dictionary.to_numpy(zero_copy_only=False).astype(object), first, last, finished
+    held = None
+    if all(p[4] is not None for p in parts):
+        held = np.bincount(codes, weights=np.concatenate([p[4] for p in parts]), minlength=m).astype(np.int64)
+    return encoded.dictionary.to_numpy(zero_copy_only=False).astype(object), first, last, finished, held
 
 
 def _merged_steps(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, np.ndarray]:
@@ -437,9 +491,9 @@ class MemorySource:
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
 
-    def plan_groups(self) -> list[pa.Table]:
-        """The plan's input (`plan_windows`): the loaded rows' PLAN_COLUMNS."""
-        return [self.trace.table.select(PLAN_COLUMNS)]
+    def plan_groups(self, columns: Sequence[str] = PLAN_COLUMNS) -> list[pa.Table]:
+        """The plan's input (`plan_windows`): the loaded rows' `columns`."""
+        return [self.trace.table.select(list(columns))]
 
     @property
     def plan_rows(self) -> int:
@@ -504,8 +558,8 @@ class PathSource:
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
                           only_files=self.between(lo, hi), req_dictionary=True, **kwargs)
 
-    def plan_groups(self) -> list[PlanFile]:
-        """The plan's input (`plan_windows`): per file, its PLAN_COLUMNS in batches, with the rows `open_trace`
+    def plan_groups(self, columns: Sequence[str] = PLAN_COLUMNS) -> list[PlanFile]:
+        """The plan's input (`plan_windows`): per file, its `columns` in batches, with the rows `open_trace`
         keeps; `plan_windows` reads the files on its threads, and a file it cannot decode is skipped (`corrupt`)."""
         from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset, describe_unreadable
 
@@ -514,7 +568,7 @@ class PathSource:
 
         def batches(name: str) -> Any:
             # req as the files' dictionary codes: the plan groups by code, never decoding the strings
-            return dataset([name], format=_DICTIONARY_READ).to_batches(columns=PLAN_COLUMNS, filter=expression,
+            return dataset([name], format=_DICTIONARY_READ).to_batches(columns=list(columns), filter=expression,
                                                                       batch_size=1 << 20)
 
         def skip(name: str, exc: BaseException) -> None:
@@ -585,17 +639,126 @@ def finding_requests(frame: pd.DataFrame) -> list[list[str]]:
     return out
 
 
+#: `finding_end`'s value for a finding with neither a request nor a ts
+NO_END = np.iinfo(np.int64).min
+
+
+def finding_end(frame: pd.DataFrame, last_ts: Mapping[str, int]) -> np.ndarray:
+    """Per finding, the time from which a window holds what it is about: the last row (`last_ts`, the whole
+    trace's) of the latest request it names, else its own ts; NO_END where it has neither."""
+    out = np.full(len(frame), NO_END, np.int64)
+    for i, (names, ts) in enumerate(zip(finding_requests(frame), frame["ts_ns"])):  # few: findings
+        last = [last_ts[n] for n in names if n in last_ts]
+        if last:
+            out[i] = max(last)
+        elif ts is not None and not pd.isna(ts):
+            out[i] = int(ts)
+    return out
+
+
 def owner(frame: pd.DataFrame, plan: WindowPlan) -> np.ndarray:
     """The window that owns each finding (module docstring, step 4); -1: none (no request, no ts)."""
-    out = np.full(len(frame), -1, np.int64)
-    ts = pd.to_numeric(frame["ts_ns"], errors="coerce").to_numpy(np.float64)
-    for i, names in enumerate(finding_requests(frame)):  # few: findings
-        last = [plan.last_ts[n] for n in names if n in plan.last_ts]
-        if last:
-            out[i] = plan.window_of(max(last))
-        elif not np.isnan(ts[i]):
-            out[i] = plan.window_of(int(ts[i]))
-    return out
+    end = finding_end(frame, plan.last_ts)
+    return np.where(end == NO_END, -1, plan.window_of(end))
+
+
+@dataclass(frozen=True)
+class WindowEnd:
+    """A window read out of a longer trace that goes on after it (`read_time_window`): of a request still open at
+    its end the window holds a beginning only, so a finding about one ("still held at the end of the trace", "never
+    finished") is not the window's to make. The windowed analysis leaves such a finding to a later window
+    (`owner`); a plot or export of the window leaves it out (`judged`)."""
+
+    #: where the window's rows end (exclusive)
+    end_ns: int
+    #: per request id, the ts of its last row in the whole trace (`WindowPlan.row_ends`: a request that never
+    #: finishes, with no row after the window's, is held whole; the rules judge it against the whole trace's end,
+    #: `AnalysisContext.span_ns`)
+    last_ts: Mapping[str, int]
+
+    def judged(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """The findings the window holds whole: those whose `finding_end` is before its end."""
+        if len(frame) == 0:
+            return frame
+        return frame[finding_end(frame, self.last_ts) < self.end_ns].reset_index(drop=True)
+
+
+def judged(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.DataFrame:
+    """`frame` less the findings the context's rows cannot judge (`AnalysisContext.window_end`); all of them on a
+    trace that ends where the run does."""
+    return frame if ctx.window_end is None else ctx.window_end.judged(frame)
+
+
+@dataclass
+class TimeWindow:
+    """One time window [since, until) of a long trace, planned as the windowed analysis plans its windows
+    (`plan_time_window`): read from `start` (the oldest request or step open at `since`, at most the lookback
+    before it) to `end`, with the carried requests' own rows."""
+
+    plan: WindowPlan
+    #: the window's index in `plan` (its cuts are the trace's start, since, until, the end of its read (`end`) and
+    #: the trace's end)
+    index: int
+    #: about how many rows a read of it holds at most: its events, the lookback's and the look-ahead's
+    rows: int
+
+    @property
+    def start(self) -> int:
+        return int(self.plan.starts[self.index])
+
+    @property
+    def end(self) -> int:
+        """Where its read ends: at the end of the requests and steps open at until, so that the read holds them
+        whole, but a little past until at least (READ_AHEAD events, or the lookback's where fewer: an idle gap
+        between steps that straddles until is read whole) and the lookback's events at most (the findings about a
+        request open for longer are left out: `window_end`)."""
+        return int(self.plan.cuts[min(self.index + 2, len(self.plan))])
+
+    @property
+    def window_end(self) -> WindowEnd | None:
+        """None where the read runs to the end of the trace."""
+        if self.index + 2 >= len(self.plan):
+            return None
+        return WindowEnd(self.end, self.plan.row_ends if self.plan.row_ends is not None else self.plan.last_ts)
+
+
+#: Events a time window's read goes on after its end at least (`TimeWindow.end`).
+READ_AHEAD = 1 << 16
+
+
+def plan_time_window(source: PathSource, since_ns: int | None, until_ns: int | None,
+                     config: AnalysisConfig) -> TimeWindow:
+    """Plan the window [since_ns, until_ns) of `source`'s rows (None: from the start, to the end): the cheap pass
+    of `plan_windows` with those two cuts, and the lookback of the windowed analysis (`config.window_lookback`,
+    else half of `config.window_events` where that is positive, else half of DEFAULT_WINDOW_EVENTS)."""
+    events = int(config.window_events)
+    lookback = int(config.window_lookback) or (events if events > 0 else DEFAULT_WINDOW_EVENTS) // 2
+    cuts = [c for c in (since_ns, until_ns) if c is not None]
+    # with the blocks: a request whose rows all lie before the window yet leave it holding blocks (a leak older
+    # than the window) is carried, so that the window shows what it holds
+    plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
+                        rows=source.plan_rows, jobs=max(1, int(config.jobs)), cuts=cuts,
+                        ahead=(min(READ_AHEAD, lookback), lookback) if until_ns is not None else None,
+                        whole_steps=True, row_ends=True)
+    index = int(plan.window_of(since_ns)) if since_ns is not None else 0
+    return TimeWindow(plan, index, int(plan.events[index]) + (lookback if index else 0)
+                      + (lookback if until_ns is not None else 0))
+
+
+def read_time_window(source: MemorySource | PathSource, window: TimeWindow) -> Trace:
+    """The rows of a planned window (`plan_time_window`), marked as starting mid-run where they do."""
+    return _window_rows(source, window.plan, window.index, window.end)
+
+
+def _window_rows(source: MemorySource | PathSource, plan: WindowPlan, k: int, end: int | None = None) -> Trace:
+    """Window k's rows (module docstring, step 2) up to `end` (None: its cut), a window starting at its c_k
+    (`later_window`) after the trace's first ts."""
+    start, end = int(plan.starts[k]), int(plan.cuts[k + 1]) if end is None else end
+    trace = source.rows(start, end, plan, k)
+    if start > int(plan.cuts[0]):
+        trace.window_start_ns, trace.window_source = later_window(
+            trace.window_start_ns, trace.window_source, start, "since")
+    return trace
 
 
 #: Why a finding about a request carried alone into its window may differ from the whole-trace analysis's.
@@ -662,14 +825,10 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     events: list[int] = []  # per window, its events (the plan's are estimates where it sampled the ts)
     total = len(plan)
     last = total - 1
-    first_ts = int(plan.cuts[0])
     for k in range(total):  # per window: few
         began = time.perf_counter()
         start, end = int(plan.starts[k]), int(plan.cuts[k + 1])
-        trace = source.rows(start, end, plan, k)
-        if start > first_ts:
-            trace.window_start_ns, trace.window_source = later_window(
-                trace.window_start_ns, trace.window_source, start, "since")
+        trace = _window_rows(source, plan, k)
         ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
         analysed = len(trace)
         events.append(_events_in(trace, int(plan.cuts[k]), end))

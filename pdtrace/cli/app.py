@@ -18,6 +18,9 @@ from pdtrace import __version__
 from pdtrace.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pdtrace.analysis.partitions import PartitionPlan
+    from pdtrace.analysis.windows import WindowEnd
+    from pdtrace.plot.window import Window
     from pdtrace.trace.model import Trace
 
 app = typer.Typer(
@@ -45,6 +48,11 @@ SinceSecondsOption = Annotated[Optional[float], typer.Option("--since",
                                                              help="Window start, seconds from the trace start.")]
 UntilSecondsOption = Annotated[Optional[float], typer.Option("--until",
                                                              help="Window end, seconds from the trace start.")]
+WindowEventsOption = Annotated[int, typer.Option(
+    "--window-events",
+    help="With --since or --until: read only that window's rows, with what is open at its start up to half this "
+         "many events before it, where the instances shown hold more than this many events (default: more than "
+         "15M, as analyze windows them; 0: never).")]
 RequestOption = Annotated[Optional[list[str]], typer.Option(
     "--request", "-r",
     help="Only this request (repeat for several): the window narrows to its lifetime and its P/D peer's, and "
@@ -79,7 +87,8 @@ def _root(
 
 
 def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterable[str] | None = None,
-                   with_links: bool = False, memory_check: bool = True) -> tuple["Trace", tuple[int, int] | None]:
+                   with_links: bool = False, memory_check: bool = True,
+                   plan: "PartitionPlan | None" = None) -> tuple["Trace", tuple[int, int] | None]:
     """(trace, span) for a verb that shows only `instances` (--instance): only their partitions are read
     (`pdtrace.analysis.partitions.open_instances`), plus with `with_links` those of the instances linked to them,
     so that the findings a plot or export marks are the whole trace's (its selection still shows `instances`
@@ -89,7 +98,7 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     from pdtrace.analysis.partitions import instance_partitions, open_instances, plan_partitions
 
     names = list(instances or ())
-    plan = plan_partitions(path)  # footers only
+    plan = plan_partitions(path) if plan is None else plan  # footers only
     if memory_check:
         chosen = instance_partitions(plan, names, with_links) if names else plan.partitions
         rows_of = {f.path: f.rows for f in plan.footers.files}
@@ -100,6 +109,35 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     if trace is None:
         raise no_such_instances(names, plan.instances)
     return warned(trace), span
+
+
+def load_shown(path: Path, window: "Window", window_events: int, memory_check: bool = True
+               ) -> tuple["Trace", tuple[int, int] | None, "WindowEnd | None"]:
+    """(trace, span, window end) for plot and export, which show `window`: its instances and their peers' loaded
+    whole (`load_instances`), or, where --since or --until is given and they hold more events than the windowed
+    analysis analyses whole (`window_size` of `window_events`), only the rows of that time window, read as the
+    windowed analysis reads one (`pdtrace.analysis.partitions.open_window`; the window end for the
+    AnalysisContext)."""
+    from pdtrace.analysis.config import AnalysisConfig
+    from pdtrace.analysis.partitions import analysed_span, instance_partitions, open_window, plan_partitions
+    from pdtrace.analysis.windows import window_size
+
+    names = list(window.instances)
+    plan = plan_partitions(path)  # footers only
+    chosen = instance_partitions(plan, names, True) if names else plan.partitions
+    rows_of = {f.path: f.rows for f in plan.footers.files}
+    events = sum(rows_of[f] for f in {f for p in chosen for f in p.files})
+    config = AnalysisConfig(window_events=window_events)
+    if window.since_s is None and window.until_s is None or not chosen or not window_size(config, events):
+        return (*load_instances(path, names, with_links=True, memory_check=memory_check, plan=plan), None)
+    span = plan.stats_span or analysed_span(plan, plan.partitions, config)
+    lo, hi = window.bounds(*span)
+    trace, read = open_window(path, names, lo if window.since_s is not None else None,
+                              hi + 1 if window.until_s is not None else None, config, with_links=True, plan=plan,
+                              check=(lambda rows: check_memory(rows, path)) if memory_check else None)
+    if trace is None or read is None:
+        raise no_such_instances(names, plan.instances)
+    return warned(trace), span, read.window_end
 
 
 def available_memory() -> int | None:
@@ -137,9 +175,9 @@ def check_memory(events: int, path: Any) -> None:
     need = events * LOAD_EVENT_BYTES
     if available is not None and need > available:
         raise UsageError(f"{path}: {events:,} events to load (~{need / 2**30:.1f} GiB), more than the "
-                         f"{available / 2**30:.1f} GiB of memory available: give --instance for fewer, or "
-                         "--no-memory-check to load them anyway (analyze, show and info read a trace of any length "
-                         "in bounded memory)")
+                         f"{available / 2**30:.1f} GiB of memory available: give --since and --until for a "
+                         "shorter time window, --instance for fewer instances, or --no-memory-check to load them "
+                         "anyway (analyze, show and info read a trace of any length in bounded memory)")
 
 
 def no_such_instances(names: Iterable[str], known: Iterable[str]) -> Exception:

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
-                             UntilSecondsOption, app, err_console, load_instances, out_console)
+                             UntilSecondsOption, WindowEventsOption, app, err_console, load_shown, out_console)
 
 
 class ExportFormat(str, Enum):
@@ -34,6 +34,7 @@ def export(
     until: UntilSecondsOption = None,
     request: RequestOption = None,
     memory_check: MemoryCheckOption = True,
+    window_events: WindowEventsOption = -1,
 ) -> None:
     """Export a trace to Chrome Trace Event JSON or Perfetto protobuf: processes per instance, threads per rank
     and request, slices, block counters and P->D transfer flows.
@@ -48,14 +49,14 @@ def export(
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read
-    # --instance: theirs and their peers' partitions
-    loaded, span = load_instances(trace, instance, with_links=True, memory_check=memory_check)
     stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows
+    loaded, span, window_end = load_shown(trace, window, window_events, memory_check=memory_check)
     err_console.print(f"pdtrace: exporting {len(loaded):,} events to {to.value} ...", markup=False)
-    model = run_export(AnalysisContext(loaded, span_ns=span), to.value, target, window=window,
-                       trace_name=str(trace))
+    model = run_export(AnalysisContext(loaded, span_ns=span, window_end=window_end), to.value, target,
+                       window=window, trace_name=str(trace))
     counts = model.counts()
     out_console.print(f"{target}: {counts['processes']} processes, {counts['threads']} threads, "
                       f"{counts['slices']:,} slices, {counts['counters']:,} counter samples, "

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
-                             UntilSecondsOption, app, err_console, load_instances, out_console)
+                             UntilSecondsOption, WindowEventsOption, app, err_console, load_shown, out_console)
 
 
 class PlotKind(str, Enum):
@@ -37,6 +37,7 @@ def plot(
     until: UntilSecondsOption = None,
     request: RequestOption = None,
     memory_check: MemoryCheckOption = True,
+    window_events: WindowEventsOption = -1,
     dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
 ) -> None:
     """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps.
@@ -46,10 +47,11 @@ def plot(
     from pdtrace.analysis.context import AnalysisContext
     from pdtrace.plot import Window, default_output, render
 
-    # --instance: theirs and their peers' partitions
-    loaded, span = load_instances(trace, instance, with_links=True, memory_check=memory_check)
     target = output or default_output(str(trace), kind.value)
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows
+    loaded, span, window_end = load_shown(trace, window, window_events, memory_check=memory_check)
     err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
-    result = render(AnalysisContext(loaded, span_ns=span), kind.value, target, window=window, dpi=dpi)
+    result = render(AnalysisContext(loaded, span_ns=span, window_end=window_end), kind.value, target, window=window,
+                    dpi=dpi)
     out_console.print(f"{result.path} ({result.width_px}x{result.height_px} px, {kind.value})", markup=False)

@@ -77,11 +77,22 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     steps = step_table(ctx).dropna(subset=["sched_ts"])
     steps = steps[keep(steps) & sel.contains(steps["sched_ts"])]
     ph = request_phases(ctx)
-    ph = ph[keep(ph) & sel.overlaps(ph["start_ns"], ph["end_ns"])]
+    lane = ph.groupby(["instance", "req"], observed=True, sort=False).ngroup().to_numpy()  # an integer per request
+    ph = ph[keep(ph) & sel.current(lane, (ph["phase"] == "freed").to_numpy(), ph["start_ns"], ph["end_ns"])]
     if wanted_reqs is not None:
         ph = ph.merge(pd.DataFrame(sorted(wanted_reqs), columns=["instance", "req"]), on=["instance", "req"])
     usage = block_usage(ctx, findings=findings)
     usage = usage[keep(usage)]
+    if len(usage):  # the counters' samples: those in the window, and per scheduler the value at its start
+        key = (usage["instance"].astype("str") + "/" + usage["dp_rank"].astype("Int64").astype("str")).to_numpy()
+        ts = usage["ts_ns"].to_numpy(np.int64)
+        early = ts < sel.lo_ns
+        # the last sample before the window: the value at its start, where blocks were in use then (a counter is
+        # 0 until its first sample; and a window read alone, `plan_time_window`, holds the rows of what was in use
+        # at its start, not the changes that emptied the pool before it)
+        before = early & ~pd.Series(early).groupby(key).shift(-1, fill_value=False).to_numpy()
+        before &= usage["in_use"].to_numpy(np.int64) > 0
+        usage = usage[sel.contains(ts) | before]
 
     names = sorted({str(n) for frame in (spans, steps, ph, usage)
                     for n in frame["instance"].astype("str").unique()})  # per instance of each table (few)
@@ -173,13 +184,7 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     # counters: blocks in use per scheduler, by owner state, over the window (the value at its start included)
     counters = pd.DataFrame({"pid": [], "name": [], "ts_ns": [], **{s: [] for s in BLOCK_STATES}})
     if len(usage):
-        ts = usage["ts_ns"].to_numpy(np.int64)
-        key = usage["instance"].astype("str") + "/" + usage["dp_rank"].astype("Int64").astype("str")
-        inside = sel.contains(ts)
-        early = ts < sel.lo_ns
-        # the last sample before the window, per scheduler: the value at the window's start
-        before = early & ~pd.Series(early).groupby(key.to_numpy()).shift(-1, fill_value=False).to_numpy()
-        u = usage[inside | before]
+        u = usage
         multi_dp = u.groupby("instance")["dp_rank"].nunique()
         name = np.where(u["instance"].map(multi_dp).to_numpy() > 1,
                         "KV blocks dp" + u["dp_rank"].astype("Int64").astype("str"), "KV blocks")
@@ -189,6 +194,9 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
 
     slices = pd.concat(parts, ignore_index=True) if parts else _slices(np.empty(0), np.empty(0), [], "",
                                                                         np.empty(0), np.empty(0))
+    # per thread in time order: the same file whatever order the analyses' tables list their rows in (a window
+    # read alone lists its requests as it read them)
+    slices = slices.sort_values(["pid", "tid", "ts_ns"], kind="stable", ignore_index=True)
     thread_table = (pd.concat(threads, ignore_index=True) if threads
                     else pd.DataFrame({"pid": [], "tid": [], "name": []}))
     return ExportModel(t0_ns=sel.t0_ns, processes=processes, threads=thread_table, slices=slices,

@@ -421,10 +421,6 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     if sel.requests is not None:
         wanted &= np.isin(pair_req, [i for i, n in enumerate(req_names) if n in sel.requests])
     pair = pair_of_key[rk]
-    keep = wanted[pair] & sel.overlaps(start_ns, end_ns)
-    pair, phase_code, start_ns, end_ns = pair[keep], phase_code[keep], start_ns[keep], end_ns[keep]
-    if len(pair) == 0:
-        raise sel.empty("request phases")
 
     findings = request_findings(ctx)
     f = findings[findings["req"].notna()] if len(findings) else findings
@@ -442,13 +438,19 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         at = np.minimum(np.searchsorted(pair_key, key), max(n_pairs - 1, 0))
         found = (pair_key[at] == key) if n_pairs else np.zeros(len(key), bool)
         f, f_pair = f[found], at[found]
+    flagged = np.zeros(n_pairs, dtype=bool)
+    flagged[f_pair] = True
+    # the window's requests (`Selection.current`), and those a finding in it names
+    keep = wanted[pair] & (sel.current(pair, phase_code == PHASES.index("freed"), start_ns, end_ns)
+                           | (flagged[pair] & sel.overlaps(start_ns, end_ns)))
+    pair, phase_code, start_ns, end_ns = pair[keep], phase_code[keep], start_ns[keep], end_ns[keep]
+    if len(pair) == 0:
+        raise sel.empty("request phases")
 
     # Lanes: requests ordered by first phase start; when they are too many, those with findings first.
     present = np.flatnonzero(np.bincount(pair, minlength=n_pairs) > 0)
     first_start = np.full(n_pairs, np.iinfo(np.int64).max)
     np.minimum.at(first_start, pair, start_ns)
-    flagged = np.zeros(n_pairs, dtype=bool)
-    flagged[f_pair] = True
     total = len(present)
     sampled = ""
     chosen = present
@@ -554,6 +556,7 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         raise sel.empty("KV block allocations")
 
     fig = _figure(min(1.0 + 2.6 * len(panels), 14.0), dpi)
+    fig.subplots_adjust(top=1 - 0.6 / fig.get_figheight())  # room for the figure's title above the first panel's
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (inst, dp, part) in zip(axes, panels, strict=True):
         t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)

@@ -39,6 +39,23 @@ class Window:
             parts.append(f"{lo} s to {hi} s")
         return "; ".join(parts) if parts else "the whole trace"
 
+    def bounds(self, t0: int, t1: int) -> tuple[int, int]:
+        """[lo_ns, hi_ns] of --since and --until on a trace spanning [t0, t1] (the trace's own where not given);
+        UsageError for negative or reversed bounds, EmptySelection for a window outside the trace."""
+        if self.since_s is not None and self.since_s < 0 or self.until_s is not None and self.until_s < 0:
+            raise UsageError("--since and --until are seconds from the trace start and must not be negative")
+        if self.since_s is not None and self.until_s is not None and self.until_s <= self.since_s:
+            raise UsageError(f"--until ({self.until_s:g}) must be after --since ({self.since_s:g})")
+        lo = t0 + int(round(self.since_s * 1e9)) if self.since_s is not None else t0
+        hi = t0 + int(round(self.until_s * 1e9)) if self.until_s is not None else t1
+        if hi < lo:
+            raise self.outside(t0, t1)
+        return lo, hi
+
+    def outside(self, t0: int, t1: int) -> "EmptySelection":
+        return EmptySelection(f"nothing to show: the window ({self.describe()}) is outside the trace, which lasts "
+                              f"{(t1 - t0) / 1e9:g} s")
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -65,6 +82,19 @@ class Selection:
         """Intervals [start, end] that meet the window."""
         return (np.asarray(end, dtype=np.int64) >= self.lo_ns) & (np.asarray(start, dtype=np.int64) <= self.hi_ns)
 
+    def current(self, lane: np.ndarray, freed: np.ndarray, start: pd.Series | np.ndarray,
+                end: pd.Series | np.ndarray) -> np.ndarray:
+        """Of request phases (`lane`: an integer per request; `freed`: the phase is `freed`), those that meet the
+        window, of the requests that do more in it than stay freed: a request freed before the window (its freed
+        phase runs to the end of the trace) is left out, or on a long trace every request ever served would crowd
+        out the window's own."""
+        lane = np.asarray(lane, dtype=np.int64)
+        meet = self.overlaps(start, end)
+        live = meet & ~(np.asarray(freed, dtype=bool) & (np.asarray(start, dtype=np.int64) < self.lo_ns))
+        alive = np.zeros(int(lane.max()) + 1 if len(lane) else 0, dtype=bool)
+        alive[lane[live]] = True
+        return meet & alive[lane]
+
     def contains(self, ts: pd.Series | np.ndarray) -> np.ndarray:
         ts = np.asarray(ts, dtype=np.int64)
         return (ts >= self.lo_ns) & (ts <= self.hi_ns)
@@ -74,12 +104,7 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
     """Turn the user's window into absolute bounds. `--request` narrows the window to the requests' lifetimes
     (their first to last phase) and, without `--instance`, the instances to theirs and their remote peers'."""
     t0, t1 = trace_span(ctx)
-    if window.since_s is not None and window.since_s < 0 or window.until_s is not None and window.until_s < 0:
-        raise UsageError("--since and --until are seconds from the trace start and must not be negative")
-    if window.since_s is not None and window.until_s is not None and window.until_s <= window.since_s:
-        raise UsageError(f"--until ({window.until_s:g}) must be after --since ({window.since_s:g})")
-    lo = t0 + int(round(window.since_s * 1e9)) if window.since_s is not None else t0
-    hi = t0 + int(round(window.until_s * 1e9)) if window.until_s is not None else t1
+    lo, hi = window.bounds(t0, t1)
     instances = frozenset(window.instances) if window.instances else None
     requests = frozenset(window.requests) if window.requests else None
     pairs: frozenset[tuple[str, str]] | None = None
@@ -99,8 +124,7 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
         if instances is None:
             instances = frozenset(mine["instance"].astype("str"))
     if hi < lo:
-        raise EmptySelection(f"nothing to show: the window ({window.describe()}) is outside the trace, which lasts "
-                             f"{(t1 - t0) / 1e9:g} s")
+        raise window.outside(t0, t1)
     return Selection(t0_ns=t0, lo_ns=lo, hi_ns=max(hi, lo + 1), instances=instances, requests=requests,
                      window=window, request_pairs=pairs)
 
