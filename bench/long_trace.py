@@ -38,6 +38,11 @@
             `plot --kind blocks` and `export` of the 30 s from 95 % of the trace's span, read alone
             (`pdtrace.analysis.partitions.open_window`), against this checkout's whole load (--window-events 0),
             and whether the image and the file are the same.
+Measured `--show`, plot and export of a window (2026-12-03, sixth session; 9bee385, load 1.4-2.1), 60M events, the
+30 s from 3726 s: `plot --kind blocks` 4.9 s wall, 7.2 s cpu, tree peak 1.17 GiB against the whole load's 33.2 s,
+50.9 s, 10.88 GiB; `export` 5.0 s, 7.2 s, 1.12 GiB against 34.6 s, 37.2 s, 11.22 GiB; the same image and the same
+file. In the same run `show --req` 5.1 s and 1.14 GiB, `show --step` 4.3 s and 1.12 GiB, `info --rows` 6.7 s and
+0.83 GiB.
 Measured `--show` (2026-12-03, fifth session; f60c097 and its successor against cb2c55e, which loaded the trace):
 - 60M events (`--show --against` cb2c55e, one run each): `show --req` 6.9 s wall, 9.7 s cpu, tree peak 1.16 GiB
   against 40.2 s, 44.3 s, 9.13 GiB; `show --step` 6.4 s, 10.2 s, 1.38 GiB against 40.5 s, 41.9 s, 9.62 GiB;
