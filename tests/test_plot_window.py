@@ -250,3 +250,28 @@ def test_a_file_that_only_gives_blocks_up_is_planned() -> None:
     rest = table.filter(pc.not_equal(kinds, "blocks_free"))
     plan = plan_windows([rest, frees], 10**6, 50, cuts=[int(pc.max(table.column("ts_ns")).as_py())], row_ends=True)
     assert "leak" in plan.carried[1] and not any(r.startswith("r") for r in plan.carried[1])
+
+
+@pytest.mark.parametrize("sample", ["starve", "lost_send_completion", "few_requests_pp"])
+def test_request_alone_reads_its_life_and_its_peers(cli: Any, tmp_path: Path, sample: str) -> None:
+    # --request without --since/--until: the window is the request's life and its P/D peer's
+    # (`story.requests_span`), read alone; the export and the requests figure are the whole load's
+    path = ROOT / "sample_traces" / sample / "trace"
+    table = open_trace(path, columns=["kind", "req"], warn=False).table
+    adds = table.filter(pc.equal(table.column("kind").cast("string"), "req_add")).column("req").cast("string")
+    events = table.num_rows
+    for req in sorted(set(adds.to_pylist()))[1::7][:3]:
+        outputs = []
+        for bound in (0, max(20, events // 10)):
+            out = tmp_path / f"{req}-{bound}"
+            exported = cli("export", path, "--request", req, "--window-events", bound, "-o", f"{out}.json")
+            drawn = cli("plot", path, "--kind", "requests", "--request", req, "--window-events", bound,
+                        "-o", f"{out}.png")
+            assert exported.exit_code == drawn.exit_code == 0, exported.stderr + drawn.stderr
+            outputs.append((Path(f"{out}.json").read_bytes(), Path(f"{out}.png").read_bytes(),
+                            _events_read(exported.stderr)))
+        assert outputs[0][0] == outputs[1][0], req
+        assert outputs[0][1] == outputs[1][1], req
+        assert outputs[1][2] <= outputs[0][2]
+    missing = cli("plot", path, "--request", "no-such-request", "--window-events", 20, "-o", tmp_path / "x.png")
+    assert missing.exit_code == 2 and "no request no-such-request in the trace" in missing.stderr

@@ -38,7 +38,7 @@ sample and on built traces with renamed P/D ids, deferred drains, empty-step run
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -49,7 +49,8 @@ import pyarrow.dataset as ds
 from pdtrace.analysis.columns import columns
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.steps import detail_number, detail_text, exec_spans, step_table
-from pdtrace.trace.model import Trace
+from pdtrace.analysis.windows import GIVES, TAKES
+from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import open_trace, unified
 
 INT64_MAX = np.iinfo(np.int64).max
@@ -312,6 +313,40 @@ def request_rows(path: str | os.PathLike[str], req: str, instance: str | None = 
                    & ds.field("instance").isin(sorted(set(deferred["instance"].astype(str))))
                    & (ds.field("ts_ns") >= int(deferred["ts_ns"].min())))
     return _joined(rows, drains)
+
+
+def requests_span(path: str | os.PathLike[str], requests: Sequence[str],
+                  instance: str | None = None) -> tuple[int, int | None] | None:
+    """(first, last) ts_ns of the named requests' rows and their P/D peers' (`request_rows`, `related_requests`):
+    the time a window of them must read; last None where one of them never finishes (it lives to the end of the
+    trace); None when the trace has none of them."""
+    lo, hi, open_ended = None, None, False
+    for req in requests:  # few: the ones a user names
+        rows = request_rows(path, req, instance)
+        pairs = related_requests(rows, req, instance)
+        if not pairs or len(rows) == 0:
+            continue
+        table = rows.table
+        named = pc.is_in(dictionary_decoded(table.column("req")), value_set=pa.array(sorted({r for _, r in pairs})))
+        mine = table.filter(pc.fill_null(named, False))
+        ts = pc.min_max(mine.column("ts_ns")).as_py()
+        if ts["min"] is None:
+            continue
+        lo = ts["min"] if lo is None else min(lo, ts["min"])
+        hi = ts["max"] if hi is None else max(hi, ts["max"])
+        # a request lives to the end of the trace unless it finishes and gives up every block it took (a figure
+        # draws its waiting, or its holding after the finish, to the end)
+        frame = mine.select(["instance", "req", "kind", "blocks"]).to_pandas()
+        frame["instance"], frame["req"] = frame["instance"].astype(str), frame["req"].astype(str)
+        taken = frame["blocks"].map(lambda b: 0 if b is None else len(b))  # few rows: one request's
+        kind = frame["kind"].astype(str)
+        sign = np.where(kind.isin(TAKES), 1, np.where(kind.isin(GIVES), -1, 0))  # as the windows' plan counts
+        held = (taken * sign).groupby([frame["instance"], frame["req"]]).sum()
+        finished = set(zip(frame.loc[kind == "req_finish", "instance"], frame.loc[kind == "req_finish", "req"]))
+        open_ended |= any(pair not in finished or held.get(pair, 0) > 0 for pair in pairs)
+    if lo is None or hi is None:
+        return None
+    return int(lo), None if open_ended else int(hi)
 
 
 def step_rows(path: str | os.PathLike[str], step: int) -> tuple[Trace, pd.DataFrame]:

@@ -114,13 +114,15 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
 def load_shown(path: Path, window: "Window", window_events: int, memory_check: bool = True
                ) -> tuple["Trace", tuple[int, int] | None, "WindowEnd | None"]:
     """(trace, span, window end) for plot and export, which show `window`: its instances and their peers' loaded
-    whole (`load_instances`), or, where --since or --until is given and they hold more events than the windowed
-    analysis analyses whole (`window_size` of `window_events`), only the rows of that time window, read as the
-    windowed analysis reads one (`pdtrace.analysis.partitions.open_window`; the window end for the
-    AnalysisContext)."""
+    whole (`load_instances`), or, where --since/--until or --request is given and they hold more events than the
+    windowed analysis analyses whole (`window_size` of `window_events`), only the rows of that time window (the
+    named requests' lives, their P/D peers' included: `story.requests_span`), read as the windowed analysis reads
+    one (`pdtrace.analysis.partitions.open_window`; the window end for the AnalysisContext)."""
     from pdtrace.analysis.config import AnalysisConfig
     from pdtrace.analysis.partitions import analysed_span, instance_partitions, open_window, plan_partitions
+    from pdtrace.analysis.story import requests_span
     from pdtrace.analysis.windows import window_size
+    from pdtrace.plot.window import no_requests
 
     names = list(window.instances)
     plan = plan_partitions(path)  # footers only
@@ -128,12 +130,19 @@ def load_shown(path: Path, window: "Window", window_events: int, memory_check: b
     rows_of = {f.path: f.rows for f in plan.footers.files}
     events = sum(rows_of[f] for f in {f for p in chosen for f in p.files})
     config = AnalysisConfig(window_events=window_events)
-    if window.since_s is None and window.until_s is None or not chosen or not window_size(config, events):
+    timed = window.since_s is not None or window.until_s is not None
+    if not (timed or window.requests) or not chosen or not window_size(config, events):
         return (*load_instances(path, names, with_links=True, memory_check=memory_check, plan=plan), None)
     span = plan.stats_span or analysed_span(plan, plan.partitions, config)
-    lo, hi = window.bounds(*span)
-    trace, read = open_window(path, names, lo if window.since_s is not None else None,
-                              hi + 1 if window.until_s is not None else None, config, with_links=True, plan=plan,
+    if timed:
+        lo, hi = window.bounds(*span)
+        since, until = lo if window.since_s is not None else None, hi + 1 if window.until_s is not None else None
+    else:  # --request alone: the requests' lives (a finding of analyze, drawn without loading the trace)
+        lives = requests_span(path, window.requests, names[0] if len(names) == 1 else None)
+        if lives is None:
+            raise no_requests(window.requests, names)
+        since, until = lives[0], None if lives[1] is None else lives[1] + 1
+    trace, read = open_window(path, names, since, until, config, with_links=True, plan=plan,
                               check=(lambda rows: check_memory(rows, path)) if memory_check else None)
     if trace is None or read is None:
         raise no_such_instances(names, plan.instances)

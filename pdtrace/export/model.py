@@ -194,10 +194,12 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
 
     slices = pd.concat(parts, ignore_index=True) if parts else _slices(np.empty(0), np.empty(0), [], "",
                                                                         np.empty(0), np.empty(0))
-    # per thread in time order: the same file whatever order the analyses' tables list their rows in (a window
-    # read alone lists its requests as it read them)
+    # per thread in time order (and the threads and counters by process and thread): the same file whatever order
+    # the analyses' tables list their rows in (a window read alone lists its instances and requests as it read them)
     slices = slices.sort_values(["pid", "tid", "ts_ns"], kind="stable", ignore_index=True)
     thread_table = (pd.concat(threads, ignore_index=True) if threads
                     else pd.DataFrame({"pid": [], "tid": [], "name": []}))
+    thread_table = thread_table.sort_values(["pid", "tid"], kind="stable", ignore_index=True)
+    counters = counters.sort_values(["pid", "name", "ts_ns"], kind="stable", ignore_index=True)
     return ExportModel(t0_ns=sel.t0_ns, processes=processes, threads=thread_table, slices=slices,
                        counters=counters, counter_series=BLOCK_STATES, flows=flows)

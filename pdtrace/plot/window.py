@@ -4,6 +4,7 @@ requests. Shared by `pdtrace plot` and `pdtrace export`; no matplotlib here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,13 @@ from pdtrace.errors import PdtraceError, UsageError
 
 class EmptySelection(PdtraceError):
     """The selection (window, instance, request) holds nothing to draw or export: exit 2 with one line."""
+
+
+def no_requests(requests: Iterable[str], instances: Iterable[str]) -> EmptySelection:
+    """The one-line error (exit 2) for --request names none of which the trace (or --instance) holds."""
+    names = sorted(instances)
+    return EmptySelection(f"nothing to show: no request {', '.join(sorted(requests))} in the trace"
+                          + (f" on instance {', '.join(names)}" if names else ""))
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,7 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
         wanted = pd.DataFrame(sorted(pairs), columns=["instance", "req"])
         mine = ph.merge(wanted, on=["instance", "req"]) if len(wanted) else ph.iloc[:0]
         if len(mine) == 0:
-            raise EmptySelection(f"nothing to show: no request {', '.join(sorted(requests))} in the trace"
-                                 + (f" on instance {', '.join(sorted(instances))}" if instances else ""))
+            raise no_requests(requests, instances or ())
         # The requests' lives (their P/D peers' included), not the freed tails that run to the end of the trace.
         live = mine[mine["phase"] != "freed"]
         span_from = live if len(live) else mine
