@@ -318,8 +318,8 @@ def request_rows(path: str | os.PathLike[str], req: str, instance: str | None = 
 def requests_span(path: str | os.PathLike[str], requests: Sequence[str],
                   instance: str | None = None) -> tuple[int, int | None] | None:
     """(first, last) ts_ns of the named requests' rows and their P/D peers' (`request_rows`, `related_requests`):
-    the time a window of them must read; last None where one of them never finishes (it lives to the end of the
-    trace); None when the trace has none of them."""
+    the time a window of them must read; last None where one of them never finishes or never gives up every block
+    it took (it lives to the end of the trace); None when the trace has none of them."""
     lo, hi, open_ended = None, None, False
     for req in requests:  # few: the ones a user names
         rows = request_rows(path, req, instance)

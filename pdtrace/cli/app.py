@@ -50,9 +50,9 @@ UntilSecondsOption = Annotated[Optional[float], typer.Option("--until",
                                                              help="Window end, seconds from the trace start.")]
 WindowEventsOption = Annotated[int, typer.Option(
     "--window-events",
-    help="With --since or --until: read only that window's rows, with what is open at its start up to half this "
-         "many events before it, where the instances shown hold more than this many events (default: more than "
-         "15M, as analyze windows them; 0: never).")]
+    help="With --since/--until (or --request alone: its life): read only that window's rows, with what is open "
+         "at its start up to half this many events before it, where the instances shown hold more than this many "
+         "events (default: more than 15M, as analyze windows them; 0: never).")]
 RequestOption = Annotated[Optional[list[str]], typer.Option(
     "--request", "-r",
     help="Only this request (repeat for several): the window narrows to its lifetime and its P/D peer's, and "
