@@ -275,3 +275,18 @@ def test_request_alone_reads_its_life_and_its_peers(cli: Any, tmp_path: Path, sa
         assert outputs[1][2] <= outputs[0][2]
     missing = cli("plot", path, "--request", "no-such-request", "--window-events", 20, "-o", tmp_path / "x.png")
     assert missing.exit_code == 2 and "no request no-such-request in the trace" in missing.stderr
+
+
+def test_a_window_outside_an_instances_time_reads_none_of_its_rows(tmp_path: Path) -> None:
+    # --instance X with a window after X's last row (or before its first), inside the trace's span: nothing of X
+    # is read, not the whole of it
+    path = tmp_path / "trace"
+    _leak_then_traffic(steps=30).write(path)
+    ts = open_trace(path, columns=["ts_ns"], warn=False).table.column("ts_ns").to_numpy()
+    t0, t1 = int(ts.min()), int(ts.max())
+    for since, until in ((t1 + 10, t1 + 20), (t0 - 20, t0 - 10), (t1 + 1, None)):
+        trace, read = open_window(path, ["e"], since, until, AnalysisConfig(window_events=100))
+        assert read is not None and read.outside and read.rows == 0 and read.window_end is None
+        assert set(trace.table.column("kind").cast("string").to_pylist()) <= {"engine_config"}
+    trace, read = open_window(path, ["e"], t0 + (t1 - t0) // 2, None, AnalysisConfig(window_events=100))
+    assert read is not None and not read.outside and len(trace) > 0

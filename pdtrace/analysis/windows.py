@@ -709,6 +709,8 @@ class TimeWindow:
     index: int
     #: about how many rows a read of it holds at most: its events, the lookback's and the look-ahead's
     rows: int
+    #: the window lies outside the rows' time range (after their last, or before their first): nothing to read
+    outside: bool = False
 
     @property
     def start(self) -> int:
@@ -724,8 +726,8 @@ class TimeWindow:
 
     @property
     def window_end(self) -> WindowEnd | None:
-        """None where the read runs to the end of the trace."""
-        if self.index + 2 >= len(self.plan):
+        """None where the read runs to the end of the trace (or reads none of it)."""
+        if self.outside or self.index + 2 >= len(self.plan):
             return None
         return WindowEnd(self.end, self.plan.row_ends if self.plan.row_ends is not None else self.plan.last_ts)
 
@@ -749,12 +751,18 @@ def plan_time_window(source: PathSource, since_ns: int | None, until_ns: int | N
                         margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
                         whole_steps=True, row_ends=True)
     index = int(plan.window_of(since_ns)) if since_ns is not None else 0
-    return TimeWindow(plan, index, int(plan.events[index]) + (lookback if index else 0)
-                      + (lookback if until_ns is not None else 0))
+    outside = (since_ns is not None and since_ns >= int(plan.cuts[-1])
+               or until_ns is not None and until_ns <= int(plan.cuts[0]))
+    return TimeWindow(plan, index, 0 if outside else int(plan.events[index]) + (lookback if index else 0)
+                      + (lookback if until_ns is not None else 0), outside)
 
 
 def read_time_window(source: MemorySource | PathSource, window: TimeWindow) -> Trace:
-    """The rows of a planned window (`plan_time_window`), marked as starting mid-run where they do."""
+    """The rows of a planned window (`plan_time_window`), marked as starting mid-run where they do; of a window
+    outside the rows' time range, only the rows every window reads (the configuration)."""
+    if window.outside:
+        stop = int(window.plan.cuts[-1])
+        return source.rows(stop, stop, window.plan, 0)
     return _window_rows(source, window.plan, window.index, window.end)
 
 
