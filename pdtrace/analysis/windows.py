@@ -51,6 +51,12 @@ each window reads its rows (row groups pruned by their ts statistics, their kept
 serving trace is the life of the longest running request (seconds: a few thousand events). A request that stays
 open for longer than the lookback (a request waiting forever) pulls every later window back by the whole
 lookback: at most twice the rows, the price of still counting the steps it waits through.
+
+Time windows (`plan_time_window`, `read_time_window`; `pdtrace plot` and `export` with --since/--until): the same
+plan with two given cuts, and what a figure needs besides: a request whose rows leave it holding blocks is carried
+into any later window (the plan then reads `blocks`: `_held`), steps open at either edge are read whole, the read
+starts a margin before --since and goes on past --until to the end of what is open there (at most the lookback),
+and the findings about a request it still cuts off are left out (`WindowEnd`, `judged`).
 """
 
 from __future__ import annotations
