@@ -17,9 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import pyarrow.compute as pc
+import pytest
 
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.partitions import open_window
@@ -32,7 +31,7 @@ SAMPLES = sorted(p.parent.name for p in (ROOT / "sample_traces").glob("*/trace")
 
 def _windows(path: Path, count: int = 3) -> tuple[int, list[tuple[float, float]]]:
     """(events, [(since, until) in seconds from the trace start]): windows a fifth of the trace long, starting
-    at evenly spaced times from a quarter of the way in (the last one running past the end)."""
+    at one, two and three fifths of the way in, and at nine tenths (that one running past the end)."""
     ts = open_trace(path, columns=["ts_ns"], warn=False).table.column("ts_ns").to_numpy()
     t0, span = int(ts.min()), int(ts.max()) - int(ts.min())
     starts = [span * (k + 1) // (count + 2) for k in range(count)] + [span * 9 // 10]
