@@ -289,3 +289,20 @@ def test_a_window_outside_an_instances_time_reads_none_of_its_rows(tmp_path: Pat
         assert set(trace.table.column("kind").cast("string").to_pylist()) <= {"engine_config"}
     trace, read = open_window(path, ["e"], t0 + (t1 - t0) // 2, None, AnalysisConfig(window_events=100))
     assert read is not None and not read.outside and len(trace) > 0
+
+
+@pytest.mark.parametrize("sample", ["starve", "lost_send_completion"])
+def test_an_instance_of_a_pd_pair_read_as_a_window_exports_what_its_whole_load_does(cli: Any, tmp_path: Path,
+                                                                                     sample: str) -> None:
+    # --instance decode-0: the window reads its files and its prefill peer's (the findings marked are the pair's),
+    # and shows the decode side only, as the whole load of the two does
+    path = ROOT / "sample_traces" / sample / "trace"
+    events, windows = _windows(path)
+    for i, window in enumerate(windows):
+        whole = _export(cli, path, tmp_path / f"whole{i}.json", window, 0, "--instance", "decode-0")
+        part = _export(cli, path, tmp_path / f"part{i}.json", window, max(20, events // 10), "--instance",
+                       "decode-0")
+        assert part[0] == whole[0] and part[1] == whole[1], (window, part[2], whole[2])
+        if whole[0] == 0:
+            names = {e["args"]["name"] for e in json.loads(part[1])["traceEvents"] if e.get("name") == "process_name"}
+            assert names == {"decode-0 (decode)"}, names
