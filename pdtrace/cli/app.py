@@ -95,20 +95,28 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     only); span is the whole trace's (first, last) ts, for an AnalysisContext's `span_ns`. Without instances, the
     whole trace and None. Warnings as load_trace's. `memory_check`: refuse a load that would not fit in the memory
     available (`check_memory`)."""
-    from pdtrace.analysis.partitions import instance_partitions, open_instances, plan_partitions
+    from pdtrace.analysis.partitions import open_instances, plan_partitions
 
     names = list(instances or ())
     plan = plan_partitions(path) if plan is None else plan  # footers only
     if memory_check:
-        chosen = instance_partitions(plan, names, with_links) if names else plan.partitions
-        rows_of = {f.path: f.rows for f in plan.footers.files}
-        check_memory(sum(rows_of[f] for f in {f for p in chosen for f in p.files}), path)
+        check_memory(shown_events(plan, names, with_links), path)
     if not names:
         return load_trace(path, columns=columns), None
     trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links, plan=plan)
     if trace is None:
         raise no_such_instances(names, plan.instances)
     return warned(trace), span
+
+
+def shown_events(plan: "PartitionPlan", names: list[str], with_links: bool) -> int:
+    """The events, by the footers, of the files of `names`' partitions (with `with_links` their peers' too; all
+    partitions where `names` is empty): what a whole load of them reads."""
+    from pdtrace.analysis.partitions import instance_partitions
+
+    chosen = instance_partitions(plan, names, with_links) if names else plan.partitions
+    rows_of = {f.path: f.rows for f in plan.footers.files}
+    return sum(rows_of[f] for f in {f for p in chosen for f in p.files})
 
 
 def load_shown(path: Path, window: "Window", window_events: int, memory_check: bool = True
@@ -119,19 +127,17 @@ def load_shown(path: Path, window: "Window", window_events: int, memory_check: b
     named requests' lives, their P/D peers' included: `story.requests_span`), read as the windowed analysis reads
     one (`pdtrace.analysis.partitions.open_window`; the window end for the AnalysisContext)."""
     from pdtrace.analysis.config import AnalysisConfig
-    from pdtrace.analysis.partitions import analysed_span, instance_partitions, open_window, plan_partitions
+    from pdtrace.analysis.partitions import analysed_span, open_window, plan_partitions
     from pdtrace.analysis.story import requests_span
     from pdtrace.analysis.windows import window_size
     from pdtrace.plot.window import no_requests
 
     names = list(window.instances)
     plan = plan_partitions(path)  # footers only
-    chosen = instance_partitions(plan, names, True) if names else plan.partitions
-    rows_of = {f.path: f.rows for f in plan.footers.files}
-    events = sum(rows_of[f] for f in {f for p in chosen for f in p.files})
+    events = shown_events(plan, names, True)
     config = AnalysisConfig(window_events=window_events)
     timed = window.since_s is not None or window.until_s is not None
-    if not (timed or window.requests) or not chosen or not window_size(config, events):
+    if not (timed or window.requests) or not events or not window_size(config, events):
         return (*load_instances(path, names, with_links=True, memory_check=memory_check, plan=plan), None)
     span = plan.stats_span or analysed_span(plan, plan.partitions, config)
     if timed:

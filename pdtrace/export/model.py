@@ -184,13 +184,12 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     # counters: blocks in use per scheduler, by owner state, over the window (the value at its start included)
     counters = pd.DataFrame({"pid": [], "name": [], "ts_ns": [], **{s: [] for s in BLOCK_STATES}})
     if len(usage):
-        u = usage
-        multi_dp = u.groupby("instance")["dp_rank"].nunique()
-        name = np.where(u["instance"].map(multi_dp).to_numpy() > 1,
-                        "KV blocks dp" + u["dp_rank"].astype("Int64").astype("str"), "KV blocks")
-        counters = pd.DataFrame({"pid": u["instance"].astype("str").map(pid_of).to_numpy(), "name": name,
-                                 "ts_ns": np.maximum(u["ts_ns"].to_numpy(np.int64), sel.lo_ns),
-                                 **{s: u[s].to_numpy(np.int64) for s in BLOCK_STATES}})
+        multi_dp = usage.groupby("instance")["dp_rank"].nunique()
+        name = np.where(usage["instance"].map(multi_dp).to_numpy() > 1,
+                        "KV blocks dp" + usage["dp_rank"].astype("Int64").astype("str"), "KV blocks")
+        counters = pd.DataFrame({"pid": usage["instance"].astype("str").map(pid_of).to_numpy(), "name": name,
+                                 "ts_ns": np.maximum(usage["ts_ns"].to_numpy(np.int64), sel.lo_ns),
+                                 **{s: usage[s].to_numpy(np.int64) for s in BLOCK_STATES}})
 
     slices = pd.concat(parts, ignore_index=True) if parts else _slices(np.empty(0), np.empty(0), [], "",
                                                                         np.empty(0), np.empty(0))
