@@ -65,7 +65,7 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_window, read_time_window, window_size
+from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_windows, read_time_window, window_size
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
@@ -295,18 +295,32 @@ def open_window(path: str | os.PathLike[str], instances: Sequence[str], since_ns
     union of their spans: a few more rows, never fewer). `check(rows)`: called with at most how many rows the read
     holds, before it reads them (a memory check). The trace is None when none of `instances` is in the trace; it
     is marked as starting mid-run where it does, and the TimeWindow says where it ends (`window_end`)."""
+    pieces = open_window_pieces(path, instances, since_ns, until_ns, config, with_links, plan, check)
+    if pieces is None:
+        return None, None
+    (window, read), = pieces
+    return read(), window
+
+
+def open_window_pieces(path: str | os.PathLike[str], instances: Sequence[str], since_ns: int | None,
+                       until_ns: int | None, config: AnalysisConfig, with_links: bool = False,
+                       plan: PartitionPlan | None = None, check: Callable[[int], None] | None = None,
+                       piece_events: int = 0) -> list[tuple[TimeWindow, Callable[[], Trace]]] | None:
+    """`open_window`'s window planned in pieces of about `piece_events` events (one piece where 0), each with a
+    call that reads its rows (`windows.read_time_window`), so that a caller holds one piece at a time. `check`
+    gets the largest piece's rows. None when none of `instances` is in the trace."""
     plan = plan_partitions(path) if plan is None else plan
     wanted = instance_partitions(plan, instances, with_links) if instances else plan.partitions
     if not wanted:
-        return None, None
+        return None
     files = sorted({f for p in wanted for f in p.files})
     chosen = [p.instance for p in wanted] if len(wanted) < len(plan.partitions) and any(
         p.shared for p in wanted) else None
     source = PathSource(str(path), chosen, files, config)
-    window = plan_time_window(source, since_ns, until_ns, config)
+    windows = plan_time_windows(source, since_ns, until_ns, config, piece_events)
     if check is not None:
-        check(window.rows)
-    return read_time_window(source, window), window
+        check(max(w.rows for w in windows))
+    return [(w, lambda w=w: read_time_window(source, w)) for w in windows]
 
 
 # ----------------------------------------------------------------------------------------------------- phase 1

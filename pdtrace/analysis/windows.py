@@ -350,7 +350,7 @@ def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarr
 def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
                  rows: int | None = None, jobs: int = 1, cuts: Sequence[int] | None = None,
                  margin: tuple[int, int] | None = None, ahead: bool = False, whole_steps: bool = False,
-                 row_ends: bool = False) -> WindowPlan:
+                 row_ends: bool = False, split: int = 0) -> WindowPlan:
     """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
     PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
     `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
@@ -363,7 +363,8 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     `whole_steps`: a step open at a cut takes the window's start back to its first row, and one open at the last
     cut the read-ahead on to its last row, whatever the lookback (a plot draws the steps in flight at its edges
     whole; a step hung for longer than the lookback most of all).
-    `row_ends`: also `WindowPlan.row_ends`."""
+    `row_ends`: also `WindowPlan.row_ends`. `split`: with `cuts`, the stretch from the first to the last is also
+    cut every `split` events (a plot of a long stretch, window by window: `plan_time_windows`)."""
     groups = list(groups)
     lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
     if rows is None and all(isinstance(g, (pa.Table, pa.RecordBatch)) for g in groups):
@@ -403,7 +404,13 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
         mark_ts = _weighted_quantiles(sample, weight, targets)
     else:  # the events before each given cut, by the sample's weights
         mark_ts = np.asarray(sorted(int(c) for c in cuts), np.int64)
-        targets = np.r_[0.0, np.cumsum(weight)][np.searchsorted(sample, mark_ts, side="left")]
+        below_of = np.r_[0.0, np.cumsum(weight)]
+        targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
+        if split > 0 and len(mark_ts) > 1:  # more cuts between the first and the last (`ahead` follows the last)
+            inner = _weighted_quantiles(sample, weight, np.arange(targets[0] + split, targets[-1] - split / 4, split))
+            inner = inner[(inner > mark_ts[0]) & (inner < mark_ts[-1])]
+            mark_ts = np.unique(np.r_[mark_ts, inner]).astype(np.int64)
+            targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
         if ahead and margin is not None and len(targets):
             a = int(mark_ts[-1])
             least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(margin, np.float64))
@@ -546,7 +553,11 @@ class PathSource:
             stats = column_stats(footers.metadata[name], "ts_ns")
             self.spans.append((int(min(lo for lo, _ in stats)), int(max(hi for _, hi in stats)))
                               if stats else None)
-        self._every: Trace | None = None  # `rows`: the EVERY_WINDOW rows, read once
+        self._every: pa.Table | None = None  # `rows`: the EVERY_WINDOW rows, read once
+        #: `_extra`: the rows of carried requests whose last row came before the window that read them (a leak),
+        #: and their names: a later window that carries them again takes them from here
+        self._ended_rows: list[pa.Table] = []
+        self._ended: set[str] = set()
         #: files whose data the plan could not decode (a corrupt page under an intact footer), with why: skipped
         #: by every window, as the whole-trace read skips them (`warnings`). A corrupt page in a column the plan
         #: does not read is skipped by the windows that read it (`open_trace`'s own fallback), after the plan
@@ -564,12 +575,14 @@ class PathSource:
         out = [name for name, span in files if span is None or (span[0] < hi and span[1] >= lo)]
         return out or [n for n, _ in files[:1]]
 
-    def _open(self, lo: int, hi: int, **kwargs: Any) -> Trace:
+    def _open(self, lo: int, hi: int, files: list[str] | None = None, **kwargs: Any) -> Trace:
+        """The rows of the files that may hold rows in [lo, hi) (`files` where given), as `open_trace` reads."""
         from pdtrace.trace.reader import open_trace
 
         # req as read (dictionary codes): the rules read requests by code, never the strings
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
-                          only_files=self.between(lo, hi), req_dictionary=True, **kwargs)
+                          only_files=self.between(lo, hi) if files is None else files, req_dictionary=True,
+                          **kwargs)
 
     def plan_groups(self, columns: Sequence[str] = PLAN_COLUMNS) -> list[PlanFile]:
         """The plan's input (`plan_windows`): per file, its `columns` in batches, with the rows `open_trace`
@@ -601,35 +614,70 @@ class PathSource:
         if not outside and not carried:
             return trace
         if carried or len(plan.every_ts) > EXACT_FETCH:
-            extra = self._extra(outside, carried, since)
+            more = self._extra(outside, carried, since, plan.row_ends if plan.row_ends is not None
+                               else plan.last_ts)
         else:  # the EVERY_WINDOW rows alone, each fetched by its ts: read once for every window
             if self._every is None:
                 self._every = self._extra([int(t) for t in plan.every_ts.tolist()], {}, since)
-            extra = self._every
-        more = extra.table
+            more = self._every
         keep = pc.and_(window_rows(more, since, until, carried), pc.invert(in_time(more.column("ts_ns"), since, until)))
         table = unified(pa.concat_tables([trace.table, more.filter(keep)]))  # both read by `_open`: req as codes
         return Trace(table=table, path=trace.path, manifest=trace.manifest, files=trace.files,
                      skipped=trace.skipped, warnings=trace.warnings, window_start_ns=trace.window_start_ns,
                      window_source=trace.window_source)
 
-    def _extra(self, outside: list[int], carried: dict[str, int], since: int) -> Trace:
+    def _extra(self, outside: list[int], carried: dict[str, int], since: int,
+               ends: Mapping[str, int] | None = None) -> pa.Table:
         """The rows a window reads besides its time range: those at the EVERY_WINDOW rows' ts `outside` (or of
-        those kinds), and the carried requests' rows before `since`; `rows` keeps what the window analyses. Without
-        carried requests these are the same for every window (the EVERY_WINDOW rows of the whole trace, then
-        filtered per window), so `rows` reads them once where they are few (EXACT_FETCH): each such read costs a row
-        group per file holding one, 30-40 ms CPU a window (5M events, one core; 11 of the 12 windows at 60M)."""
-        terms = [ds.field("ts_ns") == t for t in outside] if len(outside) <= EXACT_FETCH else \
-            [ds.field("kind").isin(list(EVERY_WINDOW))]
-        if carried:
+        those kinds), and the carried requests' rows before `since`, between each one's first ts and its last
+        (`ends`, where known); `rows` keeps what the window analyses. Only the files that may hold them are opened
+        (a leak carried from the first hour into every later window of a plot read in pieces is read from the
+        files of its own life, not from every file since it began), and the rows of a request that ended before
+        `since` are read once and kept for the later windows that carry it again (bench/long_trace.py's 60M
+        events, the blocks figure in 12 pieces, each carrying up to 23 leaks: the pieces' reads CPU 44.2 s reading
+        from the first leak's start, 16.4 s from each leak's life, 7.4 s with the ended ones kept). Without
+        carried requests these are the same for every
+        window (the EVERY_WINDOW rows of the whole trace, then filtered per window), so `rows` reads them once
+        where they are few (EXACT_FETCH): each such read costs a row group per file holding one, 30-40 ms CPU a
+        window (5M events, one core; 11 of the 12 windows at 60M)."""
+        ended = {name for name in carried if ends is not None and int(ends.get(name, OPEN)) < since}
+        kept = [table for table in self._ended_rows] if ended & self._ended else []
+        carried = {name: first for name, first in carried.items() if name not in self._ended}
+        if not outside and not carried:
+            return pa.concat_tables(kept)
+        exact = len(outside) <= EXACT_FETCH
+        terms = [ds.field("ts_ns") == t for t in outside] if exact else [ds.field("kind").isin(list(EVERY_WINDOW))]
+        spans = [(t, t + 1) for t in outside] if exact else [(min(outside), max(outside) + 1)] if outside else []
+        lives = {name: (first, min(int(ends.get(name, since)) if ends else since, since - 1) + 1)
+                 for name, first in carried.items()}
+        if len(lives) <= EXACT_FETCH:  # each request's own rows, between its first ts and its last before since
+            terms += [(ds.field("req") == name) & (ds.field("ts_ns") >= lo) & (ds.field("ts_ns") < hi)
+                      for name, (lo, hi) in lives.items()]
+        elif lives:
             terms.append(ds.field("req").isin(list(carried)) & (ds.field("ts_ns") >= min(carried.values()))
                          & (ds.field("ts_ns") < since))
+        spans += lives.values()
         where = terms[0]
         for term in terms[1:]:
             where = where | term
-        lo = min(outside + ([min(carried.values())] if carried else []))
-        hi = max(outside + ([since] if carried else [])) + 1
-        return self._open(lo, hi, rows=where)
+        table = self._open(min(lo for lo, _ in spans), max(hi for _, hi in spans), rows=where,
+                           files=self.meeting(spans)).table
+        new = ended & carried.keys()
+        if new:  # their rows (all before since), kept for the later windows
+            mask = pc.and_(pc.is_in(dictionary_decoded(table.column("req")), value_set=pa.array(sorted(new))),
+                           pc.less(table.column("ts_ns"), pa.scalar(since, pa.int64())))
+            self._ended_rows.append(table.filter(pc.fill_null(mask, False)))
+            self._ended |= new
+        return pa.concat_tables([table, *kept]) if kept else table
+
+    def meeting(self, spans: Sequence[tuple[int, int]]) -> list[str]:
+        """The files that may hold rows in any of the spans [lo, hi) (by their footers)."""
+        lo = np.array([a for a, _ in spans], np.int64)
+        hi = np.array([b for _, b in spans], np.int64)
+        files = [(n, s) for n, s in zip(self.files, self.spans) if n not in self.corrupt]
+        out = [name for name, span in files
+               if span is None or bool(np.any((lo <= span[1]) & (hi > span[0])))]
+        return out or [n for n, _ in files[:1]]
 
 
 def _events_in(trace: Trace, a: int, b: int) -> int:
@@ -705,18 +753,31 @@ def judged(ctx: AnalysisContext, frame: pd.DataFrame) -> pd.DataFrame:
 @dataclass
 class TimeWindow:
     """One time window [since, until) of a long trace, planned as the windowed analysis plans its windows
-    (`plan_time_window`): read from `start` (the oldest request or step open at `since`, at most the lookback
+    (`plan_time_windows`): read from `start` (the oldest request or step open at `since`, at most the lookback
     before it, but at least a little before it: READ_AHEAD events, or the lookback's where fewer, so that the idle
-    gap that straddles `since` is read whole) to `end`, with the carried requests' own rows."""
+    gap that straddles `since` is read whole) to `end`, with the carried requests' own rows. A long window is read
+    in pieces, each a TimeWindow of the same plan: the pieces' own spans [`since`, `until`) tile it."""
 
     plan: WindowPlan
-    #: the window's index in `plan` (its cuts are the trace's start, since, until, the end of its read (`end`) and
-    #: the trace's end)
+    #: the window's index in `plan` (its cuts are the trace's start, since, the pieces' cuts, until, the end of its
+    #: read (`end`) and the trace's end)
     index: int
     #: about how many rows a read of it holds at most: its events, the lookback's and the look-ahead's
     rows: int
     #: the window lies outside the rows' time range (after their last, or before their first): nothing to read
     outside: bool = False
+    #: the cut its read ends at: index + 2 for the last piece (past until, `end`), index + 1 for the others
+    ends_at: int | None = None
+
+    @property
+    def since(self) -> int:
+        """Where its own span begins: the cut at `index`."""
+        return int(self.plan.cuts[self.index])
+
+    @property
+    def until(self) -> int:
+        """Where its own span ends (exclusive): the next cut."""
+        return int(self.plan.cuts[min(self.index + 1, len(self.plan))])
 
     @property
     def start(self) -> int:
@@ -724,47 +785,65 @@ class TimeWindow:
 
     @property
     def end(self) -> int:
-        """Where its read ends: at the end of the requests and steps open at until, so that the read holds them
-        whole, but a little past until at least (READ_AHEAD events, or the lookback's where fewer: an idle gap
-        between steps that straddles until is read whole) and the lookback's events at most (the findings about a
-        request open for longer are left out: `window_end`)."""
-        return int(self.plan.cuts[min(self.index + 2, len(self.plan))])
+        """Where its read ends. The last piece's: at the end of the requests and steps open at until, so that the
+        read holds them whole, but a little past until at least (READ_AHEAD events, or the lookback's where fewer:
+        an idle gap between steps that straddles until is read whole) and the lookback's events at most (the
+        findings about a request open for longer are left out: `window_end`). Another piece's: at its until (the
+        findings about a request open there are left out)."""
+        return int(self.plan.cuts[min(self.index + 2 if self.ends_at is None else self.ends_at, len(self.plan))])
 
     @property
     def window_end(self) -> WindowEnd | None:
         """None where the read runs to the end of the trace (or reads none of it)."""
-        if self.outside or self.index + 2 >= len(self.plan):
+        if self.outside or self.end >= int(self.plan.cuts[-1]):
             return None
         return WindowEnd(self.end, self.plan.row_ends if self.plan.row_ends is not None else self.plan.last_ts)
 
 
 #: Events a time window's read holds before its start and after its end at least (`TimeWindow.start`, `end`).
 READ_AHEAD = 1 << 16
+#: Cuts before and after every row (`plan_windows` leaves them out): a window in pieces from the start, to the end.
+LOWEST, HIGHEST = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 
 
 def plan_time_window(source: PathSource, since_ns: int | None, until_ns: int | None,
                      config: AnalysisConfig) -> TimeWindow:
+    """Plan the window [since_ns, until_ns) of `source`'s rows, read whole (`plan_time_windows`)."""
+    return plan_time_windows(source, since_ns, until_ns, config)[0]
+
+
+def plan_time_windows(source: PathSource, since_ns: int | None, until_ns: int | None, config: AnalysisConfig,
+                      piece_events: int = 0) -> list[TimeWindow]:
     """Plan the window [since_ns, until_ns) of `source`'s rows (None: from the start, to the end): the cheap pass
     of `plan_windows` with those two cuts, and the lookback of the windowed analysis (`config.window_lookback`,
-    else half of `config.window_events` where that is positive, else half of DEFAULT_WINDOW_EVENTS)."""
+    else half of `config.window_events` where that is positive, else half of DEFAULT_WINDOW_EVENTS). With
+    `piece_events`, the window is cut into pieces of about that many events, each read on its own (a plot of
+    hours: memory bounded by a piece); else it is one piece."""
     events = int(config.window_events)
     lookback = int(config.window_lookback) or (events if events > 0 else DEFAULT_WINDOW_EVENTS) // 2
     cuts = [c for c in (since_ns, until_ns) if c is not None]
+    if piece_events > 0:  # the pieces lie between two cuts: the start and the end of the rows where not given
+        cuts = [LOWEST if since_ns is None else since_ns, HIGHEST if until_ns is None else until_ns]
     # with the blocks: a request whose rows all lie before the window yet leave it holding blocks (a leak older
     # than the window) is carried, so that the window shows what it holds
     plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
                         rows=source.plan_rows, jobs=max(1, int(config.jobs)), cuts=cuts,
                         margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
-                        whole_steps=True, row_ends=True)
-    index = int(plan.window_of(since_ns)) if since_ns is not None else 0
-    outside = (since_ns is not None and since_ns >= int(plan.cuts[-1])
-               or until_ns is not None and until_ns <= int(plan.cuts[0]))
-    return TimeWindow(plan, index, 0 if outside else int(plan.events[index]) + (lookback if index else 0)
-                      + (lookback if until_ns is not None else 0), outside)
+                        whole_steps=True, row_ends=True, split=max(int(piece_events), 0))
+    if (since_ns is not None and since_ns >= int(plan.cuts[-1])
+            or until_ns is not None and until_ns <= int(plan.cuts[0])):
+        return [TimeWindow(plan, int(plan.window_of(since_ns)) if since_ns is not None else 0, 0, True)]
+    first = int(plan.window_of(since_ns)) if since_ns is not None else 0
+    last = int(plan.window_of(until_ns - 1)) if until_ns is not None else len(plan) - 1
+    last = max(last, first)
+    return [TimeWindow(plan, k, int(plan.events[k]) + (lookback if k else 0)
+                       + (lookback if until_ns is not None and k == last else 0),
+                       ends_at=None if k == last else k + 1)
+            for k in range(first, last + 1)]
 
 
 def read_time_window(source: MemorySource | PathSource, window: TimeWindow) -> Trace:
-    """The rows of a planned window (`plan_time_window`), marked as starting mid-run where they do; of a window
+    """The rows of a planned window (`plan_time_windows`), marked as starting mid-run where they do; of a window
     outside the rows' time range, only the rows every window reads (the configuration)."""
     if window.outside:
         stop = int(window.plan.cuts[-1])
