@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Iterable, Optional
 
 import typer
 from rich.console import Console
@@ -119,15 +120,35 @@ def shown_events(plan: "PartitionPlan", names: list[str], with_links: bool) -> i
     return sum(rows_of[f] for f in {f for p in chosen for f in p.files})
 
 
+@dataclass
+class ShownPiece:
+    """A piece of what plot or export shows, its rows read when `read` is called; its own span [since, until)
+    (None: from the start, to the end), the trace's span and where its read ends (`AnalysisContext`'s)."""
+
+    read: Callable[[], "Trace"]
+    span: tuple[int, int] | None
+    window_end: "WindowEnd | None"
+    since: int | None = None
+    until: int | None = None
+
+
 def load_shown(path: Path, window: "Window", window_events: int, memory_check: bool = True
                ) -> tuple["Trace", tuple[int, int] | None, "WindowEnd | None"]:
-    """(trace, span, window end) for plot and export, which show `window`: its instances and their peers' loaded
-    whole (`load_instances`), or, where --since/--until or --request is given and they hold more events than the
-    windowed analysis analyses whole (`window_size` of `window_events`), only the rows of that time window (the
-    named requests' lives, their P/D peers' included: `story.requests_span`), read as the windowed analysis reads
-    one (`pdtrace.analysis.partitions.open_window`; the window end for the AnalysisContext)."""
+    """(trace, span, window end) for plot and export, which show `window` read whole (`shown_pieces`)."""
+    (piece,) = shown_pieces(path, window, window_events, memory_check)
+    return piece.read(), piece.span, piece.window_end
+
+
+def shown_pieces(path: Path, window: "Window", window_events: int, memory_check: bool = True,
+                 in_pieces: bool = False) -> list[ShownPiece]:
+    """What plot and export show of `window`: its instances and their peers' loaded whole (`load_instances`), or,
+    where they hold more events than the windowed analysis analyses whole (`window_size` of `window_events`) and
+    --since/--until or --request is given (or `in_pieces`), only the rows of that time window (the named
+    requests' lives, their P/D peers' included: `story.requests_span`), read as the windowed analysis reads one
+    (`pdtrace.analysis.partitions.open_window_pieces`). With `in_pieces` (a figure drawn piece by piece) the
+    window is read in pieces of that many events, one at a time; else in one."""
     from pdtrace.analysis.config import AnalysisConfig
-    from pdtrace.analysis.partitions import analysed_span, open_window, plan_partitions
+    from pdtrace.analysis.partitions import analysed_span, open_window_pieces, plan_partitions
     from pdtrace.analysis.story import requests_span
     from pdtrace.analysis.windows import window_size
     from pdtrace.plot.window import no_requests
@@ -137,22 +158,30 @@ def load_shown(path: Path, window: "Window", window_events: int, memory_check: b
     events = shown_events(plan, names, True)
     config = AnalysisConfig(window_events=window_events)
     timed = window.since_s is not None or window.until_s is not None
-    if not (timed or window.requests) or not events or not window_size(config, events):
-        return (*load_instances(path, names, with_links=True, memory_check=memory_check, plan=plan), None)
+    piece_events = window_size(config, events) if events else 0
+    if not (timed or window.requests or in_pieces) or not piece_events:
+        trace, span = load_instances(path, names, with_links=True, memory_check=memory_check, plan=plan)
+        return [ShownPiece(lambda: trace, span, None)]
     span = plan.stats_span or analysed_span(plan, plan.partitions, config)
+    since: int | None = None
+    until: int | None = None
     if timed:
         lo, hi = window.bounds(*span)
         since, until = lo if window.since_s is not None else None, hi + 1 if window.until_s is not None else None
-    else:  # --request alone: the requests' lives (a finding of analyze, drawn without loading the trace)
+    elif window.requests:  # --request alone: the requests' lives (a finding of analyze, drawn without loading)
         lives = requests_span(path, window.requests, names[0] if len(names) == 1 else None)
         if lives is None:
             raise no_requests(window.requests, names)
         since, until = lives[0], None if lives[1] is None else lives[1] + 1
-    trace, read = open_window(path, names, since, until, config, with_links=True, plan=plan,
-                              check=(lambda rows: check_memory(rows, path)) if memory_check else None)
-    if trace is None or read is None:
+    pieces = open_window_pieces(path, names, since, until, config, with_links=True, plan=plan,
+                                check=(lambda rows: check_memory(rows, path)) if memory_check else None,
+                                piece_events=piece_events if in_pieces else 0)
+    if pieces is None:
         raise no_such_instances(names, plan.instances)
-    return warned(trace), span, read.window_end
+    # each piece's warnings (skipped files, bad manifest) are the trace's: printed once
+    return [ShownPiece((lambda read=read, first=k == 0: warned(read()) if first else read()), span,
+                       read_window.window_end, read_window.since, read_window.until)
+            for k, (read_window, read) in enumerate(pieces)]
 
 
 def available_memory() -> int | None:

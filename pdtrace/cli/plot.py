@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
 from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
-                             UntilSecondsOption, WindowEventsOption, app, err_console, load_shown, out_console)
+                             UntilSecondsOption, WindowEventsOption, app, err_console, out_console, shown_pieces)
 
 
 class PlotKind(str, Enum):
@@ -45,13 +45,25 @@ def plot(
     With --request, `--kind requests` draws only the named requests' lanes; the other kinds draw everything in the
     window that --request narrowed."""
     from pdtrace.analysis.context import AnalysisContext
-    from pdtrace.plot import Window, default_output, render
+    from pdtrace.plot import IN_PIECES, Piece, Window, default_output, render
 
     target = output or default_output(str(trace), kind.value)
     window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
-    # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows
-    loaded, span, window_end = load_shown(trace, window, window_events, memory_check=memory_check)
-    err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events ...", markup=False)
-    result = render(AnalysisContext(loaded, span_ns=span, window_end=window_end), kind.value, target, window=window,
-                    dpi=dpi)
+    # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows;
+    # the blocks of a long trace (or a long window of it) piece by piece
+    pieces = shown_pieces(trace, window, window_events, memory_check=memory_check, in_pieces=kind.value in IN_PIECES)
+
+    def contexts() -> Iterator[Piece]:
+        for k, piece in enumerate(pieces):
+            loaded = piece.read()
+            err_console.print(f"pdtrace: drawing {kind.value} for {len(loaded):,} events"
+                              + (f" (piece {k + 1}/{len(pieces)})" if len(pieces) > 1 else "") + " ...", markup=False)
+            yield AnalysisContext(loaded, span_ns=piece.span, window_end=piece.window_end), piece.since, piece.until
+            del loaded
+
+    if len(pieces) == 1:
+        (ctx, _, _), = contexts()
+        result = render(ctx, kind.value, target, window=window, dpi=dpi)
+    else:
+        result = render(contexts(), kind.value, target, window=window, dpi=dpi)
     out_console.print(f"{result.path} ({result.width_px}x{result.height_px} px, {kind.value})", markup=False)

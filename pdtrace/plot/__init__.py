@@ -6,9 +6,9 @@ backend, on first use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.errors import UsageError
@@ -60,14 +60,57 @@ def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, 
         return FIGURES[kind](ctx, sel, dpi)
 
 
-def render(ctx: AnalysisContext, kind: str, output: str | Path, window: Window | None = None,
+#: The kinds drawn from a window read in pieces (`build_figure_in_pieces`): a line per scheduler, reduced per pixel.
+IN_PIECES: tuple[str, ...] = ("blocks",)
+
+#: A piece of a long window: its context and its own span [since, until) (None: from the start, to the end).
+Piece = tuple[AnalysisContext, "int | None", "int | None"]
+
+
+def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | None = None,
+                           dpi: float = 100.0) -> "Figure":
+    """The Figure of one plot kind (IN_PIECES) for a window read in consecutive pieces, one at a time, in time
+    order: each piece's rows reduced per pixel of the whole window's axis, joined, and reduced again
+    (`figures.joined_block_panels`): the figure of the whole window read at once. The selection is resolved on
+    the first piece (the trace's span is every piece's)."""
+    if kind not in IN_PIECES:
+        raise UsageError(f"plot kind {kind!r} is not drawn in pieces (kinds: {', '.join(IN_PIECES)})")
+    if dpi <= 0:
+        raise UsageError(f"--dpi must be positive, got {dpi:g}")
+    from pdtrace.analysis import allocation_settings
+    from pdtrace.analysis.parallel import build_tables, default_jobs
+    from pdtrace.plot.figures import FIGURE_TABLES, blocks_panels, draw_blocks, joined_block_panels, time_axis
+
+    drawn = []
+    sel: Selection | None = None
+    with allocation_settings():
+        for ctx, since, until in pieces:
+            if sel is None:
+                sel = resolve(ctx, window or Window())
+                axis = time_axis(sel, dpi)
+                first = True
+            lo = sel.lo_ns if since is None else max(sel.lo_ns, since)
+            hi = sel.hi_ns if until is None else min(sel.hi_ns, until - 1)
+            if lo <= hi:
+                build_tables(ctx, FIGURE_TABLES[kind], int(ctx.config.jobs) or default_jobs())
+                drawn.append(blocks_panels(ctx, replace(sel, lo_ns=lo, hi_ns=hi), axis, sel.lo_ns, held=first))
+            first = False
+            del ctx  # the piece's rows go before the next piece is read
+    if sel is None:
+        raise UsageError("nothing to draw: no piece of the trace was read")
+    return draw_blocks(joined_block_panels(drawn, sel, axis), sel, axis, dpi)
+
+
+def render(ctx: AnalysisContext | Iterable[Piece], kind: str, output: str | Path, window: Window | None = None,
            dpi: float = 100.0) -> PlotResult:
-    """Draw one plot kind and save it; the format follows the file's extension (png, svg or pdf)."""
+    """Draw one plot kind and save it; the format follows the file's extension (png, svg or pdf). `ctx`: the
+    context, or a window's pieces (`build_figure_in_pieces`)."""
     output = Path(output)
     fmt = output.suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise UsageError(f"{output}: unknown image format {output.suffix or '(none)'!r}; use .png, .svg or .pdf")
-    fig = build_figure(ctx, kind, window, dpi)
+    fig = (build_figure(ctx, kind, window, dpi) if isinstance(ctx, AnalysisContext)
+           else build_figure_in_pieces(ctx, kind, window, dpi))
     try:
         fig.savefig(output, format=fmt, dpi=dpi)
     except OSError as exc:
@@ -76,5 +119,6 @@ def render(ctx: AnalysisContext, kind: str, output: str | Path, window: Window |
     return PlotResult(output, kind, int(round(width * dpi)), int(round(height * dpi)))
 
 
-__all__ = ["KINDS", "FORMATS", "PlotResult", "Window", "Selection", "EmptySelection", "build_figure", "render",
+__all__ = ["KINDS", "FORMATS", "IN_PIECES", "Piece", "PlotResult", "Window", "Selection", "EmptySelection",
+           "build_figure", "build_figure_in_pieces", "render",
            "default_output", "trace_stem"]

@@ -71,7 +71,7 @@ class TimeAxis:
         return f"time since trace start ({self.unit})"
 
 
-def _time_axis(sel: Selection, dpi: float, left: float = _AXES_LEFT) -> TimeAxis:
+def time_axis(sel: Selection, dpi: float, left: float = _AXES_LEFT) -> TimeAxis:
     span = max(sel.hi_ns - sel.lo_ns, 1)
     scale, unit = (1e6, "ms") if span < 2e9 else (1e9, "s")
     pixels = WIDTH_IN * (_AXES_RIGHT - left) * dpi
@@ -175,9 +175,15 @@ def merge_subpixel(lane: np.ndarray, start: np.ndarray, end: np.ndarray, px_ns: 
     })
 
 
-def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per pixel column, the point of largest value (so peaks survive); all points when there are few."""
-    if len(ts) <= 2000:
+#: At most this many points of a line are drawn as they are; more are reduced per pixel (`_per_pixel_max`).
+FEW_POINTS = 2000
+
+
+def _per_pixel_max(ts: np.ndarray, value: np.ndarray, px_ns: float, lo_ns: int,
+                   few: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per pixel column (from lo_ns), the point of largest value, the first where several are (so peaks survive);
+    all points when there are at most `few` (FEW_POINTS where None)."""
+    if len(ts) <= (FEW_POINTS if few is None else few):
         return ts, value
     col = ((ts - lo_ns) // max(px_ns, 1.0)).astype(np.int64)
     frame = pd.DataFrame({"col": col, "v": value, "i": np.arange(len(ts))})
@@ -220,13 +226,20 @@ class _Engines:
         return self.label_of_key[self.key(inst, dp)]
 
 
-def instance_order(ctx: AnalysisContext, names: list[str]) -> list[str]:
-    """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role."""
+def instance_ranks(ctx: AnalysisContext) -> dict[str, int]:
+    """Per instance its place by role: prefill 0, both 1, none 2, decode 3, else 4 (`instance_order`)."""
     cols = columns(ctx)  # the role of each scheduler, from the analyses' scheduler keys: no pass over the trace
     rank = {"prefill": 0, "both": 1, "none": 2, "decode": 3}
     best: dict[str, int] = {}
     for instance, role in zip(cols.sk_names["instance"], cols.sk_role, strict=True):  # per scheduler (few)
         best[str(instance)] = min(best.get(str(instance), 4), rank.get(role, 4))
+    return best
+
+
+def instance_order(ctx: AnalysisContext | dict[str, int], names: list[str]) -> list[str]:
+    """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role;
+    `ctx` may be the ranks (`instance_ranks`) already found."""
+    best = ctx if isinstance(ctx, dict) else instance_ranks(ctx)
     return sorted(names, key=lambda n: (best.get(n, 5), n))
 
 
@@ -298,7 +311,7 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     lanes, left = fit_y_labels(lanes, 8)
     fig = _figure(min(max(2.0 + 0.7 * n_lanes, 4.0), 14.0), dpi, left)
     ax = fig.add_subplot(1, 1, 1)
-    tx = _time_axis(sel, dpi, left)
+    tx = time_axis(sel, dpi, left)
     y_of = (n_lanes - 1 - np.arange(n_lanes)).astype(np.float64)  # first lane on top
     legend: list = []
 
@@ -483,7 +496,7 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
                                   if n_lanes <= 40 else [], 7, extra_in=0.25)
     fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi, left)
     ax = fig.add_subplot(1, 1, 1)
-    tx = _time_axis(sel, dpi, left)
+    tx = time_axis(sel, dpi, left)
     y = (n_lanes - 1 - lane).astype(np.float64)
     legend: list = []
     for code, phase in enumerate(PHASES):
@@ -529,36 +542,95 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 # --- blocks -------------------------------------------------------------------------------------------------------
 
 
-def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
-    """KV blocks in use over time per scheduler, stacked by owner state, with the pool size as a line."""
-    # Leaks: the leaked_blocks rule's own run on this context (the code analyze runs; no other rule is needed).
+@dataclass
+class BlockPanels:
+    """What the blocks figure draws: per scheduler (instance, dp_rank) the rows of `block_usage` it draws, reduced
+    per pixel, and how many rows they were reduced from; the instances' ranks by role (`instance_ranks`), and every
+    scheduler with a block in use, also outside the selection (a panel is named by its DP rank where an instance
+    has several)."""
+
+    parts: dict[tuple[str, object], pd.DataFrame]
+    rows: dict[tuple[str, object], int]
+    ranks: dict[str, int]
+    schedulers: set[tuple[str, object]]
+
+
+def blocks_panels(ctx: AnalysisContext, sel: Selection, tx: TimeAxis, origin_ns: int | None = None,
+                  held: bool = True) -> BlockPanels:
+    """The blocks figure's rows of one context: per scheduler, its `block_usage` rows in the selection (and, with
+    `held`, the last one before it: what was in use at its start), reduced per pixel of `tx` counted from
+    `origin_ns` (the selection's start where None). The leaks come from the leaked_blocks rule's own run on this
+    context (the code analyze runs; no other rule is needed)."""
+    origin = sel.lo_ns if origin_ns is None else origin_ns
     usage = block_usage(ctx)
     usage = usage[sel.keep_instance(usage["instance"])]
+    parts: dict[tuple[str, object], pd.DataFrame] = {}
+    rows_of: dict[tuple[str, object], int] = {}
     keys = usage[["instance", "dp_rank"]].drop_duplicates()
-    order = {name: i for i, name in enumerate(instance_order(ctx, list(keys["instance"].unique())))}
-    keys = keys.assign(o=keys["instance"].map(order)).sort_values(["o", "dp_rank"])
-    tx = _time_axis(sel, dpi)
-    panels = []
+    schedulers = {(str(inst), None if pd.isna(dp) else dp) for inst, dp in zip(keys["instance"], keys["dp_rank"],
+                                                                                strict=True)}
     for inst, dp in zip(keys["instance"], keys["dp_rank"], strict=True):  # one panel per scheduler (few)
         u = usage[(usage["instance"] == inst) & ((usage["dp_rank"] == dp) if pd.notna(dp) else usage["dp_rank"].isna())]
         ts = u["ts_ns"].to_numpy(np.int64)
-        before = np.flatnonzero(ts < sel.lo_ns)
+        before = np.flatnonzero(ts < sel.lo_ns) if held else np.empty(0, np.intp)
         inside = np.flatnonzero((ts >= sel.lo_ns) & (ts <= sel.hi_ns))
         rows = np.concatenate([before[-1:], inside])
         if len(rows) == 0:
             continue
         part = u.iloc[rows]
         t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
-        keep_ts, _ = _per_pixel_max(t, part["in_use"].to_numpy(np.int64), tx.px_ns, sel.lo_ns)
-        part = part[np.isin(t, keep_ts)] if len(keep_ts) < len(t) else part
-        panels.append((inst, dp, part))
-    if not panels:
-        raise sel.empty("KV block allocations")
+        keep_ts, _ = _per_pixel_max(t, part["in_use"].to_numpy(np.int64), tx.px_ns, origin)
+        key = (str(inst), None if pd.isna(dp) else dp)
+        parts[key] = part[np.isin(t, keep_ts)] if len(keep_ts) < len(t) else part
+        rows_of[key] = len(rows)
+    return BlockPanels(parts, rows_of, instance_ranks(ctx), schedulers)
 
-    fig = _figure(min(1.0 + 2.6 * len(panels), 14.0), dpi)
+
+def joined_block_panels(pieces: list[BlockPanels], sel: Selection, tx: TimeAxis) -> BlockPanels:
+    """One BlockPanels from those of consecutive pieces of the selection (in time order): each scheduler's rows
+    joined and reduced per pixel again, as the whole selection's rows would have been (a pixel's point is the
+    first of its largest, and each piece kept the first of its own largest)."""
+    parts: dict[tuple[str, object], list[pd.DataFrame]] = {}
+    rows: dict[tuple[str, object], int] = {}
+    ranks: dict[str, int] = {}
+    schedulers: set[tuple[str, object]] = set()
+    for piece in pieces:
+        for key, part in piece.parts.items():
+            parts.setdefault(key, []).append(part)
+            rows[key] = rows.get(key, 0) + piece.rows[key]
+        for name, rank in piece.ranks.items():
+            ranks[name] = min(ranks.get(name, rank), rank)
+        schedulers |= piece.schedulers
+    joined = {}
+    for key, frames in parts.items():
+        part = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+        if rows[key] > FEW_POINTS:  # the whole selection's rows would have been reduced
+            t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
+            keep_ts, _ = _per_pixel_max(t, part["in_use"].to_numpy(np.int64), tx.px_ns, sel.lo_ns, few=0)
+            part = part[np.isin(t, keep_ts)]
+        joined[key] = part
+    return BlockPanels(joined, rows, ranks, schedulers)
+
+
+def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """KV blocks in use over time per scheduler, stacked by owner state, with the pool size as a line."""
+    tx = time_axis(sel, dpi)
+    return draw_blocks(blocks_panels(ctx, sel, tx), sel, tx, dpi)
+
+
+def draw_blocks(panels: BlockPanels, sel: Selection, tx: TimeAxis, dpi: float) -> Figure:
+    """The blocks figure of its rows (`blocks_panels`, or `joined_block_panels` of a selection read in pieces)."""
+    if not panels.parts:
+        raise sel.empty("KV block allocations")
+    keys = list(panels.parts)
+    order = {name: i for i, name in enumerate(instance_order(panels.ranks, sorted({k[0] for k in keys})))}
+    keys.sort(key=lambda k: (order[k[0]], k[1] is None, k[1] if k[1] is not None else 0))
+    several_dp = len(panels.schedulers) != len({k[0] for k in panels.schedulers})
+    fig = _figure(min(1.0 + 2.6 * len(keys), 14.0), dpi)
     fig.subplots_adjust(top=1 - 0.6 / fig.get_figheight())  # room for the figure's title above the first panel's
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (inst, dp, part) in zip(axes, panels, strict=True):
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (inst, dp) in zip(axes, keys, strict=True):
+        part = panels.parts[(inst, dp)]
         t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
         x = np.append(tx.x(t), tx.x(sel.hi_ns))  # hold the last value to the window's end
         base = np.zeros(len(x))
@@ -576,7 +648,7 @@ def blocks_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         if pool_size is not None:
             ax.axhline(float(pool_size), color="black", linestyle="--", linewidth=1, gid="pool",
                        label=f"pool ({pool_size} blocks)" + ("" if on_scale else ", above the axis"))
-        name = inst if pd.isna(dp) or len(keys) == keys["instance"].nunique() else f"{inst} dp{dp}"
+        name = inst if dp is None or not several_dp else f"{inst} dp{dp}"
         used = f", {100 * peak / pool_size:.1f}% of the pool" if pool_size else ""
         ax.set_title(f"{name}: KV blocks in use (peak {peak}{used})", fontsize=9)
         ax.set_ylabel("blocks")
@@ -601,7 +673,7 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
         raise sel.empty("scheduler steps")
     fig = _figure(7.0, dpi)
     ax_dur, ax_tok = fig.subplots(2, 1, sharex=True)
-    tx = _time_axis(sel, dpi)
+    tx = time_axis(sel, dpi)
     keys = st[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
     aggregated = False
     for i, (inst, dp) in enumerate(zip(keys["instance"], keys["dp_rank"], strict=True)):  # one line per scheduler (few)
