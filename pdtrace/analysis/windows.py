@@ -634,7 +634,7 @@ class PathSource:
         (a leak carried from the first hour into every later window of a plot read in pieces is read from the
         files of its own life, not from every file since it began), and the rows of a request that ended before
         `since` are read once and kept for the later windows that carry it again (bench/long_trace.py's 60M
-        events, the blocks figure in 12 pieces, each carrying up to 23 leaks: the pieces' reads CPU 44.2 s reading
+        events, the blocks figure in 12 pieces, each carrying up to 23 leaks: the pieces' reads CPU 42.2 s reading
         from the first leak's start, 16.4 s from each leak's life, 7.4 s with the ended ones kept). Without
         carried requests these are the same for every
         window (the EVERY_WINDOW rows of the whole trace, then filtered per window), so `rows` reads them once

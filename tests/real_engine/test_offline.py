@@ -128,3 +128,19 @@ def test_a_time_window_read_alone_draws_and_exports_what_the_whole_load_does(pp2
                                                                                "-blocks.png")])
         assert outputs[0] == outputs[1], (since, until)
     assert fewer >= 2
+
+
+def test_the_blocks_of_a_real_run_drawn_in_pieces_are_the_whole_loads(pp2, tmp_path):
+    """`plot --kind blocks` on an instance above --window-events is drawn piece by piece (each piece read alone,
+    its points joined per pixel) and gives the whole load's image: real block tables, real request lifetimes."""
+    import re
+
+    events = int(R.info(pp2.trace)["events"])
+    images = []
+    for bound in (0, max(events // 6, 1)):
+        out = tmp_path / f"blocks-{bound}.png"
+        drawn = R.pdtrace_cli("plot", pp2.trace, "--kind", "blocks", "--window-events", bound, "-o", out)
+        images.append(out.read_bytes())
+    pieces = re.findall(r"\(piece \d+/(\d+)\)", drawn.stderr)
+    assert pieces and int(pieces[-1]) >= 3, drawn.stderr
+    assert images[0] == images[1]
