@@ -636,13 +636,13 @@ class PathSource:
         `since` are read once and kept for the later windows that carry it again (bench/long_trace.py's 60M
         events, the blocks figure in 12 pieces, each carrying up to 23 leaks: the pieces' reads CPU 42.2 s reading
         from the first leak's start, 16.4 s from each leak's life, 7.4 s with the ended ones kept). Without
-        carried requests these are the same for every
-        window (the EVERY_WINDOW rows of the whole trace, then filtered per window), so `rows` reads them once
-        where they are few (EXACT_FETCH): each such read costs a row group per file holding one, 30-40 ms CPU a
-        window (5M events, one core; 11 of the 12 windows at 60M)."""
+        carried requests these are the same for every window (the EVERY_WINDOW rows of the whole trace, then
+        filtered per window), so `rows` reads them once where they are few (EXACT_FETCH): each such read costs a
+        row group per file holding one, 30-40 ms CPU a window (5M events, one core; 11 of the 12 windows at 60M)."""
         ended = {name for name in carried if ends is not None and int(ends.get(name, OPEN)) < since}
-        kept = [table for table in self._ended_rows] if ended & self._ended else []
-        carried = {name: first for name, first in carried.items() if name not in self._ended}
+        again = ended & self._ended  # read by an earlier window: `rows` keeps those it carries of the rows kept
+        kept = list(self._ended_rows) if again else []
+        carried = {name: first for name, first in carried.items() if name not in again}
         if not outside and not carried:
             return pa.concat_tables(kept)
         exact = len(outside) <= EXACT_FETCH
