@@ -36,12 +36,13 @@
             checkout, and whether both print the same JSON. show reads only the story's rows
             (`pdtrace.analysis.story.request_rows`, `step_rows`); info --rows an instance's files in groups. Then
             `plot --kind blocks` and `export` of the 30 s from 95 % of the trace's span, read alone
-            (`pdtrace.analysis.partitions.open_window`), and `plot --kind blocks` of the whole trace (in pieces,
-            `pdtrace.plot.build_figure_in_pieces`), each against this checkout's whole load (--window-events 0),
-            and whether the image and the file are the same.
+            (`pdtrace.analysis.partitions.open_window`), and `plot --kind blocks` and `steps` of the whole trace
+            (in pieces, `pdtrace.plot.build_figure_in_pieces`), each against this checkout's whole load
+            (--window-events 0), and whether the image and the file are the same.
 Measured `plot --kind blocks` of the whole trace in pieces (2026-12-03, seventh session; 2d0c11d, one run each on a
 quiet machine): 13.3 s wall, 18.3 s user, peak 1.38 GB (`/usr/bin/time`) against the whole load's 27.1 s and
 11.5 GB; the same PNG. Before a leak carried into every later piece was read once, 33.1 s and 2.0 GB.
+`plot --kind steps` of the whole trace in pieces: 11.3 s wall, 12.4 s user, 1.14 GB against 21.2 s and 8.5 GB.
 Measured `--show`, plot and export of a window (2026-12-03, sixth session; 9bee385, load 1.4-2.1), 60M events, the
 30 s from 3726 s: `plot --kind blocks` 4.9 s wall, 7.2 s cpu, tree peak 1.17 GiB against the whole load's 33.2 s,
 50.9 s, 10.88 GiB; `export` 5.0 s, 7.2 s, 1.12 GiB against 34.6 s, 37.2 s, 11.22 GiB; the same image and the same
@@ -366,8 +367,9 @@ def show(trace: Path, against: Path | None) -> None:
         (["show", str(trace), "--step", str(step), "--format", "json"], "json", checkouts),
         (["info", str(trace), "--rows", "--format", "json"], "json", checkouts),
         (["plot", str(trace), "--kind", "blocks", *window, "--no-memory-check"], "png", whole_load),
-        # the blocks of the whole trace: drawn in pieces of 5M events (plot.build_figure_in_pieces)
+        # the blocks and the steps of the whole trace: drawn in pieces of 5M events (plot.build_figure_in_pieces)
         (["plot", str(trace), "--kind", "blocks", "--no-memory-check"], "png", whole_load),
+        (["plot", str(trace), "--kind", "steps", "--no-memory-check"], "png", whole_load),
         (["export", str(trace), *window, "--no-memory-check"], "json", whole_load),
     ]
     for what, suffix, arms in verbs:

@@ -1,12 +1,12 @@
-"""The blocks figure of a long trace (or a long window of it) is drawn piece by piece, and is the figure of the whole
-load.
+"""The blocks and steps figures of a long trace (or a long window of it) are drawn piece by piece, and are the
+figures of the whole load.
 
-`plot --kind blocks` on instances of more than --window-events events (default 15M, as `analyze` windows them)
-reads the window (the whole trace where no --since/--until/--request is given) in pieces of about that many events
-(`pdtrace.analysis.windows.plan_time_windows`), one at a time: each piece read as the windowed analysis reads one of
-its windows (the requests open at its start from their first row, a leak older than it carried), reduced per pixel
-of the whole window's axis, joined and reduced again (`pdtrace.plot.build_figure_in_pieces`). A KV-cache usage that
-creeps up over six hours is drawn in the memory of a piece, not of the six hours.
+`plot --kind blocks` (or `steps`) on instances of more than --window-events events (default 15M, as `analyze`
+windows them) reads the window (the whole trace where no --since/--until/--request is given) in pieces of about that
+many events (`pdtrace.analysis.windows.plan_time_windows`), one at a time: each piece read as the windowed analysis
+reads one of its windows (the requests open at its start from their first row, a leak older than it carried),
+reduced per pixel of the whole window's axis, joined and reduced again (`pdtrace.plot.build_figure_in_pieces`). A
+KV-cache usage that creeps up over six hours is drawn in the memory of a piece, not of the six hours.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def _span_s(path: Path) -> float:
     return (int(ts.max()) - int(ts.min())) / 1e9
 
 
-def _plot_both(cli: Any, tmp_path: Path, path: Path, pieces_at: int, *args: str) -> tuple[bytes, bytes, int]:
+def _plot_both(cli: Any, tmp_path: Path, path: Path, kind: str, pieces_at: int,
+               *args: str) -> tuple[bytes, bytes, int]:
     """(the image in pieces of `pieces_at` events, the whole load's image, how many pieces were drawn)."""
     images, drawn = [], 1
     for window_events in (pieces_at, 0):
-        out = tmp_path / f"blocks-{window_events}.png"
-        result = cli("plot", path, "--kind", "blocks", *args, "--window-events", window_events, "-o", out)
+        out = tmp_path / f"{kind}-{window_events}.png"
+        result = cli("plot", path, "--kind", kind, *args, "--window-events", window_events, "-o", out)
         assert result.exit_code == 0, result.stderr
         images.append(out.read_bytes())
         if window_events:
@@ -52,9 +53,10 @@ def _plot_both(cli: Any, tmp_path: Path, path: Path, pieces_at: int, *args: str)
     return images[0], images[1], drawn
 
 
+@pytest.mark.parametrize("kind", ["blocks", "steps"])
 @pytest.mark.parametrize("few", [2000, 8])
-def test_the_blocks_of_a_trace_with_an_old_leak_drawn_in_pieces_are_the_whole_loads(cli: Any, tmp_path: Path,
-                                                                                    few: int) -> None:
+def test_a_trace_with_an_old_leak_drawn_in_pieces_is_the_whole_loads(cli: Any, tmp_path: Path, few: int,
+                                                                     kind: str) -> None:
     # few: at most how many points a line keeps unreduced (figures.FEW_POINTS); at 8 every piece, the joined
     # pieces and the whole load reduce theirs per pixel, as a long trace's do
     path = tmp_path / "trace"
@@ -64,20 +66,24 @@ def test_the_blocks_of_a_trace_with_an_old_leak_drawn_in_pieces_are_the_whole_lo
         for args in ([], ["--since", repr(0.3 * span)], ["--until", repr(0.6 * span)],
                      ["--since", repr(0.2 * span), "--until", repr(0.9 * span)], ["--request", "leak"],
                      ["--dpi", "20"]):
-            pieced, whole, drawn = _plot_both(cli, tmp_path, path, 150, *args)
+            pieced, whole, drawn = _plot_both(cli, tmp_path, path, kind, 150, *args)
             assert drawn >= 3, args  # it was drawn in pieces
             assert pieced == whole, args
 
 
-@pytest.mark.parametrize("sample", ["few_requests_pp", "lost_send_completion", "healthy_pd_pp1"])
-def test_the_blocks_of_a_sample_drawn_in_pieces_are_the_whole_loads(cli: Any, tmp_path: Path, sample: str) -> None:
+@pytest.mark.parametrize("kind", ["blocks", "steps"])
+@pytest.mark.parametrize("sample, few", [("few_requests_pp", 2000), ("lost_send_completion", 2000),
+                                         ("healthy_pd_pp1", 2000), ("healthy_pd_pp1", 8), ("few_requests_pp", 8)])
+def test_a_sample_drawn_in_pieces_is_the_whole_loads(cli: Any, tmp_path: Path, sample: str, few: int,
+                                                      kind: str) -> None:
     # real vLLM engine cores on a simulated executor: several schedulers (a P/D pair), prefix-shared blocks
     path = ROOT / "sample_traces" / sample / "trace"
     ts = open_trace(path, columns=["ts_ns"], warn=False).table.column("ts_ns").to_numpy()
     ts.sort()
     events, quarter = len(ts), (int(ts[len(ts) // 4]) - int(ts[0])) / 1e9  # a quarter of the events in
     for args in ([], ["--since", repr(quarter)]):
-        pieced, whole, drawn = _plot_both(cli, tmp_path, path, max(events // 6, 50), *args)
+        with mock.patch("pdtrace.plot.figures.FEW_POINTS", few):  # at 8 every line is reduced per pixel
+            pieced, whole, drawn = _plot_both(cli, tmp_path, path, kind, max(events // 6, 50), *args)
         assert drawn >= 3, (sample, args)
         assert pieced == whole, (sample, args)
 

@@ -60,8 +60,9 @@ def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, 
         return FIGURES[kind](ctx, sel, dpi)
 
 
-#: The kinds drawn from a window read in pieces (`build_figure_in_pieces`): a line per scheduler, reduced per pixel.
-IN_PIECES: tuple[str, ...] = ("blocks",)
+#: The kinds drawn from a window read in pieces (`build_figure_in_pieces`, `figures.PIECES`): lines per scheduler,
+#: reduced per pixel.
+IN_PIECES: tuple[str, ...] = ("blocks", "steps")
 
 #: A piece of a long window: its context and its own span [since, until) (None: from the start, to the end).
 Piece = tuple[AnalysisContext, "int | None", "int | None"]
@@ -71,15 +72,17 @@ def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | 
                            dpi: float = 100.0) -> "Figure":
     """The Figure of one plot kind (IN_PIECES) for a window read in consecutive pieces, one at a time, in time
     order: each piece's rows reduced per pixel of the whole window's axis, joined, and reduced again
-    (`figures.joined_block_panels`): the figure of the whole window read at once. The selection is resolved on
-    the first piece (the trace's span is every piece's)."""
+    (`figures.PIECES`): the figure of the whole window read at once. The selection is resolved on the first piece
+    (the trace's span is every piece's)."""
     if kind not in IN_PIECES:
         raise UsageError(f"plot kind {kind!r} is not drawn in pieces (kinds: {', '.join(IN_PIECES)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
     from pdtrace.analysis import allocation_settings
     from pdtrace.analysis.parallel import build_tables, default_jobs
-    from pdtrace.plot.figures import FIGURE_TABLES, blocks_panels, draw_blocks, joined_block_panels, time_axis
+    from pdtrace.plot.figures import FIGURE_TABLES, PIECES, time_axis
+
+    points_of, joined, draw = PIECES[kind]
 
     drawn = []
     sel: Selection | None = None
@@ -93,12 +96,12 @@ def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | 
             hi = sel.hi_ns if until is None else min(sel.hi_ns, until - 1)
             if lo <= hi:
                 build_tables(ctx, FIGURE_TABLES[kind], int(ctx.config.jobs) or default_jobs())
-                drawn.append(blocks_panels(ctx, replace(sel, lo_ns=lo, hi_ns=hi), axis, sel.lo_ns, held=first))
+                drawn.append(points_of(ctx, replace(sel, lo_ns=lo, hi_ns=hi), axis, sel.lo_ns, held=first))
             first = False
             del ctx  # the piece's rows go before the next piece is read
     if sel is None:
         raise UsageError("nothing to draw: no piece of the trace was read")
-    return draw_blocks(joined_block_panels(drawn, sel, axis), sel, axis, dpi)
+    return draw(joined(drawn, sel, axis), sel, axis, dpi)
 
 
 def render(ctx: AnalysisContext | Iterable[Piece], kind: str, output: str | Path, window: Window | None = None,

@@ -664,29 +664,81 @@ def draw_blocks(panels: BlockPanels, sel: Selection, tx: TimeAxis, dpi: float) -
 # --- steps --------------------------------------------------------------------------------------------------------
 
 
-def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
-    """Per scheduler: time inside schedule() per step (ms) and tokens scheduled per step, over time."""
+#: The steps figure's lines: (name in a gid, step_table column, divisor to the axis' unit).
+STEP_LINES = (("dur", "dur_ns", 1e6), ("tokens", "tokens", 1.0))
 
+
+@dataclass
+class StepLines:
+    """What the steps figure draws: per (instance, dp_rank, line of STEP_LINES) the points (sched_ts, value),
+    reduced per pixel, and how many points they were reduced from."""
+
+    points: dict[tuple[str, object, str], tuple[np.ndarray, np.ndarray]]
+    counts: dict[tuple[str, object, str], int]
+
+
+def step_lines(ctx: AnalysisContext, sel: Selection, tx: TimeAxis, origin_ns: int | None = None,
+               held: bool = True) -> StepLines:
+    """The steps figure's points of one context: per scheduler its steps scheduled in the selection, each line's
+    values reduced per pixel of `tx` counted from `origin_ns` (the selection's start where None). A step's values
+    are its own `sched` row's, so a piece of a window holds them exactly. (`held`: unused, as `blocks_panels`.)"""
+    origin = sel.lo_ns if origin_ns is None else origin_ns
     st = step_table(ctx)
     st = st[sel.keep_instance(st["instance"]) & sel.contains(st["sched_ts"].astype("Int64").fillna(-1))]
-    if len(st) == 0:
+    points: dict[tuple[str, object, str], tuple[np.ndarray, np.ndarray]] = {}
+    counts: dict[tuple[str, object, str], int] = {}
+    keys = st[["instance", "dp_rank"]].drop_duplicates()
+    for inst, dp in zip(keys["instance"], keys["dp_rank"], strict=True):  # one line per scheduler (few)
+        part = st[(st["instance"] == inst) & ((st["dp_rank"] == dp) if pd.notna(dp) else st["dp_rank"].isna())]
+        part = part.sort_values("sched_ts", kind="stable")
+        t = part["sched_ts"].to_numpy(np.int64)
+        for what, column, _ in STEP_LINES:
+            v = pd.to_numeric(part[column], errors="coerce").to_numpy(np.float64)
+            ok = ~np.isnan(v)
+            key = (str(inst), None if pd.isna(dp) else dp, what)
+            points[key] = _per_pixel_max(t[ok], v[ok], tx.px_ns, origin)
+            counts[key] = int(ok.sum())
+    return StepLines(points, counts)
+
+
+def joined_step_lines(pieces: list[StepLines], sel: Selection, tx: TimeAxis) -> StepLines:
+    """One StepLines from those of consecutive pieces of the selection (in time order): each line's points joined
+    and reduced per pixel again, as the whole selection's would have been (`joined_block_panels`)."""
+    points: dict[tuple[str, object, str], list[tuple[np.ndarray, np.ndarray]]] = {}
+    counts: dict[tuple[str, object, str], int] = {}
+    for piece in pieces:
+        for key, line in piece.points.items():
+            points.setdefault(key, []).append(line)
+            counts[key] = counts.get(key, 0) + piece.counts[key]
+    joined = {}
+    for key, lines in points.items():
+        t, v = np.concatenate([a for a, _ in lines]), np.concatenate([b for _, b in lines])
+        joined[key] = _per_pixel_max(t, v, tx.px_ns, sel.lo_ns, few=0) if counts[key] > FEW_POINTS else (t, v)
+    return StepLines(joined, counts)
+
+
+def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
+    """Per scheduler: time inside schedule() per step (ms) and tokens scheduled per step, over time."""
+    tx = time_axis(sel, dpi)
+    return draw_steps(step_lines(ctx, sel, tx), sel, tx, dpi)
+
+
+def draw_steps(lines: StepLines, sel: Selection, tx: TimeAxis, dpi: float) -> Figure:
+    """The steps figure of its points (`step_lines`, or `joined_step_lines` of a selection read in pieces): the
+    schedulers by instance name, then DP rank."""
+    if not lines.points:
         raise sel.empty("scheduler steps")
     fig = _figure(7.0, dpi)
     ax_dur, ax_tok = fig.subplots(2, 1, sharex=True)
-    tx = time_axis(sel, dpi)
-    keys = st[["instance", "dp_rank"]].drop_duplicates().sort_values(["instance", "dp_rank"])
+    keys = sorted({key[:2] for key in lines.points}, key=lambda k: (k[0], k[1] is None, k[1] or 0))
+    several_dp = len(keys) != len({inst for inst, _ in keys})
     aggregated = False
-    for i, (inst, dp) in enumerate(zip(keys["instance"], keys["dp_rank"], strict=True)):  # one line per scheduler (few)
-        part = st[(st["instance"] == inst) & ((st["dp_rank"] == dp) if pd.notna(dp) else st["dp_rank"].isna())]
-        part = part.sort_values("sched_ts")
-        name = str(inst) if pd.isna(dp) or keys["instance"].nunique() == len(keys) else f"{inst} dp{dp}"
+    for i, (inst, dp) in enumerate(keys):  # one line per scheduler (few)
+        name = inst if dp is None or not several_dp else f"{inst} dp{dp}"
         colour = SLOT_COLORS[i % len(SLOT_COLORS)]
-        t = part["sched_ts"].to_numpy(np.int64)
-        for ax, column, scale, what in ((ax_dur, "dur_ns", 1e6, "dur"), (ax_tok, "tokens", 1.0, "tokens")):
-            v = pd.to_numeric(part[column], errors="coerce").to_numpy(np.float64)
-            ok = ~np.isnan(v)
-            tt, vv = _per_pixel_max(t[ok], v[ok], tx.px_ns, sel.lo_ns)
-            aggregated |= len(tt) < ok.sum()
+        for ax, (what, _, scale) in zip((ax_dur, ax_tok), STEP_LINES, strict=True):
+            tt, vv = lines.points[(inst, dp, what)]
+            aggregated |= len(tt) < lines.counts[(inst, dp, what)]
             style = dict(marker=".", markersize=3, linewidth=0.8) if len(tt) <= 500 else dict(linewidth=0.6)
             ax.plot(tx.x(tt), vv / scale, color=colour, label=name, gid=f"steps:{what}:{name}", **style)
     ax_dur.set_ylabel("schedule() time (ms)")
@@ -703,6 +755,11 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 
 FIGURES = {"pipeline": pipeline_figure, "requests": requests_figure, "blocks": blocks_figure, "steps": steps_figure}
+
+#: The figures drawn from a window read in pieces (`pdtrace.plot.build_figure_in_pieces`): per piece its points
+#: (reduced per pixel of the whole window's axis), the pieces' points joined, the figure drawn from them.
+PIECES = {"blocks": (blocks_panels, joined_block_panels, draw_blocks),
+          "steps": (step_lines, joined_step_lines, draw_steps)}
 
 #: The shared tables each figure reads, built side by side before it draws (pdtrace.analysis.parallel).
 FIGURE_TABLES = {"pipeline": (_span_frame, gap_frame), "requests": (_phase_arrays, request_findings),

@@ -130,16 +130,18 @@ def test_a_time_window_read_alone_draws_and_exports_what_the_whole_load_does(pp2
     assert fewer >= 2
 
 
-def test_the_blocks_of_a_real_run_drawn_in_pieces_are_the_whole_loads(pp2, tmp_path):
-    """`plot --kind blocks` on an instance above --window-events is drawn piece by piece (each piece read alone,
-    its points joined per pixel) and gives the whole load's image: real block tables, real request lifetimes."""
+@pytest.mark.parametrize("kind", ["blocks", "steps"])
+def test_a_real_run_drawn_in_pieces_is_the_whole_loads(pp2, tmp_path, kind):
+    """`plot --kind blocks|steps` on an instance above --window-events is drawn piece by piece (each piece read
+    alone, its points joined per pixel) and gives the whole load's image: real block tables, real request
+    lifetimes, real schedule() times."""
     import re
 
     events = int(R.info(pp2.trace)["events"])
     images = []
     for bound in (0, max(events // 6, 1)):
-        out = tmp_path / f"blocks-{bound}.png"
-        drawn = R.pdtrace_cli("plot", pp2.trace, "--kind", "blocks", "--window-events", bound, "-o", out)
+        out = tmp_path / f"{kind}-{bound}.png"
+        drawn = R.pdtrace_cli("plot", pp2.trace, "--kind", kind, "--window-events", bound, "-o", out)
         images.append(out.read_bytes())
     pieces = re.findall(r"\(piece \d+/(\d+)\)", drawn.stderr)
     assert pieces and int(pieces[-1]) >= 3, drawn.stderr
