@@ -149,3 +149,37 @@ def test_a_leak_carried_into_every_piece_is_read_once_and_each_piece_holds_what_
         assert rows(table) == rows(fresh)
         if "leak" in window.plan.carried[window.index]:
             assert "leak" in set(table.column("req").cast(pa.string()).to_pylist())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt page"])
+def test_a_damaged_file_is_skipped_and_named_once_by_a_plot_in_pieces(cli: Any, tmp_path: Path,
+                                                                       damage: str) -> None:
+    # one writer's file cut short (no footer) or with a corrupt data page under an intact footer: the pieces skip
+    # it as the whole load does, and say so once, not once a piece (nor, as a window read did, not at all)
+    path = tmp_path / "trace"
+    _leak_then_traffic(steps=200).write(path)
+    first = max(path.rglob("*.parquet"), key=lambda f: f.stat().st_size)  # the scheduler's: most of the rows
+    victim = first.parent / "part-999999.parquet"  # a copy of it, damaged: were it read, its rows would be twice
+    data = bytearray(first.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:
+        for i in range(len(data) // 4, len(data) // 4 + 400):
+            data[i] ^= 0x5A
+    victim.write_bytes(bytes(data))
+    errors = []
+    for window_events in (150, 0):
+        out = tmp_path / f"blocks-{window_events}.png"
+        result = cli("plot", path, "--kind", "blocks", "--window-events", window_events, "-o", out)
+        assert result.exit_code == 0, result.stderr
+        errors.append(result.stderr)
+    assert _pieces_drawn(errors[0]) >= 3
+    named = [line for line in errors[0].splitlines() if str(victim) in line]
+    assert len(named) == 1 and "skipped" in named[0], errors[0]
+    assert (tmp_path / "blocks-150.png").read_bytes() == (tmp_path / "blocks-0.png").read_bytes()
+    # a time window read alone (export, one piece) names it too
+    span = _span_s(path)
+    result = cli("export", path, "--since", repr(0.5 * span), "--until", repr(0.6 * span), "--window-events", 150,
+                 "-o", tmp_path / "w.json")
+    assert result.exit_code == 0, result.stderr
+    assert sum(str(victim) in line for line in result.stderr.splitlines()) == 1, result.stderr

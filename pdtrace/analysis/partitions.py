@@ -320,7 +320,14 @@ def open_window_pieces(path: str | os.PathLike[str], instances: Sequence[str], s
     windows = plan_time_windows(source, since_ns, until_ns, config, piece_events)
     if check is not None:
         check(max(w.rows for w in windows))
-    return [(w, lambda w=w: read_time_window(source, w)) for w in windows]
+    return [(w, lambda w=w: _noted(read_time_window(source, w), source.warnings)) for w in windows]
+
+
+def _noted(trace: Trace, notes: list[str]) -> Trace:
+    """The trace with `notes` (its source's: files the plan could not decode, which no window reads) first among
+    its warnings."""
+    trace.warnings = [*notes, *(w for w in trace.warnings if w not in notes)]
+    return trace
 
 
 # ----------------------------------------------------------------------------------------------------- phase 1

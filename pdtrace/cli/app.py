@@ -178,8 +178,10 @@ def shown_pieces(path: Path, window: "Window", window_events: int, memory_check:
                                 piece_events=piece_events if in_pieces else 0)
     if pieces is None:
         raise no_such_instances(names, plan.instances)
-    # each piece's warnings (skipped files, bad manifest) are the trace's: printed once
-    return [ShownPiece((lambda read=read, first=k == 0: warned(read()) if first else read()), span,
+    # the footers' notes and skipped files (a window reads only the readable files: its trace does not name them),
+    # then the first piece's own (each piece's are the trace's: printed once)
+    told = warned_once(plan.warnings, [])
+    return [ShownPiece((lambda read=read, first=k == 0: warned(read(), told) if first else read()), span,
                        read_window.window_end, read_window.since, read_window.until)
             for k, (read_window, read) in enumerate(pieces)]
 
@@ -240,8 +242,17 @@ def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) 
     return warned(open_trace(path, columns=columns, warn=False, **kwargs))
 
 
-def warned(trace: "Trace") -> "Trace":
-    """The trace, its warnings (skipped files, unknown kinds, bad manifest) printed to stderr, one line each."""
-    for note in trace.warnings:
-        err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+def warned(trace: "Trace", told: list[str] | None = None) -> "Trace":
+    """The trace, its warnings (skipped files, unknown kinds, bad manifest) printed to stderr, one line each (but
+    those in `told`, already printed)."""
+    warned_once(trace.warnings, [] if told is None else told)
     return trace
+
+
+def warned_once(notes: Iterable[str], told: list[str]) -> list[str]:
+    """Print each note not in `told` (one line each, to stderr) and add it there; `told`."""
+    for note in notes:
+        if note not in told:
+            err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
+            told.append(note)
+    return told
