@@ -176,6 +176,17 @@ def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
         "pool_blocks": np.array([n for _, n in found], np.int64)})
 
 
+def usage_held_at(usage: pd.DataFrame, ts_ns: int) -> np.ndarray:
+    """A mask of `block_usage` rows: per scheduler (instance, dp_rank), its last row before ts_ns, whose counts
+    are what it held at ts_ns (the rows are in time order per scheduler). A figure or an export of a window starts
+    each scheduler's counts there."""
+    if len(usage) == 0:
+        return np.zeros(0, bool)
+    key = usage["instance"].astype("str") + "/" + usage["dp_rank"].astype("Int64").astype("str")
+    early = usage["ts_ns"].to_numpy(np.int64) < ts_ns
+    return early & ~pd.Series(early).groupby(key.to_numpy()).shift(-1, fill_value=False).to_numpy(bool)
+
+
 def _empty_usage() -> pd.DataFrame:
     data: dict[str, pd.Series] = {"instance": pd.Series(dtype="str"), "dp_rank": pd.Series(dtype="Int16"),
                                   "ts_ns": pd.Series(dtype="int64")}

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.context import AnalysisContext
-from pdtrace.analysis.timelines import BLOCK_STATES, block_usage, request_phases
+from pdtrace.analysis.timelines import BLOCK_STATES, block_usage, request_phases, usage_held_at
 from pdtrace.plot.window import Selection
 
 #: Thread id ranges inside a process, disjoint for DP ranks < 1000, PP and TP ranks < 1000: schedulers 1 + dp,
@@ -84,15 +84,11 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     usage = block_usage(ctx, findings=findings)
     usage = usage[keep(usage)]
     if len(usage):  # the counters' samples: those in the window, and per scheduler the value at its start
-        key = (usage["instance"].astype("str") + "/" + usage["dp_rank"].astype("Int64").astype("str")).to_numpy()
-        ts = usage["ts_ns"].to_numpy(np.int64)
-        early = ts < sel.lo_ns
         # the last sample before the window: the value at its start, where blocks were in use then (a counter is
         # 0 until its first sample; and a window read alone, `plan_time_window`, holds the rows of what was in use
         # at its start, not the changes that emptied the pool before it)
-        before = early & ~pd.Series(early).groupby(key).shift(-1, fill_value=False).to_numpy()
-        before &= usage["in_use"].to_numpy(np.int64) > 0
-        usage = usage[sel.contains(ts) | before]
+        before = usage_held_at(usage, sel.lo_ns) & (usage["in_use"].to_numpy(np.int64) > 0)
+        usage = usage[sel.contains(usage["ts_ns"].to_numpy(np.int64)) | before]
 
     names = sorted({str(n) for frame in (spans, steps, ph, usage)
                     for n in frame["instance"].astype("str").unique()})  # per instance of each table (few)

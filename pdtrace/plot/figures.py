@@ -29,7 +29,8 @@ from pdtrace.analysis.columns import columns  # noqa: E402
 from pdtrace.analysis.context import AnalysisContext  # noqa: E402
 from pdtrace.analysis.steps import (BUBBLE_CAUSES, _bubble_frame, _span_frame, gap_frame, instances,  # noqa: E402
                                    step_table)
-from pdtrace.analysis.timelines import BLOCK_STATES, PHASES, _phase_arrays, block_usage  # noqa: E402
+from pdtrace.analysis.timelines import (BLOCK_STATES, PHASES, _phase_arrays, block_usage,  # noqa: E402
+                                       usage_held_at)
 from pdtrace.plot.window import Selection, request_findings  # noqa: E402
 
 WIDTH_IN = 14.0
@@ -569,20 +570,21 @@ def blocks_panels(ctx: AnalysisContext, sel: Selection, tx: TimeAxis, origin_ns:
     keys = usage[["instance", "dp_rank"]].drop_duplicates()
     schedulers = {(str(inst), None if pd.isna(dp) else dp) for inst, dp in zip(keys["instance"], keys["dp_rank"],
                                                                                 strict=True)}
+    # each scheduler's rows in the selection, after the one that holds its counts at the selection's start
+    shown = sel.contains(usage["ts_ns"].to_numpy(np.int64))
+    if held:
+        shown |= usage_held_at(usage, sel.lo_ns)
     for inst, dp in zip(keys["instance"], keys["dp_rank"], strict=True):  # one panel per scheduler (few)
-        u = usage[(usage["instance"] == inst) & ((usage["dp_rank"] == dp) if pd.notna(dp) else usage["dp_rank"].isna())]
-        ts = u["ts_ns"].to_numpy(np.int64)
-        before = np.flatnonzero(ts < sel.lo_ns) if held else np.empty(0, np.intp)
-        inside = np.flatnonzero((ts >= sel.lo_ns) & (ts <= sel.hi_ns))
-        rows = np.concatenate([before[-1:], inside])
-        if len(rows) == 0:
+        mine = ((usage["instance"] == inst) & ((usage["dp_rank"] == dp) if pd.notna(dp) else usage["dp_rank"].isna())
+                ).to_numpy(bool)
+        part = usage[mine & shown]
+        if len(part) == 0:
             continue
-        part = u.iloc[rows]
         t = np.maximum(part["ts_ns"].to_numpy(np.int64), sel.lo_ns)
         keep_ts, _ = _per_pixel_max(t, part["in_use"].to_numpy(np.int64), tx.px_ns, origin)
         key = (str(inst), None if pd.isna(dp) else dp)
         parts[key] = part[np.isin(t, keep_ts)] if len(keep_ts) < len(t) else part
-        rows_of[key] = len(rows)
+        rows_of[key] = len(part)
     return BlockPanels(parts, rows_of, instance_ranks(ctx), schedulers)
 
 
