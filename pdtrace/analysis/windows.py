@@ -347,26 +347,51 @@ def _weighted_quantiles(sample: np.ndarray, weight: np.ndarray, counts: np.ndarr
     return sample[np.minimum(np.searchsorted(below, counts, side="right"), len(sample) - 1)]
 
 
-def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
-                 rows: int | None = None, jobs: int = 1, cuts: Sequence[int] | None = None,
-                 margin: tuple[int, int] | None = None, ahead: bool = False, whole_steps: bool = False,
-                 row_ends: bool = False, split: int = 0) -> WindowPlan:
-    """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
-    PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
-    `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
-    else every ts is sampled). `lookback`: the most events a window's analysis starts before its cut (None: half a
-    window). `cuts`: the cut times (`plan_time_window`'s), instead of one every `window_events` events; those
-    outside the rows' time range are left out. `margin` = (least, most) events: a window starts about `least`
-    events before its cut at least (a plot's read holds the idle gap that straddles its start), and with `ahead`
-    one more cut follows the last, at the end of the requests and steps open at it (a read up to it holds them
-    whole), but `least` events after it at least and `most` at most.
-    `whole_steps`: a step open at a cut takes the window's start back to its first row, and one open at the last
-    cut the read-ahead on to its last row, whatever the lookback (a plot draws the steps in flight at its edges
-    whole; a step hung for longer than the lookback most of all).
-    `row_ends`: also `WindowPlan.row_ends`. `split`: with `cuts`, the stretch from the first to the last is also
-    cut every `split` events (a plot of a long stretch, window by window: `plan_time_windows`)."""
-    groups = list(groups)
-    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
+@dataclass(frozen=True)
+class TimeCuts:
+    """Cuts at given times (a plot's or an export's window: `plan_time_windows`) for `plan_windows`, instead of
+    one every `window_events` events."""
+
+    #: the cut times; those outside the rows' time range are left out
+    at: Sequence[int]
+    #: (least, most) events: a window starts about `least` events before its cut at least (a plot's read holds the
+    #: idle gap that straddles its start), and with `ahead` one more cut follows the last, at the end of the
+    #: requests and steps open at it (a read up to it holds them whole), but `least` events after it at least and
+    #: `most` at most
+    margin: tuple[int, int] | None = None
+    ahead: bool = False
+    #: a step open at a cut takes the window's start back to its first row, and one open at the last cut the
+    #: read-ahead on to its last row, whatever the lookback (a plot draws the steps in flight at its edges whole; a
+    #: step hung for longer than the lookback most of all)
+    whole_steps: bool = False
+    #: the stretch from the first cut to the last is also cut every `split` events (a long window read in pieces)
+    split: int = 0
+
+
+class _PlanInput(NamedTuple):
+    """What the plan's pass over the rows found (`_plan_input`)."""
+
+    events: int
+    names: np.ndarray
+    #: per request: its first row's ts, its last (OPEN where it never finishes), its last row's, whether its rows
+    #: leave it holding blocks
+    r_first: np.ndarray
+    r_last: np.ndarray
+    r_row_last: np.ndarray
+    holding: np.ndarray
+    #: per step key: its first and last row's ts
+    s_first: np.ndarray
+    s_last: np.ndarray
+    every_ts: np.ndarray
+    #: the ts sample, sorted, and the events each sampled ts stands for
+    sample: np.ndarray
+    weight: np.ndarray
+    first: int
+    last: int
+
+
+def _plan_input(groups: list[Any], rows: int | None, jobs: int) -> _PlanInput | None:
+    """The plan's pass over `groups` (`plan_windows`); None where they hold no rows."""
     if rows is None and all(isinstance(g, (pa.Table, pa.RecordBatch)) for g in groups):
         rows = sum(g.num_rows for g in groups)
     stride = max(1, int(rows or 0) // SAMPLE)
@@ -380,47 +405,73 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     else:
         parts = [p for g in groups for p in _group_parts(g, stride)]
     n = sum(p.rows for p in parts)
+    if n == 0:
+        return None
     names, r_first, r_last, finished, held = _merged_requests([p.reqs for p in parts])
     # a request whose last row leaves it holding blocks (where the plan read them): it holds them from then on
     holding = held > 0 if held is not None else np.zeros(len(r_last), bool)
-    r_row_last = r_last  # its last row, also where it never finishes
-    r_last = np.where(finished, r_last, OPEN)  # a request that never finishes is alive to the end of the trace
     s_first, s_last = _merged_steps([p.steps for p in parts])
-    every_ts = np.unique(np.concatenate([p.every_ts for p in parts])) if parts else np.empty(0, np.int64)
-    if n == 0:
-        return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {}, every_ts)
-    count = max(1, -(-n // max(int(window_events), 1)))
+    every_ts = np.unique(np.concatenate([p.every_ts for p in parts]))
     # the cut times are quantiles of the ts sample, each sampled ts weighing the events of its batch it stands
     # for (exact where every ts is sampled: stride 1); one sort of at most ~SAMPLE values replaces a selection
     # pass per cut. Each batch's sample is a sorted run (a row group in time order): the stable sort merges them.
     sample = np.concatenate([p.sample for p in parts])
     weight = np.concatenate([np.full(len(p.sample), p.rows / len(p.sample)) for p in parts])
     order = np.argsort(sample, kind="stable")
-    sample, weight = sample[order], weight[order]
-    del order
-    first, last = min(p.least for p in parts), max(p.greatest for p in parts)
-    if cuts is None:
+    return _PlanInput(n, names, r_first, np.where(finished, r_last, OPEN), r_last, holding, s_first, s_last,
+                      every_ts, sample[order], weight[order], min(p.least for p in parts),
+                      max(p.greatest for p in parts))
+
+
+def _cuts_at(plan: _PlanInput, times: TimeCuts) -> tuple[np.ndarray, np.ndarray]:
+    """(cut times, events before each) of `times` (`TimeCuts`): its cuts, those every `split` events between the
+    first and the last, and with `ahead` the end of the read past the last."""
+    sample, weight = plan.sample, plan.weight
+    mark_ts = np.asarray(sorted(int(c) for c in times.at), np.int64)
+    below_of = np.r_[0.0, np.cumsum(weight)]
+    targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
+    split = times.split
+    if split > 0 and len(mark_ts) > 1:  # more cuts between the first and the last (`ahead` follows the last)
+        inner = _weighted_quantiles(sample, weight, np.arange(targets[0] + split, targets[-1] - split / 4, split))
+        inner = inner[(inner > mark_ts[0]) & (inner < mark_ts[-1])]
+        mark_ts = np.unique(np.r_[mark_ts, inner]).astype(np.int64)
+        targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
+    if times.ahead and times.margin is not None and len(targets):
+        a = int(mark_ts[-1])
+        least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(times.margin, np.float64))
+        # the last rows of those open at a (a request that never finishes: its last row, not OPEN); a step's whole
+        # with `whole_steps`, as at a window's start
+        r_open = (plan.r_first < a) & (plan.r_last >= a)
+        r_end = int(plan.r_row_last[r_open].max(initial=a)) + 1
+        s_end = int(plan.s_last[(plan.s_first < a) & (plan.s_last >= a)].max(initial=a)) + 1
+        mark_ts = np.r_[mark_ts, max(a + 1, int(least), min(r_end, int(most)),
+                                     s_end if times.whole_steps else min(s_end, int(most)))]
+        targets = np.r_[targets, targets[-1]]  # its lookback bound is not used (no window starts there)
+    return mark_ts, targets
+
+
+def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None = None, *,
+                 rows: int | None = None, jobs: int = 1, times: TimeCuts | None = None,
+                 row_ends: bool = False) -> WindowPlan:
+    """The windows of one instance's rows (module docstring, steps 1-2). `groups`: record batches or tables of
+    PLAN_COLUMNS, or callables returning an iterable of them (one file's batches each), read on `jobs` threads.
+    `rows`: at most how many rows they hold, which sets the ts sample's stride (None: the rows of the tables given,
+    else every ts is sampled). `lookback`: the most events a window's analysis starts before its cut (None: half a
+    window). `times`: cuts at given times (`TimeCuts`, a plot's window), instead of one every `window_events`
+    events. `row_ends`: also `WindowPlan.row_ends`."""
+    lookback = max(window_events // 2, 1) if lookback is None else int(lookback)
+    plan = _plan_input(list(groups), rows, jobs)
+    if plan is None:
+        return WindowPlan(np.array([0, 1], np.int64), np.array([0]), np.array([0], np.int64), [{}], {},
+                          np.empty(0, np.int64))
+    n, sample, weight, first, last = plan.events, plan.sample, plan.weight, plan.first, plan.last
+    if times is None:
+        count = max(1, -(-n // max(int(window_events), 1)))
         targets = np.array([k * n // count for k in range(1, count)], np.float64)
         mark_ts = _weighted_quantiles(sample, weight, targets)
     else:  # the events before each given cut, by the sample's weights
-        mark_ts = np.asarray(sorted(int(c) for c in cuts), np.int64)
-        below_of = np.r_[0.0, np.cumsum(weight)]
-        targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
-        if split > 0 and len(mark_ts) > 1:  # more cuts between the first and the last (`ahead` follows the last)
-            inner = _weighted_quantiles(sample, weight, np.arange(targets[0] + split, targets[-1] - split / 4, split))
-            inner = inner[(inner > mark_ts[0]) & (inner < mark_ts[-1])]
-            mark_ts = np.unique(np.r_[mark_ts, inner]).astype(np.int64)
-            targets = below_of[np.searchsorted(sample, mark_ts, side="left")]
-        if ahead and margin is not None and len(targets):
-            a = int(mark_ts[-1])
-            least, most = _weighted_quantiles(sample, weight, targets[-1] + np.asarray(margin, np.float64))
-            # the last rows of those open at a (a request that never finishes: its last row, not OPEN); a step's
-            # whole with `whole_steps`, as at a window's start
-            r_end = int(r_row_last[(r_first < a) & (r_last >= a)].max(initial=a)) + 1
-            s_end = int(s_last[(s_first < a) & (s_last >= a)].max(initial=a)) + 1
-            mark_ts = np.r_[mark_ts, max(a + 1, int(least), min(r_end, int(most)),
-                                         s_end if whole_steps else min(s_end, int(most)))]
-            targets = np.r_[targets, targets[-1]]  # its lookback bound is not used (no window starts there)
+        mark_ts, targets = _cuts_at(plan, times)
+    margin = times.margin if times is not None else None
     behind_ts = _weighted_quantiles(sample, weight, np.maximum(targets - lookback, 0))
     least_ts = _weighted_quantiles(sample, weight, np.maximum(targets - (margin[0] if margin else 0), 0))
     values, at = np.unique(mark_ts, return_index=True)  # equal ts never straddle a cut
@@ -434,7 +485,8 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
     below = np.rint(below).astype(np.int64)
     below[0], below[-1] = 0, n
     events = np.diff(below)
-    del sample, weight
+    names, r_first, r_last, s_first, s_last = plan.names, plan.r_first, plan.r_last, plan.s_first, plan.s_last
+    whole_steps = times is not None and times.whole_steps
     starts = [first]
     carried: list[dict[str, int]] = [{}]
     for k in range(1, len(cuts) - 1):  # per window: few
@@ -451,11 +503,11 @@ def plan_windows(groups: Iterable[Any], window_events: int, lookback: int | None
             start = min([start] + oldest_step)
         start = min(start, int(margins[k]))
         starts.append(start)
-        early = (r_open & (r_first < start)) | (holding & (r_last < start))
+        early = (r_open & (r_first < start)) | (plan.holding & (r_last < start))
         carried.append(dict(zip(names[early].tolist(), r_first[early].tolist())))
     return WindowPlan(cuts, np.asarray(events, np.int64), np.asarray(starts, np.int64), carried,
-                      dict(zip(names.tolist(), r_last.tolist())), every_ts,
-                      dict(zip(names.tolist(), r_row_last.tolist())) if row_ends else None)
+                      dict(zip(names.tolist(), r_last.tolist())), plan.every_ts,
+                      dict(zip(names.tolist(), plan.r_row_last.tolist())) if row_ends else None)
 
 
 def _merged_requests(parts: list[tuple[Any, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
@@ -826,10 +878,10 @@ def plan_time_windows(source: PathSource, since_ns: int | None, until_ns: int | 
         cuts = [LOWEST if since_ns is None else since_ns, HIGHEST if until_ns is None else until_ns]
     # with the blocks: a request whose rows all lie before the window yet leave it holding blocks (a leak older
     # than the window) is carried, so that the window shows what it holds
+    times = TimeCuts(cuts, margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
+                     whole_steps=True, split=max(int(piece_events), 0))
     plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
-                        rows=source.plan_rows, jobs=max(1, int(config.jobs)), cuts=cuts,
-                        margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
-                        whole_steps=True, row_ends=True, split=max(int(piece_events), 0))
+                        rows=source.plan_rows, jobs=max(1, int(config.jobs)), times=times, row_ends=True)
     if (since_ns is not None and since_ns >= int(plan.cuts[-1])
             or until_ns is not None and until_ns <= int(plan.cuts[0])):
         return [TimeWindow(plan, int(plan.window_of(since_ns)) if since_ns is not None else 0, 0, True)]
