@@ -39,6 +39,13 @@
             (`pdtrace.analysis.partitions.open_window`), and `plot --kind blocks` and `steps` of the whole trace
             (in pieces, `pdtrace.plot.build_figure_in_pieces`), each against this checkout's whole load
             (--window-events 0), and whether the image and the file are the same.
+Measured `--show` (2026-12-03, seventh session; 516b765, load 0.9-1.2), 60M events: `plot --kind blocks` of the
+whole trace in pieces 13.0 s wall, 18.9 s cpu, tree peak 1.32 GiB against the whole load's 20.6 s, 34.0 s, 10.96 GiB;
+`--kind steps` 9.4 s, 12.8 s, 1.08 GiB against 13.4 s, 16.7 s, 8.12 GiB; the 30 s window from 3726 s: `plot --kind
+blocks` 4.6 s, 6.4 s, 0.64 GiB (25.4 s, 11.01 GiB whole) and `export` 4.3 s, 6.0 s, 0.63 GiB (32.4 s, 11.23 GiB
+whole): the window's carried leaks are read from their own lives' files now, not from every file since the first
+began (was 1.12-1.17 GiB); the same image and file each time. `show --req` 6.3 s, 1.13 GiB; `show --step` 5.5 s,
+1.12 GiB; `info --rows` 7.8 s, 0.83 GiB.
 Measured `plot --kind blocks` of the whole trace in pieces (2026-12-03, seventh session; 2d0c11d, one run each on a
 quiet machine): 13.3 s wall, 18.3 s user, peak 1.38 GB (`/usr/bin/time`) against the whole load's 27.1 s and
 11.5 GB; the same PNG. Before a leak carried into every later piece was read once, 33.1 s and 2.0 GB.
