@@ -183,3 +183,15 @@ def test_a_damaged_file_is_skipped_and_named_once_by_a_plot_in_pieces(cli: Any, 
                  "-o", tmp_path / "w.json")
     assert result.exit_code == 0, result.stderr
     assert sum(str(victim) in line for line in result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_the_pieces_of_a_pd_pair_read_about_a_piece_each(cli: Any, tmp_path: Path) -> None:
+    # a P/D pair is planned as one (its partitions' files): the two instances' step numbers are two sequences, so a
+    # step is keyed by its instance too. Keyed by (dp_rank, step) alone, prefill's step k and decode's step k made
+    # one "step" open from the first to the last of them, and as steps open at a cut are read whole, every piece
+    # read back to the start (healthy_pd_pp1 in pieces of 200 events: 200, 346, ..., 1,792 rows)
+    path = ROOT / "sample_traces" / "healthy_pd_pp1" / "trace"
+    result = cli("plot", path, "--kind", "steps", "--window-events", 200, "-o", tmp_path / "s.png")
+    assert result.exit_code == 0, result.stderr
+    read = [int(n.replace(",", "")) for n in re.findall(r"for ([\d,]+) events \(piece", result.stderr)]
+    assert len(read) >= 10 and max(read) <= 3 * 200, read  # a piece, its lookback (100) and its margin

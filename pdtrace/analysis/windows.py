@@ -62,6 +62,7 @@ and the findings about a request it still cuts off are left out (`WindowEnd`, `j
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
@@ -246,11 +247,24 @@ def _batch_spans(batch: pa.RecordBatch) -> tuple[Any, ...]:
     reqs = (req.dictionary.take(pa.array(seen)).cast(pa.string()), first[seen], last[seen], finished[seen],
             None if held is None else held[seen])
     # steps: one int64 key per (dp_rank, step) (step + (dp_rank + 1) << 40), a null step dropped
-    steps = _step_spans(batch.column("step"), batch.column("dp_rank"), ts)
+    steps = _step_spans(batch.column("step"), batch.column("dp_rank"), ts,
+                        batch.column("instance") if "instance" in batch.schema.names else None)
     return reqs, steps, ts[every_rows], int(first.min()), int(last.max())
 
 
-def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray) -> tuple[np.ndarray, ...]:
+def _instance_tags(instance: pa.Array) -> np.ndarray:
+    """Per row, a 16-bit tag of its instance's name (crc32; a null instance: 0): the same in every batch, unlike
+    dictionary codes. Two instances whose tags collide share their step keys: their steps' spans are merged (a
+    read goes back further, never less far)."""
+    column = instance if pa.types.is_dictionary(instance.type) else pc.dictionary_encode(instance)
+    tags = np.array([zlib.crc32(str(name).encode()) & 0xFFFF for name in column.dictionary.to_pylist()] + [0],
+                    np.int64)
+    indices = column.indices
+    return tags[_values(indices, np.int64 if indices.type == pa.int64() else np.int32, len(tags) - 1)]
+
+
+def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray,
+                instance: pa.Array | None = None) -> tuple[np.ndarray, ...]:
     """(keys, first, last) of a batch's steps, key step + (dp_rank + 1) << 40 (a null dp_rank: -1), rows without a
     step left out. A step's rows come in runs (a scheduler step's req_sched rows one after another), so the first
     and last ts are reduced per run of equal keys (`np.minimum.reduceat`: two passes that stream), then per key over
@@ -262,6 +276,8 @@ def _step_spans(step: pa.Array, rank: pa.Array, ts: np.ndarray) -> tuple[np.ndar
     if not key.flags.writeable:  # an int64 column without nulls: a view of the Arrow buffer
         key = key.copy()
     key += 1
+    if instance is not None:  # the steps of each instance apart: a P/D pair's step numbers are not one sequence
+        key += _instance_tags(instance) << 7
     key <<= 40
     key += _values(step, np.int64, 0)
     if step.null_count:
@@ -880,7 +896,7 @@ def plan_time_windows(source: PathSource, since_ns: int | None, until_ns: int | 
     # than the window) is carried, so that the window shows what it holds
     times = TimeCuts(cuts, margin=(min(READ_AHEAD, lookback), lookback), ahead=until_ns is not None,
                      whole_steps=True, split=max(int(piece_events), 0))
-    plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
+    plan = plan_windows(source.plan_groups([*PLAN_COLUMNS, "instance", "blocks"]), DEFAULT_WINDOW_EVENTS, lookback,
                         rows=source.plan_rows, jobs=max(1, int(config.jobs)), times=times, row_ends=True)
     if (since_ns is not None and since_ns >= int(plan.cuts[-1])
             or until_ns is not None and until_ns <= int(plan.cuts[0])):
