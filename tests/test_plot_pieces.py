@@ -108,7 +108,7 @@ def test_the_pieces_tile_the_window_and_only_the_last_reads_ahead(tmp_path: Path
         assert sum(sizes) == inside and max(sizes) <= 130, sizes  # about 100 events each
         last = pieces[-1]
         assert (last.end > until) if until is not None else last.window_end is None
-        # one piece where none is asked for: the window read whole (`plan_time_window`)
+        # one piece where none is asked for: the window read whole (`open_window`)
         (whole,) = plan_time_windows(source, since, until, config)
         assert whole.since == pieces[0].since and whole.start == pieces[0].start
 

@@ -3,7 +3,7 @@ shows.
 
 With --since or --until on instances of more than --window-events events (default 15M, as `analyze` windows them),
 `pdtrace.cli.app.load_shown` reads the window as the windowed analysis reads one of its windows
-(`pdtrace.analysis.partitions.open_window`, `windows.plan_time_window`): from the oldest request or step open at
+(`pdtrace.analysis.partitions.open_window`, `windows.plan_time_windows`): from the oldest request or step open at
 --since, at most half of --window-events before it, with the carried requests' own rows, the requests whose rows
 all lie before it yet leave them holding blocks (a leak older than the window), and a little past --until. The
 exports of every sample (real vLLM engine cores on a simulated executor) and of built traces must be byte for byte

@@ -289,7 +289,7 @@ def open_window(path: str | os.PathLike[str], instances: Sequence[str], since_ns
                 config: AnalysisConfig, with_links: bool = False, plan: PartitionPlan | None = None,
                 check: Callable[[int], None] | None = None) -> tuple[Trace | None, TimeWindow | None]:
     """The rows of the time window [since_ns, until_ns) of `instances` (all where empty; `with_links` as
-    `open_instances`), read as the windowed analysis reads a window (`pdtrace.analysis.windows.plan_time_window`):
+    `open_instances`), read as the windowed analysis reads a window (`pdtrace.analysis.windows.plan_time_windows`):
     from the oldest request or step open at since_ns, at most the lookback before it, with the carried requests'
     own rows. One plan covers the chosen partitions' files (a request id that several instances use gets the
     union of their spans: a few more rows, never fewer). `check(rows)`: called with at most how many rows the read

@@ -52,11 +52,13 @@ serving trace is the life of the longest running request (seconds: a few thousan
 open for longer than the lookback (a request waiting forever) pulls every later window back by the whole
 lookback: at most twice the rows, the price of still counting the steps it waits through.
 
-Time windows (`plan_time_window`, `read_time_window`; `pdtrace plot` and `export` with --since/--until): the same
-plan with two given cuts, and what a figure needs besides: a request whose rows leave it holding blocks is carried
-into any later window (the plan then reads `blocks`: `_held`), steps open at either edge are read whole, the read
-starts a margin before --since and goes on past --until to the end of what is open there (at most the lookback),
-and the findings about a request it still cuts off are left out (`WindowEnd`, `judged`).
+Time windows (`plan_time_windows`, `read_time_window`; `pdtrace plot` and `export` with --since/--until): the same
+plan with two given cuts (`TimeCuts`), and what a figure needs besides: a request whose rows leave it holding blocks
+is carried into any later window (the plan then reads `blocks`: `_held`), steps open at either edge are read whole
+(keyed by their instance too: a P/D pair is planned as one), the read starts a margin before --since and goes on
+past --until to the end of what is open there (at most the lookback), and the findings about a request it still
+cuts off are left out (`WindowEnd`, `judged`). A long window (the blocks or steps of hours) is cut into pieces of
+about --window-events events, each read alone and to its own end (`TimeCuts.split`, `TimeWindow.ends_at`).
 """
 
 from __future__ import annotations
@@ -872,12 +874,6 @@ class TimeWindow:
 READ_AHEAD = 1 << 16
 #: Cuts before and after every row (`plan_windows` leaves them out): a window in pieces from the start, to the end.
 LOWEST, HIGHEST = np.iinfo(np.int64).min, np.iinfo(np.int64).max
-
-
-def plan_time_window(source: PathSource, since_ns: int | None, until_ns: int | None,
-                     config: AnalysisConfig) -> TimeWindow:
-    """Plan the window [since_ns, until_ns) of `source`'s rows, read whole (`plan_time_windows`)."""
-    return plan_time_windows(source, since_ns, until_ns, config)[0]
 
 
 def plan_time_windows(source: PathSource, since_ns: int | None, until_ns: int | None, config: AnalysisConfig,

@@ -85,7 +85,7 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     usage = usage[keep(usage)]
     if len(usage):  # the counters' samples: those in the window, and per scheduler the value at its start
         # the last sample before the window: the value at its start, where blocks were in use then (a counter is
-        # 0 until its first sample; and a window read alone, `plan_time_window`, holds the rows of what was in use
+        # 0 until its first sample; and a window read alone, `plan_time_windows`, holds the rows of what was in use
         # at its start, not the changes that emptied the pool before it)
         before = usage_held_at(usage, sel.lo_ns) & (usage["in_use"].to_numpy(np.int64) > 0)
         usage = usage[sel.contains(usage["ts_ns"].to_numpy(np.int64)) | before]
