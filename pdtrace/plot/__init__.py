@@ -87,17 +87,15 @@ def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | 
     drawn = []
     sel: Selection | None = None
     with allocation_settings():
-        for ctx, since, until in pieces:
+        for k, (ctx, since, until) in enumerate(pieces):
             if sel is None:
                 sel = resolve(ctx, window or Window())
                 axis = time_axis(sel, dpi)
-                first = True
             lo = sel.lo_ns if since is None else max(sel.lo_ns, since)
             hi = sel.hi_ns if until is None else min(sel.hi_ns, until - 1)
             if lo <= hi:
                 build_tables(ctx, FIGURE_TABLES[kind], int(ctx.config.jobs) or default_jobs())
-                drawn.append(points_of(ctx, replace(sel, lo_ns=lo, hi_ns=hi), axis, sel.lo_ns, held=first))
-            first = False
+                drawn.append(points_of(ctx, replace(sel, lo_ns=lo, hi_ns=hi), axis, sel.lo_ns, held=k == 0))
             del ctx  # the piece's rows go before the next piece is read
     if sel is None:
         raise UsageError("nothing to draw: no piece of the trace was read")
