@@ -191,7 +191,44 @@ def test_ring_under_its_memory_bound_cuts_nothing(tmp_path):
     rec.trim()
     _, events, facts = rec.snapshot(clock.now)
     assert events == 5000 and rec.trimmed_events == 0
-    assert facts["window_start_ns"] == clock.now - 600 * 10**9
+    assert facts["window_start_ns"] is None  # 5 s of a 600 s window, nothing cut: the whole recording
+
+
+def _ghost_run(rec: FlightRecorder, clock: FakeClock, seconds: int) -> None:
+    """`seconds` of steps (10 a second), in the last one a completion for a request the trace never saw."""
+    steps = seconds * 10
+    for step in range(steps):
+        rec.emit("sched", step=step)
+        if step == steps - 5:
+            rec.emit("kv_send_done", step=step, req="ghost")
+        clock.now += 100_000_000
+        if step % 10 == 0:
+            rec.trim()
+    rec.trim()
+
+
+@pytest.mark.parametrize("seconds, whole", [(5, True), (30, False)])
+def test_a_dump_that_left_nothing_out_is_judged_as_a_whole_trace(tmp_path, seconds, whole):
+    """A process younger than its window (an engine that fails in its first minutes, a short test run) is dumped
+    whole: no window start in its file, so a completion for an id with no earlier event is reported as in a full
+    recording. Once the ring has left older events out, the same completion may answer a request added before the
+    window, and the cut gives no finding."""
+    import pdtrace
+
+    rec, clock = ring(tmp_path / "run", seconds=10.0)
+    _ghost_run(rec, clock, seconds)
+    dump = tmp_path / "run" / "dump-0001"
+    entry = rec.write_dump(dump, 1, clock.now, in_thread=True)
+    rec.close()
+    assert entry["status"] == "written" and entry["whole"] is whole
+    part, = dump.rglob("part-*.parquet")
+    meta = pq.read_metadata(part).metadata
+    assert (b"pdtrace.window_start_ns" in meta) is not whole and meta[b"pdtrace.flight_seconds"] == b"10"
+    assert (entry["window_start_ns"] is None) is whole
+    findings = pdtrace.analyze(str(dump))
+    ghost = findings[findings["req"] == "ghost"]
+    assert list(ghost["subrule"]) == (["unknown_id"] if whole else [])
+    assert bool(findings.attrs.get("window")) is not whole
 
 
 def test_a_held_ring_keeps_the_seconds_before_the_ask_however_late_the_dump(tmp_path):
@@ -411,6 +448,38 @@ def test_pdtrace_dump_asks_every_process_and_the_dump_is_a_trace(tmp_path, worke
     assert str(dump) in whole.stderr
     assert pdtrace("dump", trace).returncode == 0 and (trace / "dump-0002").is_dir()  # a second dump: its own folder
     assert parts(dump) == {"A": sorted([a1.pid, a2.pid]), "B": [b.pid]}
+
+
+def test_a_dump_of_processes_younger_than_the_window_is_a_whole_trace(tmp_path, worker):
+    """Every process of a 30 s window dumped after 1 s: nothing left out, so no window anywhere (files, manifest,
+    analysis). A process whose window did leave events out makes the dump a window from its start, however young
+    the others are."""
+    trace = tmp_path / "trace"
+    a1, a2 = worker(trace, "A"), worker(trace, "A")
+    time.sleep(1.0)
+    assert pdtrace("dump", trace).returncode == 0
+    dump = trace / "dump-0001"
+    info = manifest(dump)
+    assert info["window_start_ns"] is None
+    assert {pid: (e["whole"], e["window_start_ns"]) for pid, e in info["processes"].items()} == {
+        str(a1.pid): (True, None), str(a2.pid): (True, None)}
+    assert all(b"pdtrace.window_start_ns" not in pq.read_metadata(p).metadata for p in dump.glob("*/*/part-*"))
+    result = pdtrace("analyze", dump, "--format", "json")
+    assert result.returncode == 0 and "window" not in json.loads(result.stdout)["summary"], result.stdout[-2000:]
+
+    old = tmp_path / "mixed"
+    b1 = worker(old, "B", seconds="2")
+    time.sleep(3.0)
+    b2 = worker(old, "B", seconds="2")
+    assert pdtrace("dump", old).returncode == 0
+    info = manifest(old / "dump-0001")
+    entries = info["processes"]
+    assert entries[str(b2.pid)]["whole"] is True and entries[str(b1.pid)]["whole"] is False
+    assert info["window_start_ns"] == entries[str(b1.pid)]["window_start_ns"] > 0
+    result = pdtrace("analyze", old / "dump-0001", "--format", "json")
+    assert json.loads(result.stdout)["summary"]["window"]["start_ns"] == info["window_start_ns"], result.stdout
+    text = pdtrace("analyze", old / "dump-0001").stdout  # the window may start before the dump's first event
+    assert "WINDOW:" in text and "+-" not in text and " s from the trace's start" in text
 
 
 def test_engine_failure_dumps_every_process_of_the_same_server(tmp_path, worker):

@@ -25,7 +25,10 @@ Dumps. A dump N is a trace directory of format v1, `DIR/dump-NNNN/`: its `_manif
 `<instance>/<pid>/part-000000.parquet`, whose metadata adds `pdtrace.window_start_ns` (this writer holds every
 event it recorded from then on), `pdtrace.flight_seconds`, `pdtrace.flight_trimmed_events`, `pdtrace.flight_dump`.
 The manifest's `window_start_ns` is the latest of the processes' window starts: from then on every process's
-window is whole. A process's window is the SECONDS before the dump was asked for (its request's `requested_ns`;
+window is whole. A process whose window leaves out nothing it recorded (younger than SECONDS, never cut by the
+memory bound) is in the dump whole: its file has no `pdtrace.window_start_ns`, its entry says `whole: true`, and a
+dump of only such processes is a whole trace (`window_start_ns` null), whose rules judge everything from the
+start: a completion for an id never added is reported, not taken for history. A process's window is the SECONDS before the dump was asked for (its request's `requested_ns`;
 for an engine error, the moment the hook saw it) and everything after, up to its write: a trigger holds the ring
 (`FlightRecorder.hold`) until the dump is written, so a dump served late (a busy flight thread, a loaded machine)
 still holds the seconds before the failure, not just those before its write. What triggers one:
@@ -435,7 +438,9 @@ class FlightRecorder(Recorder):
         copied into one flat list (on the dumping thread; the emitting thread only waits for the state lock's
         slice copy, as for a take of full recording's writer). The window is the `seconds` before `asked_ns`
         (the moment the dump was asked for; default `now_ns`) and everything since; it starts later where the
-        ring no longer holds that far back (a chunk dropped for its age before the ask was held)."""
+        ring no longer holds that far back (a chunk dropped for its age before the ask was held). The facts'
+        `window_start_ns` is None where the window leaves out nothing this recorder recorded: the dump then holds
+        the process's whole recording (docs/trace-format.md, flight recorder dumps)."""
         with self._ring_lock:
             chunks = list(self._chunks)
             config = list(self._config_rows)
@@ -451,9 +456,14 @@ class FlightRecorder(Recorder):
         if age_cut_ts is not None and age_cut_ts >= window_start:
             window_start = age_cut_ts + 1
         flat: list[Any] = []
+        # whole: the window leaves out nothing this recorder ever recorded (a process younger than `seconds`
+        # that the memory bound never cut): then the dump is the process's whole recording, not a window
+        whole = age_cut_ts is None and cut_ts is None
         for chunk in chunks:
             if chunk.last_ts >= window_start:
                 flat += chunk.flat
+            else:
+                whole = False
         flat += current
         rows = len(flat) // ROW_WIDTH
         if cut_ts is not None and cut_ts >= window_start:
@@ -468,6 +478,7 @@ class FlightRecorder(Recorder):
         if first:
             del flat[:first * ROW_WIDTH]
             rows -= first
+            whole = False
         # engine_config rows from before the window lead it (in ts order): configuration the rules need
         before = [config[i:i + ROW_WIDTH] for i in range(0, len(config), ROW_WIDTH) if config[i] < window_start]
         if before:
@@ -475,7 +486,7 @@ class FlightRecorder(Recorder):
             rows += len(before)
         events = rows + _batch_extra(flat, rows)
         return flat, events, {"channels": channels, "dropped": dropped, "trimmed": trimmed,
-                              "window_start_ns": window_start}
+                              "window_start_ns": None if whole else window_start}
 
     def newest_ts(self) -> int | None:
         flat = self._rows
@@ -495,15 +506,18 @@ class FlightRecorder(Recorder):
         error, its exit) has no GIL left to spare, and the writer process's start (~1 s, more on a loaded
         machine) would be most of the dump's time. Raises on failure."""
         flat, events, facts = self.snapshot(now_ns, asked_ns)
-        entry: dict[str, Any] = {"instance": self.instance, "events": events,
-                                 "window_start_ns": facts["window_start_ns"], "trimmed_events": facts["trimmed"],
+        start = facts["window_start_ns"]
+        entry: dict[str, Any] = {"instance": self.instance, "events": events, "window_start_ns": start,
+                                 "whole": start is None, "trimmed_events": facts["trimmed"],
                                  "dropped_events": facts["dropped"]}
         if not events:
             entry["status"] = "empty"
             return entry
         folder = dump_dir / self.folder.relative_to(self.directory)
-        metadata = {META_WINDOW_START: str(facts["window_start_ns"]), META_FLIGHT_SECONDS: _number(self.seconds),
-                    META_FLIGHT_TRIMMED: str(facts["trimmed"]), META_FLIGHT_DUMP: str(dump)}
+        metadata = {META_FLIGHT_SECONDS: _number(self.seconds), META_FLIGHT_TRIMMED: str(facts["trimmed"]),
+                    META_FLIGHT_DUMP: str(dump)}
+        if start is not None:  # a whole recording is no window: its file says nothing of one
+            metadata[META_WINDOW_START] = str(start)
         header = (0, facts["channels"], self.instance, self.role, self._pid, self.source, facts["dropped"],
                   (os.path.abspath(dump_dir), self.instance, self._pid), str(folder))
         # settled: a dump is its window whole, so the process's death after it is no loss to mark in the dump
@@ -666,11 +680,12 @@ def _update_manifest(folder: Path, pid: int, entry: dict[str, Any]) -> None:
             if not isinstance(manifest, dict):
                 manifest = {"flight": True}
             manifest.setdefault("processes", {})[str(pid)] = entry
-            starts = [e.get("window_start_ns") for e in manifest["processes"].values()
-                      if isinstance(e, dict) and e.get("status") == "written"]
+            written = [e for e in manifest["processes"].values()
+                       if isinstance(e, dict) and e.get("status") == "written"]
+            starts = [e.get("window_start_ns") for e in written]
             starts = [s for s in starts if isinstance(s, int)]
-            if starts:
-                manifest["window_start_ns"] = max(starts)
+            if written:  # None: every process written so far is in the dump whole (a whole trace, no window)
+                manifest["window_start_ns"] = max(starts, default=None)
             _write_json(folder / MANIFEST_NAME, manifest)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -890,9 +905,10 @@ class FlightController:
                                             else "written" if written else "empty"),
                                  "dumped_ns": now, "recorders": entries,
                                  "events": sum(e.get("events", 0) for e in entries)}
-        starts = [e["window_start_ns"] for e in written]
-        if starts:
-            entry["window_start_ns"] = max(starts)
+        starts = [e["window_start_ns"] for e in written if e.get("window_start_ns") is not None]
+        if written:  # None: every recorder of the process is in the dump whole
+            entry["window_start_ns"] = max(starts, default=None)
+            entry["whole"] = not starts
         errors = [e["error"] for e in entries if e.get("error")]
         if errors:
             entry["error"] = errors[0]

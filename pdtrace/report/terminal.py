@@ -35,7 +35,7 @@ def _rel(ts: Any, start_ns: int | None) -> str:
         return "-"
     if start_ns is None:
         return str(ts)
-    return f"+{(ts - start_ns) / 1e9:.6f} s"
+    return f"{(ts - start_ns) / 1e9:+.6f} s"  # signed: a flight dump's window may start before its first event
 
 
 def _blocks(blocks: Any, limit: int = 12) -> str:
