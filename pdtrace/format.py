@@ -6,6 +6,9 @@ and pyarrow. Everything that reads or writes a trace takes its column names, typ
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pyarrow as pa
 
 SCHEMA_VERSION = "1"
@@ -22,6 +25,25 @@ META_DROPPED = "pdtrace.dropped_events"
 META_WINDOW_START = "pdtrace.window_start_ns"
 
 MANIFEST_NAME = "_manifest.json"
+
+#: A flight recording (`pdtrace record --flight`) is a folder holding this registry, and its dumps `dump-NNNN/`,
+#: each a trace of its own (docs/trace-format.md, "Flight recorder dumps").
+FLIGHT_REGISTRY = "_flight"
+DUMP_PREFIX = "dump-"
+
+
+def flight_recordings(root: str | os.PathLike[str]) -> list[Path]:
+    """The flight recordings at or under the local folder `root` (a P/D pair's `prefill/` and `decode/`), sorted:
+    folders holding a FLIGHT_REGISTRY. Not searched: what readers skip (names starting with `_` or `.`), dumps, and
+    the folders inside a recording."""
+    found: list[Path] = []
+    for folder, subfolders, _ in os.walk(root):
+        if FLIGHT_REGISTRY in subfolders:
+            found.append(Path(folder))
+            subfolders[:] = []
+            continue
+        subfolders[:] = [d for d in subfolders if not d.startswith(("_", ".", DUMP_PREFIX))]
+    return sorted(found)
 
 _DICT = pa.dictionary(pa.int32(), pa.string())
 

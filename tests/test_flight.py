@@ -482,6 +482,54 @@ def test_a_dump_of_processes_younger_than_the_window_is_a_whole_trace(tmp_path, 
     assert "WINDOW:" in text and "+-" not in text and " s from the trace's start" in text
 
 
+def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, worker):
+    """A P/D pair in flight mode, each side recorded into its own folder (`-o traces/prod/prefill`, `.../decode`, as
+    for a full recording): `pdtrace dump traces/prod` asks both, into one folder that analyses as the pair, while
+    the parent itself is refused (its dumps overlap) with one line naming that dump."""
+    trace = tmp_path / "prod"
+    prefill, decode = worker(trace / "prefill", "P", seconds="2"), worker(trace / "decode", "D", seconds="2")
+    refused = pdtrace("analyze", trace)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no dump yet" in refused.stderr
+    time.sleep(1.0)
+    result = pdtrace("dump", trace)
+    assert result.returncode == 0, result.stderr
+    dump = trace / "dump-0001"
+    assert result.stdout.strip() == str(dump) and "2 of 2 processes" in result.stderr
+    assert parts(dump / "prefill") == {"P": [prefill.pid]} and parts(dump / "decode") == {"D": [decode.pid]}
+    assert not (trace / "prefill" / "dump-0001").exists()  # the pair's dump is the parent's
+    joint = manifest(dump)
+    assert joint["flight"] is True and set(joint["recordings"]) == {"prefill", "decode"}
+    assert manifest(dump / "prefill")["processes"][str(prefill.pid)]["status"] == "written"
+    summary = json.loads(pdtrace("info", dump, "--format", "json").stdout)
+    assert {i["instance"] for i in summary["instances"]} == {"P", "D"}
+    assert pdtrace("analyze", dump).returncode == 0
+    refused = pdtrace("analyze", trace)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "2 flight recordings (decode, prefill)" in refused.stderr and refused.stderr.rstrip().endswith(str(dump))
+
+    # one side alone still dumps into its own folder, numbered on its own
+    assert pdtrace("dump", trace / "decode").returncode == 0 and parts(trace / "decode" / "dump-0001")
+    # a side whose processes are gone (an engine dead of the assert) joins with its own dump while that dump's
+    # window still meets now, and is left out once it is older than that
+    decode.kill()
+    decode.wait()
+    (trace / "decode" / "_flight" / "procs" / f"{decode.pid}.json").unlink()  # as its exit would have
+    result = pdtrace("dump", trace)
+    assert result.returncode == 0 and "decode: no live process; its own dump-0001" in result.stderr, result.stderr
+    assert parts(trace / "dump-0002" / "prefill") == {"P": [prefill.pid]}
+    assert parts(trace / "dump-0002" / "decode") == {"D": [decode.pid]}
+    assert set(manifest(trace / "dump-0002")["recordings"]) == {"prefill", "decode"}
+    assert pdtrace("analyze", trace / "dump-0002").returncode == 0
+    time.sleep(2.5)  # decode's dump is now older than its 2 s window
+    result = pdtrace("dump", trace)
+    assert result.returncode == 0 and "older than its window" in result.stderr, result.stderr
+    assert parts(trace / "dump-0003") == {} and parts(trace / "dump-0003" / "prefill") == {"P": [prefill.pid]}
+    assert not (trace / "dump-0003" / "decode").exists()
+    (tmp_path / "plain" / "inst").mkdir(parents=True)
+    bad = pdtrace("dump", tmp_path / "plain")  # a folder with no flight recording in it
+    assert bad.returncode == 2 and "not a flight recording" in bad.stderr and bad.stderr.count("\n") == 1
+
+
 def test_engine_failure_dumps_every_process_of_the_same_server(tmp_path, worker):
     """Processes of one session (one server's API server, EngineCore, workers) dump together even when their
     instance names differ; a process of another session and instance does not."""

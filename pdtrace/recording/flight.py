@@ -28,8 +28,9 @@ The manifest's `window_start_ns` is the latest of the processes' window starts: 
 window is whole. A process whose window leaves out nothing it recorded (younger than SECONDS, never cut by the
 memory bound) is in the dump whole: its file has no `pdtrace.window_start_ns`, its entry says `whole: true`, and a
 dump of only such processes is a whole trace (`window_start_ns` null), whose rules judge everything from the
-start: a completion for an id never added is reported, not taken for history. A process's window is the SECONDS before the dump was asked for (its request's `requested_ns`;
-for an engine error, the moment the hook saw it) and everything after, up to its write: a trigger holds the ring
+start: a completion for an id never added is reported, not taken for history. A process's window is the SECONDS
+before the dump was asked for (its request's `requested_ns`; for an engine error, the moment the hook saw it) and
+everything after, up to its write: a trigger holds the ring
 (`FlightRecorder.hold`) until the dump is written, so a dump served late (a busy flight thread, a loaded machine)
 still holds the seconds before the failure, not just those before its write. What triggers one:
   - the engine fails: a hook that sees vLLM raise out of a step or a client request records `engine_error` and calls
@@ -44,7 +45,9 @@ still holds the seconds before the failure, not just those before its write. Wha
     later: no exit hook runs), with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its
     last event; the processes of one server that stop together join one exit dump (`exit_dump`).
 A request is `DIR/_flight/requests/NNNN.json` (the dump number is taken by an exclusive mkdir of `dump-NNNN`, so two
-requests never share a folder) naming its target pids: a trigger in one process names every live process
+requests never share a folder; `NNNN-<ns>.json` with the folder it names, for a `pdtrace dump` of a parent holding
+several flight recordings: a P/D pair's `prefill/` and `decode/` dump into `PARENT/dump-NNNN/prefill/` and
+`.../decode/`, one trace of the pair) naming its target pids: a trigger in one process names every live process
 registered under one of its instances (the scheduler and every worker rank) or of the same server (same host and
 session id: `_linked`), then signals each of them. Each
 process's flight thread serves the requests naming it: it wakes on the signal, and also polls the requests folder
@@ -68,6 +71,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -77,7 +81,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdtrace.format import MANIFEST_NAME
+from pdtrace.format import DUMP_PREFIX, FLIGHT_REGISTRY, MANIFEST_NAME, META_WINDOW_START
 from pdtrace.recording import recorder as _recorder
 from pdtrace.recording.recorder import ROW_WIDTH, Recorder
 
@@ -101,10 +105,8 @@ DEFAULT_MB = 256.0
 SIGNAL_DEFAULT = "SIGUSR2"
 
 #: The registry folder under the trace directory (readers skip names starting with `_`).
-REGISTRY = "_flight"
-DUMP_PREFIX = "dump-"
+REGISTRY = FLIGHT_REGISTRY
 #: File metadata (and, without the prefix, manifest) keys a dump adds to trace format v1.
-META_WINDOW_START = "pdtrace.window_start_ns"
 META_FLIGHT_SECONDS = "pdtrace.flight_seconds"
 META_FLIGHT_TRIMMED = "pdtrace.flight_trimmed_events"
 META_FLIGHT_DUMP = "pdtrace.flight_dump"
@@ -614,25 +616,40 @@ def live_processes(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return found
 
 
-def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[dict[str, Any]],
-                 by_pid: int | None = None, now_ns: int | None = None) -> tuple[int, Path]:
-    """Ask `targets` (registrations, as `live_processes` gives them) to dump: take the next dump number (an
-    exclusive mkdir of its folder), write its manifest and the request, then signal each target that catches the
-    signal it registered. Returns (number, folder)."""
-    root = Path(directory)
-    requests = root / REGISTRY / "requests"
-    requests.mkdir(parents=True, exist_ok=True)
-    now = time.time_ns() if now_ns is None else now_ns
+def next_dump_folder(root: Path) -> tuple[int, Path]:
+    """(number, folder) of the next dump under `root`, `root/dump-NNNN/` created by an exclusive mkdir, so two
+    requests never share a folder."""
     taken = [int(p.name[len(DUMP_PREFIX):]) for p in root.glob(DUMP_PREFIX + "*")
              if p.name[len(DUMP_PREFIX):].isdigit()]
     number = max(taken, default=0) + 1
     while True:
         folder = root / f"{DUMP_PREFIX}{number:04d}"
         try:
-            folder.mkdir()
-            break
+            folder.mkdir(parents=True)
+            return number, folder
         except FileExistsError:
             number += 1
+
+
+def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[dict[str, Any]],
+                 by_pid: int | None = None, now_ns: int | None = None,
+                 into: tuple[int, Path] | None = None) -> tuple[int, Path]:
+    """Ask `targets` (registrations, as `live_processes` gives them) to dump: take the next dump number (an
+    exclusive mkdir of its folder), write its manifest and the request, then signal each target that catches the
+    signal it registered. Returns (number, folder). `into`: the (number, folder) of a dump that holds several
+    flight recordings (`pdtrace dump` of their parent: a P/D pair's prefill/ and decode/); this recording's part
+    goes into that folder, created here, and its request names it."""
+    root = Path(directory)
+    requests = root / REGISTRY / "requests"
+    requests.mkdir(parents=True, exist_ok=True)
+    now = time.time_ns() if now_ns is None else now_ns
+    if into is None:
+        number, folder = next_dump_folder(root)
+        request_name = f"{number:04d}.json"
+    else:
+        number, folder = into
+        folder.mkdir(parents=True)
+        request_name = f"{number:04d}-{now}.json"  # its own name: the recording's own dump numbers go on
     seconds = max((float(t.get("seconds") or 0) for t in targets), default=0.0)
     manifest: dict[str, Any] = {"flight": True, "dump": number, "reason": reason, "requested_by": by_pid,
                                 "requested_ns": now, "window_start_ns": now - int(seconds * 1e9),
@@ -653,18 +670,57 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
         if (pid != me and isinstance(signum, int) and target.get("host", host) == host
                 and _recorder._catches(pid, signum)):
             signals[pid] = signum  # the others: their poll serves the request
-    _write_json(requests / f"{number:04d}.json", {"dump": number, "reason": reason, "requested_ns": now,
-                                                  "by_pid": by_pid, "by": next(
-                                                      ({k: t.get(k) for k in ("host", "sid", "instances")}
-                                                       for t in targets if t["pid"] == by_pid), None),
-                                                  "pids": [t["pid"] for t in targets],
-                                                  "signalled": sorted(signals)})
+    request: dict[str, Any] = {"dump": number, "reason": reason, "requested_ns": now, "by_pid": by_pid,
+                               "by": next(({k: t.get(k) for k in ("host", "sid", "instances")}
+                                           for t in targets if t["pid"] == by_pid), None),
+                               "pids": [t["pid"] for t in targets], "signalled": sorted(signals)}
+    if into is not None:
+        request["folder"] = str(folder.resolve())
+    _write_json(requests / request_name, request)
     for pid, signum in signals.items():
         try:
             os.kill(pid, signum)
         except OSError:
             pass
     return number, folder
+
+
+def join_recent_dump(recording: Path, into: Path, now_ns: int | None = None) -> str:
+    """A recording with no process left to ask (a prefill engine that died of the assert) joins the dump with its
+    own newest dump, copied into `into`, where that dump's window still meets now (asked for at most its
+    flight_seconds ago: it ends where the live recordings' windows begin at the latest); what was done, in words."""
+    now = time.time_ns() if now_ns is None else now_ns
+    for candidate in sorted(recording.glob(DUMP_PREFIX + "*"), reverse=True):
+        manifest = _read_json(candidate / MANIFEST_NAME)
+        if not _written(manifest):
+            continue
+        asked, seconds = manifest.get("requested_ns"), manifest.get("flight_seconds")
+        if not isinstance(asked, int) or not isinstance(seconds, (int, float)) or now - asked > seconds * 1e9:
+            return f"its newest dump ({candidate.name}) is older than its window: not in the dump"
+        shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
+        return (f"its own {candidate.name} ({manifest.get('reason')}, {(now - asked) / 1e9:.1f} s ago) copied into "
+                "the dump")
+    return "not in the dump"
+
+
+def write_joint_manifest(folder: Path, number: int, parts: dict[Path, dict[str, Any] | None]) -> None:
+    """The manifest of a dump of several flight recordings (each part has its own, as a P/D recording's sides do):
+    which they are, and the window of them all, the latest of theirs (null: every process is in it whole)."""
+    manifests = [m for m in parts.values() if isinstance(m, dict)]
+    starts = [m["window_start_ns"] for m in manifests if _written(m) and isinstance(m.get("window_start_ns"), int)]
+    asked = [m["requested_ns"] for m in manifests if isinstance(m.get("requested_ns"), int)]
+    manifest = {"flight": True, "dump": number, "reason": "pdtrace dump", "requested_ns": max(asked, default=None),
+                "window_start_ns": max(starts, default=None),
+                "recordings": {str(part.relative_to(folder)): {"events": sum(
+                    int((e or {}).get("events") or 0) for e in ((m or {}).get("processes") or {}).values())}
+                    for part, m in parts.items()}}
+    _write_json(folder / MANIFEST_NAME, manifest)
+
+
+def _written(manifest: Any) -> bool:
+    """Whether a dump's manifest has a process that wrote its part."""
+    processes = manifest.get("processes") if isinstance(manifest, dict) else None
+    return isinstance(processes, dict) and any((e or {}).get("status") == "written" for e in processes.values())
 
 
 def _update_manifest(folder: Path, pid: int, entry: dict[str, Any]) -> None:
@@ -709,6 +765,7 @@ class FlightController:
         self._expected: list[float] = []  # when a served request announced a signal to this process
         self._seen: set[str] = set()
         self._last_dump_ns: int | None = None
+        self._last_dump_folder: Path | None = None
         self._requests_mtime: int | None = None
         self._wake = threading.Event()
         self._idle = threading.Condition()
@@ -822,9 +879,9 @@ class FlightController:
         """Wait (at most `timeout` s) until this process has served what it was asked, then until every process
         named in its last dump's manifest has written its part (none `pending`); True when all did."""
         deadline = time.monotonic() + timeout
-        if not self.wait_idle(timeout) or not self.dumps:
+        if not self.wait_idle(timeout) or self._last_dump_folder is None:
             return False
-        manifest_path = self.directory / f"{DUMP_PREFIX}{self.dumps[-1]:04d}" / MANIFEST_NAME
+        manifest_path = self._last_dump_folder / MANIFEST_NAME
         while True:
             manifest = _read_json(manifest_path)
             processes = manifest.get("processes", {}) if isinstance(manifest, dict) else {}
@@ -878,16 +935,19 @@ class FlightController:
             self._seen.add(name)
             # A request older than this process's registration names an earlier process with the same pid.
             if self.pid in request.get("pids", ()) and int(request.get("requested_ns", 0)) >= self._registered_ns:
+                folder = request.get("folder")
                 self._dump(int(request["dump"]), int(request["requested_ns"]),
-                           in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid)
+                           in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid,
+                           folder=Path(folder) if isinstance(folder, str) else None)
                 if self.pid in request.get("signalled", ()):
                     # stamped once the dump is written, not when the request was read: a large ring's dump takes
                     # longer than SIGNAL_GRACE_S (1.46M events: ~4 s), and the request's own signal, counted after
                     # it, was then taken for a user's and dumped the run again (3 dumps of one `pdtrace dump`)
                     self._expected.append(time.monotonic())
 
-    def _dump(self, number: int, requested_ns: int, in_thread: bool = False) -> None:
-        folder = self.directory / f"{DUMP_PREFIX}{number:04d}"
+    def _dump(self, number: int, requested_ns: int, in_thread: bool = False, folder: Path | None = None) -> None:
+        """Write this process's part of dump `number` into its folder (`folder`: one a joint dump named)."""
+        folder = self.directory / f"{DUMP_PREFIX}{number:04d}" if folder is None else folder
         self._busy = True
         now = time.time_ns()
         entries = []
@@ -917,6 +977,7 @@ class FlightController:
         except Exception as exc:
             self._count(exc)
         self.dumps.append(number)
+        self._last_dump_folder = folder
         self._last_dump_ns = now
 
     def _count(self, exc: BaseException) -> None:

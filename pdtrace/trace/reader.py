@@ -56,7 +56,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pdtrace.errors import TraceError, UsageError
-from pdtrace.format import COLUMNS, MANIFEST_NAME, SCHEMA
+from pdtrace.format import COLUMNS, DUMP_PREFIX, MANIFEST_NAME, SCHEMA, flight_recordings
 from pdtrace.trace.model import WINDOW_KEEPS, SkippedFile, Trace, TraceFile, later_window
 from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
                                     first_seq_violation)
@@ -128,17 +128,26 @@ def _find_remote_part_files(fs: pafs.FileSystem, root: str, inner: str) -> list[
 
 
 def _refuse_flight_root(root: Path) -> None:
-    """A flight recording's directory (it holds the `_flight/` registry) is not one trace: each of its dumps is
-    (`dump-NNNN/`, windows that overlap), so reading them together would replay events twice. TraceError naming
-    them."""
-    if not (root / "_flight").is_dir():
+    """A flight recording's directory (it holds the `_flight/` registry), or a folder holding several (a P/D pair's
+    `prefill/` and `decode/`), is not one trace: each of their dumps is (`dump-NNNN/`, windows that overlap), so
+    reading them together would replay events twice. TraceError naming them."""
+    recordings = flight_recordings(root)
+    if not recordings:
         return
-    dumps = sorted(p.name for p in root.glob("dump-*") if p.is_dir())
+    def dumps_in(folder: Path) -> list[Path]:
+        return sorted(p.relative_to(root) for p in folder.glob(DUMP_PREFIX + "*") if p.is_dir())
+
+    if recordings == [root]:
+        what, joint = "a flight recording", []
+    else:  # and the dumps of them all (`pdtrace dump ROOT`), last: the example, one trace of the pair
+        names = ", ".join(str(r.relative_to(root)) for r in recordings)
+        what, joint = f"a folder of {len(recordings)} flight recordings ({names})", dumps_in(root)
+    dumps = [d for r in recordings for d in dumps_in(r)] + joint
     if dumps:
-        shown = ", ".join(dumps[-3:]) + (f" (and {len(dumps) - 3} more)" if len(dumps) > 3 else "")
-        raise TraceError(f"{root} is a flight recording, not one trace: read one of its dumps ({shown}), e.g. "
+        shown = ", ".join(map(str, dumps[-3:])) + (f" (and {len(dumps) - 3} more)" if len(dumps) > 3 else "")
+        raise TraceError(f"{root} is {what}, not one trace: read one of its dumps ({shown}), e.g. "
                          f"{root / dumps[-1]}")
-    raise TraceError(f"{root} is a flight recording with no dump yet (ask for one with: pdtrace dump {root})")
+    raise TraceError(f"{root} is {what} with no dump yet (ask for one with: pdtrace dump {root})")
 
 
 def find_part_files(directory: Path) -> list[Path]:
