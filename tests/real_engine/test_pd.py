@@ -36,7 +36,8 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def nixl_server(root, name: str, role: str, model: str, extra: dict | None = None, core: str = "0") -> R.Server:
+def nixl_server(root, name: str, role: str, model: str, extra: dict | None = None, core: str = "0",
+                record_args: list[str] = ()) -> R.Server:
     config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
               "kv_connector_extra_config": extra or {}}
     # One core per engine: two engines whose OpenMP threads both spin on both cores took 15 min for 24 requests
@@ -44,15 +45,16 @@ def nixl_server(root, name: str, role: str, model: str, extra: dict | None = Non
     env = R.engine_env(VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_NIXL_SIDE_CHANNEL_PORT=str(R.free_port()),
                        VLLM_CPU_OMP_THREADS_BIND=core)
     return R.Server(root / "trace" / name, model, env, ["--enforce-eager", "--kv-transfer-config",
-                                                        json.dumps(config)])
+                                                        json.dumps(config)], record_args=record_args)
 
 
-def start_pair(root, prefill_extra: dict | None = None) -> tuple[R.Server, R.Server]:
+def start_pair(root, prefill_extra: dict | None = None, record_args: list[str] = ()) -> tuple[R.Server, R.Server]:
     (root / "trace").mkdir()
     model = R.tiny_model(root)
     prefill = nixl_server(root, "prefill", "kv_producer", model,
-                          {"kv_lease_duration": 300} if prefill_extra is None else prefill_extra)
-    decode = nixl_server(root, "decode", "kv_consumer", model, core="1")
+                          {"kv_lease_duration": 300} if prefill_extra is None else prefill_extra,
+                          record_args=record_args)
+    decode = nixl_server(root, "decode", "kv_consumer", model, core="1", record_args=record_args)
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -177,3 +179,88 @@ def test_a_decode_request_story_reaches_its_prefill_side(pair):
 
 def test_no_error_or_warning_findings(pair):
     assert_healthy_findings(pair.trace)
+
+
+# ---- the pair in flight mode ---------------------------------------------------------------------------------------
+# Production P/D: both servers in flight mode (each side's own folder, as above), asked for one dump of the pair by
+# `pdtrace dump TRACE` while healthy, then again after the prefill engine died (its worker SIGKILLed with requests
+# in flight: its engine_error dumps its own side, and the pair's dump takes that dump in beside decode's live
+# window). Every process is younger than the 600 s window, so each dump is the pair's whole recording.
+
+FLIGHT_S = 600
+
+
+def _dump_pair(trace) -> tuple[int, str, str]:
+    out = R.pdtrace_cli("dump", trace, check=False)
+    return out.returncode, out.stdout.strip(), out.stderr
+
+
+@pytest.fixture(scope="module")
+def pair_in_flight(tmp_path_factory):
+    import os
+    import threading
+
+    import psutil
+
+    root = tmp_path_factory.mktemp("pd_flight")
+    t0 = time.monotonic()
+    prefill, decode = start_pair(root, record_args=["--flight", str(FLIGHT_S)])
+    extra: dict = {}
+    try:
+        extra["answers"] = R.parallel_requests(lambda i: disaggregated(prefill, decode, i), list(range(8)))
+        extra["healthy"] = _dump_pair(root / "trace")
+        late: list = []
+        wave = threading.Thread(target=lambda: late.extend(
+            R.parallel_requests(lambda i: disaggregated(prefill, decode, 100 + i), list(range(4)))))
+        wave.start()
+        time.sleep(2)
+        workers = [p.pid for p in psutil.Process(prefill.proc.pid).children(recursive=True)
+                   if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
+        assert workers, "no worker process in the prefill server's tree"
+        os.kill(workers[0], signal.SIGKILL)
+        wave.join(120)
+        own = root / "trace" / "prefill" / "dump-0001"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (own / "_manifest.json").is_file():
+            time.sleep(0.5)
+        time.sleep(2)  # its part written
+        extra["after_crash"] = _dump_pair(root / "trace")
+    finally:
+        for server in (decode, prefill):
+            server.stop(signal.SIGTERM, group=False)
+    run = R.Run(root / "trace", 0, time.monotonic() - t0, prefill.log() + decode.log(), extra)
+    R.note_wall("NIXL P/D pair in flight mode, prefill worker killed", run)
+    return run
+
+
+def test_the_pairs_dump_is_one_trace_of_both_sides(pair_in_flight):
+    code, folder, err = pair_in_flight.extra["healthy"]
+    assert code == 0 and folder.endswith("dump-0001"), err
+    dump = pair_in_flight.trace / "dump-0001"
+    manifest = json.loads((dump / "_manifest.json").read_text())
+    assert set(manifest["recordings"]) == {"prefill", "decode"}
+    assert manifest["window_start_ns"] is None  # younger than the window: the pair's whole recording
+    inst = _instances(dump)
+    assert set(inst) == {"prefill", "decode"} and all(rec["requests"] == 8 for rec in inst.values()), inst
+    ev = R.events(dump)
+    d = inst["decode"]["instance"]
+    req = sorted(requests_of(ev[ev["instance"].astype(str) == d], "req_add"))[0]
+    story = json.loads(R.pdtrace_cli("show", dump, "--req", req, "--format", "json").stdout)
+    assert {r["instance"] for r in story["requests"]} == {inst["prefill"]["instance"], d}
+    assert_healthy_findings(dump)
+    refused = R.pdtrace_cli("analyze", pair_in_flight.trace, check=False)
+    assert refused.returncode == 2 and "2 flight recordings" in refused.stderr, refused.stderr
+
+
+def test_after_the_prefill_died_the_pairs_dump_holds_its_last_window(pair_in_flight):
+    code, folder, err = pair_in_flight.extra["after_crash"]
+    assert code == 0 and folder.endswith("dump-0002"), err
+    assert "prefill: no live process; its own dump-0001 (engine_error" in err, err
+    dump = pair_in_flight.trace / "dump-0002"
+    ev = R.events(dump)
+    roles = {i["roles"][0]: i["instance"] for i in R.info(dump)["instances"]}
+    errors = ev[ev["kind"] == "engine_error"]
+    assert set(errors["instance"].astype(str)) == {roles["prefill"]}, errors
+    assert requests_of(ev[ev["instance"].astype(str) == roles["decode"]], "req_add")  # decode's live window
+    # the crash is the engine_error's story; nothing the rules judge is an error or a warning
+    assert_healthy_findings(dump)
