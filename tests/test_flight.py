@@ -379,7 +379,8 @@ def test_a_flight_process_leaves_the_flush_request_signal_alone(tmp_path):
         "signal_name='SIGUSR1'))\n"
         "rec = session.recorder('inst', 'both')\n"
         "rec.emit('sched', step=1)\n"
-        "print(signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL, signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL)\n"
+        "print(signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL,"
+        " signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL)\n"
         "session.close_all()\n")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
@@ -729,3 +730,33 @@ def test_pdtrace_dump_never_signals_a_process_that_does_not_catch_it(tmp_path):
 def _no_session_left():
     yield
     session.reset()
+
+
+def test_a_side_whose_dump_cannot_be_copied_is_left_out_of_the_pairs_dump(tmp_path, monkeypatch):
+    """join_recent_dump never raises: a copy that fails (a full disk) leaves nothing half-copied behind, says why,
+    and the side's own dump is untouched."""
+    import shutil
+
+    side = tmp_path / "prefill"
+    (side / "dump-0001" / "inst" / "1").mkdir(parents=True)
+    (side / "dump-0001" / "inst" / "1" / "part-000000.parquet").write_bytes(b"x")
+    (side / "dump-0001" / "_manifest.json").write_text(json.dumps({
+        "requested_ns": time.time_ns(), "flight_seconds": 60, "reason": "engine_error",
+        "processes": {"1": {"status": "written"}}}))
+    real_copytree = shutil.copytree
+
+    into = tmp_path / "dump-0001" / "prefill"
+
+    def copy_then_fail(src, dst, *args, **kwargs):  # the disk fills up once the files are there
+        real_copytree(src, dst, *args, **kwargs)
+        if Path(dst) == into:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", copy_then_fail)
+    said = flight.join_recent_dump(side, into)
+    assert "could not be copied (No space left on device)" in said and not into.exists()
+    assert (side / "dump-0001" / "inst" / "1" / "part-000000.parquet").read_bytes() == b"x"
+    monkeypatch.undo()
+    assert "copied into the dump" in flight.join_recent_dump(side, into) and (into / "inst" / "1").is_dir()
+    old = time.time_ns() + 61 * 10**9  # a minute later the dump no longer meets now
+    assert "older than its window" in flight.join_recent_dump(side, tmp_path / "later", now_ns=old)

@@ -697,7 +697,11 @@ def join_recent_dump(recording: Path, into: Path, now_ns: int | None = None) -> 
         asked, seconds = manifest.get("requested_ns"), manifest.get("flight_seconds")
         if not isinstance(asked, int) or not isinstance(seconds, (int, float)) or now - asked > seconds * 1e9:
             return f"its newest dump ({candidate.name}) is older than its window: not in the dump"
-        shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
+        try:
+            shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
+        except OSError as exc:  # the pair's dump goes on without it; the recording's own dump is untouched
+            shutil.rmtree(into, ignore_errors=True)
+            return f"its own {candidate.name} could not be copied ({exc.strerror or str(exc)[:160]}): not in the dump"
         return (f"its own {candidate.name} ({manifest.get('reason')}, {(now - asked) / 1e9:.1f} s ago) copied into "
                 "the dump")
     return "not in the dump"
