@@ -544,7 +544,7 @@ def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, 
     assert pdtrace("analyze", trace / "dump-0002").returncode == 0
     time.sleep(2.5)  # decode's dump is now older than its 2 s window
     result = pdtrace("dump", trace)
-    assert result.returncode == 0 and "older than its window" in result.stderr, result.stderr
+    assert result.returncode == 0 and "ends before the others' windows begin" in result.stderr, result.stderr
     assert parts(trace / "dump-0003") == {} and parts(trace / "dump-0003" / "prefill") == {"P": [prefill.pid]}
     assert not (trace / "dump-0003" / "decode").exists()
     (tmp_path / "plain" / "inst").mkdir(parents=True)
@@ -636,6 +636,31 @@ def test_dump_on_exit_only_when_asked(tmp_path, worker):
     assert parts(asked / "dump-0001") == {"A": [first.pid]}
     assert not list(plain.glob("dump-*")) and not any(plain.rglob("*.parquet"))
     assert not list((asked / "_flight" / "procs").iterdir())  # unregistered at exit
+
+
+def test_a_stopped_pairs_exit_dumps_join_as_one_trace_while_they_overlap(tmp_path, worker):
+    """A P/D pair stopped with dump on exit: no process is left to ask, so `pdtrace dump PARENT` joins each side's
+    exit dump, which overlap; once one side's newest dump is far older than the other's, they do not, and that is
+    a one-line error naming why."""
+    trace = tmp_path / "prod"
+    sides = [worker(trace / side, name, "end", "0.5", PDTRACE_FLIGHT_DUMP_ON_EXIT="1")
+             for side, name in (("prefill", "P"), ("decode", "D"))]
+    assert all(proc.wait(30) == 0 for proc in sides)
+    result = pdtrace("dump", trace)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("no live process; its own dump-0001 (exit") == 2, result.stderr
+    dump = trace / "dump-0001"
+    assert parts(dump / "prefill") == {"P": [sides[0].pid]} and parts(dump / "decode") == {"D": [sides[1].pid]}
+    summary = json.loads(pdtrace("info", dump, "--format", "json").stdout)
+    assert {i["instance"] for i in summary["instances"]} == {"P", "D"}
+
+    # decode restarted (another instance name: an exit within EXIT_JOIN_S of the same instance's joins its dump)
+    late = worker(trace / "decode", "D2", "end", "0.5", seconds="1", PDTRACE_FLIGHT_DUMP_ON_EXIT="1")
+    time.sleep(1.5)  # its exit dump is asked for more than its 1 s window after prefill's
+    assert late.wait(30) == 0
+    result = pdtrace("dump", trace)
+    assert result.returncode == 2 and "do not overlap" in result.stderr and result.stderr.count("\n") == 1
+    assert not (trace / "dump-0002").exists()
 
 
 def test_sigterm_dumps_on_exit_into_one_folder_per_shutdown(tmp_path, worker):
@@ -774,10 +799,11 @@ def test_a_side_whose_dump_cannot_be_copied_is_left_out_of_the_pairs_dump(tmp_pa
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shutil, "copytree", copy_then_fail)
-    said = flight.join_recent_dump(side, into)
+    said = flight.join_recent_dump(side, into, since_ns=time.time_ns() - 60 * 10**9)
     assert "could not be copied (No space left on device)" in said and not into.exists()
     assert (side / "dump-0001" / "inst" / "1" / "part-000000.parquet").read_bytes() == b"x"
     monkeypatch.undo()
-    assert "copied into the dump" in flight.join_recent_dump(side, into) and (into / "inst" / "1").is_dir()
-    old = time.time_ns() + 61 * 10**9  # a minute later the dump no longer meets now
-    assert "older than its window" in flight.join_recent_dump(side, tmp_path / "later", now_ns=old)
+    assert "copied in" in flight.join_recent_dump(side, into, time.time_ns() - 60 * 10**9)
+    assert (into / "inst" / "1").is_dir()
+    later = time.time_ns() + 10**9  # windows that begin after the dump was asked for
+    assert "ends before" in flight.join_recent_dump(side, tmp_path / "later", later)

@@ -51,17 +51,24 @@ def dump(
     """Ask every live process of the flight recording TRACE to write its window into TRACE/dump-NNNN/ (of every
     flight recording under TRACE, into TRACE/dump-NNNN/<recording>/: one trace of them all)."""
     from pdtrace.format import flight_recordings
-    from pdtrace.recording.flight import (join_recent_dump, live_processes, next_dump_folder, request_dump,
-                                          write_joint_manifest)
+    from pdtrace.recording.flight import (join_recent_dump, live_processes, newest_window_start_ns,
+                                          next_dump_folder, request_dump, write_joint_manifest)
 
     recordings = flight_recordings(trace) if trace.is_dir() else []
     if not recordings:
         raise UsageError(f"{trace} is not a flight recording (no {FLIGHT_REGISTRY}/ registry here or below: record "
                          "with pdtrace record --flight SECONDS, or PDTRACE_FLIGHT with PDTRACE_TRACE_DIR)")
     targets = {recording: _targets(live_processes(recording), instance) for recording in recordings}
-    if not any(targets.values()):
-        which = f" of instance {', '.join(instance)}" if instance else ""
-        raise UsageError(f"no live process{which} in the flight recording {trace} (the run has ended?)")
+    # where the windows of the dump begin, which a recording's own dump must reach to join it: the live processes'
+    seconds = [float(t.get("seconds") or 0) for live in targets.values() for t in live]
+    since = time.time_ns() - int(max(seconds, default=0) * 1e9)
+    if not seconds:  # none live: its recordings' newest dumps, joined where they meet
+        since = newest_window_start_ns(recordings) if not instance else None
+        if since is None:
+            which = f" of instance {', '.join(instance)}" if instance else ""
+            raise UsageError(f"no live process{which} in the flight recording {trace} (the run has ended?)"
+                             + ("; the newest dumps of its recordings do not overlap to join" if len(recordings) > 1
+                                and not instance else ""))
     if recordings == [trace]:
         number, folder = request_dump(trace, "pdtrace dump", targets[trace])
         parts = {folder: trace}
@@ -75,7 +82,7 @@ def dump(
                 parts[part] = recording
             else:
                 part = folder / recording.relative_to(trace)
-                done = join_recent_dump(recording, part)
+                done = join_recent_dump(recording, part, since)
                 if part.is_dir():
                     parts[part] = recording
                 err_console.print(f"pdtrace: {recording}: no live process{' of that instance' if instance else ''}; "

@@ -690,26 +690,46 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
     return number, folder
 
 
-def join_recent_dump(recording: Path, into: Path, now_ns: int | None = None) -> str:
-    """A recording with no process left to ask (a prefill engine that died of the assert) joins the dump with its
-    own newest dump, copied into `into`, where that dump's window still meets now (asked for at most its
-    flight_seconds ago: it ends where the live recordings' windows begin at the latest); what was done, in words."""
-    now = time.time_ns() if now_ns is None else now_ns
+def newest_dump(recording: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest dump of `recording` that a process wrote its part of, with its manifest; None if there is none."""
     for candidate in sorted(recording.glob(DUMP_PREFIX + "*"), reverse=True):
         manifest = _read_json(candidate / MANIFEST_NAME)
-        if not _written(manifest):
-            continue
-        asked, seconds = manifest.get("requested_ns"), manifest.get("flight_seconds")
-        if not isinstance(asked, int) or not isinstance(seconds, (int, float)) or now - asked > seconds * 1e9:
-            return f"its newest dump ({candidate.name}) is older than its window: not in the dump"
-        try:
-            shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
-        except OSError as exc:  # the pair's dump goes on without it; the recording's own dump is untouched
-            shutil.rmtree(into, ignore_errors=True)
-            return f"its own {candidate.name} could not be copied ({exc.strerror or str(exc)[:160]}): not in the dump"
-        return (f"its own {candidate.name} ({manifest.get('reason')}, {(now - asked) / 1e9:.1f} s ago) copied into "
-                "the dump")
-    return "not in the dump"
+        if _written(manifest):
+            return candidate, manifest
+    return None
+
+
+def newest_window_start_ns(recordings: list[Path]) -> int | None:
+    """With no process left (a P/D pair stopped, each side's exit dump written): where the window of the newest of
+    the recordings' newest dumps begins, the moment the others' must reach (`join_recent_dump`), where at least one
+    other does; None otherwise."""
+    asked = [(m["requested_ns"], float(m.get("flight_seconds") or 0))
+             for m in (found[1] for found in map(newest_dump, recordings) if found is not None)
+             if isinstance(m.get("requested_ns"), int)]
+    if len(asked) < 2:
+        return None
+    newest, seconds = max(asked)
+    since = newest - int(seconds * 1e9)
+    return since if sum(ns >= since for ns, _ in asked) >= 2 else None
+
+
+def join_recent_dump(recording: Path, into: Path, since_ns: int) -> str:
+    """A recording with no process left to ask (a prefill engine that died of the assert) joins the dump with its
+    own newest dump, copied into `into`, where that dump's window meets the others' (which begin at `since_ns`: it
+    was asked for then or later); what was done, in words."""
+    found = newest_dump(recording)
+    if found is None:
+        return "not in the dump"
+    candidate, manifest = found
+    asked = manifest.get("requested_ns")
+    if not isinstance(asked, int) or asked < since_ns:
+        return f"its newest dump ({candidate.name}) ends before the others' windows begin: not in the dump"
+    try:
+        shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
+    except OSError as exc:  # the pair's dump goes on without it; the recording's own dump is untouched
+        shutil.rmtree(into, ignore_errors=True)
+        return f"its own {candidate.name} could not be copied ({exc.strerror or str(exc)[:160]}): not in the dump"
+    return f"its own {candidate.name} ({manifest.get('reason')}) copied in"
 
 
 def write_joint_manifest(folder: Path, number: int, parts: dict[Path, dict[str, Any] | None]) -> None:
