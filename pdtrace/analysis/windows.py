@@ -638,19 +638,13 @@ class PathSource:
         """The plan's skipped files, worded as `open_trace` words them."""
         return [f"{name}: skipped: {why}" for name, why in self.corrupt.items()]
 
-    def between(self, lo: int, hi: int) -> list[str]:
-        """The files that may hold rows with lo <= ts < hi (by their footers): a window opens only those."""
-        files = [(n, s) for n, s in zip(self.files, self.spans) if n not in self.corrupt]
-        out = [name for name, span in files if span is None or (span[0] < hi and span[1] >= lo)]
-        return out or [n for n, _ in files[:1]]
-
     def _open(self, lo: int, hi: int, files: list[str] | None = None, **kwargs: Any) -> Trace:
         """The rows of the files that may hold rows in [lo, hi) (`files` where given), as `open_trace` reads."""
         from pdtrace.trace.reader import open_trace
 
         # req as read (dictionary codes): the rules read requests by code, never the strings
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
-                          only_files=self.between(lo, hi) if files is None else files, req_dictionary=True,
+                          only_files=self.meeting([(lo, hi)]) if files is None else files, req_dictionary=True,
                           **kwargs)
 
     def plan_groups(self, columns: Sequence[str] = PLAN_COLUMNS) -> list[PlanFile]:
@@ -739,7 +733,7 @@ class PathSource:
         return pa.concat_tables([table, *kept]) if kept else table
 
     def meeting(self, spans: Sequence[tuple[int, int]]) -> list[str]:
-        """The files that may hold rows in any of the spans [lo, hi) (by their footers)."""
+        """The files that may hold rows in any of the spans [lo, hi) (by their footers): a read opens only those."""
         lo = np.array([a for a, _ in spans], np.int64)
         hi = np.array([b for _, b in spans], np.int64)
         files = [(n, s) for n, s in zip(self.files, self.spans) if n not in self.corrupt]
