@@ -134,6 +134,7 @@ def _refuse_flight_root(root: Path) -> None:
     recordings = flight_recordings(root)
     if not recordings:
         return
+
     def dumps_in(folder: Path) -> list[Path]:
         return sorted(p.relative_to(root) for p in folder.glob(DUMP_PREFIX + "*") if p.is_dir())
 
