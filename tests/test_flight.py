@@ -661,6 +661,11 @@ def test_a_stopped_pairs_exit_dumps_join_as_one_trace_while_they_overlap(tmp_pat
     result = pdtrace("dump", trace)
     assert result.returncode == 2 and "do not overlap" in result.stderr and result.stderr.count("\n") == 1
     assert not (trace / "dump-0002").exists()
+    for side in ("prefill", "decode"):  # two recordings that never dumped: nothing to join, and it says so
+        (tmp_path / "quiet" / side / "_flight" / "procs").mkdir(parents=True)
+    result = pdtrace("dump", tmp_path / "quiet")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "fewer than two of its recordings have a dump of their own" in result.stderr, result.stderr
 
 
 def test_sigterm_dumps_on_exit_into_one_folder_per_shutdown(tmp_path, worker):

@@ -51,7 +51,7 @@ def dump(
     """Ask every live process of the flight recording TRACE to write its window into TRACE/dump-NNNN/ (of every
     flight recording under TRACE, into TRACE/dump-NNNN/<recording>/: one trace of them all)."""
     from pdtrace.format import flight_recordings
-    from pdtrace.recording.flight import (join_recent_dump, live_processes, newest_window_start_ns,
+    from pdtrace.recording.flight import (join_recent_dump, live_processes, newest_dump, newest_window_start_ns,
                                           next_dump_folder, request_dump, write_joint_manifest)
 
     recordings = flight_recordings(trace) if trace.is_dir() else []
@@ -66,9 +66,11 @@ def dump(
         since = newest_window_start_ns(recordings) if not instance else None
         if since is None:
             which = f" of instance {', '.join(instance)}" if instance else ""
+            dumped = sum(newest_dump(r) is not None for r in recordings) if len(recordings) > 1 else 0
             raise UsageError(f"no live process{which} in the flight recording {trace} (the run has ended?)"
-                             + ("; the newest dumps of its recordings do not overlap to join" if len(recordings) > 1
-                                and not instance else ""))
+                             + ("" if len(recordings) < 2 or instance else
+                                "; the newest dumps of its recordings do not overlap to join" if dumped > 1 else
+                                "; fewer than two of its recordings have a dump of their own to join"))
     if recordings == [trace]:
         number, folder = request_dump(trace, "pdtrace dump", targets[trace])
         parts = {folder: trace}
