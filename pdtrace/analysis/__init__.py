@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import (FINDING_COLUMNS, OPTIONAL_FINDING_COLUMNS, SEVERITY_ORDER, empty_findings,
-                                       named_requests)
+                                       explained_once, named_requests)
 from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
@@ -219,7 +219,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     with allocation_settings():
         frames = [judged(ctx, window_findings(ctx, checked_findings(frame, rule)))
                   for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
-    findings = ordered_findings(frames)
+    findings = explained_once(ordered_findings(frames), [r.id for r in chosen if r.fallback])
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
                       "warnings": notes, "window": window_summary(trace_window(ctx))}
     return findings
@@ -250,7 +250,7 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
                                                                           progress)
     finally:
         getattr(runner, "close", lambda: None)()
-    findings = ordered_findings(frames)
+    findings = explained_once(ordered_findings(frames), [r.id for r in chosen if r.fallback])
     findings.attrs = {"rules": [r.id for r in chosen], "events": events,
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
                       "trace_warnings": trace_notes, "partitions": parts, "windows": windows,

@@ -67,3 +67,29 @@ def named_requests(frame: pd.DataFrame) -> pd.DataFrame:
     frame = frame.copy()
     frame["requests"] = pd.Series(filled, index=frame.index, dtype=object)
     return frame
+
+
+def explained_once(findings: pd.DataFrame, fallback: Iterable[str]) -> pd.DataFrame:
+    """The findings less those of a fallback rule (`Rule.fallback`) that another rule explains: a finding of
+    another rule at warning or error on the same (instance, dp_rank) naming the same request (its `req`, or one of
+    its `requests`). A fallback finding without a request is kept. Order is kept; `attrs` too."""
+    fallback = set(fallback)
+    if len(findings) == 0 or not fallback:
+        return findings
+    is_fallback = findings["rule"].isin(fallback).to_numpy()
+    if not is_fallback.any():
+        return findings
+    claimed: set[tuple[str, str, str]] = set()
+    strong = ~is_fallback & findings["severity"].isin(("warning", "error")).to_numpy()
+    for instance, dp, req, others in zip(findings["instance"][strong], findings["dp_rank"][strong],
+                                         findings["req"][strong], findings["requests"][strong]):
+        for name in [req, *(others if isinstance(others, (list, tuple)) else [])]:
+            if name is not None:
+                claimed.add((str(instance), str(dp), str(name)))
+    keep = [not fb or req is None or (str(instance), str(dp), str(req)) not in claimed
+            for fb, instance, dp, req in zip(is_fallback, findings["instance"], findings["dp_rank"], findings["req"])]
+    if all(keep):
+        return findings
+    out = findings[keep].reset_index(drop=True)
+    out.attrs = findings.attrs
+    return out

@@ -1,0 +1,632 @@
+"""The KV lifecycle model: vLLM's shadow state of every request, block, transfer and step, checked on every event.
+
+memcheck does not know bug classes: it keeps a shadow state of every byte and reports any access the state forbids.
+This module is that core for pdtrace. It replays the lifecycle events of each scheduler (instance, dp_rank) in the
+global order and applies each to a model of what vLLM holds; an event the state forbids, or a state that never
+resolves, is a `Violation` whether or not any rule knows its class. docs/lifecycle.md is the model as a table (each
+transition and invariant with the vLLM file and function it comes from); `pdtrace.analysis.rules.lifecycle` turns
+the violations into findings, reported only where no other rule explains them (`Rule.fallback`).
+
+State (per scheduler):
+- request (one lifetime, `columns.rk`): vLLM's RequestStatus as the events imply it (WAITING after `req_add`,
+  WAITING_FOR_REMOTE_KVS from `req_wait_kv` until its receive completes, RUNNING once it holds blocks allocated by
+  `schedule()`, PREEMPTED, FINISHED), the blocks it owns, its open receive, its pending send (finished with
+  delay_free), the ranks that reported its transfer (`kv_<dir>_rank`), whether vLLM has forgotten it (its final
+  free), and a short history (the rows that made its state) for the evidence;
+- block: its owners (a prefix-cache hit shares a block: the reference count is the number of owners), the row that
+  last allocated it and the row that last gave it up;
+- scheduler: its empty steps with requests waiting (an admission stall), whether its engine failed.
+
+Algorithm: one pass over the rows of the lifecycle kinds (everything but the high-volume `req_sched`, `exec_*` and
+`batch_*` rows, which change no KV state), in `columns.order`; the per-row columns are gathered once, vectorised,
+and the pass itself is a plain loop over Python lists (dict and set operations per event; `detail` JSON is parsed
+only for the rows that need a key: a `req_add`... never; an allocation only when it meets a block owned by another
+request, to read its prefix-hit count; an empty `sched` row for the stall check). At the end of the trace the
+states that never resolved are checked (a transfer every rank reported that the scheduler never processed, ranks
+that disagree).
+
+A trace that starts mid-run (`history.trace_window`): a request first seen without `req_add`, or a block first
+seen without an allocation, is adopted with the state its first event implies, and nothing is reported about
+what only history before the window could explain; `history.window_findings` downgrades the rest as for every
+rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdtrace.analysis.blocks import ownership
+from pdtrace.analysis.columns import columns, order_by_key
+from pdtrace.analysis.history import trace_window
+from pdtrace.analysis.parallel import shared_table
+from pdtrace.analysis.rulekit import declared_ranks, engine_configs, expected_ranks, gaps
+
+#: kinds the model replays (the others change no KV state)
+MODEL_KINDS = ("req_add", "req_wait_kv", "req_preempt", "req_finish", "blocks_alloc", "blocks_free",
+               "blocks_pool_free", "kv_send_done", "kv_recv_done", "kv_recv_fail", "kv_expire", "kv_send_rank",
+               "kv_recv_rank", "engine_error")
+
+WAITING, WAITING_KV, RUNNING, PREEMPTED, FINISHED = ("WAITING", "WAITING_FOR_REMOTE_KVS", "RUNNING", "PREEMPTED",
+                                                    "FINISHED")
+
+#: Each invariant: (severity, what vLLM does about it). `error` where vLLM itself asserts it (the engine dies, or
+#: would die with the check compiled in); `warning` where it is a contract no assert guards. The vLLM places are
+#: those of 0.33.0's `vllm/v1/...` (docs/lifecycle.md has the table per release range).
+INVARIANTS: dict[str, tuple[str, str]] = {
+    "add_while_live": ("warning", "a request id added again while its earlier request is still live "
+                                  "(vLLM keys requests by id: `Scheduler.requests[request_id]`)"),
+    "event_before_add": ("warning", "a scheduler event for a request the scheduler was never given "
+                                    "(`Scheduler.add_request` comes first)"),
+    "alloc_owned_block": ("error", "a block handed out as a new block while another request still owns it "
+                                   "(`BlockPool.get_new_blocks` asserts `block.ref_cnt == 0`)"),
+    "alloc_after_finish": ("warning", "blocks allocated to a finished request (`allocate_slots` runs only for "
+                                      "requests being scheduled)"),
+    "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
+                                         "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
+    "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
+                                "reference per owner)"),
+    "preempt_not_running": ("error", "a request preempted while not running (`Scheduler._preempt_request` "
+                                     "asserts `request.status == RequestStatus.RUNNING`)"),
+    "finish_twice": ("warning", "a request finished twice (`finish_requests` skips finished requests; "
+                                "`_free_request` runs once)"),
+    "wait_twice": ("warning", "a request starts waiting for remote KV while its receive is already open"),
+    "wait_without_transfer": ("warning", "a request waits for remote KV with no external token to load, so no "
+                                         "transfer will ever complete its wait (`load_kv_async` with "
+                                         "`num_external_computed_tokens == 0`)"),
+    "completion_unknown": ("error", "a transfer completion for an id the scheduler never had "
+                                    "(`_update_from_kv_xfer_finished` asserts `req_id in self.requests`)"),
+    "completion_after_free": ("error", "a transfer completion after the request's final free "
+                                       "(`_update_from_kv_xfer_finished` asserts `req_id in self.requests`)"),
+    "completion_unfinished": ("error", "a send completion for an unfinished request, or a receive completion "
+                                       "for a request neither waiting for it nor finished (`_free_blocks` "
+                                       "asserts `request.is_finished()`)"),
+    "recv_fail_without_receive": ("warning", "a failed load reported for a request with no receive open"),
+    "read_before_filled": ("warning", "a send or store of a request's blocks completed while its receive "
+                                      "(the load that fills those blocks) was still open"),
+    "completion_not_processed": ("warning", "every rank reported a transfer done, and the scheduler never "
+                                            "processed it (`finished_sending` / `finished_recving` never reached "
+                                            "`_update_from_kv_xfer_finished`): its blocks stay held"),
+    "ranks_disagree": ("warning", "some ranks reported a transfer done long ago and the others never did: the "
+                                  "aggregated completion cannot come, the blocks stay held"),
+    "admission_stall": ("warning", "nothing running, most of the KV cache free, requests waiting, and the "
+                                   "scheduler schedules nothing for many steps"),
+}
+
+#: free reasons that end a request's life in vLLM (its final free: `_free_blocks` deletes it from `requests`)
+FINAL_FREE_REASONS = frozenset({"finished", "aborted", "sent", "received"})
+#: an admission stall: at least this many consecutive empty steps over at least this long, with requests waiting,
+#: nothing running and at least this share of the pool free
+STALL_STEPS = 50
+STALL_NS = 5_000_000_000
+STALL_FREE_SHARE = 0.5
+#: ranks that disagree: the first report at least this long before the end of the trace, the others still silent
+DISAGREE_NS = 10_000_000_000
+#: a transfer every rank reported is processed by the scheduler's next update: within this time of an idle end
+PROCESS_NS = 1_000_000_000
+#: history rows kept per request for the evidence
+HISTORY_ROWS = 12
+
+
+@dataclass
+class Violation:
+    """One event the model forbids, or a state that never resolved (row: the row at the end of the trace where it
+    is an unresolved state: the last row of the request's history)."""
+
+    invariant: str
+    row: int
+    sk: int
+    rk: int
+    blocks: list[int]
+    state: str          # the request's (or block's) state before the event, in words
+    history: list[int]  # rows that made that state (the request's, then the blocks')
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RequestModel:
+    __slots__ = ("status", "recv_open", "send_pending", "forgotten", "finished", "adopted", "history",
+                 "send_ranks", "recv_ranks", "first_rank_ts", "last_rank_row", "failed_recv", "first_alloc_row",
+                 "finish_row", "filling", "skew_reported")
+
+    def __init__(self, status: str, adopted: bool = False) -> None:
+        self.status = status
+        self.recv_open = False
+        self.send_pending = False
+        self.forgotten = False
+        self.finished = False
+        self.adopted = adopted
+        self.history: list[int] = []
+        self.send_ranks: set[tuple[int, int]] = set()
+        self.recv_ranks: set[tuple[int, int]] = set()
+        self.first_rank_ts = -1
+        self.last_rank_row = -1
+        self.failed_recv = False
+        self.first_alloc_row = -1
+        self.finish_row = -1
+        self.filling: list[int] = []
+        self.skew_reported = False
+
+    def note(self, row: int) -> None:
+        if len(self.history) < HISTORY_ROWS:
+            self.history.append(row)
+        else:
+            self.history[-1] = row  # keep the first rows (how it began) and the latest
+
+    def describe(self) -> str:
+        parts = [self.status if not self.forgotten else "freed (forgotten by the scheduler)"]
+        if self.recv_open:
+            parts.append("receive open")
+        if self.send_pending:
+            parts.append("send pending")
+        return ", ".join(parts)
+
+
+@dataclass
+class LifecycleModel:
+    """The replay's result: the violations in event order, and each request's state at the end of the trace."""
+
+    violations: list[Violation]
+    final: dict[int, RequestModel]
+    windowed: bool
+
+
+@shared_table(ownership, cost=0.3)
+def lifecycle_model(ctx: Any) -> LifecycleModel:
+    """The model replayed over the context's trace (built once per analysis)."""
+    return ctx.cached("lifecycle.model", lambda: _replay(ctx))
+
+
+def _replay(ctx: Any) -> LifecycleModel:
+    cols = columns(ctx)
+    windowed = trace_window(ctx) is not None
+    rows = _loop_rows(cols)
+    kind_codes, kind_names = cols.codes("kind")
+    kinds = [kind_names[c] for c in kind_codes[rows].tolist()]
+    sks = cols.sk[rows].tolist()
+    rks = cols.rk[rows].tolist()
+    ts = cols.ts[rows].tolist()
+    n = cols.ints_at("n", rows).tolist()
+    reason_codes, reason_names = cols.codes("reason")
+    reasons = [reason_names[c] if c >= 0 else None for c in reason_codes[rows].tolist()]
+    delay, delay_valid = cols.bools_at("delay_free", rows)
+    delay = (np.asarray(delay, bool) & np.asarray(delay_valid, bool)).tolist()
+    pp = cols.ints_at("pp_rank", rows, fill=0).tolist()
+    tp = cols.ints_at("tp_rank", rows, fill=0).tolist()
+    row_list = rows.tolist()
+    # each row's blocks as a slice of one flat list (block_rows is in row order)
+    block_rows, block_ids = cols.block_rows
+    b_start = np.searchsorted(block_rows, rows).tolist()
+    b_end = np.searchsorted(block_rows, rows, side="right").tolist()
+    ids = block_ids.tolist()
+    pools = {sk: int(cfg["num_blocks"]) for sk, cfg in engine_configs(ctx).items() if cfg.get("num_blocks")}
+
+    requests: dict[int, RequestModel] = {}
+    failed: dict[int, int] = {}             # sk -> row of its first engine_error
+    out: list[Violation] = []
+
+    def violation(inv: str, i: int, sk: int, rk: int, req: RequestModel | None, blocks: list[int] | None = None,
+                  state: str | None = None, **extra: Any) -> None:
+        history = list(req.history) if req is not None else []
+        out.append(Violation(inv, row_list[i], sk, rk, list(blocks or []),
+                             state if state is not None else (req.describe() if req else "unknown to the scheduler"),
+                             history, extra))
+
+    def request(i: int, sk: int, rk: int, implied: str) -> RequestModel:
+        """The request's model; a request first seen without req_add is adopted in a window, else reported."""
+        req = requests.get(rk)
+        if req is None:
+            req = requests[rk] = RequestModel(implied, adopted=True)
+            if not windowed:
+                violation("event_before_add", i, sk, rk, None, state="never added")
+        return req
+
+    for i, kind in enumerate(kinds):
+        sk, rk, row = sks[i], rks[i], row_list[i]
+        if kind == "engine_error":
+            failed.setdefault(sk, row)
+            continue
+        if rk < 0:
+            continue
+        if kind == "blocks_alloc":
+            req = requests.get(rk) or request(i, sk, rk, RUNNING)
+            if req.finished and not req.adopted:
+                violation("alloc_after_finish", i, sk, rk, req, ids[b_start[i]:b_end[i]])
+            if req.status == WAITING or req.status == PREEMPTED:
+                req.status = RUNNING
+                if req.first_alloc_row < 0:
+                    req.first_alloc_row = row
+            req.note(row)
+            continue
+        if kind == "req_add":
+            req = requests.get(rk)
+            if req is not None and not req.finished and not req.adopted:
+                violation("add_while_live", i, sk, rk, req)
+            req = requests[rk] = RequestModel(WAITING)
+            req.history.append(row)
+            continue
+        if kind == "req_wait_kv":
+            req = request(i, sk, rk, WAITING)
+            if req.finished and not req.adopted:
+                violation("alloc_after_finish", i, sk, rk, req, ids[b_start[i]:b_end[i]])
+            elif req.recv_open:
+                violation("wait_twice", i, sk, rk, req)
+            elif n[i] == 0:
+                violation("wait_without_transfer", i, sk, rk, req, external_tokens=0)
+            req.status = WAITING_KV
+            req.recv_open = True
+            req.filling = ids[b_start[i]:b_end[i]]
+            req.failed_recv = False
+            req.recv_ranks = set()
+            req.first_rank_ts = -1
+            req.note(row)
+            continue
+        if kind == "blocks_free":
+            req = request(i, sk, rk, RUNNING)
+            if reasons[i] in FINAL_FREE_REASONS and req.finished and not req.recv_open and not req.send_pending:
+                req.forgotten = True
+            req.note(row)
+            continue
+        if kind == "req_preempt":
+            req = request(i, sk, rk, RUNNING)
+            if req.status != RUNNING and not req.adopted:
+                violation("preempt_not_running", i, sk, rk, req)
+            req.status = PREEMPTED
+            req.adopted = False
+            req.note(row)
+            continue
+        if kind == "req_finish":
+            req = request(i, sk, rk, RUNNING)
+            if req.finished and not req.adopted:
+                violation("finish_twice", i, sk, rk, req)
+            req.finished = True
+            req.finish_row = row
+            req.status = FINISHED
+            if delay[i]:
+                if not req.recv_open:
+                    req.send_pending = True
+                    req.send_ranks = set()
+                    req.first_rank_ts = -1
+            else:
+                req.forgotten = True
+            req.note(row)
+            continue
+        if kind == "kv_send_done" or kind == "kv_recv_done":
+            req = requests.get(rk)
+            send = kind == "kv_send_done"
+            if req is None:
+                if not windowed:
+                    violation("completion_unknown", i, sk, rk, None, state="never added")
+                req = requests[rk] = RequestModel(FINISHED if send else WAITING_KV, adopted=True)
+                req.note(row)
+                continue
+            if req.forgotten and not req.adopted:
+                violation("completion_after_free", i, sk, rk, req)
+            elif send and not req.finished and not req.adopted:
+                violation("completion_unfinished", i, sk, rk, req)
+            elif not send and not req.recv_open and not req.finished and not req.adopted:
+                violation("completion_unfinished", i, sk, rk, req)
+            elif send and req.recv_open and not req.adopted:
+                violation("read_before_filled", i, sk, rk, req, req.filling)
+            if send:
+                req.send_pending = False
+                req.forgotten = req.finished
+            else:
+                req.recv_open = False
+                if req.finished:
+                    req.forgotten = True
+                elif req.status == WAITING_KV:
+                    req.status = WAITING
+            req.note(row)
+            continue
+        if kind == "kv_recv_fail":
+            req = requests.get(rk)
+            if req is not None and not req.recv_open and not req.adopted and not req.forgotten:
+                violation("recv_fail_without_receive", i, sk, rk, req)
+            if req is not None:
+                req.failed_recv = True
+                req.note(row)
+            continue
+        if kind == "kv_expire":
+            req = requests.get(rk)
+            if req is not None:
+                req.send_pending = False
+                req.note(row)
+            continue
+        if kind == "kv_send_rank" or kind == "kv_recv_rank":
+            req = requests.get(rk)
+            if req is None:
+                continue
+            rank = (pp[i], tp[i])
+            if kind == "kv_send_rank":
+                if req.recv_open and not req.adopted:
+                    violation("read_before_filled", i, sk, rk, req, req.filling)
+                req.send_ranks.add(rank)
+            else:
+                req.recv_ranks.add(rank)
+            if req.first_rank_ts < 0:
+                req.first_rank_ts = ts[i]
+            elif ts[i] - req.first_rank_ts >= DISAGREE_NS and not req.skew_reported and not req.adopted:
+                req.skew_reported = True
+                violation("ranks_disagree", i, sk, rk, req, req.filling if kind == "kv_recv_rank" else [],
+                          late_s=round((ts[i] - req.first_rank_ts) / 1e9, 3))
+            req.last_rank_row = row
+            continue
+
+    _block_violations(ctx, cols, requests, windowed, out)
+    _admission_stalls(cols, requests, failed, pools, out)
+    end_ts = int(cols.ts.max()) if cols.n else 0
+    _unresolved(ctx, cols, requests, failed, _last_outputs(cols), end_ts, out)
+    out.sort(key=lambda v: int(cols.pos[v.row]))
+    return LifecycleModel(out, requests, windowed)
+
+
+def _loop_rows(cols: Any) -> np.ndarray:
+    """The rows the request pass replays, in the global order: every MODEL_KINDS row but the pool's own frees
+    (`_block_violations` judges blocks) and the allocations that change no request state: of a request's run of
+    consecutive `blocks_alloc` rows (a decode allocates a block every block_size tokens) only the first, which
+    makes it RUNNING, is kept."""
+    kinds = tuple(k for k in MODEL_KINDS if k != "blocks_pool_free")
+    rows = cols.rows_of(*kinds)
+    alloc = cols.is_kind("blocks_alloc")[rows]
+    rk = cols.rk[rows]
+    order = np.lexsort((cols.pos[rows], rk))
+    prev_alloc = np.zeros(len(rows), bool)
+    same = rk[order][1:] == rk[order][:-1]
+    prev_alloc[order[1:]] = same & alloc[order][:-1]
+    rows = rows[~(alloc & prev_alloc & (rk >= 0))]
+    return rows[np.argsort(cols.pos[rows], kind="stable")]
+
+
+def _block_violations(ctx: Any, cols: Any, requests: dict[int, RequestModel], windowed: bool,
+                      out: list[Violation]) -> None:
+    """The block invariants, vectorised over `blocks.ownership`'s holding intervals (request, block, from its
+    allocation to its free) sorted by (pool block, allocation):
+    - `alloc_owned_block`: an interval that starts while an earlier interval of another request on the same pool
+      block is still open (a running maximum of the earlier intervals' ends), where the allocating row's block is
+      past its leading prefix hits (`blocks_alloc` detail `hit`; without it nothing is judged: a hit shares);
+    - `pool_free_while_owned`: a `blocks_pool_free` of a block that an interval holds at that moment (not a
+      copy-on-write release, detail `cow`), one finding per holder (its first);
+    - `free_not_owned`: the frees of blocks the request did not hold (`Ownership.unmatched_*`), one per row; not
+      judged in a window (the allocation may lie before it: double_free/not_owned's window policy)."""
+    own = ownership(ctx)
+    n_pos = int(cols.n) + 2
+    if len(own):
+        key = own.pool_key.astype(np.int64)
+        order = order_by_key(key, own.alloc_pos.astype(np.int64))
+        k = key[order]
+        start = own.alloc_pos[order].astype(np.int64)
+        end = np.where(own.free_row[order] >= 0, own.free_pos[order], n_pos - 1).astype(np.int64)
+        group = np.cumsum(np.r_[True, k[1:] != k[:-1]]) if len(k) else k
+        combined = np.maximum.accumulate(group * n_pos + end)
+        before = np.r_[-1, combined[:-1]]
+        open_earlier = (before // n_pos == group) & (before % n_pos > start)
+        other = np.flatnonzero(open_earlier)
+        _double_allocations(cols, own, order, other, requests, out)
+        _pool_frees_while_owned(cols, own, order, k, start, end, group, combined, n_pos, requests, out)
+    if not windowed and len(own.unmatched_row):
+        rows, first = np.unique(own.unmatched_row, return_index=True)
+        for row, j in zip(rows.tolist(), first.tolist()):
+            rk = int(own.unmatched_rk[j])
+            stray = own.unmatched_block[own.unmatched_row == row].tolist()
+            req = requests.get(rk)
+            out.append(Violation("free_not_owned", row, int(cols.sk[row]), rk, stray,
+                                 req.describe() if req else "unknown to the scheduler",
+                                 list(req.history) if req else [], {}))
+
+
+def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray, at: int,
+            pos: int, not_rk: int) -> int | None:
+    """The interval (index into own) of another request holding pool block k[at] at position pos."""
+    lo = int(np.searchsorted(k, k[at]))
+    for j in range(lo, len(k)):
+        if k[j] != k[at] or start[j] >= pos:
+            break
+        if end[j] > pos and int(own.rk[order[j]]) != not_rk:
+            return int(order[j])
+    return None
+
+
+def _double_allocations(cols: Any, own: Any, order: np.ndarray, other: np.ndarray,
+                        requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    if len(other) == 0:
+        return
+    key = own.pool_key.astype(np.int64)[order]
+    start = own.alloc_pos[order].astype(np.int64)
+    n_pos = int(cols.n) + 2
+    end = np.where(own.free_row[order] >= 0, own.free_pos[order], n_pos - 1).astype(np.int64)
+    rows = own.alloc_row[order[other]]
+    hits = {r: _int_detail(cols, r, "hit") for r in np.unique(rows).tolist()}
+    block_rows, block_ids = cols.block_rows
+    reported: set[tuple[int, int]] = set()
+    for at, row in zip(other.tolist(), rows.tolist()):
+        hit = hits[row]
+        if hit is None:
+            continue
+        interval = int(order[at])
+        block = int(own.block[interval])
+        lo, hi = np.searchsorted(block_rows, [row, row + 1])
+        position = np.flatnonzero(block_ids[lo:hi] == block)
+        if not len(position) or int(position[0]) < hit:
+            continue
+        rk = int(own.rk[interval])
+        held = _holder(own, order, key, start, end, at, int(start[at]), rk)
+        if held is None or (row, rk) in reported:
+            continue
+        reported.add((row, rk))
+        owner = int(own.rk[held])
+        req = requests.get(owner)
+        out.append(Violation("alloc_owned_block", row, int(own.sk[interval]), rk, [block],
+                             f"block {block} still owned by another request ({req.describe() if req else 'unknown'})",
+                             (list(req.history) if req else []) + [int(own.alloc_row[held])],
+                             {"owner_rk": owner, "position": int(position[0]), "hit": hit}))
+
+
+def _pool_frees_while_owned(cols: Any, own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray,
+                            end: np.ndarray, group: np.ndarray, combined: np.ndarray, n_pos: int,
+                            requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    rows = cols.rows_of("blocks_pool_free")
+    if len(rows) == 0:
+        return
+    p_rows, p_blocks = cols.flat_blocks(cols.mask_of_rows(rows))
+    from pdtrace.analysis.blocks import _pool_block_key  # noqa: PLC0415 - the one definition of a pool block key
+
+    p_key = _pool_block_key(cols.sk[p_rows], p_blocks, own.width).astype(np.int64)
+    p_pos = cols.pos[p_rows].astype(np.int64)
+    # the last interval of the same pool block allocated before the pool free: the running maximum of ends there
+    composite = k * n_pos + start
+    at = np.searchsorted(composite, p_key * n_pos + p_pos) - 1
+    ok = at >= 0
+    ok[ok] = k[at[ok]] == p_key[ok]
+    held = np.zeros(len(p_rows), bool)
+    held[ok] = combined[at[ok]] % n_pos > p_pos[ok]
+    held[ok] &= combined[at[ok]] // n_pos == group[at[ok]]
+    seen: set[int] = set()
+    for j in np.flatnonzero(held).tolist():
+        row = int(p_rows[j])
+        interval = _holder(own, order, k, start, end, int(at[j]), int(p_pos[j]), -1)
+        if interval is None:
+            continue
+        holder = int(own.rk[interval])
+        if holder in seen or _cow(cols, row):
+            continue
+        seen.add(holder)
+        req = requests.get(holder)
+        lost = own.block[(own.rk == holder) & (own.alloc_pos < p_pos[j]) &
+                         ((own.free_row < 0) | (own.free_pos > p_pos[j]))]
+        out.append(Violation("pool_free_while_owned", row, int(cols.sk[row]), holder, sorted(set(lost.tolist()))[:64],
+                             f"its blocks still owned: {req.describe() if req else 'unknown'}",
+                             (list(req.history) if req else []) + [int(own.alloc_row[interval])], {}))
+
+
+def _last_outputs(cols: Any) -> dict[int, int]:
+    """The row of each scheduler's latest step_output."""
+    rows = cols.rows_of("step_output")
+    if len(rows) == 0:
+        return {}
+    rows = rows[np.argsort(cols.pos[rows], kind="stable")]
+    sk = cols.sk[rows]
+    last = {}
+    for s, r in zip(sk.tolist(), rows.tolist()):
+        last[s] = r
+    return last
+
+
+def _cow(cols: Any, row: int) -> bool:
+    """A pool free made by a copy-on-write retention (detail `cow`), not by a request's free."""
+    return bool(cols.details(np.array([row]))[0].get("cow"))
+
+
+def _int_detail(cols: Any, row: int, key: str) -> int | None:
+    value = cols.details(np.array([row]))[0].get(key)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _admission_stalls(cols: Any, requests: dict[int, RequestModel], failed: dict[int, int],
+                      pools: dict[int, int], out: list[Violation]) -> None:
+    """Runs of consecutive `sched` rows of one scheduler that schedule nothing while nothing runs, requests wait
+    (not for remote KV) and at least STALL_FREE_SHARE of the pool is free; a run of at least STALL_STEPS steps
+    (an `empty_run` row counts its k) over at least STALL_NS is a violation, its request the oldest one added
+    before the run and neither scheduled nor finished by its end. Only the empty rows' details are parsed."""
+    rows = cols.rows_of("sched")
+    if len(rows) == 0 or not pools:
+        return
+    rows = rows[np.argsort(cols.pos[rows], kind="stable")]
+    tokens = cols.ints_at("n", rows)
+    empty = np.flatnonzero(tokens == 0)
+    if len(empty) < STALL_STEPS // 8:
+        return
+    stalled = np.zeros(len(rows), bool)
+    weight = np.ones(len(rows), np.int64)
+    sk_of = cols.sk[rows]
+    for j, detail in zip(empty.tolist(), cols.details(rows[empty])):
+        running, waiting = detail.get("running"), detail.get("waiting")
+        free, pool = detail.get("free_blocks"), pools.get(int(sk_of[j]))
+        if (isinstance(running, int) and running == 0 and isinstance(waiting, int)
+                and waiting - int(detail.get("waiting_kv") or 0) > 0 and isinstance(free, int)
+                and pool is not None and free >= STALL_FREE_SHARE * pool):
+            stalled[j] = True
+            weight[j] = int(detail.get("empty_run") or 1)
+    ts = cols.ts[rows]
+    for sk in np.unique(sk_of[stalled]).tolist():
+        mine = np.flatnonzero(sk_of == sk)
+        if sk in failed:
+            mine = mine[cols.pos[rows[mine]] < cols.pos[failed[sk]]]
+        flags = stalled[mine]
+        edges = np.flatnonzero(np.diff(np.r_[0, flags.astype(np.int8), 0]))
+        for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            run = mine[lo:hi]
+            steps = int(weight[run].sum())
+            seconds = (int(ts[run[-1]]) - int(ts[run[0]])) / 1e9
+            if steps < STALL_STEPS or seconds * 1e9 < STALL_NS:
+                continue
+            first, last = int(rows[run[0]]), int(rows[run[-1]])
+            waiting = _waiting_through(cols, requests, sk, int(cols.pos[first]), int(cols.pos[last]))
+            out.append(Violation("admission_stall", first, sk, waiting[0] if waiting else -1, [],
+                                 f"{steps} empty steps over {seconds:.1f} s with nothing running and requests "
+                                 f"waiting", [first, last],
+                                 {"steps": steps, "seconds": round(seconds, 3), "waiting_requests": len(waiting),
+                                  "pool_blocks": pools.get(sk), "last_row": last}))
+
+
+def _waiting_through(cols: Any, requests: dict[int, RequestModel], sk: int, first_pos: int,
+                     last_pos: int) -> list[int]:
+    """Request keys of scheduler sk added before first_pos and neither allocated blocks nor finished by
+    last_pos, oldest first."""
+    pos = cols.pos
+    out = []
+    for rk, req in requests.items():
+        if req.adopted or not req.history or int(cols.request_sk[rk]) != sk:
+            continue
+        added = int(pos[req.history[0]])
+        if added >= first_pos:
+            continue
+        if req.first_alloc_row >= 0 and int(pos[req.first_alloc_row]) <= last_pos:
+            continue
+        if req.finish_row >= 0 and int(pos[req.finish_row]) <= last_pos:
+            continue
+        out.append((added, rk))
+    return [rk for _, rk in sorted(out)]
+
+
+def _unresolved(ctx: Any, cols: Any, requests: dict[int, RequestModel], failed: dict[int, int],
+                last_output: dict[int, int], end_ts: int, out: list[Violation]) -> None:
+    """States open at the end of the trace that no later event can resolve: a transfer every expected rank
+    reported that the scheduler never processed (after a later `step_output` of its scheduler, or PROCESS_NS
+    before the end of the trace: a trace cut between a rank's report and the update that aggregates it is not
+    one), and ranks that disagree for longer than DISAGREE_NS. A recorder gap or off after the last report leaves
+    the state unjudged (the completion may be among the lost events)."""
+    request_sk = cols.request_sk
+    recorder = gaps(ctx)
+    inst_codes = cols.codes("instance")[0]
+    last_pos = int(cols.n) + 1
+    for rk, req in requests.items():
+        if req.last_rank_row < 0:
+            continue
+        report_pos = int(cols.pos[req.last_rank_row])
+        if recorder.covers(int(inst_codes[req.last_rank_row]), report_pos, last_pos):
+            continue
+        for direction, pending, ranks in (("send", req.send_pending, req.send_ranks),
+                                          ("recv", req.recv_open, req.recv_ranks)):
+            if not pending or not ranks:
+                continue
+            sk = int(request_sk[rk])
+            if sk in failed and int(cols.pos[failed[sk]]) <= int(cols.pos[req.last_rank_row]) + 1:
+                continue  # the engine died before it could process the report (rulekit's crash policy)
+            expected, source = expected_ranks(ctx, sk, direction, declared_ranks([]))
+            reported = len(ranks)
+            held = list(req.filling) if direction == "recv" else []
+            history = list(req.history) + [req.last_rank_row]
+            extra = {"direction": direction, "ranks_reported": reported, "ranks_expected": expected,
+                     "ranks_source": source, "sk_failed": sk in failed}
+            later_output = sk in last_output and int(cols.pos[last_output[sk]]) > report_pos
+            settled = later_output or end_ts - int(cols.ts[req.last_rank_row]) >= PROCESS_NS
+            if (expected is None or reported >= expected) and settled:
+                out.append(Violation("completion_not_processed", req.last_rank_row, sk, rk, held,
+                                     req.describe(), history, extra))
+            elif expected is not None and reported < expected and end_ts - req.first_rank_ts >= DISAGREE_NS \
+                    and not req.skew_reported:
+                extra["silent_s"] = round((end_ts - req.first_rank_ts) / 1e9, 3)
+                out.append(Violation("ranks_disagree", req.last_rank_row, sk, rk, held,
+                                     req.describe(), history, extra))

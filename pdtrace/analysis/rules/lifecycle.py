@@ -1,0 +1,81 @@
+"""lifecycle: any event vLLM's KV lifecycle forbids, and any state that never resolves, named or not.
+
+The rule reports the violations of `pdtrace.analysis.lifecycle` (the model replayed over every event; its module
+docstring states the algorithm, docs/lifecycle.md the transitions and invariants with their vLLM sources). Subrule
+= the invariant. Severity: `error` where vLLM itself asserts the invariant, `warning` otherwise (`INVARIANTS`).
+
+It is a fallback rule (`Rule.fallback`): a violation that another rule explains (a finding at warning or error of
+another rule on the same instance, dp_rank and request) is reported once, by that rule, with its words. What is left
+is what no rule claims: a class nobody described yet still reaches the report.
+
+Evidence: the event, the request's history (its add, allocations, waits, preemptions, finish, frees, completions:
+the first rows and the latest) and, for a block, where it was last allocated and given up; `extra.state` is the
+request's (or block's) state before the event. On a scheduler whose engine failed, a state left open by the
+failure is the crash's consequence (`rulekit.engine_failures`): info, as for the other absence-based rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from pdtrace.analysis.columns import columns
+from pdtrace.analysis.findings import findings_frame
+from pdtrace.analysis.lifecycle import INVARIANTS, lifecycle_model
+from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.rulekit import CRASH_NOTE, Evidence, engine_failures, sk_instance
+
+#: invariants that report a state left open at the end of the trace (an engine failure explains them)
+_OPEN_AT_END = ("completion_not_processed", "ranks_disagree", "admission_stall")
+
+
+def run(ctx: Any) -> pd.DataFrame:
+    model = lifecycle_model(ctx)
+    if not model.violations:
+        return findings_frame([])
+    cols = columns(ctx)
+    ev = Evidence(cols)
+    ev.refs([r for v in model.violations for r in [v.row, *v.history]])
+    failures = engine_failures(ctx)
+    names = cols.rk_names
+    records: list[dict[str, Any]] = []
+    for v in model.violations:
+        severity, meaning = INVARIANTS[v.invariant]
+        instance, dp = sk_instance(cols, v.sk)
+        req = str(names["req"].iloc[v.rk]) if v.rk >= 0 else None
+        event = ev.ref(v.row, "the event the state forbids" if v.invariant not in _OPEN_AT_END
+                       else "the last event of the state left open")
+        evidence = [event] + [ev.ref(r, "history") for r in v.history if r != v.row][:HISTORY_CITED]
+        what = event.get("kind")
+        record = {
+            "rule": "lifecycle", "subrule": v.invariant, "severity": severity, "instance": instance,
+            "dp_rank": dp, "req": req, "blocks": v.blocks, "step": event.get("step"), "ts_ns": int(cols.ts[v.row]),
+            "message": f"{what} of {req or 'the scheduler'}: {meaning}; state before it: {v.state}",
+            "evidence": evidence, "context": f"lifecycle:{v.invariant}",
+            "extra": dict(v.extra, state=v.state, invariant=v.invariant),
+        }
+        if "owner_rk" in v.extra:
+            owner = str(names["req"].iloc[int(v.extra.pop("owner_rk"))])
+            record["extra"] = dict(v.extra, state=v.state, invariant=v.invariant, owner=owner)
+            record["requests"] = [owner]
+        failure = failures.get(v.sk)
+        if failure is not None and v.invariant in _OPEN_AT_END:
+            record = failure.mark(record, "the state could resolve")
+            record["evidence"].append(ev.ref(failure.row, CRASH_NOTE))
+        records.append(record)
+    return findings_frame(records)
+
+
+#: history rows cited per finding (the rest are in `pdtrace show --req`)
+HISTORY_CITED = 10
+
+RULE = Rule(
+    id="lifecycle",
+    summary="an event the KV lifecycle model forbids, or a state that never resolves, that no other rule explains",
+    run=run,
+    subrules=tuple(INVARIANTS),
+    needs=(lifecycle_model,),
+    cost=0.3,
+    fallback=True,
+)
