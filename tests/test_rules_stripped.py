@@ -45,6 +45,15 @@ EXCEPTIONS: dict[tuple[str, str, str | None], str] = {
         "a sliding-window trim handed to an asynchronous load under a step in flight: only the trim's window and "
         "token counts say whether that step still reads the blocks; without them the rule reports a warning that "
         "says so (`downgraded` = no_trim_window) on healthy trims too",
+    ("worker", "lifecycle", "completion_not_processed"):
+        "a transfer every rank reported that the scheduler never processed: the ranks' reports (kv_*_rank) are worker "
+        "rows, the only evidence of it",
+    ("worker", "lifecycle", "ranks_disagree"): "the ranks' reports (kv_*_rank) are worker rows",
+    ("worker", "lifecycle", "read_before_filled"):
+        "a store's per-rank reports (kv_send_rank) during the load are worker rows; its aggregated completion, where "
+        "recorded, is completion_before_finish's",
+    ("engine_config", "lifecycle", "admission_stall"):
+        "a stall needs the pool's size (engine_config n) to say most of the KV cache is free",
     ("status", "double_free", "unknown_id"):
         "a completion for an id the trace never saw: only its status said the scheduler knows it; without one the "
         "rule reports a warning that says so (`downgraded` = no_status)",

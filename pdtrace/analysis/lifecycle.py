@@ -42,6 +42,7 @@ from pdtrace.analysis.blocks import ownership
 from pdtrace.analysis.columns import columns, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
+from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import declared_ranks, engine_configs, expected_ranks, gaps
 
 #: kinds the model replays (the others change no KV state)
@@ -172,7 +173,7 @@ class LifecycleModel:
     windowed: bool
 
 
-@shared_table(ownership, cost=0.3)
+@shared_table(ownership, request_state, cost=0.3)
 def lifecycle_model(ctx: Any) -> LifecycleModel:
     """The model replayed over the context's trace (built once per analysis)."""
     return ctx.cached("lifecycle.model", lambda: _replay(ctx))
@@ -190,8 +191,14 @@ def _replay(ctx: Any) -> LifecycleModel:
     n = cols.ints_at("n", rows).tolist()
     reason_codes, reason_names = cols.codes("reason")
     reasons = [reason_names[c] if c >= 0 else None for c in reason_codes[rows].tolist()]
+    # delay_free where the recorder left it null: as the connector decides it (requests.request_state)
     delay, delay_valid = cols.bools_at("delay_free", rows)
-    delay = (np.asarray(delay, bool) & np.asarray(delay_valid, bool)).tolist()
+    implied = request_state(ctx).delay_free[np.maximum(cols.rk[rows], 0)] if cols.n_requests else np.zeros(0, bool)
+    delay = np.where(np.asarray(delay_valid, bool), np.asarray(delay, bool), implied).tolist()
+    status_codes, status_names = cols.codes("status")
+    unknown_status = cols.code_of("status", "unknown")
+    # a completion's recorded status other than `unknown` is the scheduler's word that it knows the id
+    known_id = ((status_codes[rows] >= 0) & (status_codes[rows] != unknown_status)).tolist()
     pp = cols.ints_at("pp_rank", rows, fill=0).tolist()
     tp = cols.ints_at("tp_rank", rows, fill=0).tolist()
     row_list = rows.tolist()
@@ -283,11 +290,12 @@ def _replay(ctx: Any) -> LifecycleModel:
             req.finished = True
             req.finish_row = row
             req.status = FINISHED
-            if delay[i]:
-                if not req.recv_open:
-                    req.send_pending = True
-                    req.send_ranks = set()
-                    req.first_rank_ts = -1
+            if req.recv_open:
+                pass  # aborted while receiving: the free waits for the receive (0.16+; premature_free before)
+            elif delay[i]:
+                req.send_pending = True
+                req.send_ranks = set()
+                req.first_rank_ts = -1
             else:
                 req.forgotten = True
             req.note(row)
@@ -296,7 +304,7 @@ def _replay(ctx: Any) -> LifecycleModel:
             req = requests.get(rk)
             send = kind == "kv_send_done"
             if req is None:
-                if not windowed:
+                if not windowed and not known_id[i]:
                     violation("completion_unknown", i, sk, rk, None, state="never added")
                 req = requests[rk] = RequestModel(FINISHED if send else WAITING_KV, adopted=True)
                 req.note(row)

@@ -1,0 +1,266 @@
+"""The KV lifecycle model (pdtrace.analysis.lifecycle, rule `lifecycle`): each invariant fires on a minimal trace and
+stays silent on its healthy twin; healthy scenarios and controls give no lifecycle warning or error; tracker
+incidents rendered from their descriptions (tests/incidents_lifecycle.py) are found on the right request; a
+violation another rule explains is reported once, by that rule."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pandas as pd
+import pytest
+
+import incidents_lifecycle
+import scenarios
+import scenarios_preemption
+from scenarios import STEP_NS, Engine, builder
+
+from pdtrace.analysis import analyze
+from pdtrace.analysis.findings import explained_once, findings_frame
+from pdtrace.analysis.lifecycle import INVARIANTS
+from pdtrace.trace.model import Trace
+
+
+def lifecycle_findings(trace: Trace) -> pd.DataFrame:
+    return analyze(trace, rules=["lifecycle"])
+
+
+def subrules(trace: Trace) -> list[tuple[str, str, str]]:
+    f = lifecycle_findings(trace)
+    return [(r.subrule, r.severity, r.req) for r in f.itertuples()]
+
+
+# -- each invariant and its twin ----------------------------------------------------------------------------------
+def double_allocation(hit: int) -> Trace:
+    """b is handed block 3 while a still owns it: a new block (hit 0) is a double allocation, a prefix hit
+    (hit 1) shares it."""
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [3, 4]})
+    e.output()
+    e.add("b")
+    e.step({"a": 1, "b": 32}, alloc={"b": [3, 5]}, hits={"b": hit})
+    e.output()
+    e.finish("a")
+    e.finish("b", pool_blocks=[5] if hit else None)
+    return e.b.trace()
+
+
+def preempt(running: bool) -> Trace:
+    e = Engine(builder())
+    e.add("a")
+    if running:
+        e.step({"a": 32}, alloc={"a": [1, 2]})
+        e.output()
+        e.step({}, preempt={"a": [1, 2]})
+    else:
+        e.step({})
+        e.ev("req_preempt", step=0, req="a")
+    e.output()
+    e.finish("a", free=False, reason="abort")
+    return e.b.trace()
+
+
+def wait_kv(external_tokens: int) -> Trace:
+    e = Engine(builder(), role="decode")
+    e.add("d", remote_prefill=True)
+    k = e.next_step
+    e.next_step += 1
+    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2], detail={"hit": 0})
+    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2], n=external_tokens)
+    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
+    e.ev("step_submit", step=k, n=1)
+    e.in_flight.append(k)
+    e.output()
+    e.recv_done("d")
+    e.step({"d": 1})
+    e.output()
+    e.finish("d")
+    return e.b.trace()
+
+
+def store_during_load(store_first: bool) -> Trace:
+    """A request's store (kv_send_rank) while its load is open, or after it completed."""
+    e = Engine(builder(), role="decode")
+    e.add("d", remote_prefill=True)
+    e.step({}, wait_kv={"d": [1, 2]})
+    e.output()
+    if store_first:
+        e.ev("kv_send_rank", component="worker", pid=1001, pp_rank=0, tp_rank=0, step=0, req="d")
+    e.step({})
+    e.output()
+    e.recv_done("d")
+    e.step({"d": 1})
+    e.output()
+    if not store_first:
+        e.ev("kv_send_rank", component="worker", pid=1001, pp_rank=0, tp_rank=0, step=2, req="d")
+    e.finish("d")
+    return e.b.trace()
+
+
+def rank_reports(processed: bool, tp: int = 1, silent_s: float = 0.0) -> Trace:
+    """P finishes r1 with delay_free; its ranks report the send; the aggregated completion follows or not, and
+    the engine keeps stepping for silent_s."""
+    e = Engine(builder(), role="prefill", tp=tp)
+    e.add("r1", remote_decode=True)
+    e.step({"r1": 32}, alloc={"r1": [1, 2]})
+    e.output()
+    e.finish("r1", reason="length", delay_free=True)
+    k = e.step({})
+    e.ev("kv_send_rank", component="worker", pid=1001, pp_rank=0, tp_rank=0, step=k, req="r1")
+    e.output()
+    if processed:
+        e.send_done("r1")
+    steps = max(2, int(silent_s * 10))
+    for _ in range(steps):
+        e.b.advance(int(silent_s * 1e9 / steps))
+        e.step({})
+        e.output()
+    return e.b.trace()
+
+
+def stall(steps: int, gap_ns: int) -> Trace:
+    """Requests wait while nothing runs and the pool is free, for `steps` empty steps gap_ns apart."""
+    e = Engine(builder(), num_blocks=64)
+    e.add("w0")
+    e.add("w1")
+    for _ in range(steps):
+        k = e.next_step
+        e.next_step += 1
+        e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 2, "waiting_kv": 0, "free_blocks": 60})
+        e.ev("step_submit", step=k, n=1)
+        e.in_flight.append(k)
+        e.output()
+        e.b.advance(gap_ns)
+    e.step({"w0": 16, "w1": 16}, alloc={"w0": [1], "w1": [2]})
+    e.output()
+    e.finish("w0")
+    e.finish("w1")
+    return e.b.trace()
+
+
+def add_twice(finished_first: bool) -> Trace:
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [1]})
+    e.output()
+    if finished_first:
+        e.finish("a")
+    e.add("a")
+    e.step({"a": 32} if finished_first else {"a": 1}, alloc={"a": [2]} if finished_first else None)
+    e.output()
+    e.finish("a")
+    return e.b.trace()
+
+
+def finish_twice(twice: bool) -> Trace:
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [1]})
+    e.output()
+    e.finish("a")
+    if twice:
+        e.ev("req_finish", step=0, req="a", reason="abort", status="FINISHED_STOPPED", delay_free=False)
+    return e.b.trace()
+
+
+CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
+    ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
+    ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
+    ("wait_without_transfer", lambda: wait_kv(0), lambda: wait_kv(32), "d"),
+    ("read_before_filled", lambda: store_during_load(True), lambda: store_during_load(False), "d"),
+    ("completion_not_processed", lambda: rank_reports(False, silent_s=2.0), lambda: rank_reports(True, silent_s=2.0),
+     "r1"),
+    ("ranks_disagree", lambda: rank_reports(False, tp=2, silent_s=12.0),
+     lambda: rank_reports(False, tp=2, silent_s=3.0), "r1"),
+    ("admission_stall", lambda: stall(60, STEP_NS * 100), lambda: stall(60, STEP_NS), "w0"),
+    ("add_while_live", lambda: add_twice(False), lambda: add_twice(True), "a"),
+    ("finish_twice", lambda: finish_twice(True), lambda: finish_twice(False), "a"),
+]
+
+
+@pytest.mark.parametrize("invariant,faulty,healthy,req", CASES, ids=[c[0] for c in CASES])
+def test_each_invariant_fires_on_its_violation_and_not_on_its_twin(invariant: str, faulty: Callable[[], Trace],
+                                                                   healthy: Callable[[], Trace], req: str) -> None:
+    found = subrules(faulty())
+    assert (invariant, INVARIANTS[invariant][0], req) in found, found
+    assert not [f for f in subrules(healthy()) if f[0] == invariant], subrules(healthy())
+
+
+def test_a_double_allocation_names_the_owner_and_cites_its_allocation() -> None:
+    f = lifecycle_findings(double_allocation(0))
+    row = f[f.subrule == "alloc_owned_block"].iloc[0]
+    assert row.severity == "error" and row.req == "b" and row.blocks == [3]
+    assert row.extra["owner"] == "a" and row.requests == ["a"]
+    assert any(e["kind"] == "blocks_alloc" and e.get("req") == "a" for e in row.evidence)
+    assert "ref_cnt == 0" in row.message
+
+
+# -- healthy runs stay clean --------------------------------------------------------------------------------------
+HEALTHY = dict(scenarios.HEALTHY)
+HEALTHY.update({f"random_{s}": (lambda s=s: scenarios.random_healthy(s)) for s in range(4)})
+HEALTHY.update({f"random_pp2_{s}": (lambda s=s: scenarios.random_healthy(s, pp=2)) for s in range(4)})
+HEALTHY.update({f"preemption_control_{k}": v for k, v in scenarios_preemption.CONTROLS.items()})
+
+
+@pytest.mark.parametrize("name", sorted(HEALTHY))
+def test_healthy_scenarios_have_no_lifecycle_violation(name: str) -> None:
+    assert subrules(HEALTHY[name]()) == []
+
+
+@pytest.mark.parametrize("name", sorted(incidents_lifecycle.CONTROLS))
+def test_suspicious_but_correct_controls_have_no_warning_or_error(name: str) -> None:
+    f = analyze(incidents_lifecycle.CONTROLS[name]())
+    assert f[f.severity.isin(["warning", "error"])].empty, f[["rule", "subrule", "severity", "req"]]
+
+
+# -- incidents rendered from the tracker, found on the right request -----------------------------------------------
+#: the incidents whose trace holds nothing that tells them from a healthy run (the docstring says why)
+UNDETECTABLE = {"engine_idle_with_deferred_frees": "the engine sleeps 0.2 s before the trace ends: nothing shows "
+                                                   "the parked frees outliving it"}
+
+
+@pytest.mark.parametrize("name", sorted(incidents_lifecycle.INCIDENTS))
+def test_tracker_incidents_are_found_on_their_request(name: str) -> None:
+    if name in UNDETECTABLE:
+        pytest.xfail(UNDETECTABLE[name])
+    fn, instance, req, _ = incidents_lifecycle.INCIDENTS[name]
+    f = analyze(fn())
+    hit = f[f.severity.isin(["warning", "error"]) & (f.instance == instance) & (f.req == req)]
+    assert not hit.empty, f[["rule", "subrule", "severity", "instance", "req"]]
+
+
+@pytest.mark.parametrize("name", ["engine_idle_with_pending_frees", "notification_with_peer_request_id",
+                                  "double_allocation"])
+def test_incidents_no_named_rule_explains_are_reported_by_the_lifecycle_model(name: str) -> None:
+    fn, instance, req, _ = incidents_lifecycle.INCIDENTS[name]
+    f = analyze(fn())
+    others = f[(f.rule != "lifecycle") & f.severity.isin(["warning", "error"]) & (f.req == req)]
+    mine = f[(f.rule == "lifecycle") & f.severity.isin(["warning", "error"]) & (f.req == req)]
+    assert others.empty and not mine.empty
+
+
+# -- a violation is reported once --------------------------------------------------------------------------------
+def test_a_violation_another_rule_explains_is_reported_once_by_that_rule() -> None:
+    trace = scenarios.FAULTY["abort_received_then_second_completion"]()
+    alone = lifecycle_findings(trace)
+    assert ("completion_after_free", "error", "r1") in [(r.subrule, r.severity, r.req) for r in alone.itertuples()]
+    f = analyze(trace)
+    assert f[f.rule == "lifecycle"].empty
+    assert not f[(f.rule == "double_free") & (f.req == "r1")].empty
+
+
+def _finding(rule: str, severity: str, req: str | None) -> dict:
+    return {"rule": rule, "subrule": "x", "severity": severity, "instance": "P", "dp_rank": 0, "req": req,
+            "blocks": [], "step": 0, "ts_ns": 0, "message": "", "evidence": [], "context": "", "extra": {},
+            "requests": []}
+
+
+def test_explained_once_keeps_what_no_warning_or_error_of_another_rule_claims() -> None:
+    frame = findings_frame([_finding("lifecycle", "warning", "a"), _finding("lifecycle", "warning", "b"),
+                            _finding("lifecycle", "error", "c"), _finding("lifecycle", "warning", None),
+                            _finding("leaked_blocks", "error", "a"), _finding("leaked_blocks", "info", "b")])
+    kept = explained_once(frame, ["lifecycle"])
+    assert [(r.rule, r.req) for r in kept.itertuples()] == [
+        ("lifecycle", "b"), ("lifecycle", "c"), ("lifecycle", None), ("leaked_blocks", "a"), ("leaked_blocks", "b")]
+    assert len(explained_once(frame, [])) == len(frame)
