@@ -164,6 +164,34 @@ def finish_twice(twice: bool) -> Trace:
     return e.b.trace()
 
 
+def engine_error(error: str) -> Trace:
+    e = Engine(builder())
+    e.add("a")
+    e.add("b")
+    e.step({"a": 32}, alloc={"a": [1]})
+    e.output()
+    e.step({"a": 1, "b": 32}, alloc={"b": [2]})
+    e.ev("engine_error", component="engine", step=1, detail={"error": error, "where": "step"})
+    return e.b.trace()
+
+
+def send_ended(by_expiry: bool) -> Trace:
+    e = Engine(builder(), role="prefill")
+    e.add("r1", remote_decode=True)
+    e.step({"r1": 32}, alloc={"r1": [1, 2]})
+    e.output()
+    e.finish("r1", reason="length", delay_free=True)
+    e.b.advance(480_000_000_000)
+    e.step({})
+    e.output()
+    if by_expiry:
+        e.ev("kv_expire", step=1, req="r1")
+        e.free("r1", reason="sent", step=1)
+    else:
+        e.send_done("r1")
+    return e.b.trace()
+
+
 CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
     ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
@@ -176,6 +204,9 @@ CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("admission_stall", lambda: stall(60, STEP_NS * 100), lambda: stall(60, STEP_NS), "w0"),
     ("add_while_live", lambda: add_twice(False), lambda: add_twice(True), "a"),
     ("finish_twice", lambda: finish_twice(True), lambda: finish_twice(False), "a"),
+    ("engine_assert", lambda: engine_error("AssertionError: req_id in self.requests"),
+     lambda: engine_error("RuntimeError: Worker proc VllmWorker-0 died unexpectedly"), "b"),
+    ("send_expired", lambda: send_ended(True), lambda: send_ended(False), "r1"),
 ]
 
 
@@ -264,3 +295,15 @@ def test_explained_once_keeps_what_no_warning_or_error_of_another_rule_claims() 
     assert [(r.rule, r.req) for r in kept.itertuples()] == [
         ("lifecycle", "b"), ("lifecycle", "c"), ("lifecycle", None), ("leaked_blocks", "a"), ("leaked_blocks", "b")]
     assert len(explained_once(frame, [])) == len(frame)
+
+
+def test_explained_once_drops_a_fallback_finding_whose_event_another_rule_cites() -> None:
+    crash = {"kind": "engine_error", "ts_ns": 5, "seq": 9}
+    fallback = dict(_finding("lifecycle", "error", "b"), evidence=[crash])
+    citing = dict(_finding("double_free", "error", "a"), evidence=[{"kind": "kv_send_done", "ts_ns": 4, "seq": 8},
+                                                                   crash])
+    kept = explained_once(findings_frame([fallback, citing]), ["lifecycle"])
+    assert list(kept["rule"]) == ["double_free"]
+    other = dict(citing, evidence=[{"kind": "engine_error", "ts_ns": 6, "seq": 10}])
+    assert list(explained_once(findings_frame([fallback, other]), ["lifecycle"])["rule"]) == ["lifecycle",
+                                                                                              "double_free"]

@@ -72,7 +72,8 @@ def named_requests(frame: pd.DataFrame) -> pd.DataFrame:
 def explained_once(findings: pd.DataFrame, fallback: Iterable[str]) -> pd.DataFrame:
     """The findings less those of a fallback rule (`Rule.fallback`) that another rule explains: a finding of
     another rule at warning or error on the same (instance, dp_rank) naming the same request (its `req`, or one of
-    its `requests`). A fallback finding without a request is kept. Order is kept; `attrs` too."""
+    its `requests`), or citing in its evidence the event the fallback finding is about (its first evidence row:
+    kind, ts_ns, seq). Order is kept; `attrs` too."""
     fallback = set(fallback)
     if len(findings) == 0 or not fallback:
         return findings
@@ -80,14 +81,28 @@ def explained_once(findings: pd.DataFrame, fallback: Iterable[str]) -> pd.DataFr
     if not is_fallback.any():
         return findings
     claimed: set[tuple[str, str, str]] = set()
+    cited: set[tuple[str, Any, Any, Any]] = set()
     strong = ~is_fallback & findings["severity"].isin(("warning", "error")).to_numpy()
-    for instance, dp, req, others in zip(findings["instance"][strong], findings["dp_rank"][strong],
-                                         findings["req"][strong], findings["requests"][strong]):
+    for instance, dp, req, others, evidence in zip(findings["instance"][strong], findings["dp_rank"][strong],
+                                                   findings["req"][strong], findings["requests"][strong],
+                                                   findings["evidence"][strong]):
         for name in [req, *(others if isinstance(others, (list, tuple)) else [])]:
             if name is not None:
                 claimed.add((str(instance), str(dp), str(name)))
-    keep = [not fb or req is None or (str(instance), str(dp), str(req)) not in claimed
-            for fb, instance, dp, req in zip(is_fallback, findings["instance"], findings["dp_rank"], findings["req"])]
+        for ev in evidence if isinstance(evidence, (list, tuple)) else []:
+            if isinstance(ev, dict):
+                cited.add((str(ev.get("instance", instance)), ev.get("kind"), ev.get("ts_ns"), ev.get("seq")))
+
+    def explained(instance: Any, dp: Any, req: Any, evidence: Any) -> bool:
+        if req is not None and (str(instance), str(dp), str(req)) in claimed:
+            return True
+        event = evidence[0] if isinstance(evidence, (list, tuple)) and evidence else None
+        return isinstance(event, dict) and (str(event.get("instance", instance)), event.get("kind"),
+                                            event.get("ts_ns"), event.get("seq")) in cited
+
+    keep = [not fb or not explained(instance, dp, req, evidence)
+            for fb, instance, dp, req, evidence in zip(is_fallback, findings["instance"], findings["dp_rank"],
+                                                       findings["req"], findings["evidence"])]
     if all(keep):
         return findings
     out = findings[keep].reset_index(drop=True)

@@ -92,9 +92,20 @@ INVARIANTS: dict[str, tuple[str, str]] = {
                                             "`_update_from_kv_xfer_finished`): its blocks stay held"),
     "ranks_disagree": ("warning", "some ranks reported a transfer done long ago and the others never did: the "
                                   "aggregated completion cannot come, the blocks stay held"),
+    "engine_assert": ("error", "the engine died on one of vLLM's own consistency checks (an AssertionError or "
+                               "KeyError escaped `EngineCore.step` or the handling of client input)"),
+    "send_expired": ("warning", "a finished request's send ended by its timeout with no rank ever reporting it: "
+                                "the peer never read the blocks, which stayed held for the whole timeout"),
     "admission_stall": ("warning", "nothing running, most of the KV cache free, requests waiting, and the "
                                    "scheduler schedules nothing for many steps"),
 }
+
+#: exception types of an `engine_error` that are vLLM's own consistency checks failing (not a dead worker or a
+#: client's bad input): the engine died on an invariant of its state
+INTERNAL_ERRORS = ("AssertionError", "KeyError")
+#: scheduler kinds whose request the scheduler acted on (the subject of an engine error that names none)
+_SCHEDULER_KINDS = frozenset({"req_add", "req_wait_kv", "req_preempt", "req_finish", "blocks_alloc", "blocks_free",
+                              "kv_send_done", "kv_recv_done", "kv_recv_fail"})
 
 #: free reasons that end a request's life in vLLM (its final free: `_free_blocks` deletes it from `requests`)
 FINAL_FREE_REASONS = frozenset({"finished", "aborted", "sent", "received"})
@@ -210,8 +221,12 @@ def _replay(ctx: Any) -> LifecycleModel:
     pools = {sk: int(cfg["num_blocks"]) for sk, cfg in engine_configs(ctx).items() if cfg.get("num_blocks")}
 
     requests: dict[int, RequestModel] = {}
+    last_touched: dict[int, int] = {}       # sk -> the request key of its latest scheduler row
     failed: dict[int, int] = {}             # sk -> row of its first engine_error
     out: list[Violation] = []
+
+    def ts_of_row(row: int) -> int:
+        return int(cols.ts[row])
 
     def violation(inv: str, i: int, sk: int, rk: int, req: RequestModel | None, blocks: list[int] | None = None,
                   state: str | None = None, **extra: Any) -> None:
@@ -233,9 +248,17 @@ def _replay(ctx: Any) -> LifecycleModel:
         sk, rk, row = sks[i], rks[i], row_list[i]
         if kind == "engine_error":
             failed.setdefault(sk, row)
+            error = str(cols.details(np.array([row]))[0].get("error") or "")
+            if error.startswith(INTERNAL_ERRORS):
+                subject = last_touched.get(sk, -1)
+                violation("engine_assert", i, sk, subject, requests.get(subject),
+                          state=f"the engine raised {error[:200]}", error=error[:500],
+                          subject="the last request the scheduler acted on before the error" if subject >= 0 else None)
             continue
         if rk < 0:
             continue
+        if kinds[i] in _SCHEDULER_KINDS:
+            last_touched[sk] = rk
         if kind == "blocks_alloc":
             req = requests.get(rk) or request(i, sk, rk, RUNNING)
             if req.finished and not req.adopted:
@@ -339,6 +362,10 @@ def _replay(ctx: Any) -> LifecycleModel:
         if kind == "kv_expire":
             req = requests.get(rk)
             if req is not None:
+                if req.send_pending and not req.adopted and not req.send_ranks:
+                    violation("send_expired", i, sk, rk, req,
+                              held_s=round((ts[i] - ts_of_row(req.finish_row)) / 1e9, 3) if req.finish_row >= 0
+                              else None)
                 req.send_pending = False
                 req.note(row)
             continue
