@@ -307,3 +307,25 @@ def test_explained_once_drops_a_fallback_finding_whose_event_another_rule_cites(
     other = dict(citing, evidence=[{"kind": "engine_error", "ts_ns": 6, "seq": 10}])
     assert list(explained_once(findings_frame([fallback, other]), ["lifecycle"])["rule"]) == ["lifecycle",
                                                                                               "double_free"]
+
+
+def test_a_received_request_scheduled_on_its_waiting_blocks_is_running_when_preempted() -> None:
+    """vLLM 0.33's test_cannot_schedule_after_recv: a request schedules on the blocks it received (no new
+    allocation), then is preempted: legal. The same preemption before any schedule is not."""
+    def trace(scheduled: bool) -> Trace:
+        e = Engine(builder(), role="decode")
+        e.add("d", remote_prefill=True)
+        e.step({}, wait_kv={"d": [4, 5]})
+        e.output()
+        e.recv_done("d")
+        e.step({"d": 1} if scheduled else {})
+        e.output()
+        e.step({}, preempt={"d": [4, 5]})
+        e.output()
+        e.step({"d": 32}, alloc={"d": [4, 5, 3]})
+        e.output()
+        e.finish("d")
+        return e.b.trace()
+
+    assert subrules(trace(True)) == []
+    assert ("preempt_not_running", "error", "d") in subrules(trace(False))

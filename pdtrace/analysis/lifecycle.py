@@ -43,6 +43,8 @@ from pdtrace.analysis.columns import columns, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
+# the one lookup of a request's last schedule (premature_free's; rules and this model share it)
+from pdtrace.analysis.rules.premature_free import last_sched_before
 from pdtrace.analysis.rulekit import declared_ranks, engine_configs, expected_ranks, gaps
 
 #: kinds the model replays (the others change no KV state)
@@ -140,7 +142,8 @@ class Violation:
 class RequestModel:
     __slots__ = ("status", "recv_open", "send_pending", "forgotten", "finished", "adopted", "history",
                  "send_ranks", "recv_ranks", "first_rank_ts", "last_rank_row", "failed_recv", "first_alloc_row",
-                 "finish_row", "filling", "skew_reported")
+                 "finish_row", "filling", "skew_reported",
+                 "status_pos")
 
     def __init__(self, status: str, adopted: bool = False) -> None:
         self.status = status
@@ -159,6 +162,7 @@ class RequestModel:
         self.finish_row = -1
         self.filling: list[int] = []
         self.skew_reported = False
+        self.status_pos = -1
 
     def note(self, row: int) -> None:
         if len(self.history) < HISTORY_ROWS:
@@ -199,6 +203,7 @@ def _replay(ctx: Any) -> LifecycleModel:
     sks = cols.sk[rows].tolist()
     rks = cols.rk[rows].tolist()
     ts = cols.ts[rows].tolist()
+    pos = cols.pos[rows].tolist()
     n = cols.ints_at("n", rows).tolist()
     reason_codes, reason_names = cols.codes("reason")
     reasons = [reason_names[c] if c >= 0 else None for c in reason_codes[rows].tolist()]
@@ -213,6 +218,13 @@ def _replay(ctx: Any) -> LifecycleModel:
     pp = cols.ints_at("pp_rank", rows, fill=0).tolist()
     tp = cols.ints_at("tp_rank", rows, fill=0).tolist()
     row_list = rows.tolist()
+    # a request is RUNNING from its first schedule after it became WAITING / PREEMPTED: a received request runs on
+    # the blocks it waited with (no new allocation), so a preemption is judged against its last req_sched
+    preempts = rows[kind_codes[rows] == cols.code_of("kind", "req_preempt")]
+    preempts = preempts[cols.rk[preempts] >= 0]
+    sched_rows = last_sched_before(ctx, cols.rk[preempts], cols.pos[preempts])
+    sched_before = dict(zip(preempts.tolist(), np.where(sched_rows >= 0, cols.pos[np.maximum(sched_rows, 0)],
+                                                        -1).tolist()))
     # each row's blocks as a slice of one flat list (block_rows is in row order)
     block_rows, block_ids = cols.block_rows
     b_start = np.searchsorted(block_rows, rows).tolist()
@@ -274,6 +286,7 @@ def _replay(ctx: Any) -> LifecycleModel:
             if req is not None and not req.finished and not req.adopted:
                 violation("add_while_live", i, sk, rk, req)
             req = requests[rk] = RequestModel(WAITING)
+            req.status_pos = pos[i]
             req.history.append(row)
             continue
         if kind == "req_wait_kv":
@@ -300,9 +313,12 @@ def _replay(ctx: Any) -> LifecycleModel:
             continue
         if kind == "req_preempt":
             req = request(i, sk, rk, RUNNING)
-            if req.status != RUNNING and not req.adopted:
+            scheduled_since = sched_before.get(row, -1) > req.status_pos
+            if req.status != RUNNING and not req.adopted and not (
+                    scheduled_since and req.status in (WAITING, PREEMPTED)):
                 violation("preempt_not_running", i, sk, rk, req)
             req.status = PREEMPTED
+            req.status_pos = pos[i]
             req.adopted = False
             req.note(row)
             continue
@@ -349,6 +365,7 @@ def _replay(ctx: Any) -> LifecycleModel:
                     req.forgotten = True
                 elif req.status == WAITING_KV:
                     req.status = WAITING
+                    req.status_pos = pos[i]
             req.note(row)
             continue
         if kind == "kv_recv_fail":
