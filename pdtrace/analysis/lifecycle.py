@@ -464,8 +464,8 @@ def _block_violations(ctx: Any, cols: Any, requests: dict[int, RequestModel], wi
             stray = own.unmatched_block[own.unmatched_row == row].tolist()
             req = requests.get(rk)
             out.append(Violation("free_not_owned", row, int(cols.sk[row]), rk, stray,
-                                 req.describe() if req else "unknown to the scheduler",
-                                 list(req.history) if req else [], {}))
+                                 "the request did not hold these blocks" if req else "unknown to the scheduler",
+                                 _history_before(cols, req, row, row), {}))
 
 
 def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray, at: int,
@@ -510,8 +510,8 @@ def _double_allocations(cols: Any, own: Any, order: np.ndarray, other: np.ndarra
         owner = int(own.rk[held])
         req = requests.get(owner)
         out.append(Violation("alloc_owned_block", row, int(own.sk[interval]), rk, [block],
-                             f"block {block} still owned by another request ({req.describe() if req else 'unknown'})",
-                             (list(req.history) if req else []) + [int(own.alloc_row[held])],
+                             f"block {block} still owned by another request, which allocated it earlier and had not "
+                             f"given it up", _history_before(cols, req, int(own.alloc_row[held]), row),
                              {"owner_rk": owner, "position": int(position[0]), "hit": hit}))
 
 
@@ -548,8 +548,16 @@ def _pool_frees_while_owned(cols: Any, own: Any, order: np.ndarray, k: np.ndarra
         lost = own.block[(own.rk == holder) & (own.alloc_pos < p_pos[j]) &
                          ((own.free_row < 0) | (own.free_pos > p_pos[j]))]
         out.append(Violation("pool_free_while_owned", row, int(cols.sk[row]), holder, sorted(set(lost.tolist()))[:64],
-                             f"its blocks still owned: {req.describe() if req else 'unknown'}",
-                             (list(req.history) if req else []) + [int(own.alloc_row[interval])], {}))
+                             "the block still owned by this request, which allocated it and had not given it up",
+                             _history_before(cols, req, int(own.alloc_row[interval]), row), {}))
+
+
+def _history_before(cols: Any, req: RequestModel | None, alloc_row: int, row: int) -> list[int]:
+    """The request's history rows up to the event at `row` (a block violation is judged after the replay: what the
+    request did later is not its state then), and the allocation of the block, once each."""
+    limit = int(cols.pos[row])
+    rows = [r for r in (req.history if req else []) if int(cols.pos[r]) <= limit]
+    return list(dict.fromkeys(rows + [alloc_row]))
 
 
 def _last_outputs(cols: Any) -> dict[int, int]:
