@@ -60,7 +60,7 @@ class Ownership:
 
     @property
     def pool_key(self) -> np.ndarray:
-        return _pool_block_key(self.sk, self.block, self.width)
+        return pool_block_key(self.sk, self.block, self.width)
 
     def _table(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sorted composite keys, their rows (or interval ids), span) of the rows a lookup searches."""
@@ -73,7 +73,7 @@ class Ownership:
                 kinds = ("blocks_pool_free",) if name == "pool" else ("req_wait_kv",)
                 rows = cols.rows_of(*kinds) if name == "pool" else cols.req_rows(*kinds)
                 b_rows, b_blocks = cols.flat_blocks(cols.mask_of_rows(rows))
-                key = _pool_block_key(cols.sk[b_rows], b_blocks, self.width)
+                key = pool_block_key(cols.sk[b_rows], b_blocks, self.width)
                 pos, ids = cols.pos[b_rows], b_rows
             span = int(cols.n) + 2
             composite = key.astype(np.int64) * span + pos
@@ -159,7 +159,8 @@ class Ownership:
         return self._shared
 
 
-def _pool_block_key(sk: np.ndarray, block: np.ndarray, width: int) -> np.ndarray:
+def pool_block_key(sk: np.ndarray, block: np.ndarray, width: int) -> np.ndarray:
+    """One int64 per (scheduler key, block id): a block of one scheduler's pool (width: above every block id)."""
     return sk.astype(np.int64) * width + block.astype(np.int64)
 
 

@@ -9,21 +9,23 @@ the violations into findings, reported only where no other rule explains them (`
 
 State (per scheduler):
 - request (one lifetime, `columns.rk`): vLLM's RequestStatus as the events imply it (WAITING after `req_add`,
-  WAITING_FOR_REMOTE_KVS from `req_wait_kv` until its receive completes, RUNNING once it holds blocks allocated by
-  `schedule()`, PREEMPTED, FINISHED), the blocks it owns, its open receive, its pending send (finished with
+  WAITING_FOR_REMOTE_KVS from `req_wait_kv` until its receive completes, RUNNING once `schedule()` allocates for it
+  or schedules it, PREEMPTED, FINISHED), its open receive and the blocks it fills, its pending send (finished with
   delay_free), the ranks that reported its transfer (`kv_<dir>_rank`), whether vLLM has forgotten it (its final
   free), and a short history (the rows that made its state) for the evidence;
-- block: its owners (a prefix-cache hit shares a block: the reference count is the number of owners), the row that
-  last allocated it and the row that last gave it up;
-- scheduler: its empty steps with requests waiting (an admission stall), whether its engine failed.
+- block: its holders, `blocks.ownership`'s intervals (request, block, from its allocation to its free; a prefix-cache
+  hit shares a block, so the reference count is the number of open intervals);
+- scheduler: whether its engine failed, its runs of empty steps with requests waiting (an admission stall).
 
-Algorithm: one pass over the rows of the lifecycle kinds (everything but the high-volume `req_sched`, `exec_*` and
-`batch_*` rows, which change no KV state), in `columns.order`; the per-row columns are gathered once, vectorised,
-and the pass itself is a plain loop over Python lists (dict and set operations per event; `detail` JSON is parsed
-only for the rows that need a key: a `req_add`... never; an allocation only when it meets a block owned by another
-request, to read its prefix-hit count; an empty `sched` row for the stall check). At the end of the trace the
-states that never resolved are checked (a transfer every rank reported that the scheduler never processed, ranks
-that disagree).
+Algorithm, in three parts:
+1. requests: one pass over the request events in the global order (`columns.pos`), gathered once as Python lists;
+   the high-volume rows that change no request state are left out (`req_sched`, `exec_*`, `batch_*`, and the
+   allocations after a request's first one while it runs: `_loop_rows`); a preemption is judged against the
+   request's last `req_sched` (`last_sched_before`); `detail` is parsed only for `engine_error` rows;
+2. blocks: vectorised over the ownership intervals sorted by (pool block, allocation), with a running maximum of
+   the intervals' ends (`_block_violations`); `detail` is parsed only where two requests hold one block;
+3. what never resolved, at the end: admission stalls over the `sched` rows (only empty steps' details parsed), and
+   transfers every rank reported that the scheduler never processed, or whose ranks disagree (`_unresolved`).
 
 A trace that starts mid-run (`history.trace_window`): a request first seen without `req_add`, or a block first
 seen without an allocation, is adopted with the state its first event implies, and nothing is reported about
@@ -38,14 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import columns, order_by_key
+from pdtrace.analysis.blocks import pool_block_key, ownership
+from pdtrace.analysis.columns import columns, last_per_key, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 # the one lookup of a request's last schedule (premature_free's; rules and this model share it)
 from pdtrace.analysis.rules.premature_free import last_sched_before
-from pdtrace.analysis.rulekit import declared_ranks, engine_configs, expected_ranks, gaps
+from pdtrace.analysis.rulekit import engine_configs, expected_ranks, gaps
 
 #: kinds the model replays (the others change no KV state)
 MODEL_KINDS = ("req_add", "req_wait_kv", "req_preempt", "req_finish", "blocks_alloc", "blocks_free",
@@ -141,7 +143,7 @@ class Violation:
 
 class RequestModel:
     __slots__ = ("status", "recv_open", "send_pending", "forgotten", "finished", "adopted", "history",
-                 "send_ranks", "recv_ranks", "first_rank_ts", "last_rank_row", "failed_recv", "first_alloc_row",
+                 "send_ranks", "recv_ranks", "first_rank_ts", "last_rank_row", "first_alloc_row",
                  "finish_row", "filling", "skew_reported",
                  "status_pos")
 
@@ -157,7 +159,6 @@ class RequestModel:
         self.recv_ranks: set[tuple[int, int]] = set()
         self.first_rank_ts = -1
         self.last_rank_row = -1
-        self.failed_recv = False
         self.first_alloc_row = -1
         self.finish_row = -1
         self.filling: list[int] = []
@@ -185,7 +186,6 @@ class LifecycleModel:
 
     violations: list[Violation]
     final: dict[int, RequestModel]
-    windowed: bool
 
 
 @shared_table(ownership, request_state, cost=0.3)
@@ -209,7 +209,8 @@ def _replay(ctx: Any) -> LifecycleModel:
     reasons = [reason_names[c] if c >= 0 else None for c in reason_codes[rows].tolist()]
     # delay_free where the recorder left it null: as the connector decides it (requests.request_state)
     delay, delay_valid = cols.bools_at("delay_free", rows)
-    implied = request_state(ctx).delay_free[np.maximum(cols.rk[rows], 0)] if cols.n_requests else np.zeros(0, bool)
+    implied = request_state(ctx).delay_free[np.maximum(cols.rk[rows], 0)] if cols.n_requests else \
+        np.zeros(len(rows), bool)
     delay = np.where(np.asarray(delay_valid, bool), np.asarray(delay, bool), implied).tolist()
     status_codes, status_names = cols.codes("status")
     unknown_status = cols.code_of("status", "unknown")
@@ -236,9 +237,6 @@ def _replay(ctx: Any) -> LifecycleModel:
     last_touched: dict[int, int] = {}       # sk -> the request key of its latest scheduler row
     failed: dict[int, int] = {}             # sk -> row of its first engine_error
     out: list[Violation] = []
-
-    def ts_of_row(row: int) -> int:
-        return int(cols.ts[row])
 
     def violation(inv: str, i: int, sk: int, rk: int, req: RequestModel | None, blocks: list[int] | None = None,
                   state: str | None = None, **extra: Any) -> None:
@@ -269,10 +267,10 @@ def _replay(ctx: Any) -> LifecycleModel:
             continue
         if rk < 0:
             continue
-        if kinds[i] in _SCHEDULER_KINDS:
+        if kind in _SCHEDULER_KINDS:
             last_touched[sk] = rk
         if kind == "blocks_alloc":
-            req = requests.get(rk) or request(i, sk, rk, RUNNING)
+            req = request(i, sk, rk, RUNNING)
             if req.finished and not req.adopted:
                 violation("alloc_after_finish", i, sk, rk, req, ids[b_start[i]:b_end[i]])
             if req.status == WAITING or req.status == PREEMPTED:
@@ -300,7 +298,6 @@ def _replay(ctx: Any) -> LifecycleModel:
             req.status = WAITING_KV
             req.recv_open = True
             req.filling = ids[b_start[i]:b_end[i]]
-            req.failed_recv = False
             req.recv_ranks = set()
             req.first_rank_ts = -1
             req.note(row)
@@ -373,7 +370,6 @@ def _replay(ctx: Any) -> LifecycleModel:
             if req is not None and not req.recv_open and not req.adopted and not req.forgotten:
                 violation("recv_fail_without_receive", i, sk, rk, req)
             if req is not None:
-                req.failed_recv = True
                 req.note(row)
             continue
         if kind == "kv_expire":
@@ -381,7 +377,7 @@ def _replay(ctx: Any) -> LifecycleModel:
             if req is not None:
                 if req.send_pending and not req.adopted and not req.send_ranks:
                     violation("send_expired", i, sk, rk, req,
-                              held_s=round((ts[i] - ts_of_row(req.finish_row)) / 1e9, 3) if req.finish_row >= 0
+                              held_s=round((ts[i] - int(cols.ts[req.finish_row])) / 1e9, 3) if req.finish_row >= 0
                               else None)
                 req.send_pending = False
                 req.note(row)
@@ -411,7 +407,7 @@ def _replay(ctx: Any) -> LifecycleModel:
     end_ts = int(cols.ts.max()) if cols.n else 0
     _unresolved(ctx, cols, requests, failed, _last_outputs(cols), end_ts, out)
     out.sort(key=lambda v: int(cols.pos[v.row]))
-    return LifecycleModel(out, requests, windowed)
+    return LifecycleModel(out, requests)
 
 
 def _loop_rows(cols: Any) -> np.ndarray:
@@ -421,7 +417,7 @@ def _loop_rows(cols: Any) -> np.ndarray:
     makes it RUNNING, is kept."""
     kinds = tuple(k for k in MODEL_KINDS if k != "blocks_pool_free")
     rows = cols.rows_of(*kinds)
-    alloc = cols.is_kind("blocks_alloc")[rows]
+    alloc = cols.codes("kind")[0][rows] == cols.code_of("kind", "blocks_alloc")
     rk = cols.rk[rows]
     order = np.lexsort((cols.pos[rows], rk))
     prev_alloc = np.zeros(len(rows), bool)
@@ -455,7 +451,7 @@ def _block_violations(ctx: Any, cols: Any, requests: dict[int, RequestModel], wi
         before = np.r_[-1, combined[:-1]]
         open_earlier = (before // n_pos == group) & (before % n_pos > start)
         other = np.flatnonzero(open_earlier)
-        _double_allocations(cols, own, order, other, requests, out)
+        _double_allocations(cols, own, order, k, start, end, other, requests, out)
         _pool_frees_while_owned(cols, own, order, k, start, end, group, combined, n_pos, requests, out)
     if not windowed and len(own.unmatched_row):
         rows, first = np.unique(own.unmatched_row, return_index=True)
@@ -480,16 +476,15 @@ def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: 
     return None
 
 
-def _double_allocations(cols: Any, own: Any, order: np.ndarray, other: np.ndarray,
-                        requests: dict[int, RequestModel], out: list[Violation]) -> None:
+def _double_allocations(cols: Any, own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray,
+                        other: np.ndarray, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`alloc_owned_block` for the intervals `other` (indexes into the sorted arrays) that start while another is
+    open on their pool block: reported where the block lies past its row's leading prefix hits."""
     if len(other) == 0:
         return
-    key = own.pool_key.astype(np.int64)[order]
-    start = own.alloc_pos[order].astype(np.int64)
-    n_pos = int(cols.n) + 2
-    end = np.where(own.free_row[order] >= 0, own.free_pos[order], n_pos - 1).astype(np.int64)
     rows = own.alloc_row[order[other]]
-    hits = {r: _int_detail(cols, r, "hit") for r in np.unique(rows).tolist()}
+    unique = np.unique(rows)
+    hits = dict(zip(unique.tolist(), (_int_value(d.get("hit")) for d in cols.details(unique))))
     block_rows, block_ids = cols.block_rows
     reported: set[tuple[int, int]] = set()
     for at, row in zip(other.tolist(), rows.tolist()):
@@ -503,7 +498,7 @@ def _double_allocations(cols: Any, own: Any, order: np.ndarray, other: np.ndarra
         if not len(position) or int(position[0]) < hit:
             continue
         rk = int(own.rk[interval])
-        held = _holder(own, order, key, start, end, at, int(start[at]), rk)
+        held = _holder(own, order, k, start, end, at, int(start[at]), rk)
         if held is None or (row, rk) in reported:
             continue
         reported.add((row, rk))
@@ -522,9 +517,7 @@ def _pool_frees_while_owned(cols: Any, own: Any, order: np.ndarray, k: np.ndarra
     if len(rows) == 0:
         return
     p_rows, p_blocks = cols.flat_blocks(cols.mask_of_rows(rows))
-    from pdtrace.analysis.blocks import _pool_block_key  # noqa: PLC0415 - the one definition of a pool block key
-
-    p_key = _pool_block_key(cols.sk[p_rows], p_blocks, own.width).astype(np.int64)
+    p_key = pool_block_key(cols.sk[p_rows], p_blocks, own.width).astype(np.int64)
     p_pos = cols.pos[p_rows].astype(np.int64)
     # the last interval of the same pool block allocated before the pool free: the running maximum of ends there
     composite = k * n_pos + start
@@ -560,17 +553,10 @@ def _history_before(cols: Any, req: RequestModel | None, alloc_row: int, row: in
     return list(dict.fromkeys(rows + [alloc_row]))
 
 
-def _last_outputs(cols: Any) -> dict[int, int]:
-    """The row of each scheduler's latest step_output."""
+def _last_outputs(cols: Any) -> np.ndarray:
+    """The position of each scheduler's latest step_output (NO where none), by scheduler key."""
     rows = cols.rows_of("step_output")
-    if len(rows) == 0:
-        return {}
-    rows = rows[np.argsort(cols.pos[rows], kind="stable")]
-    sk = cols.sk[rows]
-    last = {}
-    for s, r in zip(sk.tolist(), rows.tolist()):
-        last[s] = r
-    return last
+    return last_per_key(cols.sk[rows], cols.pos[rows], len(cols.sk_names))
 
 
 def _cow(cols: Any, row: int) -> bool:
@@ -578,8 +564,8 @@ def _cow(cols: Any, row: int) -> bool:
     return bool(cols.details(np.array([row]))[0].get("cow"))
 
 
-def _int_detail(cols: Any, row: int, key: str) -> int | None:
-    value = cols.details(np.array([row]))[0].get(key)
+def _int_value(value: Any) -> int | None:
+    """A detail value as an int (None where absent or not a number)."""
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -595,7 +581,7 @@ def _admission_stalls(cols: Any, requests: dict[int, RequestModel], failed: dict
     rows = rows[np.argsort(cols.pos[rows], kind="stable")]
     tokens = cols.ints_at("n", rows)
     empty = np.flatnonzero(tokens == 0)
-    if len(empty) < STALL_STEPS // 8:
+    if len(empty) == 0:
         return
     stalled = np.zeros(len(rows), bool)
     weight = np.ones(len(rows), np.int64)
@@ -651,7 +637,7 @@ def _waiting_through(cols: Any, requests: dict[int, RequestModel], sk: int, firs
 
 
 def _unresolved(ctx: Any, cols: Any, requests: dict[int, RequestModel], failed: dict[int, int],
-                last_output: dict[int, int], end_ts: int, out: list[Violation]) -> None:
+                last_output: np.ndarray, end_ts: int, out: list[Violation]) -> None:
     """States open at the end of the trace that no later event can resolve: a transfer every expected rank
     reported that the scheduler never processed (after a later `step_output` of its scheduler, or PROCESS_NS
     before the end of the trace: a trace cut between a rank's report and the update that aggregates it is not
@@ -674,13 +660,13 @@ def _unresolved(ctx: Any, cols: Any, requests: dict[int, RequestModel], failed: 
             sk = int(request_sk[rk])
             if sk in failed and int(cols.pos[failed[sk]]) <= int(cols.pos[req.last_rank_row]) + 1:
                 continue  # the engine died before it could process the report (rulekit's crash policy)
-            expected, source = expected_ranks(ctx, sk, direction, declared_ranks([]))
+            expected, source = expected_ranks(ctx, sk, direction, [])
             reported = len(ranks)
             held = list(req.filling) if direction == "recv" else []
             history = list(req.history) + [req.last_rank_row]
             extra = {"direction": direction, "ranks_reported": reported, "ranks_expected": expected,
                      "ranks_source": source, "sk_failed": sk in failed}
-            later_output = sk in last_output and int(cols.pos[last_output[sk]]) > report_pos
+            later_output = int(last_output[sk]) > report_pos
             settled = later_output or end_ts - int(cols.ts[req.last_rank_row]) >= PROCESS_NS
             if (expected is None or reported >= expected) and settled:
                 out.append(Violation("completion_not_processed", req.last_rank_row, sk, rk, held,

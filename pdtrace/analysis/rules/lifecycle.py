@@ -26,6 +26,8 @@ from pdtrace.analysis.lifecycle import INVARIANTS, lifecycle_model
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.rulekit import CRASH_NOTE, Evidence, engine_failures, sk_instance
 
+#: history rows cited per finding (the rest are in `pdtrace show --req`)
+HISTORY_CITED = 10
 #: invariants that report a state left open at the end of the trace (an engine failure explains them)
 _OPEN_AT_END = ("completion_not_processed", "ranks_disagree", "admission_stall")
 
@@ -66,9 +68,6 @@ def run(ctx: Any) -> pd.DataFrame:
         records.append(record)
     return findings_frame(records)
 
-
-#: history rows cited per finding (the rest are in `pdtrace show --req`)
-HISTORY_CITED = 10
 
 RULE = Rule(
     id="lifecycle",
