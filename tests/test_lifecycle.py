@@ -329,3 +329,11 @@ def test_a_received_request_scheduled_on_its_waiting_blocks_is_running_when_pree
 
     assert subrules(trace(True)) == []
     assert ("preempt_not_running", "error", "d") in subrules(trace(False))
+
+
+def test_a_context_analysed_twice_names_the_double_allocations_owner_both_times() -> None:
+    from pdtrace.analysis.context import AnalysisContext
+
+    ctx = AnalysisContext(trace=double_allocation(0))
+    owners = [analyze(ctx, rules=["lifecycle"]).iloc[0]["extra"].get("owner") for _ in range(2)]
+    assert owners == ["a", "a"]

@@ -25,8 +25,9 @@ class Rule:
     `cost`: the rule's own run time in seconds at 10M events (bench/analyze.py --profile), a hint that only decides
     what starts first on those threads (the longest chain first, so it does not run alone at the end).
     `fallback`: the rule reports what no other rule explains (the lifecycle model's violations): a finding of it is
-    left out where a finding of another rule, at warning or error, names the same instance, dp_rank and request
-    (`pdtrace.analysis.findings.explained_once`), so a violation is reported once, by the rule with its words.
+    left out where a finding of another rule, at warning or error, names the same instance, dp_rank and request, or
+    cites the event it is about (`pdtrace.analysis.findings.explained_once`), so a violation is reported once, by
+    the rule with its words.
     """
 
     id: str

@@ -5,11 +5,12 @@ docstring states the algorithm, docs/lifecycle.md the transitions and invariants
 = the invariant. Severity: `error` where vLLM itself asserts the invariant, `warning` otherwise (`INVARIANTS`).
 
 It is a fallback rule (`Rule.fallback`): a violation that another rule explains (a finding at warning or error of
-another rule on the same instance, dp_rank and request) is reported once, by that rule, with its words. What is left
+another rule on the same instance, dp_rank and request, or one citing the same event) is reported once, by that rule,
+with its words. What is left
 is what no rule claims: a class nobody described yet still reaches the report.
 
-Evidence: the event, the request's history (its add, allocations, waits, preemptions, finish, frees, completions:
-the first rows and the latest) and, for a block, where it was last allocated and given up; `extra.state` is the
+Evidence: the event, the request's history up to it (its add, allocations, waits, preemptions, finish, frees,
+completions: the first rows and the latest) and, for a block, its allocation by the request that still held it; `extra.state` is the
 request's (or block's) state before the event. On a scheduler whose engine failed, a state left open by the
 failure is the crash's consequence (`rulekit.engine_failures`): info, as for the other absence-based rules.
 """
@@ -50,17 +51,18 @@ def run(ctx: Any) -> pd.DataFrame:
                        else "the last event of the state left open")
         evidence = [event] + [ev.ref(r, "history") for r in v.history if r != v.row][:HISTORY_CITED]
         what = event.get("kind")
+        # the model's violations are a shared table: read, never changed (a context analysed again gets the same)
+        extra = {key: value for key, value in v.extra.items() if key != "owner_rk"}
+        extra.update(state=v.state, invariant=v.invariant)
         record = {
             "rule": "lifecycle", "subrule": v.invariant, "severity": severity, "instance": instance,
             "dp_rank": dp, "req": req, "blocks": v.blocks, "step": event.get("step"), "ts_ns": int(cols.ts[v.row]),
             "message": f"{what} of {req or 'the scheduler'}: {meaning}; state before it: {v.state}",
-            "evidence": evidence, "context": f"lifecycle:{v.invariant}",
-            "extra": dict(v.extra, state=v.state, invariant=v.invariant),
+            "evidence": evidence, "context": f"lifecycle:{v.invariant}", "extra": extra,
         }
         if "owner_rk" in v.extra:
-            owner = str(names["req"].iloc[int(v.extra.pop("owner_rk"))])
-            record["extra"] = dict(v.extra, state=v.state, invariant=v.invariant, owner=owner)
-            record["requests"] = [owner]
+            extra["owner"] = str(names["req"].iloc[int(v.extra["owner_rk"])])
+            record["requests"] = [extra["owner"]]
         failure = failures.get(v.sk)
         if failure is not None and v.invariant in _OPEN_AT_END:
             record = failure.mark(record, "the state could resolve")
