@@ -122,6 +122,8 @@ STALL_FREE_SHARE = 0.5
 DISAGREE_NS = 10_000_000_000
 #: a transfer every rank reported is processed by the scheduler's next update: within this time of an idle end
 PROCESS_NS = 1_000_000_000
+#: the blocks a request fills before its first receive (shared: never changed, only replaced)
+_NO_BLOCKS: list[int] = []
 #: history rows kept per request for the evidence
 HISTORY_ROWS = 12
 
@@ -155,13 +157,15 @@ class RequestModel:
         self.finished = False
         self.adopted = adopted
         self.history: list[int] = []
-        self.send_ranks: set[tuple[int, int]] = set()
-        self.recv_ranks: set[tuple[int, int]] = set()
+        # made at a request's first rank report: most requests of a trace never get one, and every container made
+        # per request is one more object for the garbage collector to walk
+        self.send_ranks: set[tuple[int, int]] | None = None
+        self.recv_ranks: set[tuple[int, int]] | None = None
         self.first_rank_ts = -1
         self.last_rank_row = -1
         self.first_alloc_row = -1
         self.finish_row = -1
-        self.filling: list[int] = []
+        self.filling: list[int] = _NO_BLOCKS
         self.skew_reported = False
         self.status_pos = -1
 
@@ -298,7 +302,7 @@ def _replay(ctx: Any) -> LifecycleModel:
             req.status = WAITING_KV
             req.recv_open = True
             req.filling = ids[b_start[i]:b_end[i]]
-            req.recv_ranks = set()
+            req.recv_ranks = None
             req.first_rank_ts = -1
             req.note(row)
             continue
@@ -330,7 +334,7 @@ def _replay(ctx: Any) -> LifecycleModel:
                 pass  # aborted while receiving: the free waits for the receive (0.16+; premature_free before)
             elif delay[i]:
                 req.send_pending = True
-                req.send_ranks = set()
+                req.send_ranks = None
                 req.first_rank_ts = -1
             else:
                 req.forgotten = True
@@ -390,8 +394,12 @@ def _replay(ctx: Any) -> LifecycleModel:
             if kind == "kv_send_rank":
                 if req.recv_open and not req.adopted:
                     violation("read_before_filled", i, sk, rk, req, req.filling)
+                if req.send_ranks is None:
+                    req.send_ranks = set()
                 req.send_ranks.add(rank)
             else:
+                if req.recv_ranks is None:
+                    req.recv_ranks = set()
                 req.recv_ranks.add(rank)
             if req.first_rank_ts < 0:
                 req.first_rank_ts = ts[i]
