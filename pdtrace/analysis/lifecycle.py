@@ -192,7 +192,7 @@ class LifecycleModel:
     final: dict[int, RequestModel]
 
 
-@shared_table(ownership, request_state, cost=0.3)
+@shared_table(ownership, request_state, cost=1.0)
 def lifecycle_model(ctx: Any) -> LifecycleModel:
     """The model replayed over the context's trace (built once per analysis)."""
     return ctx.cached("lifecycle.model", lambda: _replay(ctx))

@@ -77,6 +77,6 @@ RULE = Rule(
     run=run,
     subrules=tuple(INVARIANTS),
     needs=(lifecycle_model,),
-    cost=0.3,
+    cost=0.01,
     fallback=True,
 )
