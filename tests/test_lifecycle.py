@@ -192,6 +192,17 @@ def send_ended(by_expiry: bool) -> Trace:
     return e.b.trace()
 
 
+def listed_twice(twice: bool) -> Trace:
+    """a's free lists block 1 twice (vllm-ascend#14301: one free call, one block twice)."""
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [1, 2]})
+    e.output()
+    e.ev("blocks_free", step=0, req="a", blocks=[1, 1, 2] if twice else [1, 2], reason="finished")
+    e.ev("req_finish", step=0, req="a", reason="stop", status="RUNNING", delay_free=False)
+    return e.b.trace()
+
+
 CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
     ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
@@ -207,6 +218,7 @@ CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("engine_assert", lambda: engine_error("AssertionError: req_id in self.requests"),
      lambda: engine_error("RuntimeError: Worker proc VllmWorker-0 died unexpectedly"), "b"),
     ("send_expired", lambda: send_ended(True), lambda: send_ended(False), "r1"),
+    ("block_listed_twice", lambda: listed_twice(True), lambda: listed_twice(False), "a"),
 ]
 
 
@@ -216,6 +228,21 @@ def test_each_invariant_fires_on_its_violation_and_not_on_its_twin(invariant: st
     found = subrules(faulty())
     assert (invariant, INVARIANTS[invariant][0], req) in found, found
     assert not [f for f in subrules(healthy()) if f[0] == invariant], subrules(healthy())
+
+
+def test_an_engine_error_that_quotes_a_request_names_it_not_the_last_one_scheduled() -> None:
+    f = lifecycle_findings(engine_error("KeyError: 'a'"))
+    row = f[f.subrule == "engine_assert"].iloc[0]
+    assert row.req == "a" and row.extra["subject"] == "the request the error names"
+    f = lifecycle_findings(engine_error("AssertionError: prev_free_block"))
+    assert f[f.subrule == "engine_assert"].iloc[0].req == "b"  # nothing quoted: the last request acted on
+
+
+def test_a_block_listed_twice_in_one_free_is_said_so_by_double_free() -> None:
+    f = analyze(listed_twice(True))
+    row = f[(f.rule == "double_free") & (f.subrule == "not_owned")].iloc[0]
+    assert row.req == "a" and row.blocks == [1] and "listed twice in this free" in row.message
+    assert row.extra["listed_twice"] is True
 
 
 def test_a_double_allocation_names_the_owner_and_cites_its_allocation() -> None:

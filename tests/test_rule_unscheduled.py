@@ -48,8 +48,9 @@ def test_pipeline_runs_give_nothing(make):
     assert len(findings(make())) == 0
 
 
-def head_of_line(small_served_after: int | None) -> object:
-    """`big` (40 blocks) cannot fit in 32 free blocks and blocks the FCFS queue; `small` (1 block) could."""
+def head_of_line(small_served_after: int | None, small_aborted: bool = False) -> object:
+    """`big` (40 blocks) cannot fit in 32 free blocks and blocks the FCFS queue; `small` (1 block) could (and is
+    aborted by its client, still waiting, after 55 steps with `small_aborted`)."""
     b, e = engine()
     e.add("runner", n=16)
     e.add("big", n=640)
@@ -59,6 +60,9 @@ def head_of_line(small_served_after: int | None) -> object:
     for i in range(60):
         if small_served_after is not None and i == small_served_after:
             e.step({"runner": 1, "small": 16}, alloc={"small": [2]})
+        elif small_aborted and i == 55:
+            e.step({"runner": 1})
+            e.finish("small", reason="abort", status="WAITING", free=False)
         else:
             e.step({"runner": 1})
         e.output()
@@ -85,6 +89,13 @@ def test_starved_then_served_is_a_warning():
     assert list(f["req"]) == ["small"]
     assert f.iloc[0]["severity"] == "warning"
     assert f.iloc[0]["extra"]["open_at_end"] is False
+
+
+def test_starved_then_aborted_says_it_was_never_scheduled():
+    row = by_sub(findings(head_of_line(None, small_aborted=True)), "starved").iloc[0]
+    assert row["req"] == "small" and row["severity"] == "warning"
+    assert "then finished without being scheduled" in row["message"] and "then scheduled" not in row["message"]
+    assert [ev.get("note") for ev in row["evidence"] if ev["kind"] == "req_finish"] == ["waiting ended here"]
 
 
 def test_served_quickly_is_not_starved():

@@ -35,6 +35,8 @@ rule.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +71,9 @@ INVARIANTS: dict[str, tuple[str, str]] = {
                                    "(`BlockPool.get_new_blocks` asserts `block.ref_cnt == 0`)"),
     "alloc_after_finish": ("warning", "blocks allocated to a finished request (`allocate_slots` runs only for "
                                       "requests being scheduled)"),
+    "block_listed_twice": ("error", "one allocation or free lists the same block twice (`get_new_blocks` hands "
+                                    "out distinct blocks; `BlockPool.free_blocks` would drop two references and "
+                                    "queue the block twice, so two requests get it)"),
     "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
                                          "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
     "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
@@ -264,10 +269,12 @@ def _replay(ctx: Any) -> LifecycleModel:
             failed.setdefault(sk, row)
             error = str(cols.details(np.array([row]))[0].get("error") or "")
             if error.startswith(INTERNAL_ERRORS):
-                subject = last_touched.get(sk, -1)
+                named = _request_named_in(cols, error)
+                subject = named if named >= 0 else last_touched.get(sk, -1)
+                why = ("the request the error names" if named >= 0 else
+                       "the last request the scheduler acted on before the error" if subject >= 0 else None)
                 violation("engine_assert", i, sk, subject, requests.get(subject),
-                          state=f"the engine raised {error[:200]}", error=error[:500],
-                          subject="the last request the scheduler acted on before the error" if subject >= 0 else None)
+                          state=f"the engine raised {error[:200]}", error=error[:500], subject=why)
             continue
         if rk < 0:
             continue
@@ -411,11 +418,25 @@ def _replay(ctx: Any) -> LifecycleModel:
             continue
 
     _block_violations(ctx, cols, requests, windowed, out)
+    _blocks_listed_twice(cols, requests, out)
     _admission_stalls(cols, requests, failed, pools, out)
     end_ts = int(cols.ts.max()) if cols.n else 0
     _unresolved(ctx, cols, requests, failed, _last_outputs(cols), end_ts, out)
     out.sort(key=lambda v: int(cols.pos[v.row]))
     return LifecycleModel(out, requests)
+
+
+def _request_named_in(cols: Any, error: str) -> int:
+    """The key of a request of the trace whose id the error text quotes (`KeyError: 'r7-d'`), else -1."""
+    quoted = re.findall(r"""['"]([^'"]{1,200})['"]""", error)
+    if not quoted or not cols.n_requests:
+        return -1
+    names = np.asarray(cols.rk_names["req"], dtype=object)
+    for text in quoted:
+        at = np.flatnonzero(names == text)
+        if len(at):
+            return int(at[-1])  # a reused id: its latest request
+    return -1
 
 
 def _loop_rows(cols: Any) -> np.ndarray:
@@ -470,6 +491,35 @@ def _block_violations(ctx: Any, cols: Any, requests: dict[int, RequestModel], wi
             out.append(Violation("free_not_owned", row, int(cols.sk[row]), rk, stray,
                                  "the request did not hold these blocks" if req else "unknown to the scheduler",
                                  _history_before(cols, req, row, row), {}))
+
+
+#: kinds whose `blocks` are this scheduler's own pool blocks, each listed once
+_POOL_LIST_KINDS = ("blocks_alloc", "blocks_free", "blocks_pool_free", "req_wait_kv")
+
+
+def _blocks_listed_twice(cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`block_listed_twice`: a row of `_POOL_LIST_KINDS` whose block list repeats an id (the flat (row, block)
+    pairs sorted by one int64 key; equal neighbours), one violation per row naming the repeated blocks."""
+    block_rows, block_ids = cols.block_rows
+    if not len(block_rows):
+        return
+    keep = np.isin(cols.codes("kind")[0][block_rows], [cols.code_of("kind", k) for k in _POOL_LIST_KINDS])
+    rows, ids = block_rows[keep].astype(np.int64), block_ids[keep].astype(np.int64)
+    if not len(rows):
+        return
+    key = np.sort(rows * (int(ids.max()) + 1) + ids)
+    dup = key[1:][key[1:] == key[:-1]]
+    if not len(dup):
+        return
+    width = int(ids.max()) + 1
+    dup_rows, dup_ids = dup // width, dup % width
+    for row in np.unique(dup_rows).tolist():
+        rk = int(cols.rk[row])
+        req = requests.get(rk)
+        blocks = sorted(set(dup_ids[dup_rows == row].tolist()))
+        out.append(Violation("block_listed_twice", row, int(cols.sk[row]), rk, blocks,
+                             req.describe() if req is not None else "unknown to the scheduler",
+                             _history_before(cols, req, row, row), {}))
 
 
 def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray, at: int,

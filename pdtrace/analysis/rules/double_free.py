@@ -84,14 +84,17 @@ def run(ctx: Any) -> pd.DataFrame:
             instance, dp = sk_instance(cols, int(cols.sk[row]))
             never_known = st.add_pos[rk] < 0 and not prev_i and not has_interval[rk]
             req = free_ref.get("req")
+            listed = cols.table.column("blocks")[row].as_py() or []  # one row's list, for the message only
+            twice = any(listed.count(b) > 1 for b in blocks)
             records.append({
                 "rule": "double_free", "subrule": "not_owned", "severity": "warning" if never_known else "error",
                 "instance": instance, "dp_rank": dp, "req": req, "blocks": blocks, "step": free_ref.get("step"),
                 "ts_ns": int(cols.ts[row]),
                 "message": f"{req} gave up blocks {fmt_blocks(blocks)} it did not hold"
-                           + (" (freed before)" if prev_i else " (no allocation of them in the trace)"),
+                           + (" (listed twice in this free: it held one reference)" if twice
+                              else " (freed before)" if prev_i else " (no allocation of them in the trace)"),
                 "evidence": evidence, "context": "double_free:not_owned",
-                "extra": {"previously_freed": bool(prev_i)},
+                "extra": {"previously_freed": bool(prev_i), "listed_twice": twice},
             })
 
     # completions for unknown ids, and completions after a completion already freed the blocks

@@ -76,6 +76,9 @@ from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evid
                                       engine_failures, gaps, inst_code_of_sk, sk_instance)
 from pdtrace.analysis.steps import _step_frame, rows_columns
 
+#: how a wait ended, by the kind of the row that ended it (the message's tail)
+_END_WORDS = {"req_sched": "scheduled", "req_wait_kv": "parked waiting for remote KV",
+              "req_finish": "finished without being scheduled"}
 _MAX_EXACT = 20_000  # candidates checked exactly against their block need; beyond, the upper bound stands
 
 
@@ -351,7 +354,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     need = _prompt_need(ctx, cols, st, sc)
     span = int(cols.n) + 2
     unfinished = st.finish_pos < 0
-    kind_names = cols.codes("kind")[1]
+    kind_codes, kind_names = cols.codes("kind")
     code = {k: (kind_names.index(k) if k in kind_names else -9) for k in
             ("req_add", "req_sched", "req_preempt", "req_wait_kv", "req_finish", "kv_recv_done", "kv_recv_fail")}
 
@@ -421,7 +424,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             continue
         evidence: list[tuple[int, str | None]] = [(srow, "waiting from here")]
         if end_row >= 0:
-            evidence.append((end_row, "first scheduled after"))
+            evidence.append((end_row, "first scheduled after" if kind_codes[end_row] == code["req_sched"]
+                             else "waiting ended here"))
         extra = {"steps_waited": n_steps, "steps_with_room": n_room, "blocks_needed": int(need[r]),
                  "waited_ns": int(waited_ns), "open_at_end": open_}
         if kind == code["req_preempt"] and open_:
@@ -435,7 +439,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             blocker = (_blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i]))
                        if len(out.pending) < 200 else None)
             sev = "error" if open_ else "warning"
-            tail = "still waiting at the end of the trace" if open_ else f"then scheduled ({_fmt_ms(waited_ns)})"
+            tail = ("still waiting at the end of the trace" if open_
+                    else f"then {_END_WORDS.get(kind_names[kind_codes[end_row]], 'scheduled')} ({_fmt_ms(waited_ns)})")
             n_busy = int(sc.busy_between(sk[i:i + 1], pos[i:i + 1], end_pos[i:i + 1])[0])
             extra["steps_others_ran"] = n_busy
             msg = (f"request {cols.rk_names['req'].iloc[r]} waited {n_steps} steps, {n_room} of them with room for "
