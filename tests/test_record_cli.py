@@ -115,9 +115,18 @@ def test_every_dry_run_setting_is_an_option_of_record(cli):
     result = cli("record", "--help")
     assert result.exit_code == 0
     for field in dataclasses.fields(DryRunConfig):
-        flag = {"faults": "--fault", "enable_prefix_caching": "--prefix-caching"}.get(
+        flag = {"faults": "--fault", "enable_prefix_caching": "--prefix-caching", "perturbations": "--perturb"}.get(
             field.name, "--" + field.name.replace("_", "-"))
         assert flag in result.stdout, flag
+
+
+@pytest.mark.parametrize("value, message", [("abort", "--perturb takes a JSON object"),
+                                            ('{"req": 1}', "--perturb takes a JSON object"),
+                                            ('{"kind": "nope", "req": 1}', "unknown perturbation 'nope'")])
+def test_a_bad_perturbation_is_one_line_and_exit_2(cli, tmp_path, value, message):
+    result = cli("record", "--dry-run", "-o", tmp_path / "t", "--perturb", value)
+    assert result.exit_code == 2 and message in result.stderr
+    assert not (tmp_path / "t").exists()
 
 
 def test_dry_run_options_need_dry_run(cli, tmp_path):

@@ -267,7 +267,10 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
     recording."""
     from pdtrace.dryrun import DryRunConfig, run_dry_run
 
-    config = DryRunConfig(**{name: value for name, value in options.items() if value is not None}).validate()
+    given = {name: value for name, value in options.items() if value is not None}
+    if given.get("perturbations"):
+        given["perturbations"] = [_perturbation(text) for text in given["perturbations"]]
+    config = DryRunConfig(**given).validate()
     output = prepare_output(output, force)
     result = run_dry_run(config, output)
     manifest = json.loads((output / MANIFEST_NAME).read_text())
@@ -276,6 +279,18 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
         err_console.print(f"pdtrace: vLLM raised during the dry run (recorded as engine_error): {result.error}",
                           markup=False)
     return 0
+
+
+def _perturbation(text: str) -> dict[str, Any]:
+    """One `--perturb` value: a JSON object with a `kind` (UsageError otherwise)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or "kind" not in value:
+        raise UsageError(f"--perturb takes a JSON object with a 'kind', e.g. '{{\"kind\": \"abort\", \"req\": 3}}'"
+                         f"; got {text!r}")
+    return value
 
 
 def _flight_config(seconds: float | None, mb: float | None, dump_on_exit: bool) -> "FlightConfig | None":
@@ -310,6 +325,8 @@ def _dry_run_parameters() -> list[inspect.Parameter]:
         help_text = FIELD_HELP.get(field.name, "")
         if field.name == "faults":
             names, annotation = ["--fault"], Optional[list[str]]
+        elif field.name == "perturbations":
+            names, annotation = ["--perturb"], Optional[list[str]]
         elif isinstance(default, bool):
             flag = "prefix-caching" if field.name == "enable_prefix_caching" else field.name.replace("_", "-")
             names, annotation = [f"--{flag}/--no-{flag}"], Optional[bool]

@@ -57,6 +57,7 @@ class DryRunResult:
     wall_s: float = 0.0
     engine_steps: dict[str, int] = field(default_factory=dict)
     injected: list[str] = field(default_factory=list)
+    traceback: str | None = None  # vLLM's traceback, when it raised
 
 
 #: Environment of the process that runs the engines (set in the child, never in the caller's process).
@@ -97,7 +98,7 @@ def _count_rows(output_dir: Path) -> int:
     return total
 
 
-def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
+def _run_in_child(config: DryRunConfig, out: Path, spawn: Any = None) -> DryRunResult:
     import tempfile
 
     _check_vllm_importable()
@@ -109,12 +110,12 @@ def _run_in_child(config: DryRunConfig, out: Path) -> DryRunResult:
         # The child imports this very pdtrace, installed or not.
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        returncode, stderr = _spawn_child([str(cfg_path), str(out), str(res_path)], env)
+        returncode, stderr = (spawn or _spawn_child)([str(cfg_path), str(out), str(res_path)], env)
         if returncode != 0 or not res_path.exists():
             tail = stderr.strip().splitlines()[-1:] or ["no output"]
             raise RecordingError(f"the dry run's process failed (exit {returncode}): {tail[0]}")
         noise = _child_noise(stderr)
-        if noise:
+        if noise and spawn is None:  # a caller with its own spawner (pdtrace chaos) reports runs its own way
             sys.stderr.write(noise)
         data = json.loads(res_path.read_text())
     if data.get("usage_error"):
@@ -165,7 +166,8 @@ def _check_vllm_importable() -> None:
         raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of README.md)")
 
 
-def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None) -> DryRunResult:
+def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process: bool | None = None,
+                spawn: Any = None) -> DryRunResult:
     """Run vLLM's real engine core(s) on the simulated cluster `config` describes; write the trace to `output_dir`.
 
     Same config and seed: the same events (ts_ns, seq and every field but pid). Raises RecordingError when vLLM is
@@ -175,20 +177,22 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     vLLM iterates sets of request ids (finished_sending, finished_req_ids...), whose order depends on Python's
     string hashing; so the run happens in a child process with PYTHONHASHSEED=0 unless this process already has
     hash randomization off (`in_process=None`). The child also keeps EngineCore's process-wide side effects
-    (gc.freeze, vLLM's environment cache) out of the caller.
+    (gc.freeze, vLLM's environment cache) out of the caller. `spawn` starts that child (default `_spawn_child`, a
+    fresh interpreter; `pdtrace.dryrun.zygote.spawn` forks it from a server that imported vLLM once).
     """
     config.validate()
     out = Path(output_dir)
     if out.exists() and any(out.rglob("*.parquet")):
         raise RecordingError(f"{out} already holds a trace; choose an empty or new directory")
     if in_process is None:
-        in_process = sys.flags.hash_randomization == 0
+        in_process = spawn is None and sys.flags.hash_randomization == 0
     if not in_process:
-        return _run_in_child(config, out)
+        return _run_in_child(config, out, spawn)
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     vllm_version = _check_vllm()
     from pdtrace.dryrun.faults import reshape_workload
+    from pdtrace.dryrun.perturb import apply_to_workload
     from pdtrace.dryrun.sim import SimCluster
     from pdtrace.dryrun.workload import make_workload
     from pdtrace.recording import session
@@ -197,6 +201,7 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     wall0 = time.perf_counter()
     workload = make_workload(config)
     reshape_workload(config, workload)
+    apply_to_workload(config.perturbations, workload)
     cluster = SimCluster(config, workload)
     out.mkdir(parents=True, exist_ok=True)
     session.configure(str(out), source="dryrun", clock=cluster.clock)
@@ -220,7 +225,8 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
                         requests_finished=stats.requests_finished, events=_count_rows(out), error=stats.error,
                         instances=[e.instance for e in cluster.engines], virtual_s=(end - start) / 1e9,
                         wall_s=time.perf_counter() - wall0, engine_steps=dict(stats.engine_steps),
-                        injected=list(cluster.faults.injected))
+                        injected=list(cluster.faults.injected) + list(cluster.faults.perturber.injected),
+                        traceback=stats.traceback)
 
 
 def summarize(result: DryRunResult) -> dict[str, Any]:

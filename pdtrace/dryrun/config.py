@@ -103,6 +103,8 @@ class DryRunConfig:
     slow_transfer_ms: float = 5000.0  # the slow_transfer fault's read time
     real_scheduler_time: bool = False  # add the scheduler's measured CPU time instead (not deterministic)
     instance_prefix: str = ""  # instance ids: "<prefix>prefill-0", "<prefix>decode-0", "<prefix>engine-0"
+    # orderings forced on the run (pdtrace.dryrun.perturb; what `pdtrace chaos` draws): plain dicts, JSON-able
+    perturbations: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> DryRunConfig:
         """Check the configuration; raise UsageError (exit 2) with one line naming the option."""
@@ -149,6 +151,10 @@ class DryRunConfig:
             need(distribution_max(self.prompt_len) + distribution_max(self.output_len) <= pool,
                  "fault starve needs the other requests to fit the pool: lower --prompt-len/--output-len or "
                  "raise --num-blocks")
+        from pdtrace.dryrun.perturb import check
+
+        problem = check(self.perturbations, self.requests, pair=self.instances == "pd")
+        need(problem is None, str(problem))
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,4 +199,7 @@ FIELD_HELP: dict[str, str] = {
     "slow_transfer_ms": "The slow_transfer fault's read time, ms.",
     "real_scheduler_time": "Charge the scheduler's measured CPU time instead of the fixed costs (not deterministic).",
     "instance_prefix": "Prefix of the instance ids (prefill-0, decode-0, engine-0).",
+    "perturbations": "Force an ordering (repeatable), a JSON object as `pdtrace chaos` writes them, e.g. "
+                     "'{\"kind\": \"abort\", \"req\": 3, \"side\": \"d\", \"after_us\": 50}' (kinds: "
+                     "pdtrace/dryrun/perturb.py).",
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pdtrace.dryrun.config import DryRunConfig
+from pdtrace.dryrun.perturb import Perturber
 from pdtrace.dryrun.workload import VOCAB_FOR_PROMPTS, WorkloadRequest
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ class FaultInjector:
         self._dup_armed = False
         self._dup_done = False
         self.injected: list[str] = []
+        self.perturber = Perturber(cluster)
 
     def client_concurrency(self) -> int:
         """0 for an open-loop client; the closed-loop limit for few_requests_pp."""
@@ -87,6 +89,7 @@ class FaultInjector:
         return 0
 
     def read_ns(self, engine: SimEngine, req_id: str, normal_ns: int, rank: Any = None) -> int:
+        normal_ns = self.perturber.read_ns(req_id, normal_ns)
         if "slow_transfer" in self.faults and req_id == self.d_target["slow_transfer"]:
             if engine.ranks and not any("slow read" in x for x in self.injected):
                 self.injected.append(f"slow read of {req_id}: {self.cluster.config.slow_transfer_ms:.0f} ms")
@@ -100,6 +103,7 @@ class FaultInjector:
         return normal_ns
 
     def on_read_started(self, engine: SimEngine, req_id: str, ts: int, dur: int) -> None:
+        self.perturber.on_read_started(engine, req_id, ts, dur)
         if "abort_while_waiting_kv" in self.faults and req_id == self.d_target["abort_while_waiting_kv"]:
             engine.push_input(ts + dur // 2, "abort", req_id)
             self.injected.append(f"abort {req_id} at +{dur // 2 / 1e6:.1f} ms into its read")

@@ -22,6 +22,7 @@ calls; so the same seed gives the same trace. `real_scheduler_time=True` charges
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import logging
@@ -38,6 +39,7 @@ from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine
                                    full_attention_spec, new_request, post_step, shared_request_ids, split_sampling,
                                    use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
+from pdtrace.dryrun.perturb import pool_blocks
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
 from pdtrace.recording.vllm.v0_33 import _batch_add_reason as batch_add_reason
 from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
@@ -390,14 +392,17 @@ class SimEngine:
         if self.has_connector:
             sends, recvs = rank.take_completions(ts)
             sends = self.cluster.faults.filter_sends(self, rank, rec, sends)
+            sends, recvs, invalid = self.cluster.faults.perturber.filter_reports(self, rank, rec, sends, recvs)
             for r in sorted(sends):
                 chan.emit("kv_send_rank", step=step, req=r)
             for r in sorted(recvs):
                 chan.emit("kv_recv_rank", step=step, req=r)
             if sends or recvs:
                 self.cluster.note_progress(ts)
-            rec.rank_kv[(rank.pp_rank, rank.tp_rank)] = KVConnectorOutput(
-                finished_sending=sends or None, finished_recving=recvs or None)
+            out = KVConnectorOutput(finished_sending=sends or None, finished_recving=recvs or None)
+            if invalid and hasattr(out, "invalid_block_ids"):  # a failed read (0.11+ report it this way)
+                out.invalid_block_ids = set(invalid)
+            rec.rank_kv[(rank.pp_rank, rank.tp_rank)] = out
         chan.emit("exec_end", step=step, n=rec.tokens, detail=_RPC_EXEC)
 
     # -- inputs ----------------------------------------------------------------------------------------------
@@ -421,6 +426,7 @@ class SimEngine:
                 req = item.payload
                 attach_block_hasher(req, self.core.request_block_hasher)
                 self.core.add_request(req)
+                self.cluster.faults.perturber.on_added(self, req.request_id, now)
             elif item.kind == "abort":
                 if item.payload in self.core.scheduler.requests:
                     self.core.abort_requests([item.payload])
@@ -464,6 +470,7 @@ class RunStats:
     requests_finished: int = 0
     error: str | None = None
     engine_steps: dict[str, int] = field(default_factory=dict)
+    traceback: str | None = None  # vLLM's, when it raised
 
 
 class SimCluster:
@@ -482,6 +489,10 @@ class SimCluster:
         if "starve" in config.faults:
             # vLLM refuses a max_model_len its pool could never hold: exactly the usable pool.
             self.max_model_len = (config.num_blocks - 1) * config.block_size
+        if config.perturbations:  # small_pool: the pool shrinks, never below what max_model_len needs
+            need = -(-self.max_model_len // config.block_size) + 1
+            blocks = pool_blocks(config.perturbations, config.num_blocks, need)
+            config = self.config = dataclasses.replace(config, num_blocks=blocks)
         self._order = 0
         self.want_eos: dict[str, bool] = {}
         # P and D name a request `rNNNNN-p` / `rNNNNN-d`, or both `rNNNNN` where the release has one id for both.
@@ -663,6 +674,7 @@ class SimCluster:
                 where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
                 msg = f": {exc}" if str(exc) else ""
                 self.stats.error = f"{e.instance}: {type(exc).__name__}{msg}{where}"
+                self.stats.traceback = "".join(traceback.format_exception(exc))
                 self._record_engine_error(e, exc)
                 break
             self.stats.steps += 1

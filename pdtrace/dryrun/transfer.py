@@ -52,6 +52,7 @@ class SimTransferEngine:
         faults = self.cluster.faults
         for req_id, rm in to_recv.items():
             n_blocks, awaited, remote_engine, remote_req = recv_plan(rm)
+            faults.perturber.note_read(req_id, rm.local_block_ids)
             dur = faults.read_ns(engine, req_id, self.read_ns(n_blocks), rank)
             done = ts + dur
             if rank.pp_rank == 0 and rank.tp_rank == 0:

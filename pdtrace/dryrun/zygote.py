@@ -1,4 +1,4 @@
-"""A dry-run server for the vLLM tier: it imports vLLM once, then forks a child per dry run.
+"""A dry-run server: it imports vLLM once, then forks a child per dry run (`pdtrace chaos`, the vLLM test tier).
 
 Why: a dry run's own work takes about a second; the fresh process `run_dry_run` starts for it (PYTHONHASHSEED=0,
 vLLM's process-wide side effects kept out of the caller) spends 6-13 s importing vLLM first (0.33.0: 6.7 s,
@@ -8,8 +8,9 @@ environment and PYTHONHASHSEED=0, nothing of vLLM run before the fork (no engine
 child runs `pdtrace.dryrun._child.main` exactly as `python -m pdtrace.dryrun._child` would, with the run's own
 environment and its stdout and stderr in a file.
 
-`tests/vllm_tier/conftest.py` puts `spawn` in place of `pdtrace.dryrun._spawn_child` for the tier's in-process
-dry runs; the CLI tests (`pdtrace record --dry-run` as a subprocess) keep the real path.
+`pdtrace chaos` runs its many short dry runs through `Zygote.spawn`; `tests/vllm_tier/conftest.py` puts the
+module's `spawn` in place of `pdtrace.dryrun._spawn_child` for the tier's in-process dry runs; `pdtrace record
+--dry-run` keeps the fresh process.
 
 Protocol: one JSON line per run on the server's stdin ({"args", "env", "log"}); one JSON line back on its stdout
 ({"rc"}) once the child has exited.
@@ -75,8 +76,8 @@ def _serve() -> int:
 
 
 def _start(env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, __file__], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pdtrace.dryrun.zygote"], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     atexit.register(_stop, proc)
     return proc
 
@@ -88,6 +89,15 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def stop() -> None:
+    """Stop this process's server, if it started one (its forked child ends with it)."""
+    global _server
+    with _lock:
+        if _server is not None:
+            _stop(_server)
+            _server = None
 
 
 def spawn(args: list[str], env: dict[str, str]) -> tuple[int, str]:

@@ -19,13 +19,13 @@ import harness  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _dry_runs_share_one_vllm_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tier's in-process dry runs fork from a server that imported vLLM once (dryrun_zygote.py says why);
+    """The tier's in-process dry runs fork from a server that imported vLLM once (pdtrace/dryrun/zygote.py says why);
     PDTRACE_TIER_FRESH_DRY_RUNS=1 gives each its own fresh process, as users' runs have."""
     import os
 
     if os.environ.get("PDTRACE_TIER_FRESH_DRY_RUNS") == "1":
         return
-    import dryrun_zygote
+    from pdtrace.dryrun import zygote as dryrun_zygote
 
     import pdtrace.dryrun
 

@@ -103,9 +103,9 @@ def test_same_seed_same_trace(tmp_path: Path) -> None:
 
 
 def test_a_dry_run_forked_from_the_tier_server_equals_a_fresh_process(tmp_path: Path, monkeypatch) -> None:
-    """The tier forks its dry runs from a server that imported vLLM once (dryrun_zygote.py); a user's run is a fresh
-    process. Same config and seed: the same events, so what the tier checks is what users get."""
-    import dryrun_zygote
+    """The tier forks its dry runs from a server that imported vLLM once (pdtrace/dryrun/zygote.py); a user's run
+    is a fresh process. Same config and seed: the same events, so what the tier checks is what users get."""
+    from pdtrace.dryrun import zygote as dryrun_zygote
 
     import pdtrace.dryrun
 

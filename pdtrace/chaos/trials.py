@@ -1,0 +1,120 @@
+"""One chaos trial: drawn from a seed, run on the installed vLLM, judged."""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pdtrace.dryrun.config import DryRunConfig
+from pdtrace.dryrun.perturb import draw, label_of
+
+#: The campaign's workloads: the topology every trial of it shares (the rest is drawn per trial).
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "pd": {"instances": "pd", "pp": 1},
+    "pp": {"instances": "pd", "pp": 2},
+    "single": {"instances": "single", "pp": 1},
+}
+
+#: Long enough that a leak outlasts the leak rules' grace (480 s) before the trace ends.
+END_HOLD_S = 600.0
+
+
+def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryRunConfig:
+    """A small dry run with 1 to 4 perturbations, every choice from `rng` (the campaign's seed decides them all)."""
+    shape = WORKLOADS[workload]
+    pair = shape["instances"] == "pd"
+    pp = shape["pp"]
+    tp = rng.choice((1, 1, 2)) if pair else 1
+    requests = rng.randint(4, 24)
+    config = DryRunConfig(
+        instances=shape["instances"], pp=pp, tp=tp, requests=requests,
+        rate=rng.choice((0.0, 200.0, 2000.0)),
+        prompt_len=f"uniform:8:{rng.choice((48, 160, 400))}",
+        output_len=rng.choice(("exp:4", "exp:16", "uniform:1:40")),
+        num_blocks=512, max_num_seqs=rng.choice((4, 16, 64)),
+        max_num_batched_tokens=rng.choice((64, 128, 512)),
+        async_scheduling=async_ok and pp == 1 and rng.random() < 0.3,
+        enable_prefix_caching=rng.random() < 0.7,
+        seed=rng.randrange(1 << 31), end_hold_s=END_HOLD_S)
+    config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4))
+    return config
+
+
+@dataclass
+class Outcome:
+    """A trial's verdict. `signature` is None when it passed: neither vLLM raised nor `analyze` found an error."""
+
+    signature: str | None
+    label: str
+    detail: str = ""
+    traceback: str | None = None
+    findings: list[dict[str, Any]] = field(default_factory=list)  # the error findings (rule, subrule, req, message)
+    harness_error: str | None = None  # the dry run itself could not run this trial (not a vLLM failure)
+    wall_s: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.signature is not None
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]*?/vllm/[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def raise_signature(error: str, traceback: str | None) -> str:
+    """`ExcType at vllm/<path>:<function>`: the innermost vLLM frame of the traceback (no line number, so one bug
+    keeps one signature across releases); the error line's own site where no traceback was kept."""
+    last = (traceback or "").strip().splitlines()[-1:] or [""]
+    named = re.match(r"^([\w.]+)(?::|$)", last[0]) or re.match(r"^\S+: ([\w.]+)", error)
+    exc_type = named.group(1).rsplit(".", 1)[-1] if named else error
+    frames = list(_FRAME.finditer(traceback or ""))
+    if frames:
+        f = frames[-1]
+        path = f["file"][f["file"].rindex("/vllm/") + 1:]
+        return f"{exc_type} at {path}:{f['func']}"
+    return exc_type
+
+
+def judge(error: str | None, traceback: str | None, findings: Any, label: str) -> Outcome:
+    """The verdict on one run: vLLM's exception first (its signature), else the first error finding's rule/subrule
+    (the findings sorted by rule, subrule)."""
+    errors: list[dict[str, Any]] = []
+    if findings is not None and len(findings):
+        rows = findings[findings["severity"] == "error"]
+        errors = [{"rule": r.rule, "subrule": r.subrule, "instance": r.instance, "req": r.req,
+                   "message": str(r.message)} for r in rows.itertuples()]
+        errors.sort(key=lambda f: (f["rule"], f["subrule"]))
+    if error:
+        return Outcome(raise_signature(error, traceback), label, error, traceback, errors)
+    if errors:
+        first = errors[0]
+        return Outcome(f"{first['rule']}/{first['subrule']}", label, first["message"], None, errors)
+    return Outcome(None, label)
+
+
+Spawner = Callable[[list[str], dict[str, str]], "tuple[int, str]"]
+
+
+def run_trial(config: DryRunConfig, out: Path, spawn: Spawner | None = None) -> Outcome:
+    """Run `config` into `out` (a new directory) and judge it. A trial the dry run refuses or cannot finish is an
+    Outcome with `harness_error` (and no signature): pdtrace's problem, not vLLM's."""
+    from pdtrace.analysis import analyze
+    from pdtrace.dryrun import run_dry_run
+    from pdtrace.errors import PdtraceError
+
+    label = label_of(config.perturbations)
+    t0 = time.perf_counter()
+    try:
+        result = run_dry_run(config, out, spawn=spawn)
+    except PdtraceError as exc:
+        return Outcome(None, label, harness_error=str(exc), wall_s=time.perf_counter() - t0)
+    try:
+        findings = analyze(out)
+    except PdtraceError as exc:
+        return Outcome(None, label, harness_error=f"analyze: {exc}", wall_s=time.perf_counter() - t0)
+    outcome = judge(result.error, result.traceback, findings, label)
+    outcome.wall_s = time.perf_counter() - t0
+    return outcome

@@ -1,0 +1,204 @@
+"""`pdtrace chaos` without vLLM: the perturbations, the minimisation, the verdicts and the command's refusals.
+(The campaign on a real vLLM release is in tests/vllm_tier/test_chaos_vllm.py.)"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from pdtrace.chaos.campaign import minimise
+from pdtrace.chaos.trials import draw_trial, judge, raise_signature
+from pdtrace.cli import app
+from pdtrace.dryrun.config import DryRunConfig
+from pdtrace.dryrun.perturb import FAULTY, LEGAL, PERTURBATIONS, Perturber, apply_to_workload, check, draw, label_of
+from pdtrace.dryrun.workload import WorkloadRequest
+from pdtrace.errors import UsageError
+
+TRACEBACK = '''Traceback (most recent call last):
+  File "/x/site-packages/pdtrace/dryrun/sim.py", line 640, in run
+    outputs, executed = engine_step(e.core)
+  File "/x/site-packages/vllm/v1/engine/core.py", line 400, in step
+    engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+  File "/x/site-packages/vllm/v1/core/sched/scheduler.py", line 3581, in _update_from_kv_xfer_finished
+    assert req_id in self.requests
+AssertionError
+'''
+
+
+def test_every_kind_is_labelled_and_drawn_only_where_it_applies():
+    assert {k.label for k in PERTURBATIONS.values()} == {LEGAL, FAULTY}
+    single = draw(random.Random(3), 10, 1, 1, pair=False, count=200)
+    assert {p["kind"] for p in single} <= {k for k, v in PERTURBATIONS.items() if not v.needs_pair}
+    paired = draw(random.Random(3), 10, 2, 2, pair=True, count=400)
+    assert {p["kind"] for p in paired} == set(PERTURBATIONS)
+    assert all(0 <= p["req"] < 10 for p in paired)
+
+
+def test_the_same_seed_draws_the_same_trials():
+    a = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single")]
+    b = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single")]
+    assert a == b
+    assert a != [draw_trial(random.Random(8), w).to_dict() for w in ("pd", "pp", "single")]
+    for trial in a:
+        DryRunConfig(**trial).validate()  # every drawn trial is a valid dry run
+
+
+def test_a_schedule_is_faulty_if_one_perturbation_is():
+    assert label_of([{"kind": "abort", "req": 0}, {"kind": "slow_read", "req": 1}]) == LEGAL
+    assert label_of([{"kind": "abort", "req": 0}, {"kind": "dup_report", "req": 1}]) == FAULTY
+    assert label_of([]) == LEGAL
+
+
+def test_bad_perturbations_are_refused_in_one_line():
+    assert "unknown perturbation" in check([{"kind": "nope", "req": 0}], 4, pair=True)
+    assert "targets request 9 of 4" in check([{"kind": "abort", "req": 9}], 4, pair=True)
+    assert "needs a prefill/decode pair" in check([{"kind": "slow_read", "req": 0}], 4, pair=False)
+    assert check([{"kind": "abort", "req": 3}], 4, pair=False) is None
+    with pytest.raises(UsageError, match="unknown perturbation"):
+        DryRunConfig(perturbations=[{"kind": "nope", "req": 0}]).validate()
+
+
+def test_a_burst_makes_its_requests_arrive_together():
+    wl = [WorkloadRequest(i, i * 1000, [1], 1) for i in range(6)]
+    apply_to_workload([{"kind": "burst", "req": 1, "count": 3}], wl)
+    assert [(w.index, w.arrival_ns) for w in wl] == [(0, 0), (1, 1000), (2, 1000), (3, 1000), (4, 4000),
+                                                      (5, 5000)]
+
+
+def _config(n: int) -> DryRunConfig:
+    return DryRunConfig(requests=20, perturbations=[{"kind": "abort", "req": i, "side": "p", "after_us": 1.0}
+                                                    for i in range(n)])
+
+
+def test_minimise_finds_the_two_perturbations_that_matter_and_cuts_the_workload():
+    calls = []
+
+    def fails(candidate: DryRunConfig) -> bool:
+        calls.append(candidate)
+        reqs = {p["req"] for p in candidate.perturbations}
+        return {2, 5} <= reqs and candidate.requests > 5
+
+    small, runs = minimise(_config(8), "sig", fails)
+    assert sorted(p["req"] for p in small.perturbations) == [2, 5]
+    assert small.requests == 6  # one more than the highest request a perturbation targets
+    assert runs == len(calls) <= 48
+
+
+def test_minimise_drops_every_perturbation_when_the_workload_alone_fails():
+    small, _ = minimise(_config(5), "sig", lambda c: True)
+    assert small.perturbations == []
+
+
+def test_minimise_stops_at_its_run_budget():
+    small, runs = minimise(_config(16), "sig", lambda c: len(c.perturbations) >= 9, max_runs=5)
+    assert runs == 5 and len(small.perturbations) >= 9
+
+
+def test_a_raise_is_signed_by_its_exception_and_innermost_vllm_function():
+    assert raise_signature("prefill-0: AssertionError at scheduler.py:3581", TRACEBACK) == (
+        "AssertionError at vllm/v1/core/sched/scheduler.py:_update_from_kv_xfer_finished")
+    key_error = TRACEBACK.replace("AssertionError\n", "KeyError: 'r00003-d'\n")
+    assert raise_signature("x", key_error).startswith("KeyError at vllm/")
+    assert raise_signature("decode-0: KeyError: 'r1' at core.py:9", None) == "KeyError"
+
+
+def test_judge_prefers_vllm_raising_then_the_first_error_finding():
+    findings = pd.DataFrame([
+        {"rule": "leaked_blocks", "subrule": "indirectly", "severity": "error", "instance": "p", "req": "r1",
+         "message": "leak"},
+        {"rule": "double_free", "subrule": "not_owned", "severity": "error", "instance": "p", "req": "r2",
+         "message": "twice"},
+        {"rule": "unscheduled_request", "subrule": "starved", "severity": "warning", "instance": "p", "req": "r3",
+         "message": "slow"}])
+    assert judge(None, None, findings, LEGAL).signature == "double_free/not_owned"
+    assert len(judge(None, None, findings, LEGAL).findings) == 2  # errors only
+    raised = judge("prefill-0: AssertionError at scheduler.py:3581", TRACEBACK, findings, FAULTY)
+    assert raised.signature.startswith("AssertionError at vllm/") and raised.label == FAULTY
+    passed = judge(None, None, findings[findings.severity == "warning"], LEGAL)
+    assert passed.signature is None and not passed.failed
+
+
+# -- the perturbations inside the simulated cluster: a rank's reports --------------------------------------------
+
+@dataclass
+class _Rank:
+    pp_rank: int = 0
+    tp_rank: int = 0
+    sends_registered: set = field(default_factory=set)
+
+
+def _perturber(perturbations: list[dict]) -> tuple[Perturber, SimpleNamespace]:
+    cluster = SimpleNamespace(config=SimpleNamespace(perturbations=perturbations),
+                              req_id=lambda base, side: f"{base}-{side}")
+    engine = SimpleNamespace(instance="prefill-0", role="prefill", rank_keys=[(0, 0), (0, 1)])
+    return Perturber(cluster), engine
+
+
+def _steps(perturber: Perturber, engine, rank, reports: list[set]) -> list[set]:
+    rec = SimpleNamespace(forward=True, so=SimpleNamespace(num_scheduled_tokens={}), step=0)
+    return [perturber.filter_reports(engine, rank, rec, sends, set())[0] for sends in reports]
+
+
+def test_a_delayed_report_comes_that_many_steps_later_once():
+    perturber, engine = _perturber([{"kind": "delay_report", "req": 1, "side": "p", "rank": -1, "steps": 2}])
+    got = _steps(perturber, engine, _Rank(), [{"r00001-p"}, set(), set(), set()])
+    assert got == [set(), set(), {"r00001-p"}, set()]
+
+
+def test_a_dropped_report_never_comes_and_a_duplicated_one_comes_twice():
+    perturber, engine = _perturber([{"kind": "drop_report", "req": 1, "side": "p", "rank": 1}])
+    assert _steps(perturber, engine, _Rank(0, 1), [{"r00001-p"}, set()]) == [set(), set()]
+    assert _steps(perturber, engine, _Rank(0, 0), [{"r00001-p"}]) == [{"r00001-p"}]  # another rank: untouched
+    perturber, engine = _perturber([{"kind": "dup_report", "req": 1, "side": "p", "rank": -1, "steps": 1}])
+    got = _steps(perturber, engine, _Rank(), [{"r00001-p"}, set(), set()])
+    assert got == [{"r00001-p"}, {"r00001-p"}, set()]
+
+
+def test_a_decode_side_perturbation_leaves_the_prefill_side_alone():
+    perturber, engine = _perturber([{"kind": "drop_report", "req": 1, "side": "d", "rank": -1}])
+    assert _steps(perturber, engine, _Rank(), [{"r00001-p"}]) == [{"r00001-p"}]
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_chaos_without_a_supported_vllm_says_which_releases_in_one_line(monkeypatch, tmp_path):
+    import pdtrace.recording.vllm as hooks
+
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.9.0")
+    result = runner.invoke(app, ["chaos", "-o", str(tmp_path / "c")], standalone_mode=False)
+    assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
+    assert "0.9.0" in str(result.exception) and "0.33" in str(result.exception)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["chaos"], "needs -o DIR"),
+    (["chaos", "-o", "X", "--budget", "soon"], "--budget takes a duration"),
+    (["chaos", "--repro", "NOPE"], "holds no failure.json"),
+    (["chaos", "--repro", "NOPE", "-o", "X"], "takes no -o"),
+])
+def test_chaos_refuses_bad_usage_in_one_line(monkeypatch, tmp_path, args, message):
+    import pdtrace.recording.vllm as hooks
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.33.0")
+    result = runner.invoke(app, args, standalone_mode=False)
+    assert isinstance(result.exception, UsageError), result.output
+    assert message in str(result.exception) and result.exception.exit_code == 2
+
+
+def test_a_campaign_refuses_a_directory_that_holds_failures(monkeypatch, tmp_path):
+    import pdtrace.recording.vllm as hooks
+
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.33.0")
+    (tmp_path / "failure-0001").mkdir()
+    result = runner.invoke(app, ["chaos", "-o", str(tmp_path)], standalone_mode=False)
+    assert isinstance(result.exception, UsageError) and "already holds failures" in str(result.exception)

@@ -1,0 +1,75 @@
+"""`pdtrace chaos` on a real vLLM release: a campaign runs every trial it draws, a failure reproduces, and the
+first known bug it rediscovered (docs/chaos.md) is found on the release before its fix and not after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="needs a supported vLLM (.ci/install-vllm.sh VENV [VERSION])")
+
+from pdtrace.chaos import Campaign, repro, run_campaign, run_trial  # noqa: E402
+from pdtrace.chaos.campaign import save_failure  # noqa: E402
+from pdtrace.dryrun import DryRunConfig  # noqa: E402
+from pdtrace.dryrun.perturb import FAULTY, LEGAL  # noqa: E402
+from pdtrace.recording.vllm import installed_vllm_version  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def _release() -> tuple[int, ...]:
+    return tuple(int(p) for p in (installed_vllm_version() or "0").split(".")[:3] if p.isdigit())
+
+
+#: What `pdtrace chaos -o DIR --workload pd` (seed 0) found on vLLM 0.15.1 after 71 s, minimised to one request
+#: abort: D's request r00005-d aborted 29.4 us after it reached D, while its KV read is in flight. 0.15.1's
+#: `finish_requests` frees a WAITING_FOR_REMOTE_KVS request's blocks at once (scheduler.py, the abort path), so
+#: the read writes into freed blocks and its completion arrives for a freed request; vLLM #32255 (in 0.16.0)
+#: defers that free until the read ends.
+ABORT_DURING_READ = dict(
+    instances="pd", pp=1, tp=1, num_blocks=512, max_num_seqs=64, max_num_batched_tokens=64, async_scheduling=True,
+    enable_prefix_caching=False, requests=6, rate=2000.0, prompt_len="uniform:8:48", output_len="exp:4",
+    seed=1924014660, end_hold_s=600.0, perturbations=[{"kind": "abort", "req": 5, "side": "d", "after_us": 29.4}])
+
+
+def test_an_abort_during_the_read_is_a_premature_free_before_0_16_and_clean_after(tmp_path: Path) -> None:
+    release = _release()
+    if release < (0, 15, 1):
+        pytest.skip("the rediscovery was measured on 0.15.1 (before the fix) and 0.16.0+ (after)")
+    outcome = run_trial(DryRunConfig(**ABORT_DURING_READ), tmp_path / "trace")
+    assert outcome.harness_error is None and outcome.label == LEGAL
+    found = {f"{f['rule']}/{f['subrule']}" for f in outcome.findings if f["req"] == "r00005-d"}
+    if release < (0, 16, 0):
+        assert outcome.signature == "double_free/completion_after_free"
+        assert "premature_free/recv_open" in found
+    else:
+        assert not outcome.failed, outcome.findings
+
+
+def test_a_faulty_peer_completion_fails_and_its_saved_failure_reproduces(tmp_path: Path) -> None:
+    """P's ranks report a send done in the first step that schedules the request (the first of its four prefill
+    chunks): vLLM asserts; the failure is saved with its trace and re-runs to the same signature (the runs are
+    deterministic)."""
+    config = DryRunConfig(requests=3, rate=0.0, seed=3, prompt_len="200", max_num_batched_tokens=64, end_hold_s=600.0,
+                          perturbations=[{"kind": "early_report", "req": 1},
+                                         {"kind": "slow_read", "req": 0, "factor": 3.0}])
+    outcome = run_trial(config, tmp_path / "first")
+    assert outcome.failed and outcome.label == FAULTY
+    assert outcome.signature.startswith("AssertionError at vllm/v1/core/sched/scheduler.py:"), outcome.signature
+    campaign = Campaign(output=tmp_path / "out", budget_s=120.0)
+    failure = save_failure(campaign, config, outcome, 1, 1.0, tmp_path, None, 3600.0, installed_vllm_version() or "")
+    assert failure.signature == outcome.signature and failure.perturbations_after == 1  # slow_read did not matter
+    assert (failure.path / "trace").is_dir() and (failure.path / "failure.json").is_file()
+    record, again = repro(failure.path)
+    assert again.signature == record["signature"] == outcome.signature
+
+
+def test_a_short_campaign_runs_every_trial_it_draws(tmp_path: Path) -> None:
+    """Every drawn trial (each workload, every kind of perturbation the draws give) is one the release runs."""
+    result = run_campaign(Campaign(output=tmp_path / "out", budget_s=300.0, seed=5, max_runs=6,
+                                          minimise_runs=2), None,
+                          installed_vllm_version() or "")
+    assert result.runs == 6 and result.harness_errors == 0, result.first_harness_error
+    for failure in result.failures:
+        assert (failure.path / "failure.json").is_file()
