@@ -37,6 +37,8 @@ class CrossInstance:
     (a, b) of partitions whose findings of this rule depend on each other; linked partitions form groups
     (connected components) that are re-analysed together. Linking too much costs time only, never findings;
     linking too little loses the cross-instance findings.
+    The three callables are module-level functions: a rule that is not registered travels to worker processes and
+    Dask workers pickled, by reference to them.
     """
 
     subrule: str
