@@ -217,7 +217,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     trace = ctx.trace
     jobs = int(ctx.config.jobs) or default_jobs()
     with allocation_settings():
-        frames = [judged(ctx, window_findings(ctx, checked_findings(frame, rule)))
+        frames = [judged(ctx, window_findings(ctx, checked_findings(frame, rule), rule))
                   for frame, rule in zip(run_rules(ctx, chosen, jobs), chosen)]
     findings = explained_once(ordered_findings(frames), [r.id for r in chosen if r.fallback])
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,

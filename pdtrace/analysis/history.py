@@ -24,16 +24,17 @@ What lies before the window (`History`, built once per analysis from the window'
 - a step begun before it: per scheduler, a step id below the first `sched` step in the window.
 
 A finding touches the window's start when its request, one of its blocks or its step (or those of a row its
-evidence cites) lies before the window. What happens to it is `WINDOW_POLICY`'s, per rule and subrule and per
-kind of history (request, blocks, step):
+evidence cites) lies before the window. What happens to it its rule declares (`Rule.window_policy`, per subrule
+and per kind of history: request, blocks, step; `pdtrace.analysis.registry`):
 - `drop`: the finding claims that something did not happen before it (no allocation of the freed blocks, no
   finish before the free, no rank report before the completion, no allocation before the use), and that may
   simply lie before the window: the cut made it, it is not reported;
 - `downgrade` (the default, also for rules this module does not know): one severity lower (`rulekit.DOWNGRADE`),
   its message starts "history before the window unknown (...)", `extra.window` = {`start_ns`, `source`,
   `before`: what of it lies before the window} and `extra.downgraded` = "window" (unless another reason is set);
-- `keep`: the window's own rows prove it (a completion whose recorded status says the scheduler does not know the
-  id): unchanged but for `extra.window`;
+- `keep`: the window's own rows prove it: unchanged but for `extra.window`; so is a finding of a subrule in
+  `Rule.status_proves` that cites a completion carrying its recorded `status` (the scheduler's own word: RUNNING
+  for a completion before the finish, `unknown` for an id it does not know);
 - `drop_unless_started` / `drop_unless_finished_later`: left out unless the window holds the request's transfer
   start (its req_finish or req_wait_kv) before the finding, or its req_finish after it; then one lower.
 Findings that touch nothing before the window are left as they are: their evidence lies inside it.
@@ -48,6 +49,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.columns import NO, _kind_mask, columns, first_per_key, order_by_key
+from pdtrace.analysis.registry import HISTORY_KINDS, Rule
 from pdtrace.analysis.rulekit import DOWNGRADE
 
 _BIG = np.iinfo(np.int64).max
@@ -56,32 +58,8 @@ _ALLOC_KINDS = ("blocks_alloc", "req_wait_kv")
 #: kinds whose `blocks` are this scheduler's pool (remote_read's are the peer's)
 _BLOCK_KINDS = ("blocks_alloc", "req_wait_kv", "blocks_free", "blocks_pool_free", "kv_recv_fail")
 
-REQUEST, BLOCKS, STEP = "request", "blocks", "step"
-
-# (rule, subrule) -> {kind of pre-window history: action}; a missing kind (or rule) means "downgrade".
-WINDOW_POLICY: dict[tuple[str, str], dict[str, str]] = {
-    # the freed blocks' allocation (or the request's) may lie before the window
-    ("double_free", "not_owned"): {REQUEST: "drop", BLOCKS: "drop"},
-    # a completion for an id the window never saw (without a status saying the scheduler does not know it)
-    ("double_free", "unknown_id"): {REQUEST: "drop"},
-    # the request's req_finish may lie before the window, unless the window holds it after the free
-    ("premature_free", "unfinished"): {REQUEST: "drop_unless_finished_later"},
-    # the ranks' reports may lie before the window: they follow the transfer's start (the finish for a send, the
-    # req_wait_kv for a receive), so a request whose start the window holds keeps the finding (one lower)
-    ("premature_free", "quorum"): {STEP: "drop", REQUEST: "drop_unless_started"},
-    # the allocation that makes the use legal may lie before the window
-    ("use_after_free", "sched_after_free"): {BLOCKS: "drop"},
-    ("use_after_free", "reused_during_transfer"): {BLOCKS: "drop"},
-    # the request's add, finish or schedules may lie before the window
-    ("completion_before_finish", "send"): {REQUEST: "drop"},
-    ("completion_before_finish", "recv"): {REQUEST: "drop"},
-}
-
-
-#: Findings that stand on the window's own rows when the completion they cite carries its recorded `status` (the
-#: scheduler's own word: RUNNING for a completion before the finish, `unknown` for an id it does not know): kept.
-STATUS_PROVES = {("completion_before_finish", "send"), ("completion_before_finish", "recv"),
-                 ("double_free", "unknown_id")}
+REQUEST, BLOCKS, STEP = HISTORY_KINDS
+#: the completions whose recorded `status` proves a finding of a subrule in `Rule.status_proves`
 _COMPLETIONS = ("kv_send_done", "kv_recv_done")
 
 
@@ -321,14 +299,13 @@ def _blocks_before(cols: Any, hist: History, sk_key: list[tuple[str, int]]) -> N
         hist.blocks.setdefault(sk_key[k // width], {})[k % width] = at
 
 
-def _action(hist: History, rec: dict[str, Any], before: dict[str, list[str]]) -> str:
-    rule, subrule, evidence = str(rec["rule"]), str(rec["subrule"]), rec.get("evidence") or []
-    if (rule, subrule) in STATUS_PROVES and any(
+def _action(hist: History, rule: Rule | None, rec: dict[str, Any], before: dict[str, list[str]]) -> str:
+    subrule, evidence = str(rec["subrule"]), rec.get("evidence") or []
+    if rule is not None and subrule in rule.status_proves and any(
             isinstance(ref, dict) and ref.get("kind") in _COMPLETIONS and ref.get("status") not in (None, "")
             for ref in evidence):
         return "keep"
-    policy = WINDOW_POLICY.get((rule, subrule), {})
-    actions = [policy.get(kind, "downgrade") for kind in before]
+    actions = [rule.window_action(subrule, kind) if rule is not None else "downgrade" for kind in before]
     key, ts = (str(rec.get("instance")), str(rec.get("req"))), _int(rec.get("ts_ns"))
     if "drop_unless_started" in actions:  # the transfer began inside the window: its reports are all in it
         started = hist.transfer_start.get(key, _BIG)
@@ -345,21 +322,31 @@ def _action(hist: History, rec: dict[str, Any], before: dict[str, list[str]]) ->
     return "keep"
 
 
-def window_findings(ctx: Any, findings: pd.DataFrame) -> pd.DataFrame:
-    """One rule's findings on a trace that starts mid-run, with what the cut made dropped or downgraded (the module
-    docstring); the findings themselves on a whole run."""
+def window_findings(ctx: Any, findings: pd.DataFrame, rule: Rule | None = None) -> pd.DataFrame:
+    """One rule's findings on a trace that starts mid-run, with what the cut made dropped or downgraded as `rule`
+    declares (`Rule.window_policy`, `Rule.status_proves`; the module docstring); the findings themselves on a whole
+    run. `rule`: the rule that made them; None looks it up among the registered rules by the findings' `rule` id
+    (a rule found nowhere declares nothing: its findings touching the window's start are downgraded)."""
     if len(findings) == 0:
         return findings
     hist = history(ctx)
     if hist is None:
         return findings
+    if rule is None:
+        from pdtrace.analysis.registry import load_rules  # the registry loads every rule module: only when asked
+
+        ids = {str(r) for r in findings["rule"].unique()}
+        registered = load_rules(errors=[])
+        rules = {i: registered.get(i) for i in ids}
+    else:
+        rules = {}
     out = []
     for rec in findings.to_dict("records"):  # few: findings
         before = hist.before(rec)
         if not before:
             out.append(rec)
             continue
-        action = _action(hist, rec, before)
+        action = _action(hist, rule if rule is not None else rules.get(str(rec["rule"])), rec, before)
         if action == "drop":
             continue
         what = "; ".join(text for texts in before.values() for text in texts)
@@ -377,3 +364,19 @@ def window_findings(ctx: Any, findings: pd.DataFrame) -> pd.DataFrame:
         findings.iloc[:0]
     frame.attrs = dict(findings.attrs)
     return frame
+
+
+def __getattr__(name: str) -> Any:
+    """`WINDOW_POLICY` and `STATUS_PROVES`, the tables these declarations lived in before they moved onto each
+    `Rule` ((rule id, subrule) -> {kind: action}, and a set of (rule id, subrule)), built from the registered rules.
+    Kept for one release for code written against them; read `Rule.window_policy` / `Rule.status_proves`."""
+    if name == "WINDOW_POLICY":
+        from pdtrace.analysis.registry import load_rules
+
+        return {(r.id, sub): dict(policy) for r in load_rules(errors=[]).values()
+                for sub, policy in r.window_policy.items()}
+    if name == "STATUS_PROVES":
+        from pdtrace.analysis.registry import load_rules
+
+        return {(r.id, sub) for r in load_rules(errors=[]).values() for sub in r.status_proves}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,11 +8,13 @@ alone (the `instance` column's row-group statistics; a file whose statistics spa
 
 Phase 1 (`run_partition`, one task per partition, in any order, anywhere): open the partition, run the rules on it
 exactly as on a whole trace, and return its findings plus a `LinkSummary`, the little each cross-instance rule
-needs from it. Two facts of the whole trace are handed to every partition: the analysed span (first and last
+needs from it (what its `Rule.cross_instance.summarize` returns). Two facts of the whole trace are handed to every partition: the analysed span (first and last
 `ts_ns`, so "open at the end of the trace" means the same everywhere; `AnalysisContext.span_ns`) and the rules'
 configuration.
 
-What crosses instances in the rules today (grep `remote_instance`, `remote_req`, peer) and what it needs:
+A rule declares its cross-instance part on its `Rule` (`cross_instance`: `pdtrace.analysis.registry.CrossInstance`,
+the subrule, what a partition contributes, how the contributions link partitions); this module names no rule.
+What crosses instances in the built-in rules today (grep `remote_instance`, `remote_req`, peer) and what it needs:
 - use_after_free `remote_read`: a `remote_read` on the reader (D) names the owner's instance and request (detail
   `remote_instance` / `remote_req`); the finding is a read inside one of the owner's (P's) release gaps. Summary:
   D's reads naming an instance outside D (owner, req, ts), and P's release gaps (req, first and last ts).
@@ -25,9 +27,10 @@ What crosses instances in the rules today (grep `remote_instance`, `remote_req`,
   requests name as their prefill side.
 - (`pdtrace.analysis.story` follows the same links for `show`, not for analyze; no rule estimates clock skew today.)
 
-Phase 2 (`link_groups`): join the summaries. A read whose (owner, req, ts) falls inside a gap of another partition
-(compared on ts, inclusive: a superset of the rule's exact test on global positions), or an open wait naming another
-partition, links the two partitions for that rule; linked partitions form groups (connected components). For each
+Phase 2 (`link_groups`): join the summaries, per rule by its `CrossInstance.links`. A read whose (owner, req, ts)
+falls inside a gap of another partition (compared on ts, inclusive: a superset of the rule's exact test on global
+positions), or an open wait naming another partition, links the two partitions for that rule; linked partitions
+form groups (connected components). For each
 group the one rule runs again on the group's rows together, which is the whole-trace computation for those
 instances (the rule consults only the reader and the owner), and its findings for the group's instances replace
 the phase-1 ones. A healthy trace has no links; a buggy one re-reads only the instances involved.
@@ -74,13 +77,6 @@ from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, lo
 #: would only add the start of the worker processes (about 1 s).
 PARTITION_MIN_EVENTS = 2_000_000
 
-#: The rules with a cross-instance part, and that part (subrule): phase 2 re-runs these on linked groups.
-CROSS_SUBRULES = {"use_after_free": "remote_read", "unscheduled_request": "stuck_waiting_kv",
-                  # a NIXL prefill side's send (0.22+) is judged by a lease counted from the end of its decode
-                  # side's wait (leaked_blocks.send_lease): the same link as a waiting request's
-                  "leaked_blocks": "send"}
-
-_OPEN_END = np.iinfo(np.int64).max
 
 
 # ----------------------------------------------------------------------------------------------------- the plan
@@ -208,14 +204,14 @@ def analysed_span(plan: PartitionPlan, partitions: Sequence[Partition], config: 
 
 
 #: The kinds whose detail names another instance (`remote_instance`): the reader's remote_read and a decode-side
-#: req_add, the two links of CROSS_SUBRULES.
+#: req_add, what the built-in rules' cross-instance links follow.
 _LINK_KINDS = ("remote_read", "req_add")
 _REMOTE_INSTANCE = r'"remote_instance"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"'
 
 
 def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
     """(instance, the instance its detail names) for every remote_read and req_add row that names one: the links
-    CROSS_SUBRULES follow. Reads two columns of the rows of those two kinds (a filter on `kind` handed to the
+    the rules' cross-instance parts follow. Reads two columns of the rows of those two kinds (a filter on `kind` handed to the
     Parquet reader, which skips row groups by their statistics), and matches `remote_instance` in the JSON text
     with a vectorised regular expression; only the distinct names are decoded.
     A file that cannot be read here is left to the reader, which skips it with a warning."""
@@ -334,20 +330,12 @@ def _noted(trace: Trace, notes: list[str]) -> Trace:
 
 @dataclass
 class LinkSummary:
-    """What phase 2 needs from one partition (see the module docstring)."""
+    """What phase 2 needs from one partition (see the module docstring): per rule with a cross-instance part that
+    ran on it, what that part's `CrossInstance.summarize` returned (none: nothing of it can link)."""
 
     instances: tuple[str, ...]
-    #: remote_read rows naming an owner instance outside the partition: owner, req, ts_ns
-    remote_reads: pd.DataFrame
-    #: release gaps of the partition's requests: instance, req, start_ts, end_ts (int64 max while open)
-    gaps: pd.DataFrame
-    #: instances outside the partition named by its stuck_waiting_kv findings open at the end of the trace
-    waits_on: tuple[str, ...]
-    #: whether leaked_blocks reported anything here (a prefill side's send may be judged by its NIXL lease, which
-    #: runs from the end of its decode side's wait: leaked_blocks.send_lease)
-    leaks: bool = False
-    #: instances outside the partition that its requests name as their prefill side (req_add `remote_instance`)
-    prefill_peers: tuple[str, ...] = ()
+    #: rule id -> its CrossInstance summary of this partition
+    parts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -434,7 +422,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
         return _run_windowed(task, rules, trace)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     with allocation_settings():
-        frames = [window_findings(ctx, checked_findings(frame, rule)) for frame, rule in
+        frames = [window_findings(ctx, checked_findings(frame, rule), rule) for frame, rule in
                   zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
         summary = _summary(task, rules)(ctx, frames) if task.summaries else None
     return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,
@@ -459,7 +447,7 @@ def _run_windowed(task: PartitionTask, rules: Sequence[Rule], trace: Trace | Non
                              progress=task.progress,
                              summarize=_summary(task, rules))
     return PartitionResult(task.instances, result.events, frames=result.frames, warnings=result.warnings,
-                           summary=merged_summaries(result.summaries, task.instances),
+                           summary=merged_summaries(result.summaries, task.instances, rules),
                            seconds=time.perf_counter() - start, windows=result.windows, carried=result.carried)
 
 
@@ -473,109 +461,47 @@ def _summary(task: PartitionTask, rules: Sequence[Rule]) -> Callable[[AnalysisCo
 
 
 def _no_links(instances: Sequence[str]) -> LinkSummary:
-    reads = pd.DataFrame({"owner": pd.Series(dtype=object), "req": pd.Series(dtype=object),
-                          "ts_ns": pd.Series(dtype=np.int64)})
-    gaps = pd.DataFrame({"instance": pd.Series(dtype=object), "req": pd.Series(dtype=object),
-                         "start_ts": pd.Series(dtype=np.int64), "end_ts": pd.Series(dtype=np.int64)})
-    return LinkSummary(tuple(instances), reads, gaps, ())
+    return LinkSummary(tuple(instances), {})
 
 
-def merged_summaries(summaries: Sequence[LinkSummary], instances: Sequence[str]) -> LinkSummary:
-    """One partition's LinkSummary from its windows': reads and gaps together (a request's gap seen in two windows
-    is kept twice, open in one: a superset, as phase 2's links are), the rest united."""
-    reads = [s.remote_reads for s in summaries if len(s.remote_reads)]
-    gaps = [s.gaps for s in summaries if len(s.gaps)]
-    first = summaries[0]
-    return LinkSummary(tuple(instances),
-                       pd.concat(reads, ignore_index=True) if reads else first.remote_reads,
-                       pd.concat(gaps, ignore_index=True).drop_duplicates() if gaps else first.gaps,
-                       tuple(sorted({w for s in summaries for w in s.waits_on})),
-                       any(s.leaks for s in summaries),
-                       tuple(sorted({p for s in summaries for p in s.prefill_peers})))
+def merged_summaries(summaries: Sequence[LinkSummary], instances: Sequence[str], rules: Sequence[Rule] = ()
+                     ) -> LinkSummary:
+    """One partition's LinkSummary from its windows': per rule, its windows' summaries merged by its
+    `CrossInstance.merge` (in window order)."""
+    by_id = {rule.id: rule for rule in rules if rule.cross_instance is not None}
+    parts: dict[str, Any] = {}
+    for rule_id in dict.fromkeys(k for s in summaries for k in s.parts):
+        mine = [s.parts[rule_id] for s in summaries if rule_id in s.parts]
+        rule = by_id.get(rule_id) or _resolve([rule_id])[0]
+        parts[rule_id] = rule.cross_instance.merge(mine)  # type: ignore[union-attr]
+    return LinkSummary(tuple(instances), parts)
 
 
 def link_summary(ctx: AnalysisContext, rules: Sequence[Rule], frames: Sequence[pd.DataFrame],
                  instances: Sequence[str]) -> LinkSummary:
-    """The partition's `LinkSummary`: vectorised over its remote reads and release gaps; open waits are few."""
-    from pdtrace.analysis.blocks import release_gaps
-    from pdtrace.analysis.columns import columns
-
-    ids = [r.id for r in rules]
-    mine = set(instances)
-    cols = columns(ctx)
-    empty = _no_links(instances)
-    reads, gaps = empty.remote_reads, empty.gaps
-    if "use_after_free" in ids and cols.n:
-        from pdtrace.analysis.rules.use_after_free import remote_read_targets
-
-        targets = remote_read_targets(ctx)
-        targets = targets[~targets["instance"].isin(mine)]
-        if len(targets):
-            reads = pd.DataFrame({"owner": targets["instance"].to_numpy(object),
-                                  "req": targets["req"].to_numpy(object),
-                                  "ts_ns": cols.ts[targets["row"].to_numpy(np.int64)].astype(np.int64)})
-        g = release_gaps(ctx)
-        if len(g):
-            names = cols.rk_names
-            end = np.where(g.end_pos >= 0, cols.ts[cols.order[np.maximum(g.end_pos, 0)]], _OPEN_END)
-            gaps = pd.DataFrame({"instance": names["instance"].to_numpy(object)[g.rk],
-                                 "req": names["req"].to_numpy(object)[g.rk],
-                                 "start_ts": cols.ts[cols.order[g.start_pos]].astype(np.int64),
-                                 "end_ts": end.astype(np.int64)})
-    waits: set[str] = set()
-    if "unscheduled_request" in ids and cols.n:
-        frame = frames[ids.index("unscheduled_request")]
-        open_waits = frame[(frame["subrule"] == "stuck_waiting_kv")
-                           & frame["extra"].map(lambda e: bool((e or {}).get("open_at_end")))]
-        if len(open_waits):
-            waits = _waited_on(ctx, open_waits) - mine
-    leaks, peers = False, set()
-    if "leaked_blocks" in ids and cols.n:
-        from pdtrace.analysis.requests import remote_flags, request_state
-
-        leaks = bool(len(frames[ids.index("leaked_blocks")]))
-        prefill, _, named, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, request_state(ctx).n))
-        peers = {str(name) for name in named[prefill] if name is not None} - mine
-    return LinkSummary(tuple(instances), reads, gaps, tuple(sorted(waits)), leaks, tuple(sorted(peers)))
-
-
-def _waited_on(ctx: AnalysisContext, waits: pd.DataFrame) -> set[str]:
-    """The `remote_instance` of the req_add of each waiting request (the instances its KV comes from)."""
-    from pdtrace.analysis.columns import columns
-    from pdtrace.analysis.requests import request_state
-    from pdtrace.analysis.steps import detail_text
-
-    cols = columns(ctx)
-    st = request_state(ctx)
-    names = cols.rk_names.reset_index().rename(columns={"index": "rk"})
-    names = names.astype({"instance": object, "req": object})
-    keys = waits[["instance", "req"]].astype(object).merge(names[["rk", "instance", "req"]], how="inner")
-    add = st.add_pos[keys["rk"].to_numpy(np.int64)]
-    rows = cols.order[add[add >= 0]].astype(np.int64)
-    return {str(v) for v in detail_text(ctx, rows, "remote_instance") if v is not None}
+    """The partition's `LinkSummary`: each rule's `CrossInstance.summarize` of its own findings (`frames`, one per
+    rule of `rules`)."""
+    mine = frozenset(instances)
+    parts = {rule.id: rule.cross_instance.summarize(ctx, frame, mine)
+             for rule, frame in zip(rules, frames) if rule.cross_instance is not None}
+    return LinkSummary(tuple(instances), parts)
 
 
 # ----------------------------------------------------------------------------------------------------- phase 2
 
-def link_groups(summaries: Sequence[LinkSummary]) -> dict[str, list[tuple[str, ...]]]:
-    """Per cross-instance rule, the groups of partitions whose findings of that rule depend on each other
-    (connected components of the links; only groups of two or more). See the module docstring."""
-    owner_of = {inst: i for i, s in enumerate(summaries) for inst in s.instances}
-    links: dict[str, set[tuple[int, int]]] = {rule: set() for rule in CROSS_SUBRULES}
-    gaps = pd.concat([s.gaps.assign(part=i) for i, s in enumerate(summaries) if len(s.gaps)], ignore_index=True) \
-        if any(len(s.gaps) for s in summaries) else None
-    for i, s in enumerate(summaries):
-        for name in s.waits_on:
-            if name in owner_of:
-                links["unscheduled_request"].add((i, owner_of[name]))
-        for name in s.prefill_peers:
-            if name in owner_of and summaries[owner_of[name]].leaks:
-                links["leaked_blocks"].add((i, owner_of[name]))
-        if len(s.remote_reads) and gaps is not None:
-            hit = s.remote_reads.merge(gaps, left_on=["owner", "req"], right_on=["instance", "req"], how="inner")
-            hit = hit[(hit["start_ts"] <= hit["ts_ns"]) & (hit["ts_ns"] <= hit["end_ts"])]
-            for part in set(hit["part"].tolist()):
-                links["use_after_free"].add((i, int(part)))
+def link_groups(summaries: Sequence[LinkSummary], rules: Sequence[Rule] | None = None
+                ) -> dict[str, list[tuple[str, ...]]]:
+    """Per rule with a cross-instance part, the groups of partitions whose findings of that rule depend on each
+    other (connected components of the pairs its `CrossInstance.links` returns; only groups of two or more). See
+    the module docstring. `rules`: those that ran (None: the registered ones); a partition without a rule's
+    summary is handed to its `links` as None."""
+    chosen = [rule for rule in (load_rules_quietly().values() if rules is None else rules)
+              if rule.cross_instance is not None]
+    links: dict[str, set[tuple[int, int]]] = {}
+    for rule in chosen:
+        parts = [(s.instances, s.parts.get(rule.id)) for s in summaries]
+        links[rule.id] = set() if all(part is None for _, part in parts) else \
+            {(int(a), int(b)) for a, b in rule.cross_instance.links(parts)}  # type: ignore[union-attr]
     out: dict[str, list[tuple[str, ...]]] = {}
     for rule, pairs in links.items():
         parent = list(range(len(summaries)))
@@ -724,7 +650,7 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         if progress is not None:
             progress(tasks[index], result)
     done = [r for r in results if r is not None]
-    groups = link_groups([r.summary for r in done])  # type: ignore[misc]
+    groups = link_groups([r.summary for r in done], rules)  # type: ignore[misc]
     by_rule = {rule.id: rule for rule in rules}
     rerun_tasks, rerun_keys = [], []
     for rule_id, rule_groups in groups.items():
@@ -769,6 +695,13 @@ def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
     return plan
 
 
+def load_rules_quietly() -> dict[str, Rule]:
+    """The registered rules, a plugin that fails to load left out (as `analyze` reports it, not here)."""
+    from pdtrace.analysis.registry import load_rules
+
+    return load_rules(errors=[])
+
+
 def _portable(rule: Rule) -> str | Rule:
     """A registered rule travels by id (workers load it from the registry), any other Rule object as itself."""
     from pdtrace.analysis.registry import load_rules
@@ -794,3 +727,12 @@ def _memory_span(trace: Trace, config: AnalysisConfig) -> tuple[int, int]:
     from pdtrace.analysis.context import trace_span
 
     return trace_span(AnalysisContext(trace=window(trace, config)))
+
+
+def __getattr__(name: str) -> Any:
+    """`CROSS_SUBRULES` ({rule id: its cross-instance subrule}), the table the rules with a cross-instance part were
+    listed in before each declared it on its `Rule` (`Rule.cross_instance`), built from the registered rules. Kept
+    for one release for code written against it; read `Rule.cross_instance`."""
+    if name == "CROSS_SUBRULES":
+        return {r.id: r.cross_instance.subrule for r in load_rules_quietly().values() if r.cross_instance is not None}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

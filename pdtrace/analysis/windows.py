@@ -41,8 +41,9 @@ and scenario at several window sizes; bench/long_trace.py at 10M events):
   row of every request they judge and every row of the steps and other requests around it. A carried request (2,
   clamped) has all its own rows but not the steps before c_k: rules that count steps around it (`starved`,
   `zombie` of unscheduled_request) may count fewer; the attrs say how many requests were carried (`carried`).
-- `pipeline_bubble` (PER_WINDOW) measures idle fractions over the analysed span, so it is measured per window:
-  each window reports its own ranks' fractions over [c_k, a_{k+1}), its findings marked `extra.windowed`.
+- A rule that measures over the analysed span declares it (`Rule.per_window`, the reason; of the built-ins
+  `pipeline_bubble`: idle fractions), so it is measured per window: each window reports its own (the ranks'
+  fractions over [c_k, a_{k+1})), its findings marked `extra.windowed` with that reason.
 
 Cost: the cheap pass reads 5 columns once (60M events: wall 1.2-1.6 s on 2 threads, median 1.44 s, 560 MB peak;
 it was 2.0-2.3 s and 960-985 MB holding every ts, and ~10 s with a hash aggregate of the decoded request strings);
@@ -85,8 +86,6 @@ from pdtrace.trace.reader import system_memory_pool, unified
 #: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
 #: the end of the trace lowers a leak found at that moment).
 EVERY_WINDOW = ("engine_config", "recorder_gap", "recorder_off")
-#: Rules whose findings measure the analysed span: measured per window (module docstring).
-PER_WINDOW = {"pipeline_bubble": "idle fractions measured over each window's own span"}
 #: Default events per window (`AnalysisConfig.window_events`): a window and its lookback fit in ~2 GiB while the
 #: rules run.
 DEFAULT_WINDOW_EVENTS = 5_000_000
@@ -989,14 +988,14 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
         ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
         analysed = len(trace)
         events.append(_events_in(trace, int(plan.cuts[k]), end))
-        found = [window_findings(ctx, checked_findings(frame, rule))
+        found = [window_findings(ctx, checked_findings(frame, rule), rule)
                  for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
         kept: list[pd.DataFrame] = []
         for i, (frame, rule) in enumerate(zip(found, rules)):
-            if len(frame) and rule.id in PER_WINDOW:
+            if len(frame) and rule.per_window:
                 frame = frame.copy()
                 frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
-                                                          "why": PER_WINDOW[rule.id]}) for e in frame["extra"]]
+                                                          "why": rule.per_window}) for e in frame["extra"]]
                 frame["message"] = [f"window {k + 1}/{total} ({(end - start) / 1e9:.1f} s from ts_ns {start}): "
                                     f"{m}" for m in frame["message"]]
             elif len(frame):
@@ -1022,3 +1021,13 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     return WindowedResult([empty_findings() if f is None else f for f in out], sum(events), warnings,
                           total, len({r for c in plan.carried for r in c}), summaries)
 
+
+def __getattr__(name: str) -> Any:
+    """`PER_WINDOW` ({rule id: why}), the table the rules measured per window were listed in before each declared it
+    on its `Rule` (`Rule.per_window`), built from the registered rules. Kept for one release for code written
+    against it; read `Rule.per_window`."""
+    if name == "PER_WINDOW":
+        from pdtrace.analysis.registry import load_rules  # the registry loads every rule module: only when asked
+
+        return {r.id: r.per_window for r in load_rules(errors=[]).values() if r.per_window}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -114,4 +114,8 @@ RULE = Rule(
     subrules=("send", "recv"),
     needs=(request_state, step_index),
     cost=0.03,
+    # the request's add, finish or schedules may lie before the window
+    window_policy={"send": {"request": "drop"}, "recv": {"request": "drop"}},
+    # the completion's recorded status (RUNNING: not finished) is the scheduler's own word
+    status_proves=frozenset({"send", "recv"}),
 )

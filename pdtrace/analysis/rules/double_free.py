@@ -170,4 +170,12 @@ RULE = Rule(
     subrules=("not_owned", "unknown_id", "completion_after_free"),
     needs=(request_state, ownership, release_gaps, step_index),
     cost=0.02,
+    window_policy={
+        # the freed blocks' allocation (or the request's) may lie before the window
+        "not_owned": {"request": "drop", "blocks": "drop"},
+        # a completion for an id the window never saw (without a status saying the scheduler does not know it)
+        "unknown_id": {"request": "drop"},
+    },
+    # the completion's recorded status `unknown` is the scheduler's own word that it does not know the id
+    status_proves=frozenset({"unknown_id"}),
 )

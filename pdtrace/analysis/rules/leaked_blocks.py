@@ -61,7 +61,7 @@ from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
 from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.history import history
-from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.registry import CrossInstance, Rule
 from pdtrace.analysis.releases import grace_s, nixl_send_lease_s, trace_behaviour
 from pdtrace.analysis.requests import remote_flags, request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
@@ -379,6 +379,31 @@ def _deferred_never_drained(ctx: Any, ev: Evidence, emit: Any) -> None:
              "leaked_blocks:definitely:deferred_never_drained", ev.ref(row).get("step"), crash)
 
 
+def _cross_summary(ctx: Any, findings: pd.DataFrame, instances: frozenset[str]) -> tuple[bool, tuple[str, ...]]:
+    """A NIXL prefill side's send across instances, phase 1 (`CrossInstance.summarize`): (whether the partition
+    reported a leak, the instances outside it that its requests name as their prefill side). A prefill side's open
+    send (0.22+) is judged by a lease counted from the end of its decode side's wait (`send_lease`)."""
+    cols = columns(ctx)
+    if not cols.n:
+        return False, ()
+    prefill, _, named, _ = cols.once("requests.remote_flags", lambda: remote_flags(cols, request_state(ctx).n))
+    peers = {str(name) for name in named[prefill] if name is not None} - instances
+    return bool(len(findings)), tuple(sorted(peers))
+
+
+def _cross_merge(parts: Any) -> tuple[bool, tuple[str, ...]]:
+    """One partition's summary from its windows': a leak in any, the peers united."""
+    return any(leaks for leaks, _ in parts), tuple(sorted({p for _, peers in parts for p in peers}))
+
+
+def _cross_links(parts: Any) -> set[tuple[int, int]]:
+    """Phase 2: a partition whose requests name a prefill side in another partition that reported a leak links
+    the two (the leak may be judged by this partition's waits)."""
+    owner_of = {inst: i for i, (instances, _) in enumerate(parts) for inst in instances}
+    return {(i, owner_of[name]) for i, (_, part) in enumerate(parts) for name in (part[1] if part else ())
+            if name in owner_of and parts[owner_of[name]][1] is not None and parts[owner_of[name]][1][0]}
+
+
 RULE = Rule(
     id="leaked_blocks",
     summary="blocks still owned at the end of the trace, or past the grace period, by a finished request or one "
@@ -387,4 +412,7 @@ RULE = Rule(
     subrules=("definitely", "indirectly", "possibly", "still_held"),
     needs=(request_state, ownership, step_index),
     cost=0.02,
+    # a NIXL prefill side's send (0.22+) is judged by a lease counted from the end of its decode side's wait
+    # (send_lease): the same link as a waiting request's
+    cross_instance=CrossInstance("send", _cross_summary, _cross_merge, _cross_links),
 )

@@ -281,4 +281,5 @@ RULE = Rule(
               "kv_transfer", "idle_no_requests", "not_measured"),
     needs=(gap_frame,),
     cost=0.03,
+    per_window="idle fractions measured over each window's own span",
 )

@@ -427,4 +427,11 @@ RULE = Rule(
     subrules=("unfinished", "send_open", "recv_open", "quorum", "async_load_reuse", "not_deferred"),
     needs=(request_state, ownership, step_index),
     cost=0.05,
+    window_policy={
+        # the request's req_finish may lie before the window, unless the window holds it after the free
+        "unfinished": {"request": "drop_unless_finished_later"},
+        # the ranks' reports may lie before the window: they follow the transfer's start (the finish for a send,
+        # the req_wait_kv for a receive), so a request whose start the window holds keeps the finding (one lower)
+        "quorum": {"step": "drop", "request": "drop_unless_started"},
+    },
 )

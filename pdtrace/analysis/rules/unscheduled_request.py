@@ -69,7 +69,7 @@ import pandas as pd
 from pdtrace.analysis.columns import NO, Columns, columns
 from pdtrace.analysis.context import AnalysisContext, trace_span
 from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.registry import CrossInstance, Rule
 from pdtrace.analysis.releases import grace_s
 from pdtrace.analysis.requests import RequestState, request_state
 from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
@@ -713,6 +713,44 @@ def code_of(cols: Columns, kind: str) -> int:
     return cols.code_of("kind", kind)
 
 
+def _cross_summary(ctx: Any, findings: pd.DataFrame, instances: frozenset[str]) -> tuple[str, ...]:
+    """`stuck_waiting_kv` across instances, phase 1 (`CrossInstance.summarize`): the instances outside the
+    partition that its waits open at the end of the trace name as where their KV comes from (the req_add's
+    `remote_instance`): the prefill side decides the finding's severity and evidence. Open waits are few."""
+    if not columns(ctx).n or not len(findings):
+        return ()
+    open_waits = findings[(findings["subrule"] == "stuck_waiting_kv")
+                          & findings["extra"].map(lambda e: bool((e or {}).get("open_at_end")))]
+    if not len(open_waits):
+        return ()
+    return tuple(sorted(_waited_on(ctx, open_waits) - instances))
+
+
+def _waited_on(ctx: Any, waits: pd.DataFrame) -> set[str]:
+    """The `remote_instance` of the req_add of each waiting request (the instances its KV comes from)."""
+    from pdtrace.analysis.steps import detail_text
+
+    cols = columns(ctx)
+    st = request_state(ctx)
+    names = cols.rk_names.reset_index().rename(columns={"index": "rk"})
+    names = names.astype({"instance": object, "req": object})
+    keys = waits[["instance", "req"]].astype(object).merge(names[["rk", "instance", "req"]], how="inner")
+    add = st.add_pos[keys["rk"].to_numpy(np.int64)]
+    rows = cols.order[add[add >= 0]].astype(np.int64)
+    return {str(v) for v in detail_text(ctx, rows, "remote_instance") if v is not None}
+
+
+def _cross_merge(parts: Any) -> tuple[str, ...]:
+    """One partition's named instances from its windows': united."""
+    return tuple(sorted({name for part in parts for name in part}))
+
+
+def _cross_links(parts: Any) -> set[tuple[int, int]]:
+    """Phase 2: a partition's open wait naming an instance of another partition links the two."""
+    owner_of = {inst: i for i, (instances, _) in enumerate(parts) for inst in instances}
+    return {(i, owner_of[name]) for i, (_, part) in enumerate(parts) for name in (part or ()) if name in owner_of}
+
+
 RULE = Rule(
     id="unscheduled_request",
     summary="requests never scheduled, starved, stuck waiting for KV, preempted and not resumed, dropped, zombies",
@@ -721,4 +759,6 @@ RULE = Rule(
               "zombie"),
     needs=(request_state, _step_frame),
     cost=0.14,
+    # a wait open at the end of the trace is judged by its prefill side (req_add `remote_instance`)
+    cross_instance=CrossInstance("stuck_waiting_kv", _cross_summary, _cross_merge, _cross_links),
 )

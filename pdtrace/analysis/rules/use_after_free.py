@@ -39,7 +39,7 @@ import pandas as pd
 from pdtrace.analysis.blocks import ownership, release_gaps
 from pdtrace.analysis.columns import NO, columns
 from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.registry import CrossInstance, Rule
 from pdtrace.analysis.requests import request_state
 from pdtrace.analysis.rulekit import COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance
 
@@ -48,7 +48,7 @@ from pdtrace.analysis.rulekit import COMPLETION_FREE_REASONS, Evidence, fmt_bloc
 def remote_read_targets(ctx: Any) -> pd.DataFrame:
     """The remote_read rows and the request each names as the owner of the blocks it read: row, instance (detail
     `remote_instance`), req (detail `remote_req`, else the row's own req); rows naming no instance are left out.
-    Also read by the cross-instance step of `pdtrace.analysis.partitions` (a read of another partition's blocks)."""
+    Also read by this rule's cross-instance part (`_cross_summary`: a read of another partition's blocks)."""
     cols = columns(ctx)
     rows = cols.rows_of("remote_read")
     details = cols.details(rows) if len(rows) else []
@@ -273,6 +273,70 @@ def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
     return records
 
 
+_OPEN_END = np.iinfo(np.int64).max
+
+
+def _no_reads_or_gaps() -> tuple[pd.DataFrame, pd.DataFrame]:
+    reads = pd.DataFrame({"owner": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                          "ts_ns": pd.Series(dtype=np.int64)})
+    gaps = pd.DataFrame({"instance": pd.Series(dtype=object), "req": pd.Series(dtype=object),
+                         "start_ts": pd.Series(dtype=np.int64), "end_ts": pd.Series(dtype=np.int64)})
+    return reads, gaps
+
+
+def _cross_summary(ctx: Any, findings: pd.DataFrame, instances: frozenset[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """`remote_read` across instances, phase 1 (`CrossInstance.summarize`): (reads, gaps). reads: the partition's
+    remote_read rows naming an owner instance outside it (owner, req, ts_ns); gaps: the release gaps of its
+    requests (instance, req, start_ts, end_ts; int64 max while open). Vectorised over both."""
+    reads, gaps = _no_reads_or_gaps()
+    cols = columns(ctx)
+    if not cols.n:
+        return reads, gaps
+    targets = remote_read_targets(ctx)
+    targets = targets[~targets["instance"].isin(instances)]
+    if len(targets):
+        reads = pd.DataFrame({"owner": targets["instance"].to_numpy(object),
+                              "req": targets["req"].to_numpy(object),
+                              "ts_ns": cols.ts[targets["row"].to_numpy(np.int64)].astype(np.int64)})
+    g = release_gaps(ctx)
+    if len(g):
+        names = cols.rk_names
+        end = np.where(g.end_pos >= 0, cols.ts[cols.order[np.maximum(g.end_pos, 0)]], _OPEN_END)
+        gaps = pd.DataFrame({"instance": names["instance"].to_numpy(object)[g.rk],
+                             "req": names["req"].to_numpy(object)[g.rk],
+                             "start_ts": cols.ts[cols.order[g.start_pos]].astype(np.int64),
+                             "end_ts": end.astype(np.int64)})
+    return reads, gaps
+
+
+def _cross_merge(parts: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """One partition's (reads, gaps) from its windows': together (a request's gap seen in two windows is kept
+    twice, open in one: a superset, as the links are)."""
+    reads = [r for r, _ in parts if len(r)]
+    gaps = [g for _, g in parts if len(g)]
+    first = parts[0]
+    return (pd.concat(reads, ignore_index=True) if reads else first[0],
+            pd.concat(gaps, ignore_index=True).drop_duplicates() if gaps else first[1])
+
+
+def _cross_links(parts: Any) -> set[tuple[int, int]]:
+    """Phase 2: a partition's read whose (owner, req, ts) falls inside a release gap of another partition links
+    the two (compared on ts, inclusive: a superset of the rule's exact test on global positions)."""
+    links: set[tuple[int, int]] = set()
+    present = [(i, part[1]) for i, (_, part) in enumerate(parts) if part is not None and len(part[1])]
+    if not present:
+        return links
+    gaps = pd.concat([g.assign(part=i) for i, g in present], ignore_index=True)
+    for i, (_, part) in enumerate(parts):
+        if part is None or not len(part[0]):
+            continue
+        hit = part[0].merge(gaps, left_on=["owner", "req"], right_on=["instance", "req"], how="inner")
+        hit = hit[(hit["start_ts"] <= hit["ts_ns"]) & (hit["ts_ns"] <= hit["end_ts"])]
+        for other in set(hit["part"].tolist()):
+            links.add((i, int(other)))
+    return links
+
+
 RULE = Rule(
     id="use_after_free",
     summary="a block used again by its old owner after the free, or reused while the old owner's transfer still "
@@ -282,4 +346,11 @@ RULE = Rule(
               "transfer_after_reuse"),
     needs=(request_state, ownership, release_gaps),
     cost=0.02,
+    window_policy={
+        # the allocation that makes the use legal may lie before the window
+        "sched_after_free": {"blocks": "drop"},
+        "reused_during_transfer": {"blocks": "drop"},
+    },
+    # the reader's remote_read and the owner's release gaps may be two instances' rows
+    cross_instance=CrossInstance("remote_read", _cross_summary, _cross_merge, _cross_links),
 )
