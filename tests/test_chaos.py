@@ -35,7 +35,8 @@ def test_every_kind_is_labelled_and_drawn_only_where_it_applies():
     single = draw(random.Random(3), 10, 1, 1, pair=False, count=200)
     assert {p["kind"] for p in single} <= {k for k, v in PERTURBATIONS.items() if not v.needs_pair}
     paired = draw(random.Random(3), 10, 2, 2, pair=True, count=400)
-    assert {p["kind"] for p in paired} == set(PERTURBATIONS)
+    assert {p["kind"] for p in paired} == {k for k, v in PERTURBATIONS.items() if v.drawn}
+    assert "read_time" not in {p["kind"] for p in paired}  # replay's, not chaos's
     assert all(0 <= p["req"] < 10 for p in paired)
 
 
@@ -162,6 +163,22 @@ def test_a_dropped_report_never_comes_and_a_duplicated_one_comes_twice():
 def test_a_decode_side_perturbation_leaves_the_prefill_side_alone():
     perturber, engine = _perturber([{"kind": "drop_report", "req": 1, "side": "d", "rank": -1}])
     assert _steps(perturber, engine, _Rank(), [{"r00001-p"}]) == [{"r00001-p"}]
+
+
+def test_a_campaign_whose_dry_run_cannot_run_stops_in_one_line(tmp_path):
+    from pdtrace.chaos import Campaign, run_campaign
+    from pdtrace.errors import RecordingError
+
+    calls = []
+
+    def broken(args, env):
+        calls.append(args)
+        return 1, "Traceback ...\nImportError: no vllm\n"
+
+    with pytest.raises(RecordingError, match="could not run 20 trials in a row"):
+        run_campaign(Campaign(output=tmp_path / "out", budget_s=600.0), broken, "0.33.0")
+    assert len(calls) <= 20  # (none at all where vLLM is not importable: refused before the spawn)
+    assert not list((tmp_path / "out").glob("failure-*"))
 
 
 # -- the command ------------------------------------------------------------------------------------------------

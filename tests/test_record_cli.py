@@ -115,7 +115,8 @@ def test_every_dry_run_setting_is_an_option_of_record(cli):
     result = cli("record", "--help")
     assert result.exit_code == 0
     for field in dataclasses.fields(DryRunConfig):
-        flag = {"faults": "--fault", "enable_prefix_caching": "--prefix-caching", "perturbations": "--perturb"}.get(
+        flag = {"faults": "--fault", "enable_prefix_caching": "--prefix-caching", "perturbations": "--perturb",
+                "given_requests": "--given-request"}.get(
             field.name, "--" + field.name.replace("_", "-"))
         assert flag in result.stdout, flag
 

@@ -14,12 +14,14 @@ from typing import Any, Callable
 from pdtrace.chaos.trials import WORKLOADS, Outcome, Spawner, draw_trial, run_trial
 from pdtrace.dryrun.config import DryRunConfig
 from pdtrace.dryrun.perturb import LEGAL, describe, label_of
-from pdtrace.errors import UsageError
+from pdtrace.errors import RecordingError, UsageError
 
 FAILURE_FILE = "failure.json"
 #: Runs one minimisation may spend (each a full dry run of about a second), and its share of what is left.
 MINIMISE_MAX_RUNS = 48
 MINIMISE_MAX_SHARE = 0.25
+#: The campaign stops (exit 2) when this many trials in a row could not run: the harness is broken, not vLLM.
+HARNESS_ERRORS_IN_A_ROW = 20
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ def run_campaign(campaign: Campaign, spawn: Spawner | None, vllm_version: str,
     by_signature: dict[str, Failure] = {}
     t0 = time.monotonic()
     deadline = t0 + campaign.budget_s
+    in_a_row = 0
     with tempfile.TemporaryDirectory(prefix="pdtrace-chaos-") as scratch:
         try:
             while time.monotonic() < deadline and not (campaign.max_runs and result.runs >= campaign.max_runs):
@@ -92,14 +95,20 @@ def run_campaign(campaign: Campaign, spawn: Spawner | None, vllm_version: str,
                 if outcome.harness_error:
                     result.harness_errors += 1
                     result.first_harness_error = result.first_harness_error or outcome.harness_error
-                elif outcome.failed:
+                    in_a_row += 1
+                    if in_a_row >= HARNESS_ERRORS_IN_A_ROW:
+                        raise RecordingError(f"the dry run could not run {in_a_row} trials in a row on this vLLM; "
+                                             f"the first: {result.first_harness_error}")
+                    continue
+                in_a_row = 0
+                if outcome.failed:
                     known = by_signature.get(outcome.signature)  # type: ignore[arg-type]
                     if known is not None:
                         known.runs += 1
                     else:
                         left = max(0.0, deadline - time.monotonic())
-                        failure = save_failure(campaign, config, outcome, len(by_signature) + 1, result.elapsed_s,
-                                        Path(scratch), spawn, left, vllm_version)
+                        failure = save_failure(campaign, config, outcome, len(by_signature) + 1,
+                                               result.elapsed_s, Path(scratch), spawn, left, vllm_version)
                         by_signature[failure.signature] = failure
                         result.failures.append(failure)
                 if progress is not None:

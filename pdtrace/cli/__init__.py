@@ -17,7 +17,7 @@ from pdtrace.cli.app import app, err_console
 from pdtrace.errors import EXIT_BAD_INPUT, PdtraceError  # noqa: E402
 
 # Each import registers one verb on `app`, in the order `pdtrace --help` lists them.
-from pdtrace.cli import record, dump, info, analyze, show, plot, export, chaos  # noqa: E402,F401  isort: skip
+from pdtrace.cli import record, dump, info, analyze, show, plot, export, chaos, replay  # noqa: E402,F401  isort: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,14 +34,14 @@ def parse_budget(text: str) -> float:
     return float(match.group(1)) * _UNIT_S[match.group(2)]
 
 
-def _installed_release() -> str:
+def installed_release(verb: str = "pdtrace chaos") -> str:
     """The installed vLLM, if the dry run drives it; else UsageError naming the supported releases (exit 2)."""
     from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
 
     version = installed_vllm_version()
     if version is None or table_for(version) is None:
         what = f"vLLM {version}" if version else "no vLLM"
-        raise UsageError("pdtrace chaos drives the vLLM releases the dry run supports "
+        raise UsageError(f"{verb} drives the vLLM releases the dry run supports "
                          f"({', '.join(supported_versions())}); this environment has {what}")
     return version
 
@@ -65,7 +65,7 @@ def chaos(
     from pdtrace.dryrun import zygote
     from pdtrace.report.chaos_report import progress_line, render_campaign, render_repro
 
-    version = _installed_release()
+    version = installed_release()
     if repro_dir is not None:
         if output is not None:
             raise UsageError("--repro re-runs a saved failure; it takes no -o")

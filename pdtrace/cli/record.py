@@ -269,7 +269,10 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
 
     given = {name: value for name, value in options.items() if value is not None}
     if given.get("perturbations"):
-        given["perturbations"] = [_perturbation(text) for text in given["perturbations"]]
+        given["perturbations"] = [_json_object(text, "--perturb", "kind") for text in given["perturbations"]]
+    if given.get("given_requests"):
+        given["given_requests"] = [_json_object(text, "--given-request", "prompt_len")
+                                   for text in given["given_requests"]]
     config = DryRunConfig(**given).validate()
     output = prepare_output(output, force)
     result = run_dry_run(config, output)
@@ -281,15 +284,14 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
     return 0
 
 
-def _perturbation(text: str) -> dict[str, Any]:
-    """One `--perturb` value: a JSON object with a `kind` (UsageError otherwise)."""
+def _json_object(text: str, option: str, key: str) -> dict[str, Any]:
+    """One value of a repeatable JSON option: an object holding `key` (UsageError otherwise)."""
     try:
         value = json.loads(text)
     except ValueError:
         value = None
-    if not isinstance(value, dict) or "kind" not in value:
-        raise UsageError(f"--perturb takes a JSON object with a 'kind', e.g. '{{\"kind\": \"abort\", \"req\": 3}}'"
-                         f"; got {text!r}")
+    if not isinstance(value, dict) or key not in value:
+        raise UsageError(f"{option} takes a JSON object with a {key!r} (see pdtrace record --help); got {text!r}")
     return value
 
 
@@ -327,6 +329,8 @@ def _dry_run_parameters() -> list[inspect.Parameter]:
             names, annotation = ["--fault"], Optional[list[str]]
         elif field.name == "perturbations":
             names, annotation = ["--perturb"], Optional[list[str]]
+        elif field.name == "given_requests":
+            names, annotation = ["--given-request"], Optional[list[str]]
         elif isinstance(default, bool):
             flag = "prefix-caching" if field.name == "enable_prefix_caching" else field.name.replace("_", "-")
             names, annotation = [f"--{flag}/--no-{flag}"], Optional[bool]

@@ -105,6 +105,9 @@ class DryRunConfig:
     instance_prefix: str = ""  # instance ids: "<prefix>prefill-0", "<prefix>decode-0", "<prefix>engine-0"
     # orderings forced on the run (pdtrace.dryrun.perturb; what `pdtrace chaos` draws): plain dicts, JSON-able
     perturbations: list[dict[str, Any]] = field(default_factory=list)
+    # the workload's requests given instead of drawn (what `pdtrace replay` reads off a recording): dicts with
+    # `arrival_us`, `prompt_len`, `max_tokens`, and optionally `eos` and `prefix` = [earlier request, tokens shared]
+    given_requests: list[dict[str, Any]] = field(default_factory=list)
 
     def validate(self) -> DryRunConfig:
         """Check the configuration; raise UsageError (exit 2) with one line naming the option."""
@@ -151,6 +154,12 @@ class DryRunConfig:
             need(distribution_max(self.prompt_len) + distribution_max(self.output_len) <= pool,
                  "fault starve needs the other requests to fit the pool: lower --prompt-len/--output-len or "
                  "raise --num-blocks")
+        for i, r in enumerate(self.given_requests):
+            need(isinstance(r, dict) and int(r.get("prompt_len", 0)) >= 1 and int(r.get("max_tokens", 0)) >= 1
+                 and float(r.get("arrival_us", -1)) >= 0,
+                 f"given request {i} needs arrival_us >= 0, prompt_len >= 1 and max_tokens >= 1")
+        if self.given_requests:
+            self.requests = len(self.given_requests)
         from pdtrace.dryrun.perturb import check
 
         problem = check(self.perturbations, self.requests, pair=self.instances == "pd")
@@ -199,6 +208,9 @@ FIELD_HELP: dict[str, str] = {
     "slow_transfer_ms": "The slow_transfer fault's read time, ms.",
     "real_scheduler_time": "Charge the scheduler's measured CPU time instead of the fixed costs (not deterministic).",
     "instance_prefix": "Prefix of the instance ids (prefill-0, decode-0, engine-0).",
+    "given_requests": "A workload request given instead of drawn (repeatable; replaces --requests, --rate and the "
+                      "lengths), a JSON object such as '{\"arrival_us\": 0, \"prompt_len\": 100, \"max_tokens\": 8}'"
+                      " (optional: \"eos\", \"prefix\": [earlier request, tokens shared]).",
     "perturbations": "Force an ordering (repeatable), a JSON object as `pdtrace chaos` writes them, e.g. "
                      "'{\"kind\": \"abort\", \"req\": 3, \"side\": \"d\", \"after_us\": 50}' (kinds: "
                      "pdtrace/dryrun/perturb.py).",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pdtrace.dryrun.workload import WorkloadRequest
 
 LEGAL = "legal timing"
+_NEVER_NS = 1 << 62
 FAULTY = "faulty peer"
 NS_PER_US = 1000
 
@@ -40,6 +41,7 @@ class PerturbationKind:
     label: str
     does: str
     needs_pair: bool = True
+    drawn: bool = True  # chaos draws it (False: only `pdtrace replay` sets it, from a recording)
 
 
 PERTURBATIONS: dict[str, PerturbationKind] = {
@@ -53,6 +55,13 @@ PERTURBATIONS: dict[str, PerturbationKind] = {
     "delay_report": PerturbationKind(LEGAL, "rank reports req's finished transfer (side p: finished_sending, d: "
                                      "finished_recving) `steps` steps after it ended"),
     "slow_read": PerturbationKind(LEGAL, "req's KV read takes `factor` times longer"),
+    "read_time": PerturbationKind(LEGAL, "req's KV read takes `us` microseconds (what `pdtrace replay` sets from "
+                                  "the recording)", drawn=False),
+    "recv_at_step": PerturbationKind(LEGAL, "D's ranks report req's read done at the end of the `steps`-th step after "
+                                     "the one that started it (0: that step's own end; `pdtrace replay`)",
+                                     drawn=False),
+    "send_at_step": PerturbationKind(LEGAL, "P's ranks report req's send done at the end of the `steps`-th step from "
+                                     "the one that registered it (`pdtrace replay`)", drawn=False),
     "fail_read": PerturbationKind(LEGAL, "req's KV read fails on rank: the rank reports its blocks invalid "
                                   "(invalid_block_ids) with the finished read"),
     "small_pool": PerturbationKind(LEGAL, "each instance's KV pool holds `blocks` blocks: preemption, queueing",
@@ -92,7 +101,7 @@ def describe(p: dict[str, Any]) -> str:
 
 def draw(rng: random.Random, requests: int, pp: int, tp: int, pair: bool, count: int) -> list[dict[str, Any]]:
     """`count` perturbations drawn at random for a run of `requests` requests (the chaos runner's generator)."""
-    kinds = [k for k, v in PERTURBATIONS.items() if pair or not v.needs_pair]
+    kinds = [k for k, v in PERTURBATIONS.items() if v.drawn and (pair or not v.needs_pair)]
     ranks = pp * tp
     out: list[dict[str, Any]] = []
     for _ in range(count):
@@ -148,6 +157,8 @@ class Perturber:
         self._held: list[list[Any]] = []  # [rank key, side, req id, steps left]
         self._applied: set[tuple[int, Any]] = set()  # (perturbation index, rank key)
         self._read_blocks: dict[str, tuple[int, ...]] = {}
+        self._step_counts: dict[tuple[str, Any, str], int] = {}  # (instance, rank, req) -> rank ends to its report
+        self._send_steps = {self._req(p, "p"): int(p.get("steps", 1)) for p in self._targets("send_at_step")}
         self._ended: dict[tuple[str, tuple[int, int]], int] = {}  # rank_end calls per (engine, rank)
 
     def _targets(self, kind: str) -> list[dict[str, Any]]:
@@ -176,18 +187,46 @@ class Perturber:
 
     # -- the transfer engine -----------------------------------------------------------------------------------
     def read_ns(self, req_id: str, normal_ns: int) -> int:
+        if any(self._req(p, "d") == req_id for p in self._targets("recv_at_step")):
+            return _NEVER_NS  # its report comes at a step count (filter_reports), not at a time
+        for p in self._targets("read_time"):
+            if self._req(p, "d") == req_id:
+                return int(float(p.get("us", 0)) * NS_PER_US)
         for p in self._targets("slow_read"):
             if self._req(p, "d") == req_id:
                 return int(normal_ns * float(p.get("factor", 10)))
         return normal_ns
 
     def on_read_started(self, engine: SimEngine, req_id: str, ts: int, dur: int) -> None:
+        for p in self._targets("recv_at_step"):
+            if self._req(p, "d") == req_id:
+                for key in engine.rank_keys:  # counted from this step's end on every rank
+                    self._step_counts[(engine.instance, key, req_id)] = int(p.get("steps", 0)) + 1
         for p in self._targets("abort_in_read"):
             if self._req(p, "d") == req_id:
                 engine.push_input(ts + int(dur * float(p.get("frac", 0.5))), "abort", req_id)
                 self.injected.append(f"abort {req_id} at {p.get('frac')} of its read")
 
     # -- the ranks' reports ------------------------------------------------------------------------------------
+    def _report_at_step(self, engine: SimEngine, rank: Any, key: Any, sends: set[str], recvs: set[str]) -> None:
+        """recv_at_step / send_at_step: count this rank's step ends; report what is due now."""
+        if self._send_steps and self._side_of(engine) == "p":
+            for req_id, steps in self._send_steps.items():
+                k = (engine.instance, key[1], req_id)
+                if k not in self._step_counts and req_id in rank.sends_registered:
+                    self._step_counts[k] = steps
+        for k in [k for k in self._step_counts if k[0] == engine.instance and k[1] == key[1]]:
+            self._step_counts[k] -= 1
+            if self._step_counts[k] <= 0:
+                del self._step_counts[k]
+                if self._side_of(engine) == "p":
+                    sends.add(k[2])
+                    rank.sends_registered.discard(k[2])
+                    rank.done_sends[:] = [(t, r) for t, r in rank.done_sends if r != k[2]]
+                else:
+                    recvs.add(k[2])
+                    rank.done_recvs[:] = [(t, r) for t, r in rank.done_recvs if r != k[2]]
+
     def note_read(self, req_id: str, block_ids: Any) -> None:
         """D's local blocks of a read (flat, or one list per KV cache group): what a failed read reports."""
         flat: list[int] = []
@@ -206,6 +245,8 @@ class Perturber:
         sends, recvs = set(sends), set(recvs)
         invalid: set[int] = set()
         # what was held back earlier and is due now
+        if self._step_counts or self._send_steps:
+            self._report_at_step(engine, rank, key, sends, recvs)
         due = [h for h in self._held if h[0] == key and h[3] <= 1]
         for h in self._held:
             if h[0] == key:

@@ -99,6 +99,7 @@ class EngineInput:
     order: int
     kind: str  # "add" | "abort"
     payload: Any = None
+    min_step: int = -1  # an add held until the engine's next step is this one, while the engine is busy (replay)
 
     def __lt__(self, other: EngineInput) -> bool:
         return (self.ts, self.order) < (other.ts, other.order)
@@ -130,6 +131,7 @@ class SimEngine:
         self.recorder: Any = None
         self.engine_id = instance
         self.steps_submitted = 0
+        self.next_step = 0  # the step id the hooks give this engine's next schedule() (what replay's adds wait for)
         self.tokens_executed = 0
 
     # -- construction -------------------------------------------------------------------------------------
@@ -263,6 +265,8 @@ class SimEngine:
         cfg = self.cluster.config
         tl = self.timeline
         step = getattr(so, "_pdtrace_step", None)
+        if step is not None:
+            self.next_step = max(self.next_step, int(step) + 1)
         tokens = int(so.total_num_scheduled_tokens)
         forward = tokens > 0
         rec = StepRecord(step=step, so=so, tokens=tokens, forward=forward, submit_ns=tl.now)
@@ -406,8 +410,8 @@ class SimEngine:
         chan.emit("exec_end", step=step, n=rec.tokens, detail=_RPC_EXEC)
 
     # -- inputs ----------------------------------------------------------------------------------------------
-    def push_input(self, ts: int, kind: str, payload: Any) -> None:
-        heapq.heappush(self.inputs, EngineInput(int(ts), self.cluster.next_order(), kind, payload))
+    def push_input(self, ts: int, kind: str, payload: Any, min_step: int = -1) -> None:
+        heapq.heappush(self.inputs, EngineInput(int(ts), self.cluster.next_order(), kind, payload, min_step))
 
     @property
     def next_input_ns(self) -> int | None:
@@ -420,8 +424,12 @@ class SimEngine:
     def deliver_inputs(self) -> None:
         """EngineCoreProc._process_input_queue: add and abort whatever is due by now."""
         now = self.timeline.now
+        held: list[EngineInput] = []
         while self.inputs and self.inputs[0].ts <= now:
             item = heapq.heappop(self.inputs)
+            if item.kind == "add" and item.min_step > self.next_step and self.has_work():
+                held.append(item)  # replay: the recording added it before a later step of this engine
+                continue
             if item.kind == "add":
                 req = item.payload
                 attach_block_hasher(req, self.core.request_block_hasher)
@@ -432,6 +440,8 @@ class SimEngine:
                     self.core.abort_requests([item.payload])
                     # The client sees its request end (a closed-loop client may send the next one).
                     self.cluster._client_done(base_id(item.payload), now)
+        for item in held:
+            heapq.heappush(self.inputs, item)
 
 
 _RPC_EXEC = '{"rpc":"execute_model"}'
@@ -489,6 +499,9 @@ class SimCluster:
         if "starve" in config.faults:
             # vLLM refuses a max_model_len its pool could never hold: exactly the usable pool.
             self.max_model_len = (config.num_blocks - 1) * config.block_size
+        elif config.given_requests:
+            # vLLM refuses a max_model_len its pool could never hold (a replayed pool may be small): the pool's
+            self.max_model_len = min(self.max_model_len, max(256, (config.num_blocks - 1) * config.block_size))
         if config.perturbations:  # small_pool: the pool shrinks, never below what max_model_len needs
             need = -(-self.max_model_len // config.block_size) + 1
             blocks = pool_blocks(config.perturbations, config.num_blocks, need)
@@ -562,14 +575,14 @@ class SimCluster:
                 start = max(start, self.limit_free_ns)
             if self.config.instances == "single":
                 req_id = c.base_id
-                self.want_eos[req_id] = c.wl.index % 2 == 0
+                self.want_eos[req_id] = c.wl.wants_eos()
                 req = self._make_request(req_id, c.wl, c.wl.max_tokens, None, start)
             else:
                 req_id = self.req_id(c.base_id, "p")
                 params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                           "remote_block_ids": None, "remote_host": None, "remote_port": None}
                 req = self._make_request(req_id, c.wl, 1, params, start)
-            first.push_input(start, "add", req)
+            first.push_input(start, "add", req, c.wl.first_step)
 
     def on_outputs(self, engine: SimEngine, outputs: dict | None) -> None:
         """The proxy: P's finished request goes to D with its kv_transfer_params; D's finish completes the client."""
@@ -588,11 +601,11 @@ class SimCluster:
                     client = self._client(base)
                     if params and self.decode is not None and client is not None:
                         d_id = self.req_id(base, "d")
-                        self.want_eos[d_id] = client.wl.index % 2 == 0
+                        self.want_eos[d_id] = client.wl.wants_eos()
                         d_params = dict(params)
                         arrival = now + int(self.config.proxy_delay_us * NS_PER_US)
                         req = self._make_request(d_id, client.wl, client.wl.max_tokens, d_params, arrival)
-                        self.decode.push_input(arrival, "add", req)
+                        self.decode.push_input(arrival, "add", req, client.wl.decode_step)
                         continue
                     if params and self.decode is None:
                         self.transfers.phantom_read(engine, rid, params, now)

@@ -23,6 +23,12 @@ class WorkloadRequest:
     arrival_ns: int  # virtual time relative to the start of the run
     prompt_token_ids: list[int]
     max_tokens: int
+    eos: bool | None = None  # ends with EOS at max_tokens (else by length); None: every other request does
+    first_step: int = -1  # replay: the step of the first engine (P, or the only one) it was added before
+    decode_step: int = -1  # replay: likewise on D
+
+    def wants_eos(self) -> bool:
+        return self.index % 2 == 0 if self.eos is None else self.eos
 
 
 def draw_length(rng: random.Random, spec: str | int) -> int:
@@ -37,6 +43,8 @@ def draw_length(rng: random.Random, spec: str | int) -> int:
 
 def make_workload(config: DryRunConfig) -> list[WorkloadRequest]:
     """The requests of a run, in arrival order. Faults may reshape one of them afterwards (faults.py)."""
+    if config.given_requests:
+        return given_workload(config)
     rng = random.Random(config.seed)
     out: list[WorkloadRequest] = []
     t = 0.0
@@ -47,4 +55,23 @@ def make_workload(config: DryRunConfig) -> list[WorkloadRequest]:
         max_tokens = draw_length(rng, config.output_len)
         tokens = [rng.randrange(VOCAB_FOR_PROMPTS) for _ in range(prompt_len)]
         out.append(WorkloadRequest(i, int(t * 1e9), tokens, max_tokens))
+    return out
+
+
+def given_workload(config: DryRunConfig) -> list[WorkloadRequest]:
+    """`config.given_requests` as a workload: random prompt tokens from the seed, except a `prefix` copied from an
+    earlier request (so vLLM's prefix cache finds what the recording found)."""
+    rng = random.Random(config.seed)
+    out: list[WorkloadRequest] = []
+    for i, r in enumerate(config.given_requests):
+        tokens = [rng.randrange(VOCAB_FOR_PROMPTS) for _ in range(int(r["prompt_len"]))]
+        prefix = r.get("prefix")
+        if prefix and 0 <= int(prefix[0]) < i:
+            shared = out[int(prefix[0])].prompt_token_ids[:min(int(prefix[1]), len(tokens))]
+            tokens[:len(shared)] = shared
+        eos = r.get("eos")
+        out.append(WorkloadRequest(i, int(float(r["arrival_us"]) * 1000), tokens, int(r["max_tokens"]),
+                                   None if eos is None else bool(eos), int(r.get("first_step", -1)),
+                                   int(r.get("decode_step", -1))))
+    out.sort(key=lambda w: (w.arrival_ns, w.index))
     return out

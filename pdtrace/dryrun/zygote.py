@@ -44,6 +44,12 @@ def _serve() -> int:
     os.dup2(2, 1)
 
     import pdtrace.dryrun._child as child
+    # every module a run imports, before the first fork: a child then runs the code the server started with, even
+    # if the files change while a long campaign runs
+    import pdtrace.dryrun.faults  # noqa: F401
+    import pdtrace.dryrun.sim  # noqa: F401
+    import pdtrace.dryrun.workload  # noqa: F401
+    import pdtrace.recording.vllm  # noqa: F401
     import vllm.v1.core.sched.scheduler  # noqa: F401  (the import a fresh child pays for)
     import vllm.v1.engine.core  # noqa: F401
 
