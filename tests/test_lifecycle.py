@@ -203,6 +203,41 @@ def listed_twice(twice: bool) -> Trace:
     return e.b.trace()
 
 
+def returned_to_pool(lost: bool) -> Trace:
+    """a frees blocks 1, 2 and only block 1 reaches the free queue (mutant: `BlockPool.free_blocks` drops the
+    table's tail); the scheduler goes on draining other frees for several steps."""
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [1, 2]})
+    e.output()
+    e.finish("a", pool_blocks=[1] if lost else [1, 2])
+    for i in range(6):
+        e.add(f"b{i}")
+        e.step({f"b{i}": 16}, alloc={f"b{i}": [3 + i]})
+        e.output()
+        e.finish(f"b{i}")
+    return e.b.trace()
+
+
+def preempted_keeps(kept: bool) -> Trace:
+    """a is preempted; its blocks are freed (healthy) or kept (mutant: `_preempt_request` without the free), then
+    it resumes."""
+    e = Engine(builder())
+    e.add("a")
+    e.step({"a": 32}, alloc={"a": [1, 2]})
+    e.output()
+    if kept:
+        k = e.step({})
+        e.ev("req_preempt", step=k, req="a")
+    else:
+        e.step({}, preempt={"a": [1, 2]})
+    e.output()
+    e.step({"a": 32}, alloc={"a": [3, 4]})
+    e.output()
+    e.finish("a")
+    return e.b.trace()
+
+
 CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
     ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
@@ -219,6 +254,8 @@ CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
      lambda: engine_error("RuntimeError: Worker proc VllmWorker-0 died unexpectedly"), "b"),
     ("send_expired", lambda: send_ended(True), lambda: send_ended(False), "r1"),
     ("block_listed_twice", lambda: listed_twice(True), lambda: listed_twice(False), "a"),
+    ("free_not_returned", lambda: returned_to_pool(True), lambda: returned_to_pool(False), "a"),
+    ("preempt_kept_blocks", lambda: preempted_keeps(True), lambda: preempted_keeps(False), "a"),
 ]
 
 

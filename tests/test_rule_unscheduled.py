@@ -98,6 +98,38 @@ def test_starved_then_aborted_says_it_was_never_scheduled():
     assert [ev.get("note") for ev in row["evidence"] if ev["kind"] == "req_finish"] == ["waiting ended here"]
 
 
+def fcfs_queue(head_admitted_at: int | None) -> object:
+    """`head` (40 blocks) is added first and does not fit the 32 free blocks; `small` (1 block) behind it could.
+    With `head_admitted_at`, the runner finishes at that step and head is admitted, then small: vLLM's FCFS queue
+    held small behind a head that fits later, not a starvation."""
+    b, e = engine()
+    e.add("runner", n=16)
+    e.add("head", n=640)
+    e.add("small", n=16)
+    e.step({"runner": 16}, alloc={"runner": [1]})
+    e.output()
+    for i in range(70):
+        if head_admitted_at is not None and i == head_admitted_at:
+            e.finish("runner")
+            e.step({"head": 640}, alloc={"head": list(range(2, 42))})
+        elif head_admitted_at is not None and i == head_admitted_at + 1:
+            e.step({"head": 1, "small": 16}, alloc={"small": [42]})
+        elif head_admitted_at is not None and i > head_admitted_at:
+            e.step({"head": 1, "small": 1})
+        else:
+            e.step({"runner": 1})
+        e.output()
+    return b.trace()
+
+
+def test_a_request_queued_behind_a_head_that_fits_later_is_not_starved():
+    f = findings(fcfs_queue(60))
+    assert len(by_sub(f, "starved")) == 0, f[["subrule", "req", "message"]].to_string()
+    # its twin: the same head never admitted is the starvation of what waits behind it
+    starved = by_sub(findings(fcfs_queue(None)), "starved")
+    assert list(starved["req"]) == ["small"] and starved.iloc[0]["extra"]["head_of_line"] == "head"
+
+
 def test_served_quickly_is_not_starved():
     f = findings(head_of_line(3))
     assert len(by_sub(f, "starved")) == 0

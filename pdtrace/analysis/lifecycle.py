@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from pdtrace.analysis.blocks import pool_block_key, ownership
-from pdtrace.analysis.columns import columns, last_per_key, order_by_key
+from pdtrace.analysis.columns import columns, last_per_key, next_at_or_after, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
@@ -74,6 +74,12 @@ INVARIANTS: dict[str, tuple[str, str]] = {
     "block_listed_twice": ("error", "one allocation or free lists the same block twice (`get_new_blocks` hands "
                                     "out distinct blocks; `BlockPool.free_blocks` would drop two references and "
                                     "queue the block twice, so two requests get it)"),
+    "free_not_returned": ("error", "a block its last owner gave up never reached the free queue, or was handed out "
+                                   "again before it did (`BlockPool.free_blocks` queues every block whose ref_cnt "
+                                   "reaches 0): the pool lost it"),
+    "preempt_kept_blocks": ("error", "a preempted request kept blocks it held (`_preempt_request` frees them with "
+                                     "`kv_cache_manager.free`): they stay out of the pool while it waits, and its "
+                                     "resumption allocates over them"),
     "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
                                          "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
     "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
@@ -419,6 +425,9 @@ def _replay(ctx: Any) -> LifecycleModel:
 
     _block_violations(ctx, cols, requests, windowed, out)
     _blocks_listed_twice(cols, requests, out)
+    if not windowed:  # a window's first owners may lie before it: who is last, and what was held, is unknown
+        _frees_not_returned(ctx, cols, requests, out)
+        _preemptions_that_kept_blocks(ctx, cols, requests, out)
     _admission_stalls(cols, requests, failed, pools, out)
     end_ts = int(cols.ts.max()) if cols.n else 0
     _unresolved(ctx, cols, requests, failed, _last_outputs(cols), end_ts, out)
@@ -520,6 +529,80 @@ def _blocks_listed_twice(cols: Any, requests: dict[int, RequestModel], out: list
         out.append(Violation("block_listed_twice", row, int(cols.sk[row]), rk, blocks,
                              req.describe() if req is not None else "unknown to the scheduler",
                              _history_before(cols, req, row, row), {}))
+
+
+#: steps a scheduler must go on draining after a free before a block missing from its pool frees is judged (a
+#: deferred free drains at a later step's fence)
+RETURN_STEPS = 4
+
+
+def _frees_not_returned(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`free_not_returned`, over the ownership intervals closed by a free with no other holder left
+    (`Ownership.others_at_free` == 0; block 0, vLLM's null block, excepted): the block's next `blocks_pool_free`
+    after the free must come before its next allocation; a block never pool-freed again is judged only where its
+    scheduler records pool frees at least RETURN_STEPS steps after the free. One violation per free row."""
+    pool_rows = cols.rows_of("blocks_pool_free")
+    own = ownership(ctx)
+    if not len(pool_rows) or not len(own):
+        return
+    closed = np.flatnonzero(own.free_row >= 0)
+    last = closed[(own.others_at_free(closed) == 0) & (own.block[closed] != 0)]
+    if not len(last):
+        return
+    big = np.iinfo(np.int64).max
+    pf = own.pool_free_after(last)
+    nxt = own.next_alloc_after(last)
+    pf_pos = np.where(pf >= 0, cols.pos[np.maximum(pf, 0)].astype(np.int64), big)
+    nxt_pos = np.where(nxt >= 0, own.alloc_pos[np.maximum(nxt, 0)].astype(np.int64), big)
+    free_rows = own.free_row[last].astype(np.int64)
+    n_sk = int(cols.sk.max()) + 1 if cols.n else 0
+    last_pool_step = last_per_key(cols.sk[pool_rows], cols.step[pool_rows], n_sk, fill=-1)
+    free_step = cols.step[free_rows]
+    judged = (pf >= 0) | ((free_step >= 0) & (last_pool_step[cols.sk[free_rows]] >= free_step + RETURN_STEPS))
+    bad = judged & ((pf < 0) | (pf_pos > nxt_pos))
+    if not bad.any():
+        return
+    for row in np.unique(free_rows[bad]).tolist():
+        rk = int(cols.rk[row])
+        req = requests.get(rk)
+        blocks = sorted(own.block[last[bad & (free_rows == row)]].tolist())
+        out.append(Violation("free_not_returned", row, int(cols.sk[row]), rk, blocks,
+                             req.describe() if req is not None else "unknown to the scheduler",
+                             _history_before(cols, req, row, row), {}))
+
+
+def _preemptions_that_kept_blocks(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`preempt_kept_blocks`: for each `req_preempt`, the request's holding intervals open at it (allocated before,
+    not freed by then) that are still open at its next `req_sched` (its resumption), or at the end of the trace."""
+    pre = cols.req_rows("req_preempt")
+    if not len(pre):
+        return
+    own = ownership(ctx)
+    if not len(own):
+        return
+    big = np.iinfo(np.int64).max
+    sched = cols.req_rows("req_sched")
+    nxt = next_at_or_after(cols.rk[pre], cols.pos[pre], cols.rk[sched], cols.pos[sched], strict=True)
+    end = int(cols.n) + 1  # never resumed: judged at the end of the trace (a block never freed is open past it)
+    horizon = np.where(nxt >= 0, cols.pos[sched[np.maximum(nxt, 0)]].astype(np.int64), end)
+    order = np.argsort(own.rk, kind="stable")
+    rk_sorted = own.rk[order]
+    for i, row in enumerate(pre.tolist()):
+        rk = int(cols.rk[row])
+        lo, hi = np.searchsorted(rk_sorted, rk), np.searchsorted(rk_sorted, rk, side="right")
+        mine = order[lo:hi]
+        if not len(mine):
+            continue
+        at = cols.pos[row]
+        free_pos = np.where(own.free_row[mine] >= 0, own.free_pos[mine].astype(np.int64), big)
+        kept = mine[(own.alloc_pos[mine] < at) & (free_pos > at) & (free_pos > horizon[i])]
+        if len(kept):
+            req = requests.get(rk)
+            out.append(Violation("preempt_kept_blocks", row, int(cols.sk[row]), rk,
+                                 sorted(own.block[kept].tolist()),
+                                 req.describe() if req is not None else "unknown to the scheduler",
+                                 _history_before(cols, req, row, row),
+                                 {"resumed": bool(nxt[i] >= 0)}))
 
 
 def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray, at: int,

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, Columns, columns
+from pdtrace.analysis.columns import next_at_or_after, NO, Columns, columns
 from pdtrace.analysis.context import AnalysisContext, trace_span
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.registry import CrossInstance, Rule
@@ -116,6 +116,13 @@ class SchedCounter:
         # free_blocks unknown: room is not judged on blocks (NaN compares false below, so fill with +inf)
         self.free = np.where(np.isnan(free), np.inf, free)
         budget = ~(tokens >= max_tokens[sk]) & ~(running >= max_seqs[sk])
+        # a step that preempted admits no waiting request (every release's `schedule()`: `if not preempted_reqs`),
+        # however many blocks the preemption freed: no room for a waiting one there
+        pre = cols.rows_of("req_preempt")
+        pre = pre[cols.step[pre] >= 0]
+        if len(pre):
+            step_key = sk.astype(np.int64) * (1 << 40) + cols.step[rows]
+            budget &= ~np.isin(step_key, cols.sk[pre].astype(np.int64) * (1 << 40) + cols.step[pre])
         self.budget = budget
         self.cum_weight = np.r_[0.0, np.cumsum(weight)]
         self.cum_busy = np.r_[0, np.cumsum(tokens > 0)]
@@ -124,6 +131,10 @@ class SchedCounter:
         if len(rows):
             np.maximum.at(self.last_step, sk, cols.step[rows] + np.maximum(weight, 1).astype(np.int64) - 1)
         self.cum_room = np.r_[0, np.cumsum(budget & (self.free >= 1))]
+        # vLLM puts a preempted request back at the head of its waiting queue: while one waits, a request that
+        # arrived (or received its KV) is behind it, and FCFS admits nothing past a head that does not fit
+        self.behind_preempted = _preempted_waiting(cols, sk, self.key % self.span)
+        self.cum_room_queued = np.r_[0, np.cumsum(budget & (self.free >= 1) & ~self.behind_preempted)]
 
     def _range(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Index range [lo, hi) of the sched rows of scheduler sk strictly between positions a and b (b = -1:
@@ -143,6 +154,34 @@ class SchedCounter:
         lo, hi = self._range(sk, a, b)
         return self.cum_busy[hi] - self.cum_busy[lo]
 
+    def fcfs_room(self, sk: int, a: int, b: int, need_r: int, rk: int, st: RequestState,
+                  need: np.ndarray) -> int:
+        """Steps strictly between a and b with room for request rk (`room_between`'s, behind no waiting preempted
+        request) at which no request added before it was still waiting without room for itself: vLLM's waiting
+        queue is FCFS, and a head that does not fit yet stops the admission of everything behind it (a request
+        waiting for remote KV is skipped, not a head; a head never admitted in the trace is the starvation itself and
+        excuses nothing). One candidate finding at a time."""
+        lo, hi = self._range(np.array([sk]), np.array([a]), np.array([b]))
+        s = slice(int(lo[0]), int(hi[0]))
+        ok = self.budget[s] & (self.free[s] >= need_r) & ~self.behind_preempted[s]
+        if not ok.any():
+            return 0
+        mine = np.flatnonzero((st.sk == sk) & (st.add_pos >= 0) & (st.add_pos < st.add_pos[rk]))
+        if len(mine):
+            big = np.iinfo(np.int64).max
+            ends = np.stack([np.where(p > st.add_pos[mine], p, big) for p in
+                             (st.first_sched_pos[mine], st.wait_kv_pos[mine], st.finish_pos[mine])]).min(axis=0)
+            # a head that never fits (never scheduled) is the starvation, not the queue: it excuses nothing
+            admitted = (st.first_sched_pos[mine] >= 0) & (ends == st.first_sched_pos[mine])
+            mine, ends = mine[admitted], ends[admitted]
+            pos = (self.key[s] % self.span)[ok]
+            free = self.free[s][ok]
+            ahead = ((st.add_pos[mine][:, None] < pos[None, :]) & (ends[:, None] > pos[None, :])
+                     & (need[mine][:, None] > free[None, :]))
+            blocked = ahead.any(axis=0)
+            return int(np.count_nonzero(~blocked))
+        return int(np.count_nonzero(ok))
+
     def short_of_blocks(self, sk: int, a: int, b: int, need: int) -> tuple[int, int]:
         """(steps whose batch was full: token budget spent or max_num_seqs running, steps with budget left but
         fewer than `need` free blocks) strictly between a and b, exactly (one slice: for a candidate finding)."""
@@ -152,16 +191,43 @@ class SchedCounter:
         return int(np.count_nonzero(~budget)), int(np.count_nonzero(budget & (self.free[s] < need)))
 
     def room_between(self, sk: np.ndarray, a: np.ndarray, b: np.ndarray, need: np.ndarray,
-                     threshold: int) -> np.ndarray:
+                     threshold: int, queued: np.ndarray | None = None) -> np.ndarray:
         """Steps with room for a request needing `need` blocks, strictly between a and b; exact where the upper
-        bound reaches `threshold`."""
+        bound reaches `threshold`. Where `queued` holds, a step in which a preempted request waited (ahead of
+        this one in vLLM's queue) is not room for it."""
         lo, hi = self._range(sk, a, b)
-        room = (self.cum_room[hi] - self.cum_room[lo]).astype(np.int64)
+        queued = np.zeros(len(lo), bool) if queued is None else queued
+        room = np.where(queued, self.cum_room_queued[hi] - self.cum_room_queued[lo],
+                        self.cum_room[hi] - self.cum_room[lo]).astype(np.int64)
         exact = np.flatnonzero((room >= threshold) & (need > 1))[:_MAX_EXACT]
         for i in exact.tolist():  # one slice per candidate finding
             s = slice(lo[i], hi[i])
-            room[i] = int(np.count_nonzero(self.budget[s] & (self.free[s] >= need[i])))
+            ok = self.budget[s] & (self.free[s] >= need[i])
+            if queued[i]:
+                ok &= ~self.behind_preempted[s]
+            room[i] = int(np.count_nonzero(ok))
         return room
+
+
+def _preempted_waiting(cols: Columns, sched_sk: np.ndarray, sched_pos: np.ndarray) -> np.ndarray:
+    """For each sched row (its scheduler and position): whether a preempted request of that scheduler was waiting
+    to resume then (from its `req_preempt` to its next `req_sched` or `req_finish`, or the end). A running count of
+    +1 at preemptions and -1 at their ends per scheduler, read at the sched rows."""
+    pre = cols.req_rows("req_preempt")
+    if not len(pre) or not len(sched_pos):
+        return np.zeros(len(sched_pos), bool)
+    ends = cols.req_rows("req_sched", "req_finish")
+    nxt = next_at_or_after(cols.rk[pre], cols.pos[pre], cols.rk[ends], cols.pos[ends], strict=True)
+    end_pos = np.where(nxt >= 0, cols.pos[ends[np.maximum(nxt, 0)]].astype(np.int64), int(cols.n) + 1)
+    span = int(cols.n) + 2
+    ev_key = np.concatenate([cols.sk[pre].astype(np.int64) * span + cols.pos[pre], cols.sk[pre].astype(np.int64)
+                             * span + end_pos])
+    ev_delta = np.concatenate([np.ones(len(pre), np.int64), -np.ones(len(pre), np.int64)])
+    order = np.argsort(ev_key, kind="stable")
+    ev_key, running = ev_key[order], np.cumsum(ev_delta[order])
+    at = np.searchsorted(ev_key, sched_sk.astype(np.int64) * span + sched_pos, side="right") - 1
+    same = (at >= 0) & (ev_key[np.maximum(at, 0)] // span == sched_sk)
+    return same & (running[np.maximum(at, 0)] > 0)
 
 
 def _sorted_events(cols: Columns, kinds: tuple[str, ...], requests: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
@@ -402,7 +468,8 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
     cand = np.flatnonzero(steps >= threshold)
     room = np.zeros(len(start_rows), np.int64)
     if len(cand):
-        room[cand] = sc.room_between(sk[cand], pos[cand], end_pos[cand], need[rk[cand]], threshold)
+        room[cand] = sc.room_between(sk[cand], pos[cand], end_pos[cand], need[rk[cand]], threshold,
+                                     queued=start_kind[cand] != code["req_preempt"])
     ts_end = trace_span(ctx)[1]  # the whole trace's end, also on one partition of it
     reported = np.zeros(st.n, bool)
     # candidate findings, chosen vectorised: room enough (starved), or still open at the end after a preemption
@@ -435,6 +502,9 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             out.add("preempted_not_resumed", sev, r, srow, NO, msg, evidence, extra)
             reported[r] = True
             continue
+        if n_room >= threshold and kind != code["req_preempt"]:
+            n_room = room[i] = sc.fcfs_room(int(sk[i]), int(pos[i]), int(end_pos[i]), int(need[r]), r, st, need)
+            extra["steps_with_room"] = n_room
         if n_room >= threshold:
             blocker = (_blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i]))
                        if len(out.pending) < 200 else None)
