@@ -3,9 +3,14 @@ columns (`blocks`, `evidence`) hold Python objects."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import pandas as pd
+
+from pdtrace.errors import UsageError
+
+if TYPE_CHECKING:
+    from pdtrace.analysis.registry import Rule
 
 #: Columns of a findings DataFrame, in order. `evidence` is a list of dicts with keys kind, ts_ns, seq, req, step
 #: (plus optional instance, pid, pp_rank, tp_rank, blocks, note). `context` groups findings the way memcheck's
@@ -108,3 +113,16 @@ def explained_once(findings: pd.DataFrame, fallback: Iterable[str]) -> pd.DataFr
     out = findings[keep].reset_index(drop=True)
     out.attrs = findings.attrs
     return out
+
+
+def checked_findings(frame: pd.DataFrame, rule: "Rule") -> pd.DataFrame:
+    """A rule's findings with exactly the finding columns (none: an empty frame); missing columns: UsageError."""
+    if frame is None or len(frame) == 0:
+        return empty_findings()
+    missing = [c for c in FINDING_COLUMNS if c not in frame.columns and c not in OPTIONAL_FINDING_COLUMNS]
+    if missing:
+        raise UsageError(f"rule {rule.id!r} returned findings without the columns {missing}")
+    absent = [c for c in OPTIONAL_FINDING_COLUMNS if c not in frame.columns]
+    if absent:
+        frame = frame.assign(**{c: pd.Series([None] * len(frame), index=frame.index, dtype=object) for c in absent})
+    return named_requests(frame[list(FINDING_COLUMNS)])

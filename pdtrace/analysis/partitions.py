@@ -69,6 +69,8 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_windows, read_time_window, window_size
+from pdtrace.analysis.findings import checked_findings
+from pdtrace.analysis.slices import allocation_settings, window
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
@@ -396,7 +398,6 @@ def _resolve(rules: Iterable[str | Rule]) -> list[Rule]:
 
 def _load_partition(task: PartitionTask) -> Trace:
     if task.trace is not None:
-        from pdtrace.analysis import window
 
         return window(task.trace, replace(task.config, instances=task.instances))
     from pdtrace.trace.reader import open_trace
@@ -408,7 +409,6 @@ def _load_partition(task: PartitionTask) -> Trace:
 
 def run_partition(task: PartitionTask) -> PartitionResult:
     """Phase 1 (or a phase-2 group): load the task's rows, run its rules as on a whole trace, summarise."""
-    from pdtrace.analysis import allocation_settings, checked_findings
     from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules
 
@@ -723,7 +723,6 @@ def _memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
 
 
 def _memory_span(trace: Trace, config: AnalysisConfig) -> tuple[int, int]:
-    from pdtrace.analysis import window
     from pdtrace.analysis.context import trace_span
 
     return trace_span(AnalysisContext(trace=window(trace, config)))

@@ -79,6 +79,8 @@ from pdtrace.analysis.columns import _bits, _values, dictionary_codes
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
+from pdtrace.analysis.findings import checked_findings
+from pdtrace.analysis.slices import allocation_settings
 from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
 from pdtrace.trace.reader import system_memory_pool, unified
@@ -955,7 +957,6 @@ def analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], co
                     summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None = None) -> WindowedResult:
     """The rules' findings on one instance's rows, window by window (module docstring); per rule, the windows'
     owned findings in window order."""
-    from pdtrace.analysis import allocation_settings
 
     # as open_trace reads (pdtrace.trace.reader) and analyze() runs the rules: the plan's reads and arrays too
     with system_memory_pool(), allocation_settings():
@@ -966,7 +967,6 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                      span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
                      progress: Callable[[Any, Any], None] | None,
                      summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
-    from pdtrace.analysis import checked_findings
     from pdtrace.analysis.history import window_findings
     from pdtrace.analysis.parallel import run_rules
 

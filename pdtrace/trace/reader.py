@@ -58,10 +58,9 @@ import pyarrow.parquet as pq
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, DUMP_PREFIX, MANIFEST_NAME, SCHEMA, flight_recordings
 from pdtrace.trace.model import WINDOW_KEEPS, SkippedFile, Trace, TraceFile, later_window
-from pdtrace.trace.validate import (TraceWarning, check_metadata, check_schema, check_values,
+from pdtrace.trace.validate import (TraceWarning, describe_parquet_bytes, check_metadata, check_schema, check_values,
                                     first_seq_violation)
 
-_PARQUET_MAGIC = b"PAR1"
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -177,14 +176,7 @@ def describe_unreadable(path: str | Path, exc: BaseException) -> str:
             tail = handle.read(4)
     except (OSError, pa.ArrowException) as os_exc:
         return f"cannot be read ({getattr(os_exc, 'strerror', None) or os_exc})"
-    detail = " ".join(str(exc).split())[:160]
-    if size == 0:
-        return "empty file (0 bytes), not a Parquet file"
-    if head != _PARQUET_MAGIC:
-        return "not a Parquet file (no Parquet magic bytes at the start)"
-    if tail != _PARQUET_MAGIC:
-        return f"truncated Parquet file ({size} bytes, footer missing): a writer crashed or a copy was cut short"
-    return f"corrupt Parquet file ({detail})"
+    return describe_parquet_bytes(size, head, tail, exc)
 
 
 def _read_manifest(directory: Path | str, notes: list[str], fs: pafs.FileSystem | None = None,

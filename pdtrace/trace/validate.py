@@ -48,6 +48,8 @@ reported is the one at the lowest row (ties: the column that comes first in the 
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -428,11 +430,37 @@ def validate_table(table: pa.Table, where: str = "<table>", metadata: Mapping[An
     return notes
 
 
-def validate_file(path: str) -> list[str]:
-    """Validate one Parquet part file completely (footer, then every value). Raises TraceError; returns notes."""
-    import pyarrow.parquet as pq
+_PARQUET_MAGIC = b"PAR1"
 
-    from pdtrace.trace.reader import describe_unreadable
+
+def describe_parquet_bytes(size: int, head: bytes, tail: bytes, exc: BaseException) -> str:
+    """Why a file of `size` bytes starting with `head` and ending with `tail` (4 bytes each) could not be read as
+    Parquet: empty, not Parquet, truncated (no footer) or corrupt (`exc`'s words)."""
+    if size == 0:
+        return "empty file (0 bytes), not a Parquet file"
+    if head != _PARQUET_MAGIC:
+        return "not a Parquet file (no Parquet magic bytes at the start)"
+    if tail != _PARQUET_MAGIC:
+        return f"truncated Parquet file ({size} bytes, footer missing): a writer crashed or a copy was cut short"
+    return f"corrupt Parquet file ({' '.join(str(exc).split())[:160]})"
+
+
+def _describe_local_file(path: str, exc: BaseException) -> str:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+            handle.seek(max(size - 4, 0))
+            tail = handle.read(4)
+    except OSError as os_exc:
+        return f"cannot be read ({os_exc.strerror or os_exc})"
+    return describe_parquet_bytes(size, head, tail, exc)
+
+
+def validate_file(path: str) -> list[str]:
+    """Validate one local Parquet part file completely (footer, then every value). Raises TraceError; returns
+    notes."""
+    import pyarrow.parquet as pq  # only this entry reads a file; the table checks need no Parquet
 
     try:
         with pq.ParquetFile(path) as parquet:
@@ -443,5 +471,5 @@ def validate_file(path: str) -> list[str]:
     except TraceError:
         raise
     except (OSError, pa.ArrowException) as exc:
-        raise TraceError(f"{path}: {describe_unreadable(path, exc)}") from None
+        raise TraceError(f"{path}: {_describe_local_file(path, exc)}") from None
     return notes + check_values(table, path)
