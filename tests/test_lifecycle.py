@@ -238,6 +238,43 @@ def preempted_keeps(kept: bool) -> Trace:
     return e.b.trace()
 
 
+def failed_load(ignored: bool) -> Trace:
+    """d's read fails on all three blocks (kv_recv_fail, no request: as the hooks record it); vLLM recomputes them
+    (48 tokens) or, with the failure ignored (mutant of `_handle_invalid_blocks`), decodes one token on them."""
+    e = Engine(builder(), role="decode")
+    e.add("d", n=48, remote_prefill=True)
+    k = e.next_step
+    e.next_step += 1
+    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2, 3], detail={"hit": 0})
+    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2, 3], n=47)
+    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
+    e.ev("step_submit", step=k, n=1)
+    e.in_flight.append(k)
+    e.output()
+    e.ev("kv_recv_fail", step=k, blocks=[1, 2, 3])
+    e.recv_done("d")
+    e.step({"d": 1 if ignored else 48})
+    e.output()
+    e.finish("d")
+    return e.b.trace()
+
+
+def shifted_hit(shifted: bool) -> Trace:
+    """a writes blocks 1, 2, 3 (table indices 0, 1, 2) and finishes; b's prompt shares a's first two blocks and hits
+    them at indices 0, 1 (healthy), or, with the hash of block k given to block k-1 (mutant of
+    `cache_full_blocks`), hits blocks 2, 3 there."""
+    e = Engine(builder())
+    e.add("a", n=48)
+    e.step({"a": 48}, alloc={"a": [1, 2, 3]})
+    e.output()
+    e.finish("a")
+    e.add("b", n=48)
+    e.step({"b": 16}, alloc={"b": [2, 3, 4] if shifted else [1, 2, 4]}, hits={"b": 2})
+    e.output()
+    e.finish("b")
+    return e.b.trace()
+
+
 CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
     ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
@@ -256,6 +293,8 @@ CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("block_listed_twice", lambda: listed_twice(True), lambda: listed_twice(False), "a"),
     ("free_not_returned", lambda: returned_to_pool(True), lambda: returned_to_pool(False), "a"),
     ("preempt_kept_blocks", lambda: preempted_keeps(True), lambda: preempted_keeps(False), "a"),
+    ("decode_on_failed_load", lambda: failed_load(True), lambda: failed_load(False), "d"),
+    ("hit_misplaced", lambda: shifted_hit(True), lambda: shifted_hit(False), "b"),
 ]
 
 

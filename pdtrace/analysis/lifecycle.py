@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from pdtrace.analysis.blocks import pool_block_key, ownership
-from pdtrace.analysis.columns import columns, last_per_key, next_at_or_after, order_by_key
+from pdtrace.analysis.columns import columns, last_before, last_per_key, next_at_or_after, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
@@ -80,6 +80,13 @@ INVARIANTS: dict[str, tuple[str, str]] = {
     "preempt_kept_blocks": ("error", "a preempted request kept blocks it held (`_preempt_request` frees them with "
                                      "`kv_cache_manager.free`): they stay out of the pool while it waits, and its "
                                      "resumption allocates over them"),
+    "decode_on_failed_load": ("error", "a request whose KV load failed (`kv_recv_fail`: its blocks invalid) is "
+                                       "scheduled as if the KV were there: its next step computes fewer tokens than "
+                                       "the blocks the load failed to fill (vLLM recomputes from the first invalid "
+                                       "block, or fails the request: `_handle_invalid_blocks`)"),
+    "hit_misplaced": ("error", "a prefix-cache hit handed a block at another place of the table than the one it "
+                               "held when its KV was written (a block's hash chains its whole prefix, so a hit sits "
+                               "where it was computed): the request reads another prefix's KV"),
     "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
                                          "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
     "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
@@ -428,6 +435,8 @@ def _replay(ctx: Any) -> LifecycleModel:
     if not windowed:  # a window's first owners may lie before it: who is last, and what was held, is unknown
         _frees_not_returned(ctx, cols, requests, out)
         _preemptions_that_kept_blocks(ctx, cols, requests, out)
+    _decodes_on_failed_loads(ctx, cols, requests, out)
+    _misplaced_hits(cols, requests, windowed, out)
     _admission_stalls(cols, requests, failed, pools, out)
     end_ts = int(cols.ts.max()) if cols.n else 0
     _unresolved(ctx, cols, requests, failed, _last_outputs(cols), end_ts, out)
@@ -529,6 +538,112 @@ def _blocks_listed_twice(cols: Any, requests: dict[int, RequestModel], out: list
         out.append(Violation("block_listed_twice", row, int(cols.sk[row]), rk, blocks,
                              req.describe() if req is not None else "unknown to the scheduler",
                              _history_before(cols, req, row, row), {}))
+
+
+def _misplaced_hits(cols: Any, requests: dict[int, RequestModel], windowed: bool, out: list[Violation]) -> None:
+    """`hit_misplaced`: every `blocks_alloc` entry gets its index in its request's table (a running count per
+    request, restarted at each `req_preempt`, which frees the table); the leading `hit` entries of a request's first
+    allocation of a table must have the index the same pool block had in its previous holder's table (the holder's
+    last entry of that block before). Vectorised but for the hit rows' detail; not judged in a window (a holder's
+    table may begin before it)."""
+    if windowed:
+        return
+    alloc = cols.req_rows("blocks_alloc")
+    if not len(alloc):
+        return
+    hit_rows = [r for r, d in zip(alloc.tolist(), cols.details(alloc)) if isinstance(d, dict) and d.get("hit")]
+    if not hit_rows:
+        return
+    b_rows, b_ids = cols.flat_blocks(cols.mask_of_rows(alloc))
+    pre = cols.req_rows("req_preempt")
+    rk = np.concatenate([cols.rk[b_rows], cols.rk[pre]]).astype(np.int64)
+    pos = np.concatenate([cols.pos[b_rows], cols.pos[pre]]).astype(np.int64)
+    is_pre = np.concatenate([np.zeros(len(b_rows), bool), np.ones(len(pre), bool)])
+    seq = np.concatenate([np.arange(len(b_rows)), np.zeros(len(pre), np.int64)])  # entries keep their list order
+    order = np.lexsort((seq, is_pre.astype(np.int8) * -1, pos, rk))
+    rk, pos, is_pre = rk[order], pos[order], is_pre[order]
+    start = np.r_[True, rk[1:] != rk[:-1]] | is_pre
+    counter = np.cumsum(~is_pre)
+    base = np.maximum.accumulate(np.where(start, counter - (~is_pre).astype(np.int64), 0))
+    index_sorted = counter - base - 1
+    entry = order[~is_pre]  # positions in the flat entries, in sorted order
+    index = np.empty(len(b_rows), np.int64)
+    index[entry] = index_sorted[~is_pre]
+    # each entry's offset within its row, and whether its row opened a table (its request's first allocation in it)
+    row_start = np.r_[True, b_rows[1:] != b_rows[:-1]]
+    offset = np.arange(len(b_rows)) - np.maximum.accumulate(np.where(row_start, np.arange(len(b_rows)), 0))
+    hits = dict.fromkeys(hit_rows, 0)
+    for r, d in zip(hit_rows, cols.details(np.array(hit_rows))):
+        hits[r] = int(d.get("hit") or 0)
+    hit_n = np.zeros(len(b_rows), np.int64)
+    hit_row = np.array(sorted(hits), np.int64)
+    at = np.searchsorted(hit_row, b_rows)
+    found = (at < len(hit_row)) & (hit_row[np.minimum(at, len(hit_row) - 1)] == b_rows)
+    hit_n[found] = np.array([hits[r] for r in hit_row.tolist()], np.int64)[at[found]]
+    judged = np.flatnonzero((offset < hit_n) & (index == offset))
+    if not len(judged):
+        return
+    key = pool_block_key(cols.sk[b_rows], b_ids, int(b_ids.max()) + 1)
+    prev = last_before(key[judged], cols.pos[b_rows[judged]], key, cols.pos[b_rows], strict=True)
+    prev_of = np.full(len(b_rows), -1, np.int64)
+    prev_of[judged] = prev
+    has = prev >= 0
+    bad = judged[has][index[prev[has]] != index[judged[has]]]
+    for row in np.unique(b_rows[bad]).tolist():
+        mine = bad[b_rows[bad] == row]
+        rk_row = int(cols.rk[row])
+        req = requests.get(rk_row)
+        out.append(Violation("hit_misplaced", row, int(cols.sk[row]), rk_row, sorted(b_ids[mine].tolist()),
+                             req.describe() if req is not None else "unknown to the scheduler",
+                             _history_before(cols, req, row, row),
+                             {"indices": index[mine].tolist(), "written_at": index[prev_of[mine]].tolist()}))
+
+
+#: failed loads judged per trace (each a pass over the holding intervals)
+FAILED_LOADS_JUDGED = 1000
+
+
+def _decodes_on_failed_loads(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`decode_on_failed_load`: for each `kv_recv_fail` (its blocks; its request where recorded, else each request
+    holding those blocks then, by the ownership intervals), the request's next `req_sched`, `req_wait_kv`,
+    `req_preempt` or `req_finish`: a `req_sched` of fewer tokens than the invalid blocks it holds is a violation
+    (a recompute covers at least one token per invalid block; a new wait reloads; a finish fails it)."""
+    fails = cols.rows_of("kv_recv_fail")[:FAILED_LOADS_JUDGED]
+    if not len(fails):
+        return
+    own = ownership(ctx)
+    nxt_rows = cols.req_rows("req_sched", "req_wait_kv", "req_preempt", "req_finish")
+    sched_code = cols.code_of("kind", "req_sched")
+    kind_codes = cols.codes("kind")[0]
+    block_rows, block_ids = cols.block_rows
+    big = np.iinfo(np.int64).max
+    free_pos = np.where(own.free_row >= 0, own.free_pos.astype(np.int64), big) if len(own) else np.zeros(0, np.int64)
+    pool_key = own.pool_key if len(own) else np.zeros(0, np.int64)
+    for row in fails.tolist():
+        lo, hi = np.searchsorted(block_rows, row), np.searchsorted(block_rows, row, side="right")
+        blocks = block_ids[lo:hi].astype(np.int64)
+        if not len(blocks) or not len(own):
+            continue
+        at = int(cols.pos[row])
+        keys = pool_block_key(np.full(len(blocks), cols.sk[row]), blocks, own.width)
+        held = np.flatnonzero(np.isin(pool_key, keys) & (own.alloc_pos < at) & (free_pos > at))
+        if cols.rk[row] >= 0:
+            held = held[own.rk[held] == cols.rk[row]]
+        for rk in np.unique(own.rk[held]).tolist():
+            invalid = int(np.count_nonzero(own.rk[held] == rk))
+            nxt = next_at_or_after(np.array([rk]), np.array([at]), cols.rk[nxt_rows], cols.pos[nxt_rows],
+                                   strict=True)[0]
+            if nxt < 0:
+                continue
+            nrow = int(nxt_rows[nxt])
+            n = int(cols.ints_at("n", np.array([nrow]), fill=0)[0])
+            if kind_codes[nrow] == sched_code and n < invalid:
+                req = requests.get(int(rk))
+                out.append(Violation("decode_on_failed_load", nrow, int(cols.sk[nrow]), int(rk),
+                                     sorted(own.block[held[own.rk[held] == rk]].tolist()),
+                                     req.describe() if req is not None else "unknown to the scheduler",
+                                     _history_before(cols, req, nrow, nrow),
+                                     {"failed_load_row": row, "tokens": n, "invalid_blocks": invalid}))
 
 
 #: steps a scheduler must go on draining after a free before a block missing from its pool frees is judged (a
