@@ -8,6 +8,8 @@
 # Each run starts a real engine (1-3 minutes on 2 cores, mostly start-up); the modules share one run per fixture.
 # One pytest worker by default: vLLM's CPU workers spin OpenMP threads on every core they are bound to, and two
 # engines of two modules at once (each on both cores) slowed a P/D pair from ~2 to 15 minutes and failed it.
+# Every skip is printed with its reason (-rs); on CI (CI=true) a skip fails the run (tests/real_engine/conftest.py):
+# a module that skipped checked nothing.
 set -euo pipefail
 
 if [[ $# -lt 1 || -z "$1" ]]; then
@@ -25,7 +27,7 @@ REAL_ENGINE_TIMES="$(mktemp)"
 # the machine would delete a run's trace while the tier still reads it.
 base_temp="$(mktemp -d)"
 trap 'rm -rf "$REAL_ENGINE_TIMES" "$base_temp"' EXIT
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$venv_dir/bin/python" -m pytest -q -m real_vllm \
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$venv_dir/bin/python" -m pytest -q -rs -m real_vllm \
     -n "${REAL_ENGINE_WORKERS:-1}" --dist loadfile --basetemp "$base_temp/t" "${@:-tests/real_engine}" \
     || status=$?
 sort "$REAL_ENGINE_TIMES" >&2   # one line per engine run: its wall seconds

@@ -17,12 +17,16 @@ import scenarios
 import scenarios_pipeline
 import scenarios_preemption
 import scenarios_reuse
-from conftest import REPO, SAMPLE_TRACES
 from pdtrace.analysis import analyze, checked_findings
 from pdtrace.analysis.findings import FINDING_COLUMNS, findings_frame
 from pdtrace.analysis.registry import Rule
 from pdtrace.trace.builder import write_table
 from pdtrace.trace.reader import open_trace
+
+#: (not `from conftest import`: a subfolder's conftest.py, tests/real_engine's or tests/vllm_tier's, may be
+#: `conftest` by the time this module is imported)
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_TRACES = REPO / "sample_traces"
 
 
 def _traces() -> dict:

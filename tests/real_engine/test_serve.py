@@ -71,27 +71,30 @@ def _served_requests_recorded(trace) -> None:
     """Every answered request's rows reached the trace, in every process: a recorder_gap does not excuse them
     (`pdtrace record` has every process hand its buffer over before it forwards the stop, and Ctrl-C reaches each
     process, which flushes on it; what vLLM kills afterwards came after the answers). A recorder_off (a hook that
-    switched itself off) switches the check off for that process."""
+    switched itself off) is a failure, not an excuse: that process stopped recording. Every worker rank the engine
+    has (info's pp_ranks x tp_ranks) must have recorded each request's batch_add and batch_remove: a rank with no
+    rows at all fails too."""
     ev = R.events(trace)
-    marked = set(ev.loc[ev["kind"] == "recorder_off", "pid"].astype(int))
+    off = ev[ev["kind"] == "recorder_off"]
+    assert off.empty, f"hooks switched themselves off in pid(s) {sorted(set(off['pid'].astype(int)))}: " + \
+        "; ".join(off["detail"].dropna().astype(str).head(3))
     sched = ev[ev["component"].astype(str) == "scheduler"]
-    if not set(sched["pid"].astype(int)) & marked:
-        added = set(sched.loc[sched["kind"] == "req_add", "req"].astype(str))
-        finished = set(sched.loc[sched["kind"] == "req_finish", "req"].astype(str))
-        freed = set(sched.loc[sched["kind"] == "blocks_free", "req"].astype(str))
-        assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests"
-        assert finished == added and freed == added, (len(finished), len(freed))
-    else:
-        added = None
+    added = set(sched.loc[sched["kind"] == "req_add", "req"].astype(str))
+    finished = set(sched.loc[sched["kind"] == "req_finish", "req"].astype(str))
+    freed = set(sched.loc[sched["kind"] == "blocks_free", "req"].astype(str))
+    assert len(added) == N_REQUESTS, f"{len(added)} req_add for {N_REQUESTS} answered requests"
+    assert finished == added and freed == added, (len(finished), len(freed))
+    (inst,) = R.info(trace)["instances"]
+    ranks = {(pp, tp) for pp in inst["pp_ranks"] for tp in inst["tp_ranks"]}
+    assert ranks == {(0, 0)}, inst  # the served engine is PP=1, TP=1: one worker rank
     workers = ev[ev["component"].astype(str) == "worker"]
-    for pid, rows in workers.groupby("pid"):
-        if int(pid) in marked:
-            continue
+    for pp, tp in sorted(ranks):
+        rows = workers[(workers["pp_rank"] == pp) & (workers["tp_rank"] == tp)]
+        assert len(rows), f"worker rank pp={pp} tp={tp} recorded nothing"
         in_batch = set(rows.loc[rows["kind"] == "batch_add", "req"].astype(str))
         out_batch = set(rows.loc[rows["kind"] == "batch_remove", "req"].astype(str))
-        assert in_batch == out_batch, f"worker {pid}: {len(in_batch)} added, {len(out_batch)} removed"
-        if added is not None:
-            assert in_batch == added, f"worker {pid}: {len(in_batch)} of {len(added)} requests"
+        assert in_batch == added, f"worker rank pp={pp} tp={tp}: {len(in_batch)} of {len(added)} requests added"
+        assert out_batch == added, f"worker rank pp={pp} tp={tp}: {len(out_batch)} of {len(added)} removed"
 
 
 def test_nothing_lost_when_stopped_by_ctrl_c(by_sigint):
