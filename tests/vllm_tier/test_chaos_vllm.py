@@ -34,12 +34,13 @@ ABORT_DURING_READ = dict(
 
 
 def test_an_abort_during_the_read_is_a_premature_free_before_0_16_and_clean_after(tmp_path: Path) -> None:
+    """Measured on 0.10.2, 0.11.1 and 0.15.1 (found) and 0.16.0 and 0.33.0 (clean); the tier's other releases lie
+    on either side of the fix."""
     release = _release()
-    if release < (0, 15, 1):
-        pytest.skip("the rediscovery was measured on 0.15.1 (before the fix) and 0.16.0+ (after)")
     outcome = run_trial(DryRunConfig(**ABORT_DURING_READ), tmp_path / "trace")
     assert outcome.harness_error is None and outcome.label == LEGAL
-    found = {f"{f['rule']}/{f['subrule']}" for f in outcome.findings if f["req"] == "r00005-d"}
+    # one request id on both sides before 0.13 (pdtrace.dryrun.compat.shared_request_ids), r00005-d after
+    found = {f"{f['rule']}/{f['subrule']}" for f in outcome.findings if f["req"] in ("r00005-d", "r00005")}
     if release < (0, 16, 0):
         assert outcome.signature == "double_free/completion_after_free"
         assert "premature_free/recv_open" in found
