@@ -47,6 +47,8 @@ def test_the_same_seed_draws_the_same_trials():
     assert a != [draw_trial(random.Random(8), w).to_dict() for w in ("pd", "pp", "single")]
     for trial in a:
         DryRunConfig(**trial).validate()  # every drawn trial is a valid dry run
+        # a trial outlasts its slowest read before it is judged stuck, and a leak outlasts the leak grace
+        assert trial["drain_timeout_ms"] >= 2000 and trial["end_hold_s"] >= 600
 
 
 def test_a_schedule_is_faulty_if_one_perturbation_is():

@@ -21,6 +21,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 #: Long enough that a leak outlasts the leak rules' grace (480 s) before the trace ends.
 END_HOLD_S = 600.0
+#: Virtual time without progress after which a trial is judged stuck: above the slowest read a `slow_read` makes
+#: (1000 x a read of ~0.7 ms), so a slow transfer is not taken for a hang (the dry run's default is 300 ms).
+DRAIN_MS = 2000.0
 
 
 def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryRunConfig:
@@ -39,7 +42,7 @@ def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryR
         max_num_batched_tokens=rng.choice((64, 128, 512)),
         async_scheduling=async_ok and pp == 1 and rng.random() < 0.3,
         enable_prefix_caching=rng.random() < 0.7,
-        seed=rng.randrange(1 << 31), end_hold_s=END_HOLD_S)
+        seed=rng.randrange(1 << 31), end_hold_s=END_HOLD_S, drain_timeout_ms=DRAIN_MS)
     config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4))
     return config
 
