@@ -17,6 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_imported_once_before_any_test() -> None:
+    """Each test worker imports vLLM's engine core and scheduler once, on its main thread, before any test starts a
+    recorder's threads or signal handlers: CI saw a worker whose first import of them (through openai_harmony, a
+    PyO3 extension that can be initialized only once per process) was cut off, and every later import in that
+    worker then failed with "PyO3 modules ... may only be initialized once per interpreter process". Where vLLM is
+    absent the tier's modules skip themselves; so does this."""
+    try:
+        import vllm.v1.core.sched.scheduler  # noqa: F401
+        import vllm.v1.engine.core  # noqa: F401
+    except ImportError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _dry_runs_share_one_vllm_import(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tier's in-process dry runs fork from a server that imported vLLM once (pdtrace/dryrun/zygote.py says why);
