@@ -532,12 +532,8 @@ def _blocks_listed_twice(cols: Any, requests: dict[int, RequestModel], out: list
     width = int(ids.max()) + 1
     dup_rows, dup_ids = dup // width, dup % width
     for row in np.unique(dup_rows).tolist():
-        rk = int(cols.rk[row])
-        req = requests.get(rk)
-        blocks = sorted(set(dup_ids[dup_rows == row].tolist()))
-        out.append(Violation("block_listed_twice", row, int(cols.sk[row]), rk, blocks,
-                             req.describe() if req is not None else "unknown to the scheduler",
-                             _history_before(cols, req, row, row), {}))
+        _violation_at(out, "block_listed_twice", cols, row, int(cols.rk[row]),
+                      sorted(set(dup_ids[dup_rows == row].tolist())), requests, {})
 
 
 def _misplaced_hits(cols: Any, requests: dict[int, RequestModel], windowed: bool, out: list[Violation]) -> None:
@@ -591,12 +587,8 @@ def _misplaced_hits(cols: Any, requests: dict[int, RequestModel], windowed: bool
     bad = judged[has][index[prev[has]] != index[judged[has]]]
     for row in np.unique(b_rows[bad]).tolist():
         mine = bad[b_rows[bad] == row]
-        rk_row = int(cols.rk[row])
-        req = requests.get(rk_row)
-        out.append(Violation("hit_misplaced", row, int(cols.sk[row]), rk_row, sorted(b_ids[mine].tolist()),
-                             req.describe() if req is not None else "unknown to the scheduler",
-                             _history_before(cols, req, row, row),
-                             {"indices": index[mine].tolist(), "written_at": index[prev_of[mine]].tolist()}))
+        _violation_at(out, "hit_misplaced", cols, row, int(cols.rk[row]), sorted(b_ids[mine].tolist()), requests,
+                      {"indices": index[mine].tolist(), "written_at": index[prev_of[mine]].tolist()})
 
 
 #: failed loads judged per trace (each a pass over the holding intervals)
@@ -619,6 +611,7 @@ def _decodes_on_failed_loads(ctx: Any, cols: Any, requests: dict[int, RequestMod
     big = np.iinfo(np.int64).max
     free_pos = np.where(own.free_row >= 0, own.free_pos.astype(np.int64), big) if len(own) else np.zeros(0, np.int64)
     pool_key = own.pool_key if len(own) else np.zeros(0, np.int64)
+    found: list[tuple[int, int, int, list[int]]] = []  # (failed load row, request key, invalid blocks, blocks)
     for row in fails.tolist():
         lo, hi = np.searchsorted(block_rows, row), np.searchsorted(block_rows, row, side="right")
         blocks = block_ids[lo:hi].astype(np.int64)
@@ -630,20 +623,21 @@ def _decodes_on_failed_loads(ctx: Any, cols: Any, requests: dict[int, RequestMod
         if cols.rk[row] >= 0:
             held = held[own.rk[held] == cols.rk[row]]
         for rk in np.unique(own.rk[held]).tolist():
-            invalid = int(np.count_nonzero(own.rk[held] == rk))
-            nxt = next_at_or_after(np.array([rk]), np.array([at]), cols.rk[nxt_rows], cols.pos[nxt_rows],
-                                   strict=True)[0]
-            if nxt < 0:
-                continue
-            nrow = int(nxt_rows[nxt])
-            n = int(cols.ints_at("n", np.array([nrow]), fill=0)[0])
-            if kind_codes[nrow] == sched_code and n < invalid:
-                req = requests.get(int(rk))
-                out.append(Violation("decode_on_failed_load", nrow, int(cols.sk[nrow]), int(rk),
-                                     sorted(own.block[held[own.rk[held] == rk]].tolist()),
-                                     req.describe() if req is not None else "unknown to the scheduler",
-                                     _history_before(cols, req, nrow, nrow),
-                                     {"failed_load_row": row, "tokens": n, "invalid_blocks": invalid}))
+            mine = held[own.rk[held] == rk]
+            found.append((row, int(rk), len(mine), sorted(own.block[mine].tolist())))
+    if not found:
+        return
+    # each holder's next scheduler event after its failed load: one search for all of them
+    nxt = next_at_or_after(np.array([f[1] for f in found]), cols.pos[[f[0] for f in found]], cols.rk[nxt_rows],
+                           cols.pos[nxt_rows], strict=True)
+    for (row, rk, invalid, blocks), i in zip(found, nxt.tolist()):
+        if i < 0:
+            continue
+        nrow = int(nxt_rows[i])
+        n = int(cols.ints_at("n", np.array([nrow]), fill=0)[0])
+        if kind_codes[nrow] == sched_code and n < invalid:
+            _violation_at(out, "decode_on_failed_load", cols, nrow, rk, blocks, requests,
+                          {"failed_load_row": row, "tokens": n, "invalid_blocks": invalid})
 
 
 #: steps a scheduler must go on draining after a free before a block missing from its pool frees is judged (a
@@ -678,12 +672,8 @@ def _frees_not_returned(ctx: Any, cols: Any, requests: dict[int, RequestModel], 
     if not bad.any():
         return
     for row in np.unique(free_rows[bad]).tolist():
-        rk = int(cols.rk[row])
-        req = requests.get(rk)
-        blocks = sorted(own.block[last[bad & (free_rows == row)]].tolist())
-        out.append(Violation("free_not_returned", row, int(cols.sk[row]), rk, blocks,
-                             req.describe() if req is not None else "unknown to the scheduler",
-                             _history_before(cols, req, row, row), {}))
+        _violation_at(out, "free_not_returned", cols, row, int(cols.rk[row]),
+                      sorted(own.block[last[bad & (free_rows == row)]].tolist()), requests, {})
 
 
 def _preemptions_that_kept_blocks(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
@@ -712,12 +702,8 @@ def _preemptions_that_kept_blocks(ctx: Any, cols: Any, requests: dict[int, Reque
         free_pos = np.where(own.free_row[mine] >= 0, own.free_pos[mine].astype(np.int64), big)
         kept = mine[(own.alloc_pos[mine] < at) & (free_pos > at) & (free_pos > horizon[i])]
         if len(kept):
-            req = requests.get(rk)
-            out.append(Violation("preempt_kept_blocks", row, int(cols.sk[row]), rk,
-                                 sorted(own.block[kept].tolist()),
-                                 req.describe() if req is not None else "unknown to the scheduler",
-                                 _history_before(cols, req, row, row),
-                                 {"resumed": bool(nxt[i] >= 0)}))
+            _violation_at(out, "preempt_kept_blocks", cols, row, rk, sorted(own.block[kept].tolist()), requests,
+                          {"resumed": bool(nxt[i] >= 0)})
 
 
 def _holder(own: Any, order: np.ndarray, k: np.ndarray, start: np.ndarray, end: np.ndarray, at: int,
@@ -799,6 +785,15 @@ def _pool_frees_while_owned(cols: Any, own: Any, order: np.ndarray, k: np.ndarra
         out.append(Violation("pool_free_while_owned", row, int(cols.sk[row]), holder, sorted(set(lost.tolist()))[:64],
                              "the block still owned by this request, which allocated it and had not given it up",
                              _history_before(cols, req, int(own.alloc_row[interval]), row), {}))
+
+
+def _violation_at(out: list[Violation], invariant: str, cols: Any, row: int, rk: int, blocks: list[int],
+                  requests: dict[int, RequestModel], extra: dict[str, Any]) -> None:
+    """A violation of a check judged after the replay: the request's state in words and its history up to `row`."""
+    req = requests.get(rk)
+    out.append(Violation(invariant, row, int(cols.sk[row]), rk, blocks,
+                         req.describe() if req is not None else "unknown to the scheduler",
+                         _history_before(cols, req, row, row), extra))
 
 
 def _history_before(cols: Any, req: RequestModel | None, alloc_row: int, row: int) -> list[int]:
