@@ -256,3 +256,17 @@ def warned_once(notes: Iterable[str], told: list[str]) -> list[str]:
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
             told.append(note)
     return told
+
+
+def installed_release(verb: str = "pdtrace chaos") -> str:
+    """The installed vLLM, if the dry run drives it; else UsageError naming the supported releases (exit 2). For
+    the verbs that drive the dry run (chaos, replay)."""
+    # read at the call, not at the CLI's start: the other verbs never need the hook tables
+    from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
+
+    version = installed_vllm_version()
+    if version is None or table_for(version) is None:
+        what = f"vLLM {version}" if version else "no vLLM"
+        raise UsageError(f"{verb} drives the vLLM releases the dry run supports "
+                         f"({', '.join(supported_versions())}); this environment has {what}")
+    return version

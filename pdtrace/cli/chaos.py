@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import app, err_console, out_console
+from pdtrace.cli.app import app, err_console, installed_release, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -32,18 +32,6 @@ def parse_budget(text: str) -> float:
     if not match or float(match.group(1)) <= 0:
         raise UsageError(f"--budget takes a duration such as 90s, 10m or 1h; got {text!r}")
     return float(match.group(1)) * _UNIT_S[match.group(2)]
-
-
-def installed_release(verb: str = "pdtrace chaos") -> str:
-    """The installed vLLM, if the dry run drives it; else UsageError naming the supported releases (exit 2)."""
-    from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
-
-    version = installed_vllm_version()
-    if version is None or table_for(version) is None:
-        what = f"vLLM {version}" if version else "no vLLM"
-        raise UsageError(f"{verb} drives the vLLM releases the dry run supports "
-                         f"({', '.join(supported_versions())}); this environment has {what}")
-    return version
 
 
 @app.command("chaos")

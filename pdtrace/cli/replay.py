@@ -11,8 +11,7 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import TraceLocation, app, err_console, load_trace, out_console
-from pdtrace.cli.chaos import installed_release
+from pdtrace.cli.app import TraceLocation, app, err_console, installed_release, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
