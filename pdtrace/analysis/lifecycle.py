@@ -46,9 +46,7 @@ from pdtrace.analysis.blocks import pool_block_key, ownership
 from pdtrace.analysis.columns import columns, last_before, last_per_key, next_at_or_after, order_by_key
 from pdtrace.analysis.history import trace_window
 from pdtrace.analysis.parallel import shared_table
-from pdtrace.analysis.requests import request_state
-# the one lookup of a request's last schedule (premature_free's; rules and this model share it)
-from pdtrace.analysis.rules.premature_free import last_sched_before
+from pdtrace.analysis.requests import last_sched_before, request_state
 from pdtrace.analysis.rulekit import engine_configs, expected_ranks, gaps
 
 #: kinds the model replays (the others change no KV state)

@@ -288,6 +288,31 @@ def request_state(ctx: Any) -> RequestState:
     return ctx.cached("request_state", lambda: _build_state(columns(ctx)))
 
 
+def last_sched_before(ctx: Any, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Row of the request's last req_sched before pos (NO if none).
+
+    Most asks come after the request's last schedule (a finish, a completion), where the answer is the request's
+    last req_sched; only the others (e.g. a preemption followed by a resume) search the req_sched rows, of those
+    requests only."""
+    cols = columns(ctx)
+    st = request_state(ctx)
+    out = np.full(len(rk), NO, np.int64)
+    if len(rk) == 0:
+        return out
+    last = st.last_sched_pos[rk]
+    easy = last < pos
+    out[easy & (last >= 0)] = cols.order[last[easy & (last >= 0)]]
+    hard = np.flatnonzero(~easy)
+    if len(hard):
+        wanted = np.zeros(cols.n_requests, bool)
+        wanted[rk[hard]] = True
+        rows = cols.req_rows("req_sched")
+        rows = rows[wanted[cols.req_keys("req_sched")]]
+        idx = last_before(rk[hard], pos[hard], cols.rk[rows], cols.pos[rows], strict=True)
+        out[hard] = np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
+    return out
+
+
 def _rows(cols: Columns, pos: np.ndarray) -> np.ndarray:
     return cols.order[np.where(pos >= 0, pos, 0)] if len(pos) else np.empty(0, np.int64)
 

@@ -7,12 +7,14 @@ Everything here is computed once per analysis (cached on the context) from small
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
 from pdtrace.analysis.columns import NO, Columns, columns, positions, request_keys
+from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.parallel import shared_table
 
 DOWNGRADE = {"error": "warning", "warning": "info", "info": "info"}
@@ -262,6 +264,92 @@ def fmt_blocks(blocks: list[int], limit: int = 12) -> str:
     if len(blocks) <= limit:
         return "[" + ", ".join(str(b) for b in blocks) + "]"
     return "[" + ", ".join(str(b) for b in blocks[:limit]) + f", ... ({len(blocks)} blocks)]"
+
+
+#: What a finding cites: a row index, a (row, note) pair, or an event ref already made (`Evidence.ref`, or a dict
+#: of the same keys for an event that is no row, e.g. a measured idle interval).
+Cited = Union[int, "tuple[int, str | None]", "dict[str, Any]"]
+
+
+class _FromRows:
+    """The default of `FindingsBuilder.add`'s fields: taken from the rows the finding cites."""
+
+    def __repr__(self) -> str:
+        return "FROM_ROWS"
+
+
+#: `FindingsBuilder.add`'s default for instance, dp_rank, req, step and ts_ns: filled from the cited rows.
+FROM_ROWS: Any = _FromRows()
+
+
+class FindingsBuilder:
+    """A rule's findings, built from the rows they cite (so no rule writes the finding columns by hand).
+
+    `add` fills a finding's where and when from its rows: `at` (default: the first row it cites) gives `ts_ns` and
+    `step`; `about` (default: `at`) gives `instance` and `dp_rank` (its scheduler) and `req`. Any of them can be
+    given instead (`sk=` for the scheduler; a value for the others, None included). `evidence` keeps the order the
+    rule gives and becomes event refs in `frame()`, all rows fetched in one take; until then a record's
+    "evidence" is that list, so a rule may still append to it (e.g. the engine failure's row). `context` defaults
+    to "rule:subrule", `blocks` to [], `extra` to {}."""
+
+    def __init__(self, ctx: Any, rule: str, evidence: Evidence | None = None) -> None:
+        self.ctx = ctx
+        self.rule = rule
+        self.cols = columns(ctx)
+        self.evidence = evidence if evidence is not None else Evidence(self.cols)
+        self.records: list[dict[str, Any]] = []
+
+    def ref(self, row: int, note: str | None = None) -> dict[str, Any]:
+        """The event ref of a row (its kind, ts_ns, seq, req, step, ... and the note), e.g. to read its req."""
+        return self.evidence.ref(int(row), note)
+
+    def refs(self, rows: Iterable[int]) -> None:
+        """Fetch the refs of many rows at once (a speed hint: `ref` and `frame` fetch what is missing)."""
+        self.evidence.refs(rows)
+
+    def add(self, subrule: str | None, severity: str, message: str, evidence: Sequence[Cited] = (), *,
+            at: int | None = None, about: int | None = None, sk: int | None = None,
+            instance: Any = FROM_ROWS, dp_rank: Any = FROM_ROWS, req: Any = FROM_ROWS, step: Any = FROM_ROWS,
+            ts_ns: Any = FROM_ROWS, blocks: Sequence[int] | None = None, context: str | None = None,
+            extra: dict[str, Any] | None = None, requests: list[str] | None = None) -> dict[str, Any]:
+        """Add one finding and return its record (a dict of the finding columns; change it before `frame()` if
+        need be, e.g. `EngineFailure.mark`)."""
+        evidence = list(evidence)
+        if at is None:
+            at = next((int(c if isinstance(c, (int, np.integer)) else c[0]) for c in evidence
+                       if not isinstance(c, dict)), None)
+        about = at if about is None else about
+        if sk is None and about is not None and (instance is FROM_ROWS or dp_rank is FROM_ROWS):
+            sk = int(self.cols.sk[about])
+        if sk is not None:
+            where = sk_instance(self.cols, int(sk))
+            instance = where[0] if instance is FROM_ROWS else instance
+            dp_rank = where[1] if dp_rank is FROM_ROWS else dp_rank
+        if req is FROM_ROWS:
+            req = self.ref(about).get("req") if about is not None else None
+        if step is FROM_ROWS:
+            step = self.ref(at).get("step") if at is not None else None
+        if ts_ns is FROM_ROWS:
+            ts_ns = int(self.cols.ts[at]) if at is not None else None
+        if instance is FROM_ROWS or dp_rank is FROM_ROWS:
+            raise ValueError(f"{self.rule}: a finding that cites no row needs sk=, or instance= and dp_rank=")
+        record = {
+            "rule": self.rule, "subrule": subrule, "severity": severity, "instance": instance, "dp_rank": dp_rank,
+            "req": req, "blocks": [] if blocks is None else blocks, "step": step, "ts_ns": ts_ns, "message": message,
+            "evidence": evidence, "context": f"{self.rule}:{subrule}" if context is None else context,
+            "extra": {} if extra is None else extra, "requests": requests,
+        }
+        self.records.append(record)
+        return record
+
+    def frame(self) -> pd.DataFrame:
+        """The findings DataFrame (`pdtrace.analysis.findings.FINDING_COLUMNS`), in the order they were added."""
+        self.evidence.refs(c if isinstance(c, (int, np.integer)) else c[0] for rec in self.records
+                           for c in rec["evidence"] if not isinstance(c, dict))
+        for rec in self.records:
+            rec["evidence"] = [c if isinstance(c, dict) else self.ref(c) if isinstance(c, (int, np.integer))
+                               else self.ref(c[0], c[1]) for c in rec["evidence"]]
+        return findings_frame(self.records)
 
 
 # --- engine failures ---------------------------------------------------------------------------------------------

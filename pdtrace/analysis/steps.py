@@ -265,11 +265,11 @@ def _first_per_key(key: np.ndarray, ts: np.ndarray) -> np.ndarray:
 def _requests_per_key(cols: Any, rows: np.ndarray, all_keys: np.ndarray, dp_span: int,
                       step_span: int) -> np.ndarray:
     """How many of `rows` (the req_sched rows) each step key of `all_keys` (sorted, distinct) holds: the keys of
-    `_step_frame` (instance, dp_rank, step), built per row as its scheduler's base key (a small table indexed by
+    `step_frame` (instance, dp_rank, step), built per row as its scheduler's base key (a small table indexed by
     `Columns.sk`) plus its step, then counted with one bincount over
     the keys' range (a row whose key lies outside it, or whose step is null, falls in a bin no key reads). Where
     that range is sparse (more than 4 bins a row), a searchsorted of every row among the keys instead. req_sched
-    is most of a trace's rows: on a 5M-row window (4M req_sched rows) `_step_frame` took CPU 0.09 s against
+    is most of a trace's rows: on a 5M-row window (4M req_sched rows) `step_frame` took CPU 0.09 s against
     0.23 s with three gathers, int64 arithmetic and a searchsorted per row (bench/long_trace.py, one core)."""
     n = len(all_keys)
     if n == 0 or len(rows) == 0:
@@ -290,8 +290,9 @@ def _requests_per_key(cols: Any, rows: np.ndarray, all_keys: np.ndarray, dp_span
 
 
 @shared_table(cost=0.09)
-def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
-    """step_table with integer `inst` codes and the sched row index `row` (internal form).
+def step_frame(ctx: AnalysisContext) -> pd.DataFrame:
+    """step_table with integer `inst` codes and the sched row index `row` (the rules' form, one row per step and
+    scheduler; `pdtrace.analysis.ruleapi` exports it).
 
     The three kinds are keyed by one int64 (instance, dp_rank, step) and outer-joined with a sorted union and
     searchsorted on numpy arrays."""
@@ -358,14 +359,18 @@ def _step_frame(ctx: AnalysisContext) -> pd.DataFrame:
     return ctx.cached("steps:step_frame", build)
 
 
-@shared_table(_step_frame, cost=0.05)
+#: The name step_frame had while it was private; kept so that a rule written against it still imports.
+_step_frame = step_frame
+
+
+@shared_table(step_frame, cost=0.05)
 def step_table(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per scheduler step (instance, dp_rank, step): sched_ts, tokens, running, waiting, waiting_kv,
     free_blocks, dur_ns, empty_run, submit_ts, in_flight, output_ts, wait_ns (NA where the event or key is absent).
     See the module docstring for the algorithm."""
 
     def build() -> pd.DataFrame:
-        frame = _step_frame(ctx)
+        frame = step_frame(ctx)
         names = instances(ctx)
         has = np.flatnonzero(frame["row"].to_numpy() >= 0)
         extra = detail_numbers(ctx, frame["row"].to_numpy()[has], ("waiting", "waiting_kv", "dur_ns"),
@@ -608,7 +613,7 @@ def _int64(series: pd.Series, fill: int = _NULL) -> np.ndarray:
     return series.astype("Int64").fillna(fill).to_numpy(dtype=np.int64)
 
 
-@shared_table(request_lifetimes, _step_frame, cost=0.01)
+@shared_table(request_lifetimes, step_frame, cost=0.01)
 def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCount, ...]]:
     """Per scheduler (inst, dp): (live requests, runnable requests, token-carrying steps in flight, the requests
     of those steps: each step's req_sched rows from its submit to its output)."""
@@ -623,7 +628,7 @@ def _count_functions(ctx: AnalysisContext) -> dict[tuple[int, int], tuple[StepCo
         # runnable: [start, finish) without a KV wait; [start, wait) and [recv, finish) with one
         r1_end = np.where(has_wait, wait, finish)
         r2_start = np.where(has_wait & (recv != NEVER) & (recv < finish), recv, NEVER)
-        steps = _step_frame(ctx)
+        steps = step_frame(ctx)
         submit = _int64(steps["submit_ts"].fillna(steps["sched_ts"]))
         output = _int64(steps["output_ts"])
         carries = ~(steps["tokens"].to_numpy() <= 0)  # NaN tokens count as work
@@ -752,7 +757,7 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         b = np.where(gpu, gb, begin)
         e = np.where(gpu, ge, end)
         if np.isnan(n).any():
-            steps = _step_frame(ctx)
+            steps = step_frame(ctx)
             k = _Keys(np.r_[inst, steps["inst"].to_numpy()], np.r_[dp, steps["dp"].to_numpy()], pp, tp,
                       np.r_[step, steps["step"].to_numpy()])
             skeys = k.at_step(k.sched(steps["inst"].to_numpy(), steps["dp"].to_numpy()), steps["step"].to_numpy())
@@ -826,7 +831,7 @@ CAUSE_NO_REQUESTS, CAUSE_KV, CAUSE_IMBALANCE, CAUSE_CPU, CAUSE_QUEUE, CAUSE_BROA
     BUBBLE_CAUSES.index("queue_not_full"), BUBBLE_CAUSES.index("sampled_token_wait"))
 
 
-@shared_table(busy_spans, _count_functions, _step_frame, cost=0.08)
+@shared_table(busy_spans, _count_functions, step_frame, cost=0.08)
 def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
     """Every idle gap (> 0 ns) between busy spans of a lane, classified, with integer codes (inst, dp, pp, tp):
     the pipeline_bubble rule sums idle time from it; `bubbles` keeps the gaps of at least bubble_min_ns. `cause` is
@@ -874,7 +879,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         step_before = np.r_[step[gap_idx - 1], step[w_idx]]
         n = len(idx)
 
-        steps = _step_frame(ctx)
+        steps = step_frame(ctx)
         st_inst = steps["inst"].to_numpy()
         st_dp = steps["dp"].to_numpy()
         keys = _Keys(np.r_[busy["inst"].to_numpy(), st_inst], np.r_[busy["dp"].to_numpy(), st_dp],

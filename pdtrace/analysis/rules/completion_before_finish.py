@@ -23,22 +23,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import columns, next_at_or_after
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rules.premature_free import last_sched_before
-from pdtrace.analysis.rulekit import Evidence, sk_instance, step_index
-from pdtrace.format import FINISHED_STATUSES
+from pdtrace.analysis.ruleapi import (FINISHED_STATUSES, Cited, FindingsBuilder, Rule, columns, last_sched_before,
+                                      next_at_or_after, request_state, step_index)
 
 
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     st = request_state(ctx)
     rows = cols.rows_of("kv_send_done", "kv_recv_done")
+    found = FindingsBuilder(ctx, "completion_before_finish")
     rows = rows[cols.rk[rows] >= 0]
     if len(rows) == 0:
-        return findings_frame([])
+        return found.frame()
     rk = cols.rk[rows]
     pos = cols.pos[rows]
     send = cols.codes("kind")[0][rows] == cols.code_of("kind", "kv_send_done")
@@ -61,50 +57,42 @@ def run(ctx: Any) -> pd.DataFrame:
     bad = usable & np.where(send, ~finished, ~(finished | waiting))
     idx = np.flatnonzero(bad)
     if len(idx) == 0:
-        return findings_frame([])
-    ev = Evidence(cols)
+        return found.frame()
     si = step_index(ctx)
     sched_rows = last_sched_before(ctx, rk[idx], pos[idx])
     err_rows = cols.rows_of("engine_error")
     err_next = next_at_or_after(cols.sk[rows[idx]], pos[idx], cols.sk[err_rows], cols.pos[err_rows], strict=True)
-    ev.refs(np.concatenate([rows[idx], sched_rows]))
+    found.refs(np.concatenate([rows[idx], sched_rows]))
     all_comp = cols.rows_of("kv_send_done", "kv_recv_done")
-    records: list[dict[str, Any]] = []
     for j, i in enumerate(idx.tolist()):
         row = int(rows[i])
         direction = "send" if send[i] else "recv"
-        ref = ev.ref(row, "completion")
-        req = ref.get("req")
+        req = found.ref(row).get("req")
         state = status_names[status[i]] if has_status[i] else (
             "unfinished (from its history)" if direction == "send" else "not waiting for KV (from its history)")
-        evidence = [ref]
+        evidence: list[Cited] = [(row, "completion")]
         if sched_rows[j] >= 0:
-            evidence.append(ev.ref(int(sched_rows[j]), "last scheduled before the completion"))
+            evidence.append((int(sched_rows[j]), "last scheduled before the completion"))
         if fin[i] > pos[i]:
-            evidence.append(ev.ref(int(cols.order[fin[i]]), "finished only later"))
+            evidence.append((int(cols.order[fin[i]]), "finished only later"))
         sk = int(cols.sk[row])
         flying = si.in_flight_rows(sk, int(pos[i]))
-        evidence += [ev.ref(int(r), "step in flight") for r in flying[:4]]
+        evidence += [(int(r), "step in flight") for r in flying[:4]]
         step = cols.step[row]
         others: list[str] = []
         if step >= 0:
             same = all_comp[(cols.sk[all_comp] == sk) & (cols.step[all_comp] == step) & (all_comp != row)]
             for r in same[:4].tolist():
-                evidence.append(ev.ref(int(r), "in the same update"))
-            others = [str(ev.ref(int(r)).get("req")) for r in same[:32].tolist()]
+                evidence.append((int(r), "in the same update"))
+            others = [str(found.ref(int(r)).get("req")) for r in same[:32].tolist()]
         if err_next[j] >= 0:
-            evidence.append(ev.ref(int(err_rows[err_next[j]]), "the engine failed after it"))
-        instance, dp = sk_instance(cols, sk)
+            evidence.append((int(err_rows[err_next[j]]), "the engine failed after it"))
         where = "_free_blocks asserts request.is_finished()" if direction == "send" else \
             "_update_from_kv_xfer_finished asserts RequestStatus.is_finished"
-        records.append({
-            "rule": "completion_before_finish", "subrule": direction, "severity": "error", "instance": instance,
-            "dp_rank": dp, "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]),
-            "message": f"kv_{direction}_done for {req} while it was {state}: vLLM's {where}",
-            "evidence": evidence, "context": f"completion_before_finish:{direction}:{state}",
-            "extra": {"status": state, "steps_in_flight": len(flying), "others_in_update": others},
-        })
-    return findings_frame(records)
+        found.add(direction, "error", f"kv_{direction}_done for {req} while it was {state}: vLLM's {where}",
+                  evidence, context=f"completion_before_finish:{direction}:{state}",
+                  extra={"status": state, "steps_in_flight": len(flying), "others_in_update": others})
+    return found.frame()
 
 
 RULE = Rule(

@@ -30,18 +30,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.blocks import ownership, release_gaps
-from pdtrace.analysis.columns import NO, columns, last_before
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.releases import trace_behaviour
-from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import (COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance,
-                                      step_index)
+from pdtrace.analysis.ruleapi import (COMPLETION_FREE_REASONS, NO, Cited, FindingsBuilder, Rule, columns, fmt_blocks,
+                                      groups, last_before, ownership, release_gaps, request_state, step_index,
+                                      trace_behaviour)
 
 
-
-def _completion_evidence(ctx: Any, ev: Evidence, row: int) -> list[dict[str, Any]]:
+def _completion_evidence(ctx: Any, row: int) -> list[Cited]:
     """Other completions of the same update (same scheduler and step), up to four."""
     cols = columns(ctx)
     step = cols.step[row]
@@ -49,15 +43,14 @@ def _completion_evidence(ctx: Any, ev: Evidence, row: int) -> list[dict[str, Any
         return []
     rows = cols.rows_of("kv_send_done", "kv_recv_done")
     same = rows[(cols.sk[rows] == cols.sk[row]) & (cols.step[rows] == step) & (rows != row)]
-    return [ev.ref(int(r), "in the same update") for r in same[:4].tolist()]
+    return [(int(r), "in the same update") for r in same[:4].tolist()]
 
 
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     st = request_state(ctx)
     own = ownership(ctx)
-    ev = Evidence(cols)
-    records: list[dict[str, Any]] = []
+    found = FindingsBuilder(ctx, "double_free")
     kind_codes, kind_names = cols.codes("kind")
 
     # frees of blocks the request did not hold
@@ -75,27 +68,19 @@ def run(ctx: Any) -> pd.DataFrame:
             blocks = sorted(int(b) for b in own.unmatched_block[group])
             rk = int(own.unmatched_rk[group[0]])
             prev_i = [int(closed_idx[p]) for p in prev[group] if p >= 0]
-            ev.refs([row] + [int(own.free_row[p]) for p in prev_i[:1]] + [int(own.alloc_row[p]) for p in prev_i[:1]])
-            free_ref = ev.ref(row, "blocks given up again here")
-            evidence = [free_ref]
+            cite: list[Cited] = [(row, "blocks given up again here")]
             if prev_i:
-                evidence.append(ev.ref(int(own.free_row[prev_i[0]]), "already given up here"))
-                evidence.append(ev.ref(int(own.alloc_row[prev_i[0]]), "allocated here"))
-            instance, dp = sk_instance(cols, int(cols.sk[row]))
+                cite += [(int(own.free_row[prev_i[0]]), "already given up here"),
+                         (int(own.alloc_row[prev_i[0]]), "allocated here")]
             never_known = st.add_pos[rk] < 0 and not prev_i and not has_interval[rk]
-            req = free_ref.get("req")
+            req = found.ref(row).get("req")
             listed = cols.table.column("blocks")[row].as_py() or []  # one row's list, for the message only
             twice = any(listed.count(b) > 1 for b in blocks)
-            records.append({
-                "rule": "double_free", "subrule": "not_owned", "severity": "warning" if never_known else "error",
-                "instance": instance, "dp_rank": dp, "req": req, "blocks": blocks, "step": free_ref.get("step"),
-                "ts_ns": int(cols.ts[row]),
-                "message": f"{req} gave up blocks {fmt_blocks(blocks)} it did not hold"
-                           + (" (listed twice in this free: it held one reference)" if twice
-                              else " (freed before)" if prev_i else " (no allocation of them in the trace)"),
-                "evidence": evidence, "context": "double_free:not_owned",
-                "extra": {"previously_freed": bool(prev_i), "listed_twice": twice},
-            })
+            found.add("not_owned", "warning" if never_known else "error",
+                      f"{req} gave up blocks {fmt_blocks(blocks)} it did not hold"
+                      + (" (listed twice in this free: it held one reference)" if twice
+                         else " (freed before)" if prev_i else " (no allocation of them in the trace)"),
+                      cite, blocks=blocks, extra={"previously_freed": bool(prev_i), "listed_twice": twice})
 
     # completions for unknown ids, and completions after a completion already freed the blocks
     comp = cols.rows_of("kv_send_done", "kv_recv_done")
@@ -122,44 +107,36 @@ def run(ctx: Any) -> pd.DataFrame:
     for i in np.flatnonzero(is_unknown | never_seen | after).tolist():
         row = int(comp[i])
         kind = kind_names[kind_codes[row]]
-        ev.refs([row])
-        ref = ev.ref(row, "completion")
-        req = ref.get("req")
+        req = found.ref(row).get("req")
         r = int(rk[i])
-        evidence = [ref]
+        evidence: list[Cited] = [(row, "completion")]
         release = trace_behaviour(ctx)  # what the recorded vLLM does with a completion for an id it forgot
         effect = release.unknown_send if kind == "kv_send_done" else release.unknown_recv
         if after[i]:
             sub, sev = "completion_after_free", "error"
             free_row = int(gap_free_row[i])
             reason = reason_names[reason_codes[free_row]] if reason_codes[free_row] >= 0 else None
-            evidence.append(ev.ref(free_row, f"final free (reason {reason}): the scheduler forgot {req} here"))
+            evidence.append((free_row, f"final free (reason {reason}): the scheduler forgot {req} here"))
             if st.finish_pos[r] >= 0:
-                evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
+                evidence.append((int(cols.order[st.finish_pos[r]]), "request finished here"))
             msg = f"{kind} for {req} after its final free (reason {reason}) released it: {effect}"
         else:
             sub = "unknown_id"
             sev = "error" if is_unknown[i] else "warning"
             if st.last_free_pos[r] >= 0 and st.last_free_pos[r] < pos[i]:
-                evidence.append(ev.ref(int(cols.order[st.last_free_pos[r]]), "blocks last freed here"))
+                evidence.append((int(cols.order[st.last_free_pos[r]]), "blocks last freed here"))
             if st.finish_pos[r] >= 0 and st.finish_pos[r] < pos[i]:
-                evidence.append(ev.ref(int(cols.order[st.finish_pos[r]]), "request finished here"))
+                evidence.append((int(cols.order[st.finish_pos[r]]), "request finished here"))
             msg = (f"{kind} for {req}, which the scheduler no longer knows (status unknown): {effect}"
                    if is_unknown[i] else
                    f"{kind} for {req}, which has no earlier event in the trace (no status says whether the "
                    "scheduler knows it: it may predate the recording)")
-        evidence += _completion_evidence(ctx, ev, row)
-        sk = int(cols.sk[row])
-        flying = si.in_flight_rows(sk, int(pos[i]))
-        instance, dp = sk_instance(cols, sk)
-        records.append({
-            "rule": "double_free", "subrule": sub, "severity": sev, "instance": instance, "dp_rank": dp,
-            "req": req, "blocks": [], "step": ref.get("step"), "ts_ns": int(cols.ts[row]), "message": msg,
-            "evidence": evidence, "context": f"double_free:{sub}:{kind}",
-            "extra": {"steps_in_flight": len(flying),
-                      **({"downgraded": "no_status"} if sub == "unknown_id" and not is_unknown[i] else {})},
-        })
-    return findings_frame(records)
+        evidence += _completion_evidence(ctx, row)
+        flying = si.in_flight_rows(int(cols.sk[row]), int(pos[i]))
+        found.add(sub, sev, msg, evidence, context=f"double_free:{sub}:{kind}",
+                  extra={"steps_in_flight": len(flying),
+                         **({"downgraded": "no_status"} if sub == "unknown_id" and not is_unknown[i] else {})})
+    return found.frame()
 
 
 RULE = Rule(

@@ -56,25 +56,20 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
-from pdtrace.analysis.context import trace_span
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.history import history
-from pdtrace.analysis.registry import CrossInstance, Rule
-from pdtrace.analysis.releases import grace_s, nixl_send_lease_s, trace_behaviour
-from pdtrace.analysis.requests import remote_flags, request_state
-from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
-                                      engine_failures, fmt_blocks, gaps, groups, inst_code_of_sk, rank_report,
-                                      sk_instance, step_index)
+from pdtrace.analysis.ruleapi import (CRASH_NOTE, DOWNGRADE, NO, CrossInstance, EngineFailure, Evidence,
+                                      FindingsBuilder, Rule, columns, engine_configs, engine_failures, fmt_blocks,
+                                      gaps, grace_s, groups, history, inst_code_of_sk, last_before, next_at_or_after,
+                                      nixl_send_lease_s, ownership, rank_report, remote_flags, request_state,
+                                      sk_instance, step_index, trace_behaviour, trace_span)
 
 CLASS_SEVERITY = {"definitely": "error", "indirectly": "error", "possibly": "warning"}
 
 
 def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
+    findings = FindingsBuilder(ctx, "leaked_blocks")
     if cols.n == 0:
-        return findings_frame([])
+        return findings.frame()
     st = request_state(ctx)
     own = ownership(ctx)
     grace = grace_s(ctx)  # the recorded release's connector timeout unless configured
@@ -82,10 +77,9 @@ def run(ctx: Any) -> pd.DataFrame:
     end_pos = cols.n
     end_ts = trace_span(ctx)[1]  # the whole trace's end, also on one partition of it
     gp = gaps(ctx)
-    ev = Evidence(cols)
+    ev = findings.evidence
     cfgs = engine_configs(ctx)
     failures = engine_failures(ctx)
-    records: list[dict[str, Any]] = []
 
     def ts_at(pos: int) -> int:
         return int(cols.ts[cols.order[pos]])
@@ -93,7 +87,6 @@ def run(ctx: Any) -> pd.DataFrame:
     def emit(cls: str, sk: int, req_row: int, blocks: list[int], since_pos: int, why: str,
              evidence: list[dict[str, Any]], context: str, step: Any, crash: EngineFailure | None = None,
              extra_more: dict[str, Any] | None = None) -> None:
-        instance, dp = sk_instance(cols, sk)
         severity = CLASS_SEVERITY[cls]
         gap = gp.covers(inst_code_of_sk(cols, sk), since_pos, end_pos)
         extra: dict[str, Any] = {"class": cls, "n_blocks": len(blocks), "held_s": (end_ts - ts_at(since_pos)) / 1e9,
@@ -105,27 +98,22 @@ def run(ctx: Any) -> pd.DataFrame:
         req = ev.ref(req_row).get("req")
         what = f"{len(blocks)} blocks {fmt_blocks(blocks)}" if blocks else \
             "its blocks (allocated before the window: ids and count unknown)"
-        record = {
-            "rule": "leaked_blocks", "subrule": cls, "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": req, "blocks": blocks, "step": step, "ts_ns": ts_at(since_pos),
-            "message": f"{what} {cls} lost: {req} {why}",
-            "evidence": evidence, "context": context, "extra": extra,
-        }
+        record = findings.add(cls, severity, f"{what} {cls} lost: {req} {why}", evidence, sk=sk, req=req,
+                              step=step, ts_ns=ts_at(since_pos), blocks=blocks, context=context, extra=extra)
         if crash is not None:
             crash.mark(record, f"{req} gave them up")
-            record["evidence"] = evidence + [ev.ref(crash.row, CRASH_NOTE)]
-        records.append(record)
+            record["evidence"] = record["evidence"] + [(crash.row, CRASH_NOTE)]
 
     open_iv = np.flatnonzero(own.free_row < 0)
     if len(open_iv):
-        found = groups(own.rk[open_iv])
+        held = groups(own.rk[open_iv])
         # the holders' transfer state at the end, for all of them at once (per request, three lookups cost ~0.2 ms)
-        holders = np.array([int(own.rk[open_iv[g[0]]]) for g in found], np.int64)
+        holders = np.array([int(own.rk[open_iv[g[0]]]) for g in held], np.int64)
         at_end = np.full(len(holders), end_pos, np.int64)
         sends_open = st.send_open_at(holders, at_end).tolist()
         recvs_open = st.recv_open_at(holders, at_end).tolist()
         waits = [w.tolist() for w in st.recv_window_at(holders, at_end)]
-        for i, group in enumerate(found):
+        for i, group in enumerate(held):
             members = open_iv[group]
             rk = int(own.rk[members[0]])
             sk = int(own.sk[members[0]])
@@ -148,7 +136,7 @@ def run(ctx: Any) -> pd.DataFrame:
                     wait_grace_ns = int(wait_grace * 1e9)
                 if end_ts - ts_at(since if lease_from is None else lease_from) <= wait_grace_ns:
                     if fin >= 0:  # finished (or aborted) and still waiting: still held, within the grace period
-                        _still_held(ctx, ev, records, rk, sk, alloc_row, blocks, fin, since, send_open, wait_grace)
+                        _still_held(ctx, findings, rk, sk, alloc_row, blocks, fin, since, send_open, wait_grace)
                     continue
                 if lease_from is not None:
                     since = lease_from
@@ -203,11 +191,11 @@ def run(ctx: Any) -> pd.DataFrame:
 
     _deferred_never_drained(ctx, ev, emit)
     if history(ctx) is not None:
-        _held_since_before_the_window(ctx, ev, records, emit, grace, grace_ns)
-    return findings_frame(records)
+        _held_since_before_the_window(ctx, findings, emit, grace, grace_ns)
+    return findings.frame()
 
 
-def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str, Any]], emit: Any, grace: float,
+def _held_since_before_the_window(ctx: Any, findings: FindingsBuilder, emit: Any, grace: float,
                                   grace_ns: int) -> None:
     """On a window (pdtrace.analysis.history): a request begun before it (no req_add), with no holding in it, that
     finishes inside it with delay_free and whose send never completes holds blocks the window never saw allocated:
@@ -216,6 +204,7 @@ def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str
     cols = columns(ctx)
     st = request_state(ctx)
     own = ownership(ctx)
+    ev = findings.evidence
     end_ts = trace_span(ctx)[1]
     held = np.zeros(st.n, bool)
     held[own.rk] = True
@@ -228,7 +217,7 @@ def _held_since_before_the_window(ctx: Any, ev: Evidence, records: list[dict[str
         fin_row = int(cols.order[fin])
         sk = int(st.sk[rk])
         if end_ts - int(cols.ts[fin_row]) <= grace_ns:
-            _still_held(ctx, ev, records, rk, sk, fin_row, [], fin, fin, True, grace)
+            _still_held(ctx, findings, rk, sk, fin_row, [], fin, fin, True, grace)
             continue
         evidence = [ev.ref(fin_row, "finished with delay_free: waiting for the peer's read")]
         why = (f"waits to send its KV for {(end_ts - int(cols.ts[fin_row])) / 1e9:.1f} s (grace {grace:g} s) and "
@@ -282,13 +271,13 @@ def _decode_sides(ctx: Any) -> dict[tuple[str, str], int]:
     return ctx.cached("leaked_blocks.decode_sides", build)
 
 
-def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, sk: int, alloc_row: int,
-                blocks: list[int], fin: int, since: int, send_open: bool, grace_s: float) -> None:
+def _still_held(ctx: Any, findings: FindingsBuilder, rk: int, sk: int, alloc_row: int, blocks: list[int], fin: int,
+                since: int, send_open: bool, grace_s: float) -> None:
     """An info finding (subrule `still_held`) for blocks a finished or aborted request still holds at the end of the
     trace while it waits, within the grace period, for the completion of its transfer: memcheck's "still
     reachable" at exit, not a leak (yet)."""
     cols = columns(ctx)
-    st = request_state(ctx)
+    ev = findings.evidence
     end_ts = int(cols.ts.max())
     fin_row = int(cols.order[fin])
     since_ts = int(cols.ts[cols.order[since]])
@@ -301,7 +290,6 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
     evidence = [ev.ref(alloc_row, "allocated here"), ev.ref(fin_row, f"request {how} here")]
     if not send_open:
         evidence.append(ev.ref(int(cols.order[since]), "waiting for remote KV since"))
-    instance, dp = sk_instance(cols, sk)
     req = ev.ref(alloc_row).get("req")
     peer_read = _peer_read_row(ctx, sk, rk) if send_open else None
     note = ""
@@ -313,18 +301,17 @@ def _still_held(ctx: Any, ev: Evidence, records: list[dict[str, Any]], rk: int, 
         if not trace_behaviour(ctx).steps_for_pending_sends:
             note += (" (this release's engine does not step with only sends pending, vLLM before 0.22: the blocks "
                      "go back with its next request, or at the timeout)")
-    records.append({
-        "rule": "leaked_blocks", "subrule": "still_held", "severity": "info", "instance": instance, "dp_rank": dp,
-        "req": req, "blocks": blocks, "step": ev.ref(alloc_row).get("step"), "ts_ns": since_ts,
-        "message": f"{f'{len(blocks)} blocks {fmt_blocks(blocks)}' if blocks else 'its blocks (allocated before the window)'}"
-                   f" still held at the end of the trace: {req} {how} and "
-                   f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
-                   f"({grace_s:g} s){note}",
-        "evidence": evidence, "context": f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
-        "extra": {"class": "still_held", "n_blocks": len(blocks), "held_s": held_s, "awaiting": awaiting,
-                  "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks"),
-                  "peer_read": peer_read is not None},
-    })
+    findings.add(
+        "still_held", "info",
+        f"{f'{len(blocks)} blocks {fmt_blocks(blocks)}' if blocks else 'its blocks (allocated before the window)'}"
+        f" still held at the end of the trace: {req} {how} and "
+        f"has waited {held_s:.1f} s for {what} ({awaiting} has not come), within the grace period "
+        f"({grace_s:g} s){note}",
+        evidence, sk=sk, req=req, step=ev.ref(alloc_row).get("step"), ts_ns=since_ts, blocks=blocks,
+        context=f"leaked_blocks:still_held:{'send' if send_open else 'recv'}",
+        extra={"class": "still_held", "n_blocks": len(blocks), "held_s": held_s, "awaiting": awaiting,
+               "request_state": how, "pool_blocks": engine_configs(ctx).get(sk, {}).get("num_blocks"),
+               "peer_read": peer_read is not None})
 
 
 def _peer_read_row(ctx: Any, sk: int, rk: int) -> int | None:

@@ -21,11 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from pdtrace.analysis.columns import columns
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.lifecycle import INVARIANTS, lifecycle_model
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.rulekit import CRASH_NOTE, Evidence, engine_failures, sk_instance
+from pdtrace.analysis.ruleapi import CRASH_NOTE, INVARIANTS, FindingsBuilder, Rule, engine_failures, lifecycle_model
 
 #: history rows cited per finding (the rest are in `pdtrace show --req`)
 HISTORY_CITED = 10
@@ -35,40 +31,33 @@ _OPEN_AT_END = ("completion_not_processed", "ranks_disagree", "admission_stall")
 
 def run(ctx: Any) -> pd.DataFrame:
     model = lifecycle_model(ctx)
+    found = FindingsBuilder(ctx, "lifecycle")
     if not model.violations:
-        return findings_frame([])
-    cols = columns(ctx)
-    ev = Evidence(cols)
-    ev.refs([r for v in model.violations for r in [v.row, *v.history]])
+        return found.frame()
+    found.refs([r for v in model.violations for r in [v.row, *v.history]])
     failures = engine_failures(ctx)
-    names = cols.rk_names
-    records: list[dict[str, Any]] = []
+    names = found.cols.rk_names
     for v in model.violations:
         severity, meaning = INVARIANTS[v.invariant]
-        instance, dp = sk_instance(cols, v.sk)
         req = str(names["req"].iloc[v.rk]) if v.rk >= 0 else None
-        event = ev.ref(v.row, "the event the state forbids" if v.invariant not in _OPEN_AT_END
-                       else "the last event of the state left open")
-        evidence = [event] + [ev.ref(r, "history") for r in v.history if r != v.row][:HISTORY_CITED]
-        what = event.get("kind")
+        what = found.ref(v.row).get("kind")
         # the model's violations are a shared table: read, never changed (a context analysed again gets the same)
         extra = {key: value for key, value in v.extra.items() if key != "owner_rk"}
         extra.update(state=v.state, invariant=v.invariant)
-        record = {
-            "rule": "lifecycle", "subrule": v.invariant, "severity": severity, "instance": instance,
-            "dp_rank": dp, "req": req, "blocks": v.blocks, "step": event.get("step"), "ts_ns": int(cols.ts[v.row]),
-            "message": f"{what} of {req or 'the scheduler'}: {meaning}; state before it: {v.state}",
-            "evidence": evidence, "context": f"lifecycle:{v.invariant}", "extra": extra,
-        }
-        if "owner_rk" in v.extra:
-            extra["owner"] = str(names["req"].iloc[int(v.extra["owner_rk"])])
-            record["requests"] = [extra["owner"]]
+        owner = str(names["req"].iloc[int(v.extra["owner_rk"])]) if "owner_rk" in v.extra else None
+        if owner is not None:
+            extra["owner"] = owner
+        record = found.add(
+            v.invariant, severity, f"{what} of {req or 'the scheduler'}: {meaning}; state before it: {v.state}",
+            [(v.row, "the event the state forbids" if v.invariant not in _OPEN_AT_END
+              else "the last event of the state left open")]
+            + [(r, "history") for r in v.history if r != v.row][:HISTORY_CITED],
+            sk=v.sk, req=req, blocks=v.blocks, extra=extra, requests=None if owner is None else [owner])
         failure = failures.get(v.sk)
         if failure is not None and v.invariant in _OPEN_AT_END:
-            record = failure.mark(record, "the state could resolve")
-            record["evidence"].append(ev.ref(failure.row, CRASH_NOTE))
-        records.append(record)
-    return findings_frame(records)
+            failure.mark(record, "the state could resolve")
+            record["evidence"].append((failure.row, CRASH_NOTE))
+    return found.frame()
 
 
 RULE = Rule(

@@ -52,13 +52,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, columns, order_by_key
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.parallel import shared_table
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import DOWNGRADE, Evidence, engine_configs, gaps, inst_code_of_sk, sk_instance, step_index
-from pdtrace.analysis.steps import _step_frame, detail_numbers
+from pdtrace.analysis.ruleapi import (DOWNGRADE, NO, Cited, FindingsBuilder, Rule, columns, detail_numbers,
+                                      engine_configs, gaps, inst_code_of_sk, order_by_key, request_state,
+                                      shared_table, sk_instance, step_frame, step_index)
 
 PRODUCING_FINISH = ("stop", "length", "repetition")
 
@@ -230,8 +226,8 @@ def run(ctx: Any) -> pd.DataFrame:
     cols = columns(ctx)
     prod = produced_tokens(ctx)
     if not prod.busy.any():
-        return findings_frame([])
-    frame = _step_frame(ctx)
+        return FindingsBuilder(ctx, "no_progress").frame()
+    frame = step_frame(ctx)
     frame = frame[frame["row"].to_numpy() >= 0]
     frame = frame[prod.busy[cols.sk[frame["row"].to_numpy()]]]
     sched_rows = frame["row"].to_numpy()
@@ -251,7 +247,7 @@ def run(ctx: Any) -> pd.DataFrame:
                           "free": frame["free_blocks"].to_numpy()})
     steps = pd.concat([steps, _steps_without_sched(ctx, prod.busy, window)], ignore_index=True)
     if steps.empty:
-        return findings_frame([])
+        return FindingsBuilder(ctx, "no_progress").frame()
     per = steps.groupby("win").agg(sk=("sk", "first"), steps=("weight", "sum"), tokens=("tokens", "sum"),
                                    queue=("waiting", "max"), min_free=("free", "min"), first_pos=("pos", "min"),
                                    last_pos=("pos", "max"))
@@ -269,7 +265,7 @@ def run(ctx: Any) -> pd.DataFrame:
                & (2 * per["wasted"] >= per["scheduled"])
                & ((per["queue"] > 0) | (per["queue"].isna() & (per["victims"] > 0)))]
     if cand.empty:
-        return findings_frame([])
+        return FindingsBuilder(ctx, "no_progress").frame()
     reason, _ = cols.codes("reason")
     free_rows = cols.req_rows("blocks_free")
     free_rows = free_rows[reason[free_rows] == cols.code_of("reason", "preempted")]
@@ -277,11 +273,10 @@ def run(ctx: Any) -> pd.DataFrame:
     deferred_rows = free_rows[value & valid]
     d_win = window(deferred_rows)
     gap = gaps(ctx)
-    ev = Evidence(cols)
-    records = []
+    found = FindingsBuilder(ctx, "no_progress")
     for win, w in cand.iterrows():  # one per finding
         sk = int(w["sk"])
-        instance, dp = sk_instance(cols, sk)
+        instance = sk_instance(cols, sk)[0]
         mine = steps[steps["win"] == win]
         first_row, last_row = int(mine["row"].iloc[0]), int(mine["row"].iloc[-1])
         my_preempts = preempt_rows[p_win == win]
@@ -314,17 +309,12 @@ def run(ctx: Any) -> pd.DataFrame:
         names = [str(cols.rk_names["req"].iloc[int(r)]) for r in named]
         victims_text = f"of {_count(int(w['victims']), 'request')}"
         message = message.replace(victims_text, f"{victims_text} ({_listed(names)})", 1)
-        cite = [(first_row, "first step without progress")] + [(int(r), "preempted") for r in my_preempts[:6]]
+        cite: list[Cited] = [(first_row, "first step without progress")] + [(int(r), "preempted") for r in my_preempts[:6]]
         cite += [(int(r), "free deferred: the pool did not grow") for r in my_deferred[:2]]
         cite.append((last_row, "last step without progress"))
-        ev.refs(r for r, _ in cite)
-        records.append({
-            "rule": "no_progress", "subrule": "livelock", "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": names[0] if names else None, "requests": names[1:], "blocks": [], "step": first_step,
-            "ts_ns": int(cols.ts[first_row]), "message": message,
-            "evidence": [ev.ref(r, note) for r, note in cite], "context": "no_progress:livelock", "extra": extra,
-        })
-    return findings_frame(records)
+        found.add("livelock", severity, message, cite, sk=sk, req=names[0] if names else None, step=first_step,
+                  extra=extra, requests=names[1:])
+    return found.frame()
 
 
 RULE = Rule(
@@ -332,6 +322,6 @@ RULE = Rule(
     summary="a scheduler that keeps preempting and produces no token while requests wait (livelock)",
     run=run,
     subrules=("livelock",),
-    needs=(produced_tokens, _step_frame),
+    needs=(produced_tokens, step_frame),
     cost=0.05,
 )

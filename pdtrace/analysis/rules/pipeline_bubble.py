@@ -47,13 +47,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import columns
-from pdtrace.analysis.context import AnalysisContext
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.rulekit import engine_configs, sk_instance
-from pdtrace.analysis.steps import (BUBBLE_CAUSES, busy_spans, config_numbers, gap_frame, instances, pipeline_sizes,
-                                    sizes_of)
+from pdtrace.analysis.ruleapi import (BUBBLE_CAUSES, AnalysisContext, FindingsBuilder, Rule, busy_spans, columns,
+                                      config_numbers, engine_configs, gap_frame, instances, pipeline_sizes, sizes_of,
+                                      sk_instance)
 
 ERROR_FRACTION = 0.5
 _CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait")
@@ -152,7 +148,7 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
     return ctx.cached("pipeline_bubble:ranks", build)
 
 
-def _not_measured(ctx: AnalysisContext) -> list[dict[str, Any]]:
+def _not_measured(ctx: AnalysisContext, found: FindingsBuilder) -> None:
     """An info finding per scheduler that pipelines (engine_config `pp` > 1; without an engine_config saying `pp`,
     a `step_submit` with more than one step in flight) on an instance without `exec_begin` / `exec_end` rows: the
     bubbles come from worker spans, so none can be measured there (a recording without worker hooks, a trace
@@ -168,31 +164,26 @@ def _not_measured(ctx: AnalysisContext) -> list[dict[str, Any]]:
             pass
     measured = np.zeros(len(deep), bool)
     measured[cols.sk[cols.rows_of("exec_begin", "exec_end")]] = True
-    out = []
     for sk in np.flatnonzero(deep & ~measured).tolist():  # one per pipelining scheduler
-        instance, dp = sk_instance(cols, sk)
         first = subs[cols.sk[subs] == sk]
-        out.append({
-            "rule": "pipeline_bubble", "subrule": "not_measured", "severity": "info", "instance": instance,
-            "dp_rank": dp, "req": None, "blocks": [], "step": None,
-            "ts_ns": int(cols.ts[first[0]]) if len(first) else int(cols.ts.min()),
-            "message": f"{instance} may pipeline (pp > 1 or several steps in flight) but the trace has no exec_begin "
-                       "/ exec_end rows for it: its pipeline bubbles cannot be measured",
-            "evidence": [], "context": "pipeline_bubble:not_measured", "extra": {"reason": "no worker exec spans"},
-        })
-    return out
+        found.add("not_measured", "info",
+                  f"{sk_instance(cols, sk)[0]} may pipeline (pp > 1 or several steps in flight) but the trace has no "
+                  "exec_begin / exec_end rows for it: its pipeline bubbles cannot be measured",
+                  sk=sk, req=None, step=None,
+                  ts_ns=int(cols.ts[first[0]]) if len(first) else int(cols.ts.min()),
+                  extra={"reason": "no worker exec spans"})
 
 
 def run(ctx: AnalysisContext) -> pd.DataFrame:
     ranks = rank_summary(ctx)
-    unmeasured = _not_measured(ctx)
+    found = FindingsBuilder(ctx, "pipeline_bubble")
     if len(ranks) == 0:
-        return findings_frame(unmeasured)
+        _not_measured(ctx, found)
+        return found.frame()
     names = instances(ctx)
     bubbles = gap_frame(ctx)
     min_ns = max(int(ctx.config.bubble_min_ns), 1)
     warn = float(ctx.config.bubble_warn_fraction)
-    records: list[dict[str, Any]] = []
     for r in ranks.itertuples(index=False):  # one row per (instance, dp_rank, pp_rank): a handful
         r = r._asdict()
         wall = float(r["wall_ns"])
@@ -255,22 +246,21 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
                         f"overlap (vllm#41682; at most 1/{int(r['p'])} of the requests per step, e.g. a lower "
                         f"max_num_seqs, lets them)")
         first = longest.iloc[0] if len(longest) else None
-        records.append({
-            "rule": "pipeline_bubble", "subrule": dominant, "severity": severity, "instance": instance,
-            "dp_rank": dp, "req": None, "blocks": [],
-            "step": int(first["step_after"]) if first is not None else None,
-            "ts_ns": int(first["start_ns"]) if first is not None else None,
-            "message": message, "evidence": evidence, "context": f"pipeline_bubble:{dominant or 'no_idle'}",
-            "extra": {"p": int(r["p"]), "pp_rank": int(r["pp"]), "wall_ns": int(wall),
-                      "idle_fraction": total_idle / wall, "lost_fraction": lost_fraction,
-                      "avoidable_fraction": avoidable_fraction, "unfilled_fraction": lost_unfilled / active,
-                      "packed_fraction": max(lost_starved - lost_unfilled, 0.0) / active,
-                      "seat_limited_fraction": float(r["seat_limited"]) / active,
-                      "idle_ns_by_cause": idle,
-                      "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
-                      "tp_lanes": int(r["tp_lanes"])},
-        })
-    return findings_frame(records + unmeasured)
+        # the evidence is the measured idle intervals (no row of the trace): the finding's fields are given
+        found.add(dominant, severity, message, evidence, instance=instance, dp_rank=dp, req=None,
+                  step=int(first["step_after"]) if first is not None else None,
+                  ts_ns=int(first["start_ns"]) if first is not None else None,
+                  context=f"pipeline_bubble:{dominant or 'no_idle'}",
+                  extra={"p": int(r["p"]), "pp_rank": int(r["pp"]), "wall_ns": int(wall),
+                         "idle_fraction": total_idle / wall, "lost_fraction": lost_fraction,
+                         "avoidable_fraction": avoidable_fraction, "unfilled_fraction": lost_unfilled / active,
+                         "packed_fraction": max(lost_starved - lost_unfilled, 0.0) / active,
+                         "seat_limited_fraction": float(r["seat_limited"]) / active,
+                         "idle_ns_by_cause": idle,
+                         "intervals": int(r["interval"]), "burst_ideal": ideal / active, "bursts": int(r["bursts"]),
+                         "tp_lanes": int(r["tp_lanes"])})
+    _not_measured(ctx, found)  # after the measured ones, as ever
+    return found.frame()
 
 
 RULE = Rule(

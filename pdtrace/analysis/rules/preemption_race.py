@@ -67,16 +67,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import NO, Columns, columns, first_per_key, last_before, next_at_or_after
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.parallel import shared_table
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.requests import remote_flags, request_state
-from pdtrace.analysis.rulekit import (Evidence, engine_configs, fmt_blocks, groups, int_column_at, sk_instance,
-                                      step_index)
-from pdtrace.analysis.rules.premature_free import last_sched_before
-from pdtrace.analysis.steps import detail_int, detail_numbers
+from pdtrace.analysis.ruleapi import (NO, Columns, FindingsBuilder, Rule, columns, detail_int, detail_numbers,
+                                      engine_configs, first_per_key, fmt_blocks, groups, int_column_at, last_before,
+                                      last_sched_before, next_at_or_after, ownership, remote_flags, request_state,
+                                      shared_table, step_index)
 
 #: Words of an engine_config `connector` name that mark a connector saving running requests' KV in the background.
 STORE_CONNECTOR_WORDS = ("offload", "lmcache", "store", "flexkv", "3fs")
@@ -282,7 +276,7 @@ def run(ctx: Any) -> pd.DataFrame:
     si = step_index(ctx)
     h = preempt_handovers(ctx)
     if len(h) == 0:
-        return findings_frame([])
+        return FindingsBuilder(ctx, "preemption_race").frame()
     kind, knames = cols.codes("kind")
     ok = h.write_row >= 0
     resume = np.where(h.resume_pos >= 0, h.resume_pos, np.iinfo(np.int64).max)
@@ -331,10 +325,11 @@ def run(ctx: Any) -> pd.DataFrame:
 
     hit = np.flatnonzero(subrule != "")
     if len(hit) == 0:
-        return findings_frame([])
+        return FindingsBuilder(ctx, "preemption_race").frame()
     sub_code = np.array([SUBRULES.index(s) for s in subrule[hit]], np.int64)
     key = (h.free_row[hit] * (cols.n_requests + 1) + h.owner[hit]) * len(SUBRULES) + sub_code
-    ev = Evidence(cols)
+    found = FindingsBuilder(ctx, "preemption_race")
+    ev = found.evidence
     preempt_rows = cols.req_rows("req_preempt")
     p_idx = last_before(h.victim[hit], h.free_pos[hit] + 1, cols.rk[preempt_rows], cols.pos[preempt_rows])
     preempt_row = np.where(p_idx >= 0, preempt_rows[np.maximum(p_idx, 0)] if len(preempt_rows) else NO, NO)
@@ -342,12 +337,10 @@ def run(ctx: Any) -> pd.DataFrame:
     firsts = hit[[int(g[0]) for g in members]]
     ev.refs(np.concatenate([h.free_row[firsts], h.alloc_row[firsts], h.write_row[firsts], h.sched_row[firsts],
                             comp_row[firsts], earlier[firsts], preempt_row[[int(g[0]) for g in members]]]))
-    records = []
     for g in members:  # one per finding
         i = int(hit[g[0]])
         sub = str(subrule[i])
         blocks = sorted(int(b) for b in h.block[hit[g]])
-        instance, dp = sk_instance(cols, int(h.sk[i]))
         free_ref = ev.ref(int(h.free_row[i]), "preempted: blocks given up here")
         victim = free_ref.get("req")
         owner = ev.ref(int(h.alloc_row[i])).get("req")
@@ -399,12 +392,9 @@ def run(ctx: Any) -> pd.DataFrame:
         if severity == "warning" and sub == "async_store":
             message += (" (reported in the step of that write: the connector may have flushed the job before the "
                         "forward pass)")
-        records.append({
-            "rule": "preemption_race", "subrule": sub, "severity": severity, "instance": instance, "dp_rank": dp,
-            "req": victim, "blocks": blocks, "step": free_ref.get("step"), "ts_ns": int(cols.ts[h.free_row[i]]),
-            "message": message, "evidence": evidence, "context": f"preemption_race:{sub}", "extra": extra,
-        })
-    return findings_frame(records)
+        found.add(sub, severity, message, evidence, at=int(h.free_row[i]), sk=int(h.sk[i]), blocks=blocks,
+                  extra=extra)
+    return found.frame()
 
 
 RULE = Rule(

@@ -38,40 +38,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.blocks import ownership
-from pdtrace.analysis.columns import NO, columns, last_before, next_at_or_after
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import (Evidence, declared_ranks, defer_block_free, expected_ranks, fmt_blocks, gaps,
-                                      groups, sk_instance, step_index)
+from pdtrace.analysis.ruleapi import (NO, FindingsBuilder, Rule, columns, declared_ranks, defer_block_free,
+                                      expected_ranks, fmt_blocks, gaps, groups, last_sched_before,
+                                      next_at_or_after, ownership, request_state, step_index)
+
+# `last_sched_before` lived here (other rules and the lifecycle model imported it from this module); it is now
+# `pdtrace.analysis.requests.last_sched_before`, imported above, so the old import path still works.
 
 RUNNING_FREE_REASONS = ("preempted", "skipped", "load_failed")
-
-
-def last_sched_before(ctx: Any, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Row of the request's last req_sched before pos (NO if none).
-
-    Most asks come after the request's last schedule (a finish, a completion), where the answer is the request's
-    last req_sched; only the others (e.g. a preemption followed by a resume) search the req_sched rows, of those
-    requests only."""
-    cols = columns(ctx)
-    st = request_state(ctx)
-    out = np.full(len(rk), NO, np.int64)
-    if len(rk) == 0:
-        return out
-    last = st.last_sched_pos[rk]
-    easy = last < pos
-    out[easy & (last >= 0)] = cols.order[last[easy & (last >= 0)]]
-    hard = np.flatnonzero(~easy)
-    if len(hard):
-        wanted = np.zeros(cols.n_requests, bool)
-        wanted[rk[hard]] = True
-        rows = cols.req_rows("req_sched")
-        rows = rows[wanted[cols.req_keys("req_sched")]]
-        idx = last_before(rk[hard], pos[hard], cols.rk[rows], cols.pos[rows], strict=True)
-        out[hard] = np.where(idx >= 0, rows[np.maximum(idx, 0)] if len(rows) else NO, NO)
-    return out
 
 
 def _free_rows(ctx: Any) -> dict[str, np.ndarray]:
@@ -157,11 +131,11 @@ def _not_deferred(ctx: Any, fr: dict[str, np.ndarray]) -> np.ndarray:
 _RECORDED_RANK_SOURCES = ("expected_ranks of its completion", "engine_config tp*pp")
 
 
-def _quorum(ctx: Any) -> list[dict[str, Any]]:
+def _quorum(ctx: Any, found: FindingsBuilder) -> None:
     cols = columns(ctx)
     rank_rows = cols.rows_of("kv_send_rank", "kv_recv_rank")
     if len(rank_rows) == 0:
-        return []
+        return
     inst, _ = cols.codes("instance")
     req, _ = cols.codes("req")
     kind, knames = cols.codes("kind")
@@ -174,7 +148,7 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
     done_rows = cols.rows_of("kv_send_done", "kv_recv_done")
     done_rows = done_rows[np.isin(inst[done_rows], np.unique(ranks["inst"]))]
     if len(done_rows) == 0:
-        return []
+        return
     send_done = cols.code_of("kind", "kv_send_done")
     done = pd.DataFrame({"row": done_rows, "inst": inst[done_rows], "req": req[done_rows],
                          "send": kind[done_rows] == send_done, "pos": cols.pos[done_rows]})
@@ -182,8 +156,7 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
     joined = joined[joined["rpos"].isna() | (joined["rpos"] < joined["pos"])]
     got = joined.groupby("row")["rank"].nunique()
     details = cols.details(done_rows)
-    out = []
-    ev = Evidence(cols)
+    ev = found.evidence
     gp = gaps(ctx)
     finish_pos = request_state(ctx).finish_pos
     rk_all = cols.rk
@@ -195,7 +168,6 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
         have = int(got.get(row, 0))
         if have >= int(expected):
             continue
-        instance, dp = sk_instance(cols, int(cols.sk[row]))
         mine = ranks[(ranks["inst"] == inst[row]) & (ranks["req"] == req[row]) & (ranks["send"] == (direction == "send"))]
         rank_rows_before = rank_rows[np.isin(cols.pos[rank_rows], mine["rpos"][mine["rpos"] < cols.pos[row]])]
         evidence = [ev.ref(row, f"aggregated kv_{direction}_done after {have} of {expected} ranks")]
@@ -204,22 +176,16 @@ def _quorum(ctx: Any) -> list[dict[str, Any]]:
         rk_row, pos_row = int(rk_all[row]), int(cols.pos[row])
         since = int(finish_pos[rk_row]) if rk_row >= 0 and 0 <= finish_pos[rk_row] <= pos_row else pos_row
         gap = gp.covers(int(inst[row]), since, pos_row)
-        out.append({
-            "rule": "premature_free", "subrule": "quorum", "severity": "warning" if gap else "error",
-            "instance": instance,
-            "dp_rank": dp, "req": reqname, "blocks": [], "step": ev.ref(row).get("step"),
-            "ts_ns": int(cols.ts[row]),
-            "message": f"kv_{direction}_done for {reqname} reached the scheduler after {have} of {expected} ranks "
-                       f"reported: its blocks are freed while other ranks may still transfer them"
-                       + ("" if source in _RECORDED_RANK_SOURCES else f" ({expected} expected from {source})")
-                       + (f" ({gap} in the trace before it: a rank's report may be among the lost events)"
-                          if gap else ""),
-            "evidence": evidence, "context": f"premature_free:quorum:{direction}",
-            "extra": {"ranks_reported": have, "ranks_expected": int(expected), "direction": direction,
-                      **({} if source in _RECORDED_RANK_SOURCES else {"ranks_source": source}),
-                      **({"downgraded": gap} if gap else {})},
-        })
-    return out
+        found.add("quorum", "warning" if gap else "error",
+                  f"kv_{direction}_done for {reqname} reached the scheduler after {have} of {expected} ranks "
+                  f"reported: its blocks are freed while other ranks may still transfer them"
+                  + ("" if source in _RECORDED_RANK_SOURCES else f" ({expected} expected from {source})")
+                  + (f" ({gap} in the trace before it: a rank's report may be among the lost events)"
+                     if gap else ""),
+                  evidence, at=row, context=f"premature_free:quorum:{direction}",
+                  extra={"ranks_reported": have, "ranks_expected": int(expected), "direction": direction,
+                         **({} if source in _RECORDED_RANK_SOURCES else {"ranks_source": source}),
+                         **({"downgraded": gap} if gap else {})})
 
 
 SUBRULE_TEXT = {
@@ -237,8 +203,8 @@ def run(ctx: Any) -> pd.DataFrame:
     own = ownership(ctx)
     fr = _free_rows(ctx)
     fr["not_deferred"] = _not_deferred(ctx, fr)
-    records: list[dict[str, Any]] = []
-    ev = Evidence(cols)
+    found = FindingsBuilder(ctx, "premature_free")
+    ev = found.evidence
     si = step_index(ctx)
     reason_codes, reason_names = cols.codes("reason")
 
@@ -262,7 +228,6 @@ def run(ctx: Any) -> pd.DataFrame:
             pos = int(fr["pos"][i])
             sub = str(subrule[i])
             sk = int(cols.sk[free_row])
-            instance, dp = sk_instance(cols, sk)
             free_ref = ev.ref(free_row, "blocks given up here")
             blocks = list(free_ref.get("blocks") or [])
             evidence = [free_ref]
@@ -283,28 +248,25 @@ def run(ctx: Any) -> pd.DataFrame:
             rc = reason_codes[free_row]
             reason = reason_names[rc] if rc >= 0 else None
             req = free_ref.get("req")
-            records.append({
-                "rule": "premature_free", "subrule": sub, "severity": "error", "instance": instance, "dp_rank": dp,
-                "req": req, "blocks": blocks, "step": free_ref.get("step"), "ts_ns": int(cols.ts[free_row]),
-                "message": f"blocks {fmt_blocks(blocks)} of {req} {SUBRULE_TEXT[sub]} (free reason {reason})",
-                "evidence": evidence, "context": f"premature_free:{sub}:{reason}",
-                "extra": {"free_reason": reason, "steps_in_flight": len(flying)},
-            })
+            found.add(sub, "error", f"blocks {fmt_blocks(blocks)} of {req} {SUBRULE_TEXT[sub]} (free reason {reason})",
+                      evidence, at=free_row, blocks=blocks, context=f"premature_free:{sub}:{reason}",
+                      extra={"free_reason": reason, "steps_in_flight": len(flying)})
 
-    records += _async_reuse(ctx, ev)
-    records += _quorum(ctx)
-    return findings_frame(records)
+    _async_reuse(ctx, found)
+    _quorum(ctx, found)
+    return found.frame()
 
 
-def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
+def _async_reuse(ctx: Any, found: FindingsBuilder) -> None:
     cols = columns(ctx)
+    ev = found.evidence
     own = ownership(ctx)
     si = step_index(ctx)
     # only frees under a step still in flight can race: the freeing request's last step before the free has no
     # step_output yet; only for those is the block's next req_wait_kv allocation looked up
     freed = np.flatnonzero(own.free_row >= 0)
     if len(freed) == 0:
-        return []
+        return
     sched_row = last_sched_before(ctx, own.rk[freed], own.free_pos[freed])
     has = sched_row >= 0
     step = np.where(has, cols.step[np.maximum(sched_row, 0)], NO)
@@ -317,15 +279,14 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
     racing = (wait_row >= 0) & ((out_c > wait_pos) | (out_c < 0))
     hit = cand[racing]
     if len(hit) == 0:
-        return []
+        return
     sched_hit = sched_row[flying][racing]
     wait_hit = wait_row[racing]
     still_read, no_facts = _trims_still_read(ctx, hit)
     keep = still_read | no_facts
     hit, sched_hit, wait_hit, no_facts = hit[keep], sched_hit[keep], wait_hit[keep], no_facts[keep]
     if len(hit) == 0:
-        return []
-    records = []
+        return
     # one finding per (free row, wait_kv row)
     key = own.free_row[hit].astype(np.int64) * (cols.n + 1) + wait_hit
     for group in groups(key):
@@ -336,7 +297,6 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
         srow = int(sched_hit[group[0]])
         blocks = sorted(int(b) for b in own.block[members])
         sk = int(own.sk[first])
-        instance, dp = sk_instance(cols, sk)
         ev.refs([free_row, wait_row, srow, int(own.alloc_row[first])])
         step_k = int(cols.step[srow])
         out_row = int(si.output_row_of(np.array([sk]), np.array([step_k]))[0])
@@ -363,14 +323,9 @@ def _async_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
             else:
                 message += (", and that step still reads them (the trim counted tokens still in flight): the "
                             "asynchronous write races the attention read")
-        records.append({
-            "rule": "premature_free", "subrule": "async_load_reuse", "severity": severity, "instance": instance,
-            "dp_rank": dp, "req": old, "requests": [new] if new is not None and new != old else [], "blocks": blocks,
-            "step": ev.ref(free_row).get("step"), "ts_ns": int(cols.ts[free_row]), "message": message,
-            "evidence": evidence, "context": "premature_free:async_load_reuse" + (":skipped" if trim else ""),
-            "extra": extra,
-        })
-    return records
+        found.add("async_load_reuse", severity, message, evidence, at=free_row, sk=sk, blocks=blocks,
+                  context="premature_free:async_load_reuse" + (":skipped" if trim else ""), extra=extra,
+                  requests=[new] if new is not None and new != old else [])
 
 
 TRIM_FACTS = ("window", "block_size", "upto", "computed")

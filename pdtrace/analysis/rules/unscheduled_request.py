@@ -66,15 +66,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import next_at_or_after, NO, Columns, columns
-from pdtrace.analysis.context import AnalysisContext, trace_span
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import CrossInstance, Rule
-from pdtrace.analysis.releases import grace_s
-from pdtrace.analysis.requests import RequestState, request_state
-from pdtrace.analysis.rulekit import (CRASH_NOTE, DOWNGRADE, EngineFailure, Evidence, engine_configs,
-                                      engine_failures, gaps, inst_code_of_sk, sk_instance)
-from pdtrace.analysis.steps import _step_frame, rows_columns
+from pdtrace.analysis.ruleapi import (CRASH_NOTE, DOWNGRADE, NO, AnalysisContext, Columns, CrossInstance,
+                                      EngineFailure, FindingsBuilder, RequestState, Rule, columns, detail_text,
+                                      engine_configs, engine_failures, gaps, grace_s, inst_code_of_sk,
+                                      next_at_or_after, request_state, rows_columns, sk_instance, step_frame,
+                                      trace_span)
 
 #: how a wait ended, by the kind of the row that ended it (the message's tail)
 _END_WORDS = {"req_sched": "scheduled", "req_wait_kv": "parked waiting for remote KV",
@@ -86,7 +82,7 @@ class SchedCounter:
     """The `sched` rows of every scheduler sorted by (sk, pos), with prefix sums for window counts."""
 
     def __init__(self, ctx: AnalysisContext, cols: Columns) -> None:
-        frame = _step_frame(ctx)  # the sched details, parsed once for every analysis
+        frame = step_frame(ctx)  # the sched details, parsed once for every analysis
         frame = frame[frame["row"] >= 0]
         rows = frame["row"].to_numpy()
         self.span = int(cols.n) + 2
@@ -260,7 +256,8 @@ def _next_in(sorted_key: np.ndarray, rk: np.ndarray, pos: np.ndarray, span: int)
 
 
 class _Out:
-    """Collects finding records; evidence rows fetched in one take at the end."""
+    """Collects finding records (a FindingsBuilder: evidence rows fetched in one take at the end), judging each
+    against recorder gaps, missing engine_configs and the crash policy first."""
 
     #: step threshold (an AnalysisConfig field) per subrule, for the crash policy
     # subrules whose severity rests on steps "with room", which the scheduler's engine_config limits decide
@@ -274,11 +271,10 @@ class _Out:
     def __init__(self, ctx: AnalysisContext, cols: Columns, sc: SchedCounter | None = None) -> None:
         self.ctx = ctx
         self.cols = cols
-        self.ev = Evidence(cols)
+        self.found = FindingsBuilder(ctx, "unscheduled_request")
         self.gaps = gaps(ctx)
         self.sc = sc
         self.failures = engine_failures(ctx)
-        self.pending: list[tuple[dict[str, Any], list[tuple[int, str | None]]]] = []
 
     def _crash_cut(self, subrule: str, sk: int, start_row: int) -> Any:
         """The engine failure that explains a window open at the end, or None (see the module docstring)."""
@@ -301,7 +297,7 @@ class _Out:
         cols = self.cols
         names = cols.rk_names
         sk = int(names["sk"].iloc[rk])
-        instance, dp = sk_instance(cols, sk)
+        instance = sk_instance(cols, sk)[0]
         covered = self.gaps.covers(inst_code_of_sk(cols, sk), int(cols.pos[start_row]),
                                    int(end_pos if end_pos >= 0 else cols.n))
         if covered:
@@ -314,26 +310,17 @@ class _Out:
                         "block-size limits)")
             extra = dict(extra, downgraded="no_engine_config")
         step = int(cols.step[start_row])
-        record = {
-            "rule": "unscheduled_request", "subrule": subrule, "severity": severity, "instance": instance,
-            "dp_rank": dp, "req": str(names["req"].iloc[rk]), "blocks": [], "step": step if step >= 0 else None,
-            "ts_ns": int(cols.ts[start_row]), "message": message, "context": f"unscheduled_request:{subrule}",
-            "extra": extra,
-        }
-        evidence = [(r, note) for r, note in evidence if r is not None and r >= 0]
+        record = self.found.add(subrule, severity, message,
+                                [(r, note) for r, note in evidence if r is not None and r >= 0], sk=sk,
+                                req=str(names["req"].iloc[rk]), step=step if step >= 0 else None,
+                                ts_ns=int(cols.ts[start_row]), extra=extra)
         crash = self._crash_cut(subrule, sk, start_row) if end_pos < 0 else None
         if crash is not None:
             crash.mark(record, f"{names['req'].iloc[rk]} {self.CUT_OFF.get(subrule, 'was scheduled')}")
-            evidence.append((crash.row, CRASH_NOTE))
-        self.pending.append((record, evidence))
+            record["evidence"].append((crash.row, CRASH_NOTE))
 
     def frame(self) -> pd.DataFrame:
-        self.ev.refs(r for _, evs in self.pending for r, _ in evs)
-        records = []
-        for rec, evs in self.pending:
-            rec["evidence"] = [self.ev.ref(int(r), note) for r, note in evs]
-            records.append(rec)
-        return findings_frame(records)
+        return self.found.frame()
 
 
 def _row(cols: Columns, pos: np.ndarray | int) -> Any:
@@ -361,8 +348,6 @@ def _remote_side(ctx: AnalysisContext, cols: Columns, st: RequestState, rk: int)
     """For a decode-side request: its prefill side (req_add detail remote_instance / remote_req) and the rows
     where that side expired the transfer (kv_expire) or saw the send finish (kv_send_done); {} if unknown. One
     finding at a time (few): a mask over the request names, no per-event work."""
-    from pdtrace.analysis.steps import detail_text
-
     add = int(st.add_pos[rk])
     if add < 0:
         return {}
@@ -412,7 +397,7 @@ def _fmt_ms(ns: float) -> str:
 def run(ctx: AnalysisContext) -> pd.DataFrame:
     cols = columns(ctx)
     if cols.n == 0 or cols.n_requests == 0:
-        return findings_frame([])
+        return FindingsBuilder(ctx, "unscheduled_request").frame()
     st = request_state(ctx)
     cfg = ctx.config
     sc = SchedCounter(ctx, cols)
@@ -507,7 +492,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
             extra["steps_with_room"] = n_room
         if n_room >= threshold:
             blocker = (_blockers(cols, st, int(sk[i]), r, int(pos[i]), int(end_pos[i]))
-                       if len(out.pending) < 200 else None)
+                       if len(out.found.records) < 200 else None)
             sev = "error" if open_ else "warning"
             tail = ("still waiting at the end of the trace" if open_
                     else f"then {_END_WORDS.get(kind_names[kind_codes[end_row]], 'scheduled')} ({_fmt_ms(waited_ns)})")
@@ -798,8 +783,6 @@ def _cross_summary(ctx: Any, findings: pd.DataFrame, instances: frozenset[str]) 
 
 def _waited_on(ctx: Any, waits: pd.DataFrame) -> set[str]:
     """The `remote_instance` of the req_add of each waiting request (the instances its KV comes from)."""
-    from pdtrace.analysis.steps import detail_text
-
     cols = columns(ctx)
     st = request_state(ctx)
     names = cols.rk_names.reset_index().rename(columns={"index": "rk"})
@@ -827,7 +810,7 @@ RULE = Rule(
     run=run,
     subrules=("never_scheduled", "starved", "stuck_waiting_kv", "preempted_not_resumed", "dropped_from_batch",
               "zombie"),
-    needs=(request_state, _step_frame),
+    needs=(request_state, step_frame),
     cost=0.14,
     # a wait open at the end of the trace is judged by its prefill side (req_add `remote_instance`)
     cross_instance=CrossInstance("stuck_waiting_kv", _cross_summary, _cross_merge, _cross_links),

@@ -36,13 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.blocks import ownership, release_gaps
-from pdtrace.analysis.columns import NO, columns
-from pdtrace.analysis.findings import findings_frame
-from pdtrace.analysis.registry import CrossInstance, Rule
-from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import COMPLETION_FREE_REASONS, Evidence, fmt_blocks, groups, sk_instance
-
+from pdtrace.analysis.ruleapi import (COMPLETION_FREE_REASONS, NO, CrossInstance, FindingsBuilder, Rule, columns,
+                                      fmt_blocks, groups, ownership, release_gaps, request_state)
 
 
 def remote_read_targets(ctx: Any) -> pd.DataFrame:
@@ -86,8 +81,8 @@ def run(ctx: Any) -> pd.DataFrame:
     st = request_state(ctx)
     own = ownership(ctx)
     gaps = release_gaps(ctx)
-    ev = Evidence(cols)
-    records: list[dict[str, Any]] = []
+    found = FindingsBuilder(ctx, "use_after_free")
+    ev = found.evidence
     reason_codes, reason_names = cols.codes("reason")
     completion_reasons = [reason_names.index(r) for r in COMPLETION_FREE_REASONS if r in reason_names]
     status_codes, _ = cols.codes("status")
@@ -129,8 +124,6 @@ def run(ctx: Any) -> pd.DataFrame:
             ev.refs([row, free_row])
             free_ref = ev.ref(free_row, "blocks given up here")
             blocks = list(free_ref.get("blocks") or [])
-            sk = int(cols.sk[free_row])
-            instance, dp = sk_instance(cols, sk)
             req = free_ref.get("req")
             rk = int(q_rk[i])
             evidence = [ev.ref(row, f"{kind} after the free"), free_ref]
@@ -138,16 +131,12 @@ def run(ctx: Any) -> pd.DataFrame:
                 evidence.append(ev.ref(int(cols.order[st.finish_pos[rk]]), "request finished"))
             what = {"sched_after_free": "was scheduled again", "remote_read": "was read by a peer",
                     "completion_after_free": f"got a {kind}"}[sub]
-            records.append({
-                "rule": "use_after_free", "subrule": sub, "severity": "error", "instance": instance,
-                "dp_rank": dp, "req": req, "blocks": blocks, "step": ev.ref(row).get("step"),
-                "ts_ns": int(cols.ts[row]),
-                "message": f"{req} {what} after it gave up all its blocks {fmt_blocks(blocks)} and before any new "
-                           f"allocation",
-                "evidence": evidence, "context": f"use_after_free:{sub}:{kind}",
-                "extra": {"free_reason": reason_names[reason_codes[free_row]] if reason_codes[free_row] >= 0
-                          else None},
-            })
+            # when: the use (a remote read's row may be another instance's); who: the request that freed them
+            found.add(sub, "error", f"{req} {what} after it gave up all its blocks {fmt_blocks(blocks)} and before "
+                      f"any new allocation", evidence, at=row, about=free_row, blocks=blocks,
+                      context=f"use_after_free:{sub}:{kind}",
+                      extra={"free_reason": reason_names[reason_codes[free_row]] if reason_codes[free_row] >= 0
+                             else None})
 
     # blocks handed to another request while the old owner's transfer is still open
     freed = np.flatnonzero(own.free_row >= 0)
@@ -177,7 +166,6 @@ def run(ctx: Any) -> pd.DataFrame:
             c = int(close_hit[group[0]])
             ev.refs([free_row, new_row, int(own.alloc_row[first])] + ([int(cols.order[c])] if c >= 0 else []))
             blocks = sorted(int(b) for b in own.block[members])
-            instance, dp = sk_instance(cols, int(own.sk[first]))
             old = ev.ref(free_row).get("req")
             new = ev.ref(new_row).get("req")
             evidence = [ev.ref(free_row, f"freed while the {d} was open"),
@@ -185,32 +173,28 @@ def run(ctx: Any) -> pd.DataFrame:
                         ev.ref(new_row, f"reallocated to {new}")]
             if c >= 0:
                 evidence.append(ev.ref(int(cols.order[c]), f"the {d} completed only here"))
-            records.append({
-                "rule": "use_after_free", "subrule": "reused_during_transfer", "severity": "error",
-                "instance": instance, "dp_rank": dp, "req": old, "blocks": blocks,
-                "step": ev.ref(new_row).get("step"), "ts_ns": int(cols.ts[new_row]),
-                "message": f"blocks {fmt_blocks(blocks)} of {old} went to {new} while {old}'s KV {d} was still "
-                           f"open: the transfer {'reads' if d == 'send' else 'writes'} another request's KV",
-                "evidence": evidence, "context": f"use_after_free:reused_during_transfer:{d}",
-                "extra": {"new_owner": new, "direction": d},
-            })
-    records += _transfer_after_reuse(ctx, ev)
-    return findings_frame(records)
+            found.add("reused_during_transfer", "error",
+                      f"blocks {fmt_blocks(blocks)} of {old} went to {new} while {old}'s KV {d} was still "
+                      f"open: the transfer {'reads' if d == 'send' else 'writes'} another request's KV",
+                      evidence, at=new_row, about=free_row, sk=int(own.sk[first]), blocks=blocks,
+                      context=f"use_after_free:reused_during_transfer:{d}", extra={"new_owner": new, "direction": d})
+    _transfer_after_reuse(ctx, found)
+    return found.frame()
 
 
-def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
+def _transfer_after_reuse(ctx: Any, found: FindingsBuilder) -> None:
     """`transfer_after_reuse` (see the module docstring): rank reports inside a release gap, after a block of the
     gap's free went to its next holder. Numpy up to the few hits (one searchsorted per lookup); a loop per finding."""
     cols = columns(ctx)
     gaps = release_gaps(ctx)
     rows = cols.req_rows("kv_recv_rank", "kv_send_rank")
     if len(gaps) == 0 or len(rows) == 0:
-        return []
+        return
     rk = cols.rk[rows]
     g = gaps.find(rk, cols.pos[rows])
     inside = np.flatnonzero(g >= 0)
     if len(inside) == 0:
-        return []
+        return
     st = request_state(ctx)
     own = ownership(ctx)
     rows, rk, g = rows[inside], rk[inside], g[inside]
@@ -224,13 +208,12 @@ def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
     keep = (reason_codes[free_row] != preempted) & ~open_then
     rows, rk, free_row, is_recv = rows[keep], rk[keep], free_row[keep], is_recv[keep]
     if len(rows) == 0:
-        return []
+        return
     # the intervals each free closed, and their blocks' next holders
     by_free = np.argsort(own.free_row, kind="stable")
     sorted_free = own.free_row[by_free]
     lo = np.searchsorted(sorted_free, free_row, "left")
     hi = np.searchsorted(sorted_free, free_row, "right")
-    records: list[dict[str, Any]] = []
     hits: list[tuple[int, int, int, int]] = []  # (report row, free row, recv, next holder's interval)
     reused_of: dict[int, set[int]] = {}  # free row -> its blocks in another request's hands at a late report
     for i in range(len(rows)):  # reports inside a gap after a non-preemption free: a handful
@@ -242,7 +225,8 @@ def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
             hits.append((int(rows[i]), int(free_row[i]), int(is_recv[i]), int(first)))
             reused_of.setdefault(int(free_row[i]), set()).update(own.block[intervals[taken]].tolist())
     if not hits:
-        return []
+        return
+    ev = found.evidence
     h = np.array(hits, dtype=np.int64)
     for group in groups(h[:, 1] * 2 + h[:, 2]):
         reports = h[group, 0]
@@ -255,22 +239,17 @@ def _transfer_after_reuse(ctx: Any, ev: Evidence) -> list[dict[str, Any]]:
         old = ev.ref(free).get("req")
         reused = sorted(int(b) for b in reused_of[free])
         ranks = sorted({int(r) for r in cols.ints_at("tp_rank", reports).tolist() if r >= 0})
-        instance, dp = sk_instance(cols, int(cols.sk[free]))
         evidence = [ev.ref(int(reports[0]), f"a rank's {d} of {old} reported after its blocks went to {new}"),
                     ev.ref(free, "blocks given up here"), ev.ref(new_row, f"reallocated to {new}")]
         evidence += [ev.ref(int(r), "reported after the reuse too") for r in reports[1:4].tolist()]
         verb = "wrote into" if d == "recv" else "read"
-        records.append({
-            "rule": "use_after_free", "subrule": "transfer_after_reuse", "severity": "error", "instance": instance,
-            "dp_rank": dp, "req": old, "blocks": reused, "step": ev.ref(int(reports[0])).get("step"),
-            "ts_ns": int(cols.ts[reports[0]]),
-            "message": f"a KV {d} of {old} was still running on {len(reports)} rank report(s) after its blocks "
-                       f"{fmt_blocks(reused)} went to {new}: it {verb} {new}'s KV",
-            "evidence": evidence, "context": f"use_after_free:transfer_after_reuse:{d}",
-            "extra": {"new_owner": new, "direction": d, "ranks": ranks, "reports": len(reports),
-                      "free_reason": reason_names[reason_codes[free]] if reason_codes[free] >= 0 else None},
-        })
-    return records
+        found.add("transfer_after_reuse", "error",
+                  f"a KV {d} of {old} was still running on {len(reports)} rank report(s) after its blocks "
+                  f"{fmt_blocks(reused)} went to {new}: it {verb} {new}'s KV",
+                  evidence, at=int(reports[0]), about=free, blocks=reused,
+                  context=f"use_after_free:transfer_after_reuse:{d}",
+                  extra={"new_owner": new, "direction": d, "ranks": ranks, "reports": len(reports),
+                         "free_reason": reason_names[reason_codes[free]] if reason_codes[free] >= 0 else None})
 
 
 _OPEN_END = np.iinfo(np.int64).max
