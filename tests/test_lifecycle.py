@@ -275,6 +275,22 @@ def shifted_hit(shifted: bool) -> Trace:
     return e.b.trace()
 
 
+def short_table(short: bool) -> Trace:
+    """a's prompt of 40 tokens (block size 16) in two chunks of 24 and 16: three blocks hold it (healthy); with
+    `cdiv` turned into a floor division (mutant of `allocate_new_blocks`), two, and the second chunk is scheduled
+    past the table's 32 slots."""
+    e = Engine(builder())
+    e.add("a", n=40)
+    e.step({"a": 24}, alloc={"a": [1, 2]})
+    e.output()
+    e.step({"a": 16}, alloc={} if short else {"a": [3]})
+    e.output()
+    e.step({"a": 1})
+    e.output()
+    e.finish("a")
+    return e.b.trace()
+
+
 CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("alloc_owned_block", lambda: double_allocation(0), lambda: double_allocation(1), "b"),
     ("preempt_not_running", lambda: preempt(False), lambda: preempt(True), "a"),
@@ -295,6 +311,7 @@ CASES: list[tuple[str, Callable[[], Trace], Callable[[], Trace], str]] = [
     ("preempt_kept_blocks", lambda: preempted_keeps(True), lambda: preempted_keeps(False), "a"),
     ("decode_on_failed_load", lambda: failed_load(True), lambda: failed_load(False), "d"),
     ("hit_misplaced", lambda: shifted_hit(True), lambda: shifted_hit(False), "b"),
+    ("tokens_over_capacity", lambda: short_table(True), lambda: short_table(False), "a"),
 ]
 
 
@@ -440,3 +457,68 @@ def test_a_context_analysed_twice_names_the_double_allocations_owner_both_times(
     ctx = AnalysisContext(trace=double_allocation(0))
     owners = [analyze(ctx, rules=["lifecycle"]).iloc[0]["extra"].get("owner") for _ in range(2)]
     assert owners == ["a", "a"]
+
+
+def loaded_then_last_token() -> Trace:
+    """d's 48-token prompt is loaded into three blocks (47 tokens: vLLM computes the last one again) and its
+    first step computes that one token: 48 tokens on 48 slots."""
+    e = Engine(builder(), role="decode")
+    e.add("d", n=48, remote_prefill=True)
+    k = e.next_step
+    e.next_step += 1
+    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2, 3], detail={"hit": 0, "external": 3})
+    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2, 3], n=48)
+    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
+    e.ev("step_submit", step=k, n=1)
+    e.in_flight.append(k)
+    e.output()
+    e.recv_done("d")
+    e.step({"d": 1})
+    e.output()
+    e.finish("d")
+    return e.b.trace()
+
+
+def resumed_on_own_hits() -> Trace:
+    """a is preempted and resumes on blocks that still hold its prompt: the resumption's allocation lists them
+    without a hit count and schedules only what they miss (what the hooks record on a resumption)."""
+    e = Engine(builder())
+    e.add("a", n=48)
+    e.step({"a": 48}, alloc={"a": [1, 2, 3]})
+    e.output()
+    e.step({}, preempt={"a": [1, 2, 3]})
+    e.output()
+    e.step({"a": 1}, alloc={"a": [1, 2, 3]})
+    e.output()
+    e.finish("a")
+    return e.b.trace()
+
+
+def decode_at_the_boundary() -> Trace:
+    """a's prompt fills its two blocks; a hand-made trace schedules the first decode token before the third
+    block's allocation (one step late): the prefill fits, so the check, judging the prefill only, stays silent."""
+    e = Engine(builder())
+    e.add("a", n=32)
+    e.step({"a": 32}, alloc={"a": [1, 2]})
+    e.output()
+    e.step({"a": 1})
+    e.output()
+    e.step({"a": 1}, alloc={"a": [3]})
+    e.output()
+    e.finish("a")
+    return e.b.trace()
+
+
+@pytest.mark.parametrize("make", [loaded_then_last_token, resumed_on_own_hits, decode_at_the_boundary,
+                                  lambda: failed_load(False), lambda: shifted_hit(False)],
+                         ids=["loaded_then_last_token", "resumed_on_own_hits", "decode_at_the_boundary",
+                              "failed_load_recomputed", "prefix_hit"])
+def test_tokens_within_the_table_are_not_over_capacity(make: Callable[[], Trace]) -> None:
+    assert not [f for f in subrules(make()) if f[0] == "tokens_over_capacity"]
+
+
+def test_tokens_over_capacity_says_how_many_tokens_on_how_many_slots() -> None:
+    f = lifecycle_findings(short_table(True))
+    row = f[f.subrule == "tokens_over_capacity"].iloc[0]
+    assert (row.extra["tokens"], row.extra["slots"], row.extra["block_size"]) == (40, 32, 16)
+    assert row.step == 1

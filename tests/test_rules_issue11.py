@@ -60,7 +60,7 @@ def test_a_repeated_req_add_without_a_finish_is_the_same_request():
     e = Engine(b, instance="E", role="both")
     e.add("r1", n=32)
     e.add("r1", n=32)                                        # a duplicate add while it lives: no new lifetime
-    e.step({"r1": 32}, alloc={"r1": [1]})
+    e.step({"r1": 32}, alloc={"r1": [1, 2]})                # 32 tokens: two blocks of 16
     e.output()
     e.finish("r1", reason="stop")
     ctx = AnalysisContext(b.trace())

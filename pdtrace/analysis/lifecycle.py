@@ -85,6 +85,9 @@ INVARIANTS: dict[str, tuple[str, str]] = {
     "hit_misplaced": ("error", "a prefix-cache hit handed a block at another place of the table than the one it "
                                "held when its KV was written (a block's hash chains its whole prefix, so a hit sits "
                                "where it was computed): the request reads another prefix's KV"),
+    "tokens_over_capacity": ("warning", "a request scheduled past the slots its block table holds: its computed "
+                                      "tokens (scheduled, loaded from a peer, prefix hits) exceed its blocks x "
+                                      "block_size (`allocate_slots` allocates every slot a step computes)"),
     "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
                                          "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
     "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
@@ -430,6 +433,7 @@ def _replay(ctx: Any) -> LifecycleModel:
 
     _block_violations(ctx, cols, requests, windowed, out)
     _blocks_listed_twice(cols, requests, out)
+    _tokens_over_capacity(ctx, cols, requests, windowed, out)
     if not windowed:  # a window's first owners may lie before it: who is last, and what was held, is unknown
         _frees_not_returned(ctx, cols, requests, out)
         _preemptions_that_kept_blocks(ctx, cols, requests, out)
@@ -593,36 +597,46 @@ def _misplaced_hits(cols: Any, requests: dict[int, RequestModel], windowed: bool
 FAILED_LOADS_JUDGED = 1000
 
 
+def _failed_load_holders(ctx: Any, cols: Any) -> list[tuple[int, int, int, list[int]]]:
+    """Each `kv_recv_fail` with the requests holding its blocks then (its request where recorded, else by the
+    ownership intervals): (failed load row, request key, invalid blocks held, those blocks). Cached per context."""
+    def build() -> list[tuple[int, int, int, list[int]]]:
+        fails = cols.rows_of("kv_recv_fail")[:FAILED_LOADS_JUDGED]
+        found: list[tuple[int, int, int, list[int]]] = []
+        if not len(fails):
+            return found
+        own = ownership(ctx)
+        if not len(own):
+            return found
+        block_rows, block_ids = cols.block_rows
+        big = np.iinfo(np.int64).max
+        free_pos = np.where(own.free_row >= 0, own.free_pos.astype(np.int64), big)
+        for row in fails.tolist():
+            lo, hi = np.searchsorted(block_rows, row), np.searchsorted(block_rows, row, side="right")
+            blocks = block_ids[lo:hi].astype(np.int64)
+            if not len(blocks):
+                continue
+            at = int(cols.pos[row])
+            keys = pool_block_key(np.full(len(blocks), cols.sk[row]), blocks, own.width)
+            held = np.flatnonzero(np.isin(own.pool_key, keys) & (own.alloc_pos < at) & (free_pos > at))
+            if cols.rk[row] >= 0:
+                held = held[own.rk[held] == cols.rk[row]]
+            for rk in np.unique(own.rk[held]).tolist():
+                mine = held[own.rk[held] == rk]
+                found.append((row, int(rk), len(mine), sorted(own.block[mine].tolist())))
+        return found
+    return ctx.cached("lifecycle_failed_load_holders", build)
+
+
 def _decodes_on_failed_loads(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
     """`decode_on_failed_load`: for each `kv_recv_fail` (its blocks; its request where recorded, else each request
     holding those blocks then, by the ownership intervals), the request's next `req_sched`, `req_wait_kv`,
     `req_preempt` or `req_finish`: a `req_sched` of fewer tokens than the invalid blocks it holds is a violation
     (a recompute covers at least one token per invalid block; a new wait reloads; a finish fails it)."""
-    fails = cols.rows_of("kv_recv_fail")[:FAILED_LOADS_JUDGED]
-    if not len(fails):
-        return
-    own = ownership(ctx)
+    found = _failed_load_holders(ctx, cols)
     nxt_rows = cols.req_rows("req_sched", "req_wait_kv", "req_preempt", "req_finish")
     sched_code = cols.code_of("kind", "req_sched")
     kind_codes = cols.codes("kind")[0]
-    block_rows, block_ids = cols.block_rows
-    big = np.iinfo(np.int64).max
-    free_pos = np.where(own.free_row >= 0, own.free_pos.astype(np.int64), big) if len(own) else np.zeros(0, np.int64)
-    pool_key = own.pool_key if len(own) else np.zeros(0, np.int64)
-    found: list[tuple[int, int, int, list[int]]] = []  # (failed load row, request key, invalid blocks, blocks)
-    for row in fails.tolist():
-        lo, hi = np.searchsorted(block_rows, row), np.searchsorted(block_rows, row, side="right")
-        blocks = block_ids[lo:hi].astype(np.int64)
-        if not len(blocks) or not len(own):
-            continue
-        at = int(cols.pos[row])
-        keys = pool_block_key(np.full(len(blocks), cols.sk[row]), blocks, own.width)
-        held = np.flatnonzero(np.isin(pool_key, keys) & (own.alloc_pos < at) & (free_pos > at))
-        if cols.rk[row] >= 0:
-            held = held[own.rk[held] == cols.rk[row]]
-        for rk in np.unique(own.rk[held]).tolist():
-            mine = held[own.rk[held] == rk]
-            found.append((row, int(rk), len(mine), sorted(own.block[mine].tolist())))
     if not found:
         return
     # each holder's next scheduler event after its failed load: one search for all of them
@@ -636,6 +650,101 @@ def _decodes_on_failed_loads(ctx: Any, cols: Any, requests: dict[int, RequestMod
         if kind_codes[nrow] == sched_code and n < invalid:
             _violation_at(out, "decode_on_failed_load", cols, nrow, rk, blocks, requests,
                           {"failed_load_row": row, "tokens": n, "invalid_blocks": invalid})
+
+
+def _tokens_over_capacity(ctx: Any, cols: Any, requests: dict[int, RequestModel], windowed: bool,
+                          out: list[Violation]) -> None:
+    """`tokens_over_capacity`: per request, from its add and again from each preemption (vLLM frees the table and
+    recomputes), in event order: tokens computed so far (each `req_sched` n, a `req_wait_kv`'s external n, the
+    first allocation's prefix hits x block_size) against its table's slots (the blocks of its `blocks_alloc` rows x
+    block_size; sliding-window trims keep their slots as null blocks, so frees do not shrink it). A load counts at
+    most the prompt less one token (vLLM computes the last prompt token again), and nothing for a request whose load
+    failed (vLLM recomputes from the first invalid block). Judged on the steps of the first prefill
+    (those that begin before the computed tokens reach the prompt length, before any preemption: a decode step's
+    slot rests on a boundary-exact reading hand-made traces often miss by one, and a resumption's recompute skips
+    what its blocks still hold, which its allocation does not say); the first such `req_sched` past the slots, per
+    request, is the violation. A warning: vLLM asserts nothing here (the step writes KV past the table). Cumulative sums with a reset per (request,
+    segment), vectorised; schedulers without a block size (no engine_config) and requests that began before a
+    window are not judged."""
+    sizes = {sk: int(cfg["block_size"]) for sk, cfg in engine_configs(ctx).items() if cfg.get("block_size")}
+    if not sizes:
+        return
+    kinds = ("req_sched", "blocks_alloc", "req_wait_kv", "req_preempt")
+    rows = cols.req_rows(*kinds)
+    if not len(rows):
+        return
+    n_sk = int(cols.sk.max()) + 1
+    bs = np.zeros(n_sk, np.int64)
+    for sk, size in sizes.items():
+        if sk < n_sk:
+            bs[sk] = size
+    rows = rows[bs[cols.sk[rows]] > 0]
+    if windowed:  # a request first seen mid-window holds a table the window does not show
+        add_rows = cols.req_rows("req_add")
+        has_add = np.zeros(cols.n_requests, bool)
+        has_add[cols.rk[add_rows]] = True
+        rows = rows[has_add[cols.rk[rows]]]
+    if not len(rows):
+        return
+    rk = cols.rk[rows].astype(np.int64)
+    order = np.lexsort((cols.pos[rows], rk))
+    rows, rk = rows[order], rk[order]
+    code = cols.codes("kind")[0][rows]
+    is_sched = code == cols.code_of("kind", "req_sched")
+    is_alloc = code == cols.code_of("kind", "blocks_alloc")
+    is_wait = code == cols.code_of("kind", "req_wait_kv")
+    is_preempt = code == cols.code_of("kind", "req_preempt")
+    block = bs[cols.sk[rows]]
+    n = np.maximum(cols.ints_at("n", rows, fill=0), 0).astype(np.int64)
+    block_rows, _ = cols.block_rows
+    counts = (np.searchsorted(block_rows, rows, side="right") - np.searchsorted(block_rows, rows)).astype(np.int64)
+    hits = np.zeros(len(rows), np.int64)
+    alloc_at = np.flatnonzero(is_alloc)
+    if len(alloc_at):
+        first_alloc = alloc_at[np.r_[True, rk[alloc_at][1:] != rk[alloc_at][:-1]]]
+        for i, detail in zip(first_alloc.tolist(), cols.details(rows[first_alloc])):
+            hits[i] = int(detail.get("hit") or 0) if isinstance(detail, dict) else 0
+    # a load fills at most prompt - 1 tokens: the last prompt token is computed again, to sample from it
+    add_rows = cols.req_rows("req_add")
+    prompt = np.full(cols.n_requests, np.iinfo(np.int64).max // 4, np.int64)
+    prompt[cols.rk[add_rows]] = np.maximum(cols.ints_at("n", add_rows, fill=0), 1)
+    loaded = np.minimum(n, prompt[rk] - 1)
+    failed = np.zeros(cols.n_requests, bool)  # a failed load: vLLM recomputes from its first invalid block
+    failed[[f[1] for f in _failed_load_holders(ctx, cols)]] = True
+    loaded[failed[rk]] = 0
+    computed = np.where(is_sched, n, 0) + np.where(is_wait, loaded, 0) + hits * block
+    slots = np.where(is_alloc, counts * block, 0)
+    # segments: a new one at each request's first row and at each preemption (which frees the whole table)
+    start = np.r_[True, rk[1:] != rk[:-1]] | is_preempt
+
+    def seg_cumsum(values: np.ndarray) -> np.ndarray:
+        total = np.cumsum(values)
+        base = np.r_[0, total][np.flatnonzero(start)]
+        return total - np.repeat(base, np.diff(np.r_[np.flatnonzero(start), len(values)]))
+    comp_cum, slot_cum = seg_cumsum(computed), seg_cumsum(slots)
+    # the first prefill's steps only (a first prefill, a resumption's recompute): a decode step's slot comes from a
+    # boundary-exact reading (which position the sampled token is written at) that hand-made traces often miss
+    # by one, where an allocation short of the prompt is wrong however the steps are counted
+    in_prompt = comp_cum - computed < prompt[rk]
+    # before the first preemption: a resumption's recompute skips what its own blocks still hold, and the trace
+    # does not say how much (its allocation carries no hit count)
+    first_segment = _segment_starts_before(rk, is_preempt) == 0
+    over = is_sched & in_prompt & first_segment & (comp_cum > slot_cum)
+    if not over.any():
+        return
+    bad = np.flatnonzero(over)
+    first = bad[np.r_[True, rk[bad][1:] != rk[bad][:-1]]]
+    for i in first.tolist():
+        _violation_at(out, "tokens_over_capacity", cols, int(rows[i]), int(rk[i]), [], requests,
+                      {"tokens": int(comp_cum[i]), "slots": int(slot_cum[i]), "block_size": int(block[i])})
+
+
+def _segment_starts_before(rk: np.ndarray, is_preempt: np.ndarray) -> np.ndarray:
+    """Per row (rows sorted by request, then order): how many of the request's preemptions came at or before it."""
+    total = np.cumsum(is_preempt)
+    first = np.r_[True, rk[1:] != rk[:-1]]
+    base = np.repeat((total - is_preempt)[first], np.diff(np.r_[np.flatnonzero(first), len(rk)]))
+    return total - base
 
 
 #: steps a scheduler must go on draining after a free before a block missing from its pool frees is judged (a
