@@ -292,6 +292,9 @@ def test_a_later_stages_recorded_wait_for_the_previous_stage_is_idle_with_its_ow
     assert extra["wall_ns"] == hidden[1][2]["wall_ns"]  # the stage's wall is its spans', waits included
     assert extra["avoidable_fraction"] > 0.5
     assert recorded[0] == hidden[0]
+    f = findings(pp_recv_pp2("recorded"))
+    evidence = f[f["extra"].map(lambda e: e["pp_rank"]) == 1]["evidence"].iloc[0]
+    assert [e["kind"] for e in evidence[:2]] == ["exec_wait_begin", "exec_wait_end"]  # the wait's own rows
     b = bubbles(AnalysisContext(pp_recv_pp2("recorded")))
     waits = b[b["cause"] == "pp_recv_wait"]
     assert len(waits) == 6 and set(waits["pp_rank"]) == {1} and (waits["dur_ns"] == 8 * MS).all()

@@ -237,10 +237,13 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         for b in longest.itertuples(index=False):
             note = (f"idle {_ms(b.dur_ns)} ({b.cause}, {b.in_flight} steps in flight with {b.in_flight_requests} "
                     f"requests, {b.runnable} runnable requests)")
-            evidence.append({"kind": "exec_end", "ts_ns": int(b.start_ns), "seq": None, "req": None,
+            recorded = b.cause in _RECORDED_WAITS  # a wait the rank recorded inside its RPC: its own rows
+            evidence.append({"kind": "exec_wait_begin" if recorded else "exec_end", "ts_ns": int(b.start_ns),
+                             "seq": None, "req": None,
                              "step": int(b.step_before), "instance": instance, "pp_rank": int(b.pp),
                              "tp_rank": int(b.tp), "note": note})
-            evidence.append({"kind": "exec_begin", "ts_ns": int(b.end_ns), "seq": None, "req": None,
+            evidence.append({"kind": "exec_wait_end" if recorded else "exec_begin", "ts_ns": int(b.end_ns),
+                             "seq": None, "req": None,
                              "step": int(b.step_after), "instance": instance, "pp_rank": int(b.pp),
                              "tp_rank": int(b.tp)})
         charged = {c: idle[c] for c in _CHARGED if idle.get(c)}
