@@ -342,3 +342,23 @@ def test_an_unpaired_or_foreign_wait_is_not_counted():
     assert len(waited) == 1 and int(waited["step"].iloc[0]) == 0 and int(waited["pp"].iloc[0]) == 1
     assert int((waited["e"] - waited["b"]).iloc[0]) == 5 * MS - 20
     assert len(busy[(busy["pp"] == 1) & (busy["step"] == 1)]) == 1  # the unpaired wait left its span whole
+
+
+def test_waits_are_ordered_and_clipped_within_their_own_span_only():
+    """Two waits of one span, the second overlapping the first, are cut to follow each other; a span on another
+    lane (sorted before it, later in time) does not clip them."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="E", start_ns=0)
+    spans = {0: (100 * MS, 110 * MS, [(100 * MS + 1, 105 * MS)]),  # tp0: late, one wait
+             1: (0, 10 * MS, [(1 * MS, 3 * MS), (2 * MS, 4 * MS)])}  # tp1: early, two overlapping waits
+    for tp, (begin, end, waits) in spans.items():
+        b.add("exec_begin", ts=begin, step=0, n=4, pid=20 + tp, pp_rank=1, tp_rank=tp)
+        for wb, we in waits:
+            b.add("exec_wait_begin", ts=wb, step=0, pid=20 + tp, pp_rank=1, tp_rank=tp, reason="pp_recv")
+            b.add("exec_wait_end", ts=we, step=0, pid=20 + tp, pp_rank=1, tp_rank=tp, reason="pp_recv")
+        b.add("exec_end", ts=end, step=0, n=4, pid=20 + tp, pp_rank=1, tp_rank=tp, detail={"rpc": "execute_model"})
+    busy = busy_spans(AnalysisContext(b.trace()))
+    got = {tp: [(int(x.b), int(x.e), bool(x.wait)) for x in busy[busy["tp"] == tp].itertuples()] for tp in (0, 1)}
+    assert got[0] == [(100 * MS, 100 * MS + 1, False), (100 * MS + 1, 105 * MS, True), (105 * MS, 110 * MS, False)]
+    assert got[1] == [(0, 1 * MS, False), (1 * MS, 3 * MS, True), (3 * MS, 4 * MS, True), (4 * MS, 10 * MS, False)]

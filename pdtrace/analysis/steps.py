@@ -804,7 +804,7 @@ def _split_at_waits(frame: pd.DataFrame, on_cpu: np.ndarray, waits: pd.DataFrame
     srt = np.lexsort((w_b, host))
     host, w_b, w_e, w_cause = host[srt], w_b[srt], w_e[srt], w_cause[srt]
     same = np.r_[False, host[1:] == host[:-1]]
-    prev_e = np.r_[np.iinfo(np.int64).min, np.maximum.accumulate(w_e)[:-1]]
+    prev_e = np.r_[np.iinfo(np.int64).min, _lane_cummax(host, w_e)[:-1]]  # the latest end before, in this span
     w_b = np.where(same, np.maximum(w_b, prev_e), w_b)  # waits of one span in order, never overlapping
     keep = w_e > w_b
     host, w_b, w_e, w_cause = host[keep], w_b[keep], w_e[keep], w_cause[keep]
