@@ -24,7 +24,10 @@ ranks sat idle.
     intervals. An RPC that computes nothing on its stage (`sample_tokens` on a non-last PP rank: it waits for the
     tokens the last rank broadcasts; `_waits_for_broadcast`) is not busy: the time inside it not covered by busy
     spans is an interval of its own with cause `sampled_token_wait` (vllm-ascend#10855, vllm#42187: a stage
-    blocked there cannot start its next step, however many steps are queued). The other intervals get one cause,
+    blocked there cannot start its next step, however many steps are queued). A wait a rank recorded inside an RPC
+    (`exec_wait_begin` / `exec_wait_end`, `wait_frame`: a later PP stage receiving the previous stage's tensors)
+    cuts the RPC's CPU-time span: the pieces around it stay busy, the wait is an interval of its own with cause
+    `pp_recv_wait` (`pp_send_wait` for a send). The other intervals get one cause,
     decided in this order:
       1. `idle_no_requests`  the scheduler had no unfinished request for at least half the interval;
       2. `kv_transfer`       it had requests, but every one waited for remote KV, for at least half the interval;
