@@ -105,6 +105,9 @@ KINDS: dict[str, frozenset[str] | None] = {
     # workers
     "exec_begin": frozenset({"worker", "connector"}),
     "exec_end": frozenset({"worker", "connector"}),
+    # a wait inside an RPC (reason: what it waited for); the RPC's busy time less these is the rank's work
+    "exec_wait_begin": frozenset({"worker", "connector"}),
+    "exec_wait_end": frozenset({"worker", "connector"}),
     "kv_send_rank": frozenset({"worker", "connector"}),
     "kv_recv_rank": frozenset({"worker", "connector"}),
     "batch_add": frozenset({"worker", "connector"}),
@@ -118,12 +121,18 @@ KINDS: dict[str, frozenset[str] | None] = {
     "remote_read": None,
 }
 
+#: What a rank waited for inside an RPC (`exec_wait_*` reason): the previous PP stage's tensors, or the next stage
+#: taking this one's.
+WAIT_REASONS = frozenset({"pp_recv", "pp_send"})
+
 #: `reason` vocabulary per kind, where the format fixes one (other kinds leave `reason` free or null).
 REASONS: dict[str, frozenset[str]] = {
     "req_finish": frozenset({"stop", "length", "abort", "error", "repetition"}),
     "blocks_free": frozenset({"finished", "aborted", "preempted", "sent", "received", "load_failed", "skipped"}),
     "batch_add": frozenset({"new", "resumed", "rescheduled"}),
     "batch_remove": frozenset({"finished", "unscheduled", "preempted"}),
+    "exec_wait_begin": WAIT_REASONS,
+    "exec_wait_end": WAIT_REASONS,
 }
 
 #: vLLM's RequestStatus names (0.10 and 0.33), plus `unknown` for ids the scheduler no longer knows.

@@ -28,7 +28,8 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                       instance: str = "E", config: bool = True, gpu_times: bool = False,
                       wait_kv: dict[str, int] | None = None, builder: EventBuilder | None = None,
                       sample_rpc: str | None = None, sample_ns: int = 100 * US, return_ns: int = 0,
-                      queue_depth: int | None = None, max_num_seqs: int | None = None) -> Trace:
+                      queue_depth: int | None = None, max_num_seqs: int | None = None,
+                      pp_recv: str | None = None) -> Trace:
     """Run the model and return its trace (see the module docstring). `wait_kv` maps request ids to the ns their
     remote KV takes to arrive after they are first scheduled (D side: req_wait_kv, then kv_recv_done).
     `sample_rpc` adds each token-carrying step's second RPC, `sample_tokens` (vLLM 0.11.1+), on every rank right
@@ -151,6 +152,13 @@ def simulate_pipeline(pp: int = 4, n_requests: int = 8, batch_cap: int = 2, toke
                         worker("exec_begin", begin - 5 * US, r_, q, step=k, n=n_tok)
                         worker("exec_end", end + 5 * US, r_, q, step=k, n=n_tok,
                                detail={"rpc": "execute_model", "gpu_begin_ns": begin, "gpu_end_ns": end})
+                    elif pp_recv and r_ > 0 and batch:
+                        entry = max(rank_free[r_][q], t)
+                        worker("exec_begin", entry, r_, q, step=k, n=n_tok)
+                        if pp_recv == "recorded" and begin > entry:
+                            worker("exec_wait_begin", entry, r_, q, step=k, reason="pp_recv")
+                            worker("exec_wait_end", begin, r_, q, step=k, reason="pp_recv")
+                        worker("exec_end", end, r_, q, step=k, n=n_tok, detail={"rpc": "execute_model"})
                     else:
                         worker("exec_begin", begin, r_, q, step=k, n=n_tok)
                         worker("exec_end", end, r_, q, step=k, n=n_tok, detail={"rpc": "execute_model"})
@@ -245,6 +253,14 @@ def broadcast_wait_pp4() -> Trace:
     """vllm-ascend#10855 / vllm#42187: prefill at PP=4 with MTP, each non-last stage blocked in sample_tokens until
     the last stage broadcasts the step's tokens: 4 steps queued, one running at a time."""
     return simulate_pipeline(pp=4, n_requests=8, batch_cap=2, sample_rpc="blocking")
+
+
+def pp_recv_pp2(pp_recv: str = "recorded") -> Trace:
+    """The issue-36 real run's shape: PP=2, the second stage entering each step's execute_model at the submit and
+    blocking in it on the first stage's 8 ms forward (its own is 2 ms), one micro-batch at a time (queue depth 1).
+    "hidden": the same run recorded without the wait rows."""
+    return simulate_pipeline(pp=2, n_requests=8, batch_cap=8, tokens=6, stage_ns=[8 * MS, 2 * MS],
+                             queue_depth=1, pp_recv=pp_recv)
 
 
 def healthy_sampling_pp4() -> Trace:

@@ -286,3 +286,21 @@ def test_chrome_flow_pairs_p_and_d_without_remote_req(tmp_path: Path) -> None:
         ev = by_ph(chrome(source, tmp_path))
         flows.append((len(ev.get("s", [])), len(ev.get("f", []))))
     assert flows[0] == flows[1] == (1, 1)
+
+
+def test_a_recorded_wait_is_its_own_slice_nested_in_its_rpc(tmp_path: Path) -> None:
+    """Issue 36 item 7: each exec_wait pair is a `wait pp_recv` slice (category wait) on its rank's thread, inside
+    that rank's execute_model slice of the same step; without the wait rows there are none."""
+    from scenarios_pipeline import pp_recv_pp2
+
+    doc = chrome(pp_recv_pp2("recorded"), tmp_path)
+    slices = by_ph(doc)["X"]
+    waits = [e for e in slices if e["cat"] == "wait"]
+    assert len(waits) == 6 and {e["name"] for e in waits} == {"wait pp_recv"}
+    for w in waits:
+        rpc = [e for e in slices if e["cat"] == "exec" and e["tid"] == w["tid"]
+               and e["name"] == f"step {w['args']['step']} execute_model"]
+        assert len(rpc) == 1 and rpc[0]["ts"] <= w["ts"] and w["ts"] + w["dur"] <= rpc[0]["ts"] + rpc[0]["dur"]
+        assert w["dur"] == pytest.approx(8000.0)  # µs
+    hidden = chrome(pp_recv_pp2("hidden"), tmp_path)
+    assert not [e for e in by_ph(hidden)["X"] if e["cat"] == "wait"]

@@ -406,3 +406,22 @@ def test_long_instance_names_are_not_clipped(name: str) -> None:
             assert axes_left == pytest.approx(0.09)
         else:
             assert axes_left > 0.09
+
+
+def test_pipeline_draws_a_recorded_wait_as_idle_over_its_exec_span() -> None:
+    """Issue 36 item 7: stage 1's wait for stage 0 inside execute_model is drawn as idle (a white, hatched
+    rectangle per wait over the exec span), one per pp_recv_wait bubble; without the wait rows nothing is."""
+    from scenarios_pipeline import pp_recv_pp2
+
+    ctx = AnalysisContext(pp_recv_pp2("recorded"))
+    fig = build_figure(ctx, "pipeline", dpi=50)
+    waits = artists(fig, "bubbles:pp_recv_wait")
+    table = drawn_bubbles(ctx)
+    assert len(waits) == 1 and shapes_of(waits[0]) == int((table["cause"] == "pp_recv_wait").sum()) == 6
+    assert waits[0].get_hatch() == "////" and tuple(waits[0].get_facecolor()[0]) == (1.0, 1.0, 1.0, 1.0)
+    z_exec = [a.get_zorder() for a in artists(fig, "exec_spans")]
+    children = fig.axes[0].get_children()
+    assert children.index(waits[0]) > max(children.index(a) for a in artists(fig, "exec_spans"))  # drawn over
+    assert z_exec and all(z <= waits[0].get_zorder() for z in z_exec)
+    hidden = build_figure(AnalysisContext(pp_recv_pp2("hidden")), "pipeline", dpi=50)
+    assert artists(hidden, "bubbles:pp_recv_wait") == []

@@ -10,11 +10,12 @@ from hypothesis import strategies as st
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.rules.pipeline_bubble import RULE, run
-from pdtrace.analysis.steps import bubbles, exec_spans
+from pdtrace.analysis.steps import BUBBLE_CAUSES, bubbles, busy_spans, exec_spans
 from pdtrace.trace.model import Trace
 from scenarios import HEALTHY
 from scenarios_pipeline import (MS, US, broadcast_wait_pp4, engine_waits_pp4, few_requests_pp4, healthy_pp4,
-                                healthy_sampling_pp4, one_microbatch_pp4, seat_limited_pp2, simulate_pipeline,
+                                healthy_sampling_pp4, one_microbatch_pp4, pp_recv_pp2, seat_limited_pp2,
+                                simulate_pipeline,
                                 slow_scheduler_pp4, slow_stage_pp4, two_waves_pp4)
 
 
@@ -273,3 +274,91 @@ def test_healthy_pipeline_with_both_rpcs_keeps_its_compute_busy():
         assert extra["wall_ns"] - idle >= compute  # the forwards are busy time
         assert extra["idle_ns_by_cause"]["sampled_token_wait"] < 0.05 * extra["wall_ns"]
         assert extra["lost_fraction"] < 0.10
+
+
+def test_a_later_stages_recorded_wait_for_the_previous_stage_is_idle_with_its_own_cause():
+    """Issue 36 item 7: stage 1 enters each step's execute_model at the submit and blocks in it receiving stage
+    0's tensors (8 ms of its 10 ms span, 6 steps). Without the wait rows ("hidden", as recorded before them) that
+    span counts as work: stage 1 idles under 1 %. With them the 48 ms are idle, cause pp_recv_wait, charged and
+    avoidable as stage_imbalance is; stage 0, which recorded no wait, is judged the same either way."""
+    hidden = _by_stage(findings(pp_recv_pp2("hidden")))
+    recorded = _by_stage(findings(pp_recv_pp2("recorded")))
+    assert hidden[1][2]["idle_fraction"] < 0.01
+    assert "pp_recv_wait" not in hidden[1][2]["idle_ns_by_cause"]  # no rows: reported as before they existed
+    sub, severity, extra = recorded[1]
+    assert (sub, severity) == ("pp_recv_wait", "warning")
+    assert extra["idle_ns_by_cause"]["pp_recv_wait"] == 6 * 8 * MS
+    assert extra["idle_fraction"] == pytest.approx(hidden[1][2]["idle_fraction"] + 6 * 8 * MS / extra["wall_ns"])
+    assert extra["wall_ns"] == hidden[1][2]["wall_ns"]  # the stage's wall is its spans', waits included
+    assert extra["avoidable_fraction"] > 0.5
+    assert recorded[0] == hidden[0]
+    f = findings(pp_recv_pp2("recorded"))
+    evidence = f[f["extra"].map(lambda e: e["pp_rank"]) == 1]["evidence"].iloc[0]
+    assert [e["kind"] for e in evidence[:2]] == ["exec_wait_begin", "exec_wait_end"]  # the wait's own rows
+    b = bubbles(AnalysisContext(pp_recv_pp2("recorded")))
+    waits = b[b["cause"] == "pp_recv_wait"]
+    assert len(waits) == 6 and set(waits["pp_rank"]) == {1} and (waits["dur_ns"] == 8 * MS).all()
+    assert (waits["step_before"] == waits["step_after"]).all()  # inside the step's own RPC
+
+
+def test_recorded_waits_cut_the_busy_span_and_keep_the_compute():
+    """busy_spans: each stage-1 execute_model is cut into its wait (cause pp_recv_wait) and the 2 ms forward after
+    it; the causes of the older waits keep their codes (the new causes are appended)."""
+    assert BUBBLE_CAUSES[:6] == ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance",
+                                 "idle_no_requests", "sampled_token_wait")
+    busy = busy_spans(AnalysisContext(pp_recv_pp2("recorded")))
+    stage1 = busy[busy["pp"] == 1]
+    compute = stage1[~stage1["wait"]]
+    assert len(compute) == 6 and ((compute["e"] - compute["b"]) == 2 * MS).all()
+    waited = stage1[stage1["wait"]]
+    assert (waited["cause"] == BUBBLE_CAUSES.index("pp_recv_wait")).all() and len(waited) == 6
+    hidden = busy_spans(AnalysisContext(pp_recv_pp2("hidden")))
+    assert "cause" in hidden and (hidden["cause"] == -1).all() and not hidden["wait"].any()
+    assert len(hidden[hidden["pp"] == 1]) == 6 and ((hidden["e"] - hidden["b"])[hidden["pp"] == 1] == 10 * MS).all()
+
+
+def test_an_unpaired_or_foreign_wait_is_not_counted():
+    """A wait begun but never ended (the trace cut inside it) and a wait on a rank with no span at its step are
+    dropped: the spans stay whole (twin: the paired wait of the same trace is counted)."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="E", start_ns=0)
+    for step, t in ((0, 0), (1, 20 * MS)):
+        b.add("sched", ts=t, step=step, n=4, pid=1, component="scheduler", detail={"running": 1, "waiting": 0})
+        b.add("step_submit", ts=t + 1, step=step, n=1, pid=1, component="engine")
+        for pp in (0, 1):
+            b.add("exec_begin", ts=t + 10, step=step, n=4, pid=10 + pp, pp_rank=pp, tp_rank=0)
+            if pp == 1:
+                b.add("exec_wait_begin", ts=t + 20, step=step, pid=11, pp_rank=1, tp_rank=0, reason="pp_recv")
+                if step == 0:
+                    b.add("exec_wait_end", ts=t + 5 * MS, step=step, pid=11, pp_rank=1, tp_rank=0, reason="pp_recv")
+            b.add("exec_end", ts=t + 10 * MS, step=step, n=4, pid=10 + pp, pp_rank=pp, tp_rank=0,
+                  detail={"rpc": "execute_model"})
+        b.add("step_output", ts=t + 11 * MS, step=step, pid=1, component="engine")
+    b.add("exec_wait_begin", ts=30 * MS, step=7, pid=12, pp_rank=2, tp_rank=0, reason="pp_recv")
+    b.add("exec_wait_end", ts=31 * MS, step=7, pid=12, pp_rank=2, tp_rank=0, reason="pp_recv")
+    busy = busy_spans(AnalysisContext(b.trace()))
+    waited = busy[busy["wait"]]
+    assert len(waited) == 1 and int(waited["step"].iloc[0]) == 0 and int(waited["pp"].iloc[0]) == 1
+    assert int((waited["e"] - waited["b"]).iloc[0]) == 5 * MS - 20
+    assert len(busy[(busy["pp"] == 1) & (busy["step"] == 1)]) == 1  # the unpaired wait left its span whole
+
+
+def test_waits_are_ordered_and_clipped_within_their_own_span_only():
+    """Two waits of one span, the second overlapping the first, are cut to follow each other; a span on another
+    lane (sorted before it, later in time) does not clip them."""
+    from pdtrace.trace.builder import EventBuilder
+
+    b = EventBuilder(instance="E", start_ns=0)
+    spans = {0: (100 * MS, 110 * MS, [(100 * MS + 1, 105 * MS)]),  # tp0: late, one wait
+             1: (0, 10 * MS, [(1 * MS, 3 * MS), (2 * MS, 4 * MS)])}  # tp1: early, two overlapping waits
+    for tp, (begin, end, waits) in spans.items():
+        b.add("exec_begin", ts=begin, step=0, n=4, pid=20 + tp, pp_rank=1, tp_rank=tp)
+        for wb, we in waits:
+            b.add("exec_wait_begin", ts=wb, step=0, pid=20 + tp, pp_rank=1, tp_rank=tp, reason="pp_recv")
+            b.add("exec_wait_end", ts=we, step=0, pid=20 + tp, pp_rank=1, tp_rank=tp, reason="pp_recv")
+        b.add("exec_end", ts=end, step=0, n=4, pid=20 + tp, pp_rank=1, tp_rank=tp, detail={"rpc": "execute_model"})
+    busy = busy_spans(AnalysisContext(b.trace()))
+    got = {tp: [(int(x.b), int(x.e), bool(x.wait)) for x in busy[busy["tp"] == tp].itertuples()] for tp in (0, 1)}
+    assert got[0] == [(100 * MS, 100 * MS + 1, False), (100 * MS + 1, 105 * MS, True), (105 * MS, 110 * MS, False)]
+    assert got[1] == [(0, 1 * MS, False), (1 * MS, 3 * MS, True), (3 * MS, 4 * MS, True), (4 * MS, 10 * MS, False)]

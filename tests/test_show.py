@@ -13,7 +13,7 @@ import pytest
 from pdtrace.analysis.story import collapse_runs, related_requests, request_story, step_ranks, step_story
 from pdtrace.trace.builder import EventBuilder
 from scenarios import Engine, builder, deferred_frees, healthy_pd
-from scenarios_pipeline import healthy_pp4
+from scenarios_pipeline import healthy_pp4, pp_recv_pp2
 
 
 def lagging_rank_trace() -> object:
@@ -141,6 +141,26 @@ def test_cli_show_step_says_which_ranks_came_before_the_output(cli, tmp_path):
     assert "waited for every rank: yes, 4/4" in ok.stdout
 
 
+def test_cli_show_step_shows_each_ranks_wait_inside_its_rpc(cli, tmp_path):
+    """Issue 36 item 7: per rank, the time its RPC waited for the previous stage (exec_wait_*), out of its span,
+    and the busy rest; in the JSON `wait_ns` / `wait_for`. Twin: the same run without the wait rows says nothing
+    of a wait (wait_ns null)."""
+    from pdtrace.trace.builder import write_table
+    write_table(pp_recv_pp2("recorded").table, tmp_path / "rec")
+    write_table(pp_recv_pp2("hidden").table, tmp_path / "hid")
+    res = cli("show", tmp_path / "rec", "--step", "2")
+    assert res.exit_code == 0, res.stderr
+    assert "pp1/tp0 before" in res.stdout and "(waited 8.000 of 10.000 ms for pp_recv, busy 2.000 ms)" in res.stdout
+    assert "exec_wait_begin" in res.stdout and "exec_wait_end" in res.stdout
+    doc = json.loads(cli("show", tmp_path / "rec", "--step", "2", "--format", "json").stdout)
+    waits = {r["pp_rank"]: (r["wait_ns"], r["wait_for"]) for r in doc["ranks"]}
+    assert waits == {0: (None, None), 1: (8_000_000, "pp_recv")}
+    hidden = cli("show", tmp_path / "hid", "--step", "2")
+    assert hidden.exit_code == 0 and "waited 8" not in hidden.stdout and "pp1/tp0 before" in hidden.stdout
+    doc = json.loads(cli("show", tmp_path / "hid", "--step", "2", "--format", "json").stdout)
+    assert [r["wait_ns"] for r in doc["ranks"]] == [None, None]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--req", "missing"], "request 'missing' not found"),
     (["--step", "999"], "step 999 not found"),
@@ -223,7 +243,8 @@ def _unconfigured_lagging_rank() -> object:
 
 
 BUILT_STORIES = {"healthy_pd": healthy_pd, "deferred_frees": deferred_frees, "empty_run": empty_run_trace,
-                 "lagging_rank": lagging_rank_trace, "unconfigured_lagging_rank": _unconfigured_lagging_rank}
+                 "lagging_rank": lagging_rank_trace, "unconfigured_lagging_rank": _unconfigured_lagging_rank,
+                 "pp_recv": pp_recv_pp2}
 
 
 SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"

@@ -24,7 +24,10 @@ ranks sat idle.
     intervals. An RPC that computes nothing on its stage (`sample_tokens` on a non-last PP rank: it waits for the
     tokens the last rank broadcasts; `_waits_for_broadcast`) is not busy: the time inside it not covered by busy
     spans is an interval of its own with cause `sampled_token_wait` (vllm-ascend#10855, vllm#42187: a stage
-    blocked there cannot start its next step, however many steps are queued). The other intervals get one cause,
+    blocked there cannot start its next step, however many steps are queued). A wait a rank recorded inside an RPC
+    (`exec_wait_begin` / `exec_wait_end`, `wait_frame`: a later PP stage receiving the previous stage's tensors)
+    cuts the RPC's CPU-time span: the pieces around it stay busy, the wait is an interval of its own with cause
+    `pp_recv_wait` (`pp_send_wait` for a send). The other intervals get one cause,
     decided in this order:
       1. `idle_no_requests`  the scheduler had no unfinished request for at least half the interval;
       2. `kv_transfer`       it had requests, but every one waited for remote KV, for at least half the interval;
@@ -68,7 +71,9 @@ from pdtrace.trace.model import take_rows
 from pdtrace.analysis.context import AnalysisContext
 
 BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests",
-                 "sampled_token_wait")
+                 "sampled_token_wait", "pp_recv_wait", "pp_send_wait")  # new causes at the end: codes stay
+#: The bubble cause of an `exec_wait_*` reason.
+WAIT_CAUSES = {"pp_recv": "pp_recv_wait", "pp_send": "pp_send_wait"}
 
 STEP_COLUMNS = ("instance", "dp_rank", "step", "sched_ts", "tokens", "running", "waiting", "waiting_kv",
                 "free_blocks", "dur_ns", "empty_run", "submit_ts", "in_flight", "output_ts", "wait_ns")
@@ -733,12 +738,117 @@ class _Keys:
         return code * self.step_span + step + 1
 
 
-@shared_table(_span_frame, cost=0.01)
+@shared_table(cost=0.01)
+def wait_frame(ctx: AnalysisContext) -> pd.DataFrame:
+    """One row per wait a rank recorded inside an RPC (`exec_wait_begin` / `exec_wait_end`): inst, dp, pp, tp, step,
+    b, e, cause (a BUBBLE_CAUSES code). Paired as exec spans are: sorted by writer lane (instance, dp, pp, tp, pid)
+    and seq, a begin pairs with the row right after it when that is an end of the same lane, step and reason; an
+    unpaired row is dropped (a wait cut by the trace's end or a recorder gap is not measured)."""
+
+    def build() -> pd.DataFrame:
+        rows = kind_rows(ctx, ["exec_wait_begin", "exec_wait_end"])
+        names = ["inst", "dp", "pp", "tp", "step", "b", "e", "cause"]
+        if len(rows) == 0:
+            return pd.DataFrame({c: np.empty(0, np.int64) for c in names})
+        cols = columns(ctx)
+        inst = dict_codes(ctx, "instance")[0][rows].astype(np.int64)
+        kind_codes, kind_names = dict_codes(ctx, "kind")
+        reason_codes, reason_names = dict_codes(ctx, "reason")
+        is_begin = kind_codes[rows] == kind_names.index("exec_wait_begin") if "exec_wait_begin" in kind_names \
+            else np.zeros(len(rows), bool)
+        cause_of = np.array([BUBBLE_CAUSES.index(WAIT_CAUSES[r]) if r in WAIT_CAUSES else -1 for r in reason_names]
+                            + [-1], np.int64)  # a null reason (code -1) reads the last entry
+        cause = cause_of[reason_codes[rows]]
+        fields = rows_columns(ctx, rows, ["pp_rank", "tp_rank", "pid", "seq"])
+        dp = cols.dp[rows].astype(np.int64)
+        pp, tp, pid = (fields[c].astype(np.int64) for c in ("pp_rank", "tp_rank", "pid"))
+        lane = _Keys(inst, dp, pp, tp, np.zeros(1, np.int64)).lane(inst, dp, pp, tp) * (pid.max(initial=0) + 1) + pid
+        order = order_by_pair(lane, fields["seq"])
+        if order is None:
+            order = np.arange(len(rows))
+        step = cols.step[rows].astype(np.int64)[order]
+        ts = cols.ts[rows][order]
+        lane, is_begin, cause = lane[order], is_begin[order], cause[order]
+        pair = np.zeros(len(rows), bool)
+        pair[:-1] = (is_begin[:-1] & ~is_begin[1:] & (lane[1:] == lane[:-1]) & (step[1:] == step[:-1])
+                     & (cause[1:] == cause[:-1]) & (cause[:-1] >= 0))
+        i = np.flatnonzero(pair)
+        first = order[i]
+        return pd.DataFrame({"inst": inst[first], "dp": dp[first], "pp": pp[first], "tp": tp[first],
+                             "step": step[i], "b": ts[i], "e": ts[i + 1], "cause": cause[i]}, copy=False)
+
+    return ctx.cached("steps:wait_frame", build)
+
+
+def _split_at_waits(frame: pd.DataFrame, on_cpu: np.ndarray, waits: pd.DataFrame) -> pd.DataFrame:
+    """busy_spans' frame with each CPU-time span cut at the waits recorded inside it: the pieces around the waits
+    stay busy, each wait becomes a row of its own (`wait` True, `cause` its BUBBLE_CAUSES code). A wait belongs to
+    the span of the same lane and step that begins at or before it (clipped to that span; overlapping waits of
+    one span clipped to each other). Spans on GPU time are left whole: the device's own times already leave the
+    wait out. Sorted again by lane code and begin."""
+    inst = np.r_[frame["inst"].to_numpy(), waits["inst"].to_numpy()]
+    dp = np.r_[frame["dp"].to_numpy(), waits["dp"].to_numpy()]
+    pp = np.r_[frame["pp"].to_numpy(), waits["pp"].to_numpy()]
+    tp = np.r_[frame["tp"].to_numpy(), waits["tp"].to_numpy()]
+    step = np.r_[frame["step"].to_numpy(), waits["step"].to_numpy()]
+    keys = _Keys(inst, dp, pp, tp, step)
+    lane_all = keys.lane(inst, dp, pp, tp)
+    ns = len(frame)
+    s_lane, w_lane = lane_all[:ns], lane_all[ns:]
+    s_b, s_e = frame["b"].to_numpy(), frame["e"].to_numpy()
+    s_step = frame["step"].to_numpy()
+    w_b, w_e, w_step = waits["b"].to_numpy(), waits["e"].to_numpy(), waits["step"].to_numpy()
+    # the latest span at or before each wait on its lane: one sort of spans and waits together
+    tag = np.r_[np.zeros(ns, np.int8), np.ones(len(waits), np.int8)]
+    o = np.lexsort((tag, np.r_[s_b, w_b], lane_all))
+    latest = np.maximum.accumulate(np.where(o < ns, o, -1))
+    host = np.empty(len(waits), np.int64)
+    host[o[o >= ns] - ns] = latest[o >= ns]
+    hc = np.maximum(host, 0)
+    ok = ((host >= 0) & (s_lane[hc] == w_lane) & (s_step[hc] == w_step) & on_cpu[hc] & (w_b < s_e[hc]))
+    host, w_b, w_e, w_cause = host[ok], w_b[ok], np.minimum(w_e[ok], s_e[hc[ok]]), waits["cause"].to_numpy()[ok]
+    if len(host) == 0:
+        return frame
+    srt = np.lexsort((w_b, host))
+    host, w_b, w_e, w_cause = host[srt], w_b[srt], w_e[srt], w_cause[srt]
+    same = np.r_[False, host[1:] == host[:-1]]
+    prev_e = np.r_[np.iinfo(np.int64).min, _lane_cummax(host, w_e)[:-1]]  # the latest end before, in this span
+    w_b = np.where(same, np.maximum(w_b, prev_e), w_b)  # waits of one span in order, never overlapping
+    keep = w_e > w_b
+    host, w_b, w_e, w_cause = host[keep], w_b[keep], w_e[keep], w_cause[keep]
+    hosts = distinct(host)
+    # pieces of each cut span: [b, first wait), [each wait's end, the next wait's begin), [last wait's end, e)
+    p_host = np.r_[hosts, host]
+    p_b = np.r_[s_b[hosts], w_e]
+    p_e = np.r_[w_b, s_e[hosts]]
+    ob = np.lexsort((p_b, p_host))
+    oe = np.lexsort((p_e, np.r_[host, hosts]))
+    p_host, p_b, p_e = p_host[ob], p_b[ob], p_e[oe]
+    piece = p_e > p_b
+    p_host, p_b, p_e = p_host[piece], p_b[piece], p_e[piece]
+    whole = np.ones(ns, bool)
+    whole[hosts] = False
+    src = np.r_[np.flatnonzero(whole), p_host, host]
+    out = frame.iloc[src].reset_index(drop=True)
+    kept = int(whole.sum())
+    b = np.r_[s_b[whole], p_b, w_b]
+    e = np.r_[s_e[whole], p_e, w_e]
+    wait = np.r_[frame["wait"].to_numpy()[whole], np.zeros(len(p_host), bool), np.ones(len(host), bool)]
+    cause = np.r_[frame["cause"].to_numpy()[whole], np.full(len(p_host), -1, np.int8), w_cause.astype(np.int8)]
+    out = out.assign(b=b, e=e, wait=wait, cause=cause)
+    assert kept + len(p_host) + len(host) == len(out)
+    order = order_by_pair(out["lane"].to_numpy(), b)
+    return out if order is None else out.iloc[order].reset_index(drop=True)
+
+
+@shared_table(_span_frame, wait_frame, cost=0.01)
 def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
-    """Spans per lane (inst, dp, pp, tp, step, n, b, e, lane, wait): spans of token-carrying steps with both ends,
-    sorted by lane code and begin (numpy; a lexsort unless the spans are in that order already). Busy spans
-    (`wait` False) are on GPU time where the recorder gave it. `wait` marks a span that computes nothing on its
-    stage (`_waits_for_broadcast`), kept on CPU time: the time the stage sat blocked in it is idle time."""
+    """Spans per lane (inst, dp, pp, tp, step, n, b, e, lane, wait, cause): spans of token-carrying steps with both
+    ends, sorted by lane code and begin (numpy; a lexsort unless the spans are in that order already). Busy spans
+    (`wait` False, `cause` -1) are on GPU time where the recorder gave it. `wait` marks a span that computes nothing
+    on its stage (`_waits_for_broadcast`, cause `sampled_token_wait`), kept on CPU time: the time the stage sat
+    blocked in it is idle time; and a wait a rank recorded inside an RPC (`wait_frame`: the RPC's span is cut
+    around it, `_split_at_waits`), with its own cause (`pp_recv_wait`, `pp_send_wait`)."""
 
     def build() -> pd.DataFrame:
         spans = _span_frame(ctx)
@@ -769,10 +879,15 @@ def busy_spans(ctx: AnalysisContext) -> pd.DataFrame:
         lane = keys.lane(inst[keep], dp[keep], pp[keep], tp[keep])
         by_lane = order_by_pair(lane, b[keep])
         order = keep if by_lane is None else keep[by_lane]
-        return pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
-                             "step": step[order], "n": n[order], "b": b[order], "e": e[order],
-                             "lane": keys.lane(inst[order], dp[order], pp[order], tp[order]),
-                             "wait": wait[order]}, copy=False)
+        frame = pd.DataFrame({"inst": inst[order], "dp": dp[order], "pp": pp[order], "tp": tp[order],
+                              "step": step[order], "n": n[order], "b": b[order], "e": e[order],
+                              "lane": keys.lane(inst[order], dp[order], pp[order], tp[order]),
+                              "wait": wait[order],
+                              "cause": np.where(wait[order], CAUSE_BROADCAST, -1).astype(np.int8)}, copy=False)
+        waits = wait_frame(ctx)
+        if len(waits) == 0 or len(frame) == 0:
+            return frame
+        return _split_at_waits(frame, ~gpu[order] & ~wait[order], waits)
 
     return ctx.cached("steps:busy_spans", build)
 
@@ -851,6 +966,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
         end = busy["e"].to_numpy()
         step = busy["step"].to_numpy()
         waiting = busy["wait"].to_numpy()
+        wait_cause = busy["cause"].to_numpy()
         prev_end = _lane_cummax(lane, end)
         same_lane = np.r_[False, lane[1:] == lane[:-1]]
         gap_start = np.r_[0, prev_end[:-1]]
@@ -967,7 +1083,7 @@ def gap_frame(ctx: AnalysisContext) -> pd.DataFrame:
             inherit = (up_dur != _NULL) & (2 * up_dur >= dur[here])
             cause[here] = np.where(inherit, up_cause, np.where(has_up[here], CAUSE_IMBALANCE, engine_cause[here]))
         cause = np.where(2 * no_live >= dur, CAUSE_NO_REQUESTS, np.where(2 * no_run >= dur, CAUSE_KV, cause))
-        cause = np.where(is_wait, CAUSE_BROADCAST, cause)
+        cause = np.where(is_wait, wait_cause[idx], cause)
         out = np.lexsort((s, idx))  # in lane order, then time
         return pd.DataFrame({
             "inst": inst[out], "dp": dp[out], "pp": pp[out], "tp": tp[out], "start_ns": s[out], "end_ns": e[out],

@@ -48,7 +48,8 @@ import pyarrow.dataset as ds
 
 from pdtrace.analysis.columns import columns
 from pdtrace.analysis.context import AnalysisContext
-from pdtrace.analysis.steps import detail_number, detail_text, exec_spans, step_table
+from pdtrace.analysis.steps import (BUBBLE_CAUSES, WAIT_CAUSES, detail_number, detail_text, exec_spans, instances,
+                                    step_table, wait_frame)
 from pdtrace.analysis.windows import GIVES, TAKES
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import open_trace, unified
@@ -57,7 +58,7 @@ INT64_MAX = np.iinfo(np.int64).max
 STORY_COLUMNS = ("ts_ns", "instance", "role", "dp_rank", "pid", "component", "pp_rank", "tp_rank", "kind", "step",
                  "req", "blocks", "n", "reason", "status", "delay_free", "deferred", "detail", "seq")
 RANK_COLUMNS = ("instance", "dp_rank", "pp_rank", "tp_rank", "rpc", "exec_begin_ts", "exec_end_ts", "output_ts",
-                "relation")
+                "relation", "wait_ns", "wait_for")
 
 
 def _frame(trace: Trace, rows: np.ndarray, extra: dict[str, Any] | None = None) -> pd.DataFrame:
@@ -242,8 +243,31 @@ def step_ranks(trace: Trace, step: int, instance: str | None = None,
     out["relation"] = np.select([no_out & in_run, no_end, no_out, before],
                                 ["empty_run", "never", "no_output", "before"], default="after")
     out = out.rename(columns={"begin_ts": "exec_begin_ts", "end_ts": "exec_end_ts"})
+    out = _rpc_waits(sctx, out, int(step))
     out = out.sort_values(["instance", "dp_rank", "rpc", "pp_rank", "tp_rank"]).reset_index(drop=True)
     return out[list(RANK_COLUMNS)]
+
+
+def _rpc_waits(ctx: AnalysisContext, ranks: pd.DataFrame, step: int) -> pd.DataFrame:
+    """`ranks` with `wait_ns` (the time the lane's RPC spent in the waits it recorded, `exec_wait_*`, inside its
+    span) and `wait_for` (their reasons, e.g. `pp_recv`); null where the RPC recorded none."""
+    waits = wait_frame(ctx)
+    waits = waits[waits["step"] == step]
+    wait_ns = pd.array([pd.NA] * len(ranks), dtype="Int64")
+    wait_for: list[str | None] = [None] * len(ranks)
+    if len(waits):
+        names = instances(ctx)
+        reasons = {BUBBLE_CAUSES.index(c): r for r, c in WAIT_CAUSES.items()}
+        for i, lane in enumerate(ranks.itertuples(index=False)):  # one step's lanes: a handful
+            if pd.isna(lane.exec_begin_ts) or pd.isna(lane.exec_end_ts):
+                continue
+            mine = waits[(waits["inst"] == names.index(lane.instance)) & (waits["dp"] == lane.dp_rank)
+                         & (waits["pp"] == lane.pp_rank) & (waits["tp"] == lane.tp_rank)
+                         & (waits["b"] >= int(lane.exec_begin_ts)) & (waits["e"] <= int(lane.exec_end_ts))]
+            if len(mine):
+                wait_ns[i] = int((mine["e"] - mine["b"]).sum())
+                wait_for[i] = "+".join(sorted({reasons[int(c)] for c in mine["cause"]}))
+    return ranks.assign(wait_ns=wait_ns, wait_for=wait_for)
 
 
 def folded_steps(trace: Trace, step: int, instance: str | None = None) -> pd.DataFrame:

@@ -134,6 +134,10 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd
             cells = []
             for lane in lanes.itertuples(index=False):
                 when = "" if pd.isna(lane.exec_end_ts) else f" {_ms(int(lane.exec_end_ts) - start)}"
+                if not pd.isna(lane.wait_ns):  # the RPC's time blocked on another stage: idle, not work
+                    span = int(lane.exec_end_ts) - int(lane.exec_begin_ts)
+                    when += (f" (waited {int(lane.wait_ns) / 1e6:.3f} of {span / 1e6:.3f} ms for {lane.wait_for}, "
+                             f"busy {(span - int(lane.wait_ns)) / 1e6:.3f} ms)")
                 cells.append(f"pp{lane.pp_rank}/tp{lane.tp_rank} {lane.relation}{when}")
             out_console.print(f"  {rpc}: " + "; ".join(cells), markup=False, soft_wrap=True)
         before = (grp["relation"] == "before").sum()

@@ -3,7 +3,8 @@ DataFrames, built from the analyses' tables (`exec_spans`, `step_table`, `reques
 `request_table`) for a selection. `chrome.py` and `perfetto.py` only serialise this model.
 
 Layout: one process per instance; in it a `scheduler` thread (one slice per schedule() call), a thread per worker
-rank (`dp0 PP1 TP0`: one slice per RPC of a step), and a thread per request (`req r1`: one slice per phase, plus
+rank (`dp0 PP1 TP0`: one slice per RPC of a step, a `wait pp_recv` slice nested in it per wait the rank recorded
+inside the RPC), and a thread per request (`req r1`: one slice per phase, plus
 zero-width `kv send` / `kv recv` marks where a P/D transfer starts and lands). A counter `KV blocks` per scheduler
 carries the blocks in use by owner state. A flow joins a prefill request's `kv send` mark (its finish, when its KV
 is ready) to the decode request's `kv recv` mark (its `kv_recv_done`); the pair comes from the decode request's
@@ -57,6 +58,25 @@ def _slices(pid: np.ndarray, tid: np.ndarray, name: pd.Series | np.ndarray, cat:
                          "name": np.asarray(name, dtype=object), "cat": cat, "ts_ns": ts.astype(np.int64),
                          "dur_ns": dur.astype(np.int64), "arg_key": arg_key,
                          "arg_value": np.full(len(pid), np.nan) if arg_value is None else arg_value.astype(float)})
+
+
+def _wait_slices(ctx: AnalysisContext, sel: Selection, pid_of: dict[str, int]) -> pd.DataFrame:
+    """A slice per wait a rank recorded inside an RPC (`exec_wait_*`: `wait pp_recv`, category `wait`), on the
+    rank's thread, nested in its RPC's slice: the part of the RPC that is idle time, not work."""
+    from pdtrace.analysis.steps import BUBBLE_CAUSES, WAIT_CAUSES, instances, wait_frame
+
+    waits = wait_frame(ctx)
+    names = np.array(instances(ctx) + [""], dtype=object)
+    inst = names[waits["inst"].to_numpy()] if len(waits) else np.empty(0, dtype=object)
+    pid = pd.Series(inst, dtype=object).map(pid_of).to_numpy()
+    b, e = waits["b"].to_numpy(np.int64), waits["e"].to_numpy(np.int64)
+    mine = np.flatnonzero(pd.notna(pid) & sel.overlaps(b, e)) if len(waits) else np.empty(0, np.int64)
+    reason = {BUBBLE_CAUSES.index(c): r for r, c in WAIT_CAUSES.items()}
+    dp, pp, tp = (np.maximum(waits[c].to_numpy(np.int64)[mine], 0) for c in ("dp", "pp", "tp"))
+    ts, dur = _clip(b[mine], e[mine], sel)
+    name = np.array(["wait " + reason[int(c)] for c in waits["cause"].to_numpy()[mine]], dtype=object)
+    return _slices(pid[mine].astype(np.int64), RANK_TID_BASE + (dp * 1_000 + pp) * 1_000 + tp, name, "wait", ts,
+                   dur, "step", waits["step"].to_numpy(np.int64)[mine].astype(np.float64))
 
 
 def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | None = None) -> ExportModel:
@@ -129,6 +149,9 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
         name = "step " + spans["step"].astype("Int64").astype("str").to_numpy(dtype=object) + " " + rpc
         tokens = spans["n"].astype("Float64").to_numpy(np.float64)
         parts.append(_slices(pid, tid, name, "exec", ts, dur, "tokens", tokens))
+        waits = _wait_slices(ctx, sel, pid_of)
+        if len(waits):  # (a trace without wait rows exports as before they existed)
+            parts.append(waits)
         t = pd.DataFrame({"pid": pid, "tid": tid, "dp": dp, "pp": pp, "tp": tp}).drop_duplicates(["pid", "tid"])
         threads.append(pd.DataFrame({"pid": t["pid"], "tid": t["tid"],
                                      "name": "dp" + t["dp"].astype(str) + " PP" + t["pp"].astype(str)

@@ -46,7 +46,12 @@ CAUSE_COLORS = {
     "stage_imbalance": "#ffbb78",
     "idle_no_requests": "#c7c7c7",
     "sampled_token_wait": "#17becf",
+    "pp_recv_wait": "#8c6d31",
+    "pp_send_wait": "#843c39",
 }
+#: Causes recorded inside an RPC (`exec_wait_*`): the exec span is drawn around them, so they are drawn over it as
+#: idle (white, hatched in the cause's colour) rather than shaded on top of a busy bar.
+HATCHED_CAUSES = ("pp_recv_wait", "pp_send_wait")
 PHASE_COLORS = {"waiting": "#fdd49e", "waiting_kv": "#b39ddb", "running": "#41ab5d",
                 "finished_holding": "#fd8d3c", "freed": "#eeeeee"}
 STATE_COLORS = {"running": "#41ab5d", "finished_awaiting_transfer": "#fd8d3c", "leaked": "#d62728"}
@@ -362,16 +367,24 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     b_lane, b_keep = b_lane[on_lane], b_keep[on_lane]
     b_cause = bub["cause"].cat.codes.to_numpy()[b_keep]
     labels_left = MAX_LABELS
-    for cause in sorted(BUBBLE_CAUSES[c] for c in np.unique(b_cause).tolist()):  # per cause (six)
+    for cause in sorted(BUBBLE_CAUSES[c] for c in np.unique(b_cause).tolist()):  # per cause (eight)
         part = np.flatnonzero(b_cause == BUBBLE_CAUSES.index(cause))
         b0 = np.maximum(b_start[b_keep[part]], sel.lo_ns)
         b1 = np.minimum(b_end[b_keep[part]], sel.hi_ns)
         yb = y_of[b_lane[part]]
         colour = CAUSE_COLORS.get(cause, "#7f7f7f")
         x1 = tx.x(np.maximum(b1, b0 + 2 * tx.px_ns))  # at least two pixels wide, so that every bubble shows
-        ax.add_collection(_rect_collection(tx.x(b0), x1, yb - 0.48, yb + 0.48, colour, alpha=0.45,
-                                           gid=f"bubbles:{cause}"))
-        legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
+        if cause in HATCHED_CAUSES:
+            hatched = _rect_collection(tx.x(b0), x1, yb - 0.48, yb + 0.48, "white", gid=f"bubbles:{cause}")
+            hatched.set_hatch("////")
+            hatched.set_edgecolor(colour)
+            ax.add_collection(hatched)
+            legend.append(Patch(facecolor="white", edgecolor=colour, hatch="////",
+                                label=f"idle in exec: {cause} ({len(part)})"))
+        else:
+            ax.add_collection(_rect_collection(tx.x(b0), x1, yb - 0.48, yb + 0.48, colour, alpha=0.45,
+                                               gid=f"bubbles:{cause}"))
+            legend.append(Patch(facecolor=colour, alpha=0.45, label=f"bubble: {cause} ({len(part)})"))
         # Label the widest bubbles with their cause where there is room (60 px).
         wide = np.flatnonzero((b1 - b0) >= 60 * tx.px_ns)
         for i in wide[np.argsort(-(b1 - b0)[wide])][:max(labels_left, 0)]:

@@ -24,7 +24,8 @@ _DEFAULT_COMPONENT = {
     kind: sorted(comps)[0] if comps and len(comps) == 1 else None for kind, comps in KINDS.items()
 }
 _DEFAULT_COMPONENT.update({"exec_begin": "worker", "exec_end": "worker", "kv_send_rank": "worker",
-                           "kv_recv_rank": "worker", "batch_add": "worker", "batch_remove": "worker"})
+                           "kv_recv_rank": "worker", "batch_add": "worker", "batch_remove": "worker",
+                           "exec_wait_begin": "worker", "exec_wait_end": "worker"})
 
 
 class EventBuilder:

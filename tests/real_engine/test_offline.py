@@ -210,3 +210,46 @@ def test_batch_add_resumed_only_after_a_preemption(run):
     assert new == set(ev.loc[ev["kind"] == "req_add", "req"].astype(str))
     assert set(adds["reason"].astype(str)) <= {"new", "rescheduled"}, set(adds["reason"].astype(str))
     assert not (ev["kind"] == "req_preempt").any()
+
+
+def test_pp2_the_later_stage_waits_for_the_first_inside_execute_model(pp2):
+    """Issue 36 item 7, on the real engine: stage 1 receives stage 0's tensors inside its execute_model (0.26+:
+    irecv_tensor_dict, then the handles' wait), and records that wait (exec_wait_begin / exec_wait_end, reason
+    pp_recv) inside its span; stage 0 receives nothing. pipeline_bubble counts it as idle, cause pp_recv_wait:
+    stage 1's idle share rises, over the same trace without the wait rows (as recorded before them), by exactly
+    that time over its wall, and that time is most of what the rows recorded (waits in spans that carried tokens)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    import pdtrace
+    from pdtrace.analysis.context import AnalysisContext
+    from pdtrace.analysis.rules.pipeline_bubble import run
+    from pdtrace.trace.model import Trace
+
+    ev = R.events(pp2.trace)
+    waits = ev[ev["kind"].isin(["exec_wait_begin", "exec_wait_end"])].sort_values(["pid", "seq"])
+    assert len(waits) and set(waits["pp_rank"]) == {1} and set(waits["reason"].astype(str)) == {"pp_recv"}
+    begins, ends = waits[waits["kind"] == "exec_wait_begin"], waits[waits["kind"] == "exec_wait_end"]
+    assert len(begins) == len(ends) and (begins["step"].to_numpy() == ends["step"].to_numpy()).all()
+    recorded_ns = int((ends["ts_ns"].to_numpy() - begins["ts_ns"].to_numpy()).sum())
+    rpcs = ev[(ev["pp_rank"] == 1) & ev["kind"].isin(["exec_begin", "exec_end"])].sort_values(["pid", "seq"])
+    spans = {(int(s), int(b)): int(e) for s, b, e in zip(rpcs["step"].iloc[::2], rpcs["ts_ns"].iloc[::2],
+                                                       rpcs["ts_ns"].iloc[1::2])}
+    for step, b, e in zip(begins["step"], begins["ts_ns"], ends["ts_ns"]):  # each inside one of its step's RPCs
+        assert any(s == step and sb <= b and e <= se for (s, sb), se in spans.items()), (step, b, e)
+
+    trace = pdtrace.open_trace(pp2.trace)
+    kind = pc.cast(trace.table.column("kind"), pa.string())
+    without = Trace.from_table(trace.table.filter(pc.invert(pc.is_in(
+        kind, value_set=pa.array(["exec_wait_begin", "exec_wait_end"])))))
+    stage1 = {}
+    for name, t in (("with", trace), ("without", without)):
+        f = run(AnalysisContext(t))
+        stage1[name] = next(x for x in f["extra"] if x.get("pp_rank") == 1)
+    waited = stage1["with"]["idle_ns_by_cause"]["pp_recv_wait"]
+    assert "pp_recv_wait" not in stage1["without"]["idle_ns_by_cause"]
+    assert stage1["with"]["wall_ns"] == stage1["without"]["wall_ns"]
+    rise = stage1["with"]["idle_fraction"] - stage1["without"]["idle_fraction"]
+    assert rise == pytest.approx(waited / stage1["with"]["wall_ns"], rel=1e-9), stage1
+    assert rise > 0.05, stage1                         # stage 1 waits for stage 0's forward at every step
+    assert 0.9 * recorded_ns <= waited <= recorded_ns, (waited, recorded_ns)

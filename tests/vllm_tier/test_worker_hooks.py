@@ -174,3 +174,64 @@ def test_persistent_batch_add_and_remove_with_reasons(recording, model_dir):
         (3, "batch_add", "b", "resumed"),
     ]
     assert {e["component"] for e in events} == {"worker"}
+
+
+def test_pp_receive_inside_execute_model_is_a_recorded_wait(recording, model_dir, monkeypatch):
+    """The receive of the previous PP stage's tensors inside execute_model (0.26+: irecv_tensor_dict, then the
+    handles' wait on first use of `.tensors`; before: recv_tensor_dict) is recorded as exec_wait_begin /
+    exec_wait_end reason pp_recv at the RPC's step, on the rank's worker channel. Twin: the same calls outside an
+    RPC, and a wait already done, record nothing; a nested receive is timed once; vLLM's exception passes through
+    with the wait still closed."""
+    from pdtrace.recording.vllm import v0_33
+
+    monkeypatch.setattr(v0_33, "_worker_ranks", lambda: (1, 0))
+    vc = H.make_vllm_config(model_dir, kv_role=None)
+    s = H.make_scheduler(vc)
+    s.add_request(H.make_request("r0", 20))
+    so = s.schedule()
+    step = so._pdtrace_step
+
+    class Group:                                       # stand-ins for GroupCoordinator's receives
+        def irecv_tensor_dict(self, all_gather_group=None):
+            return {"hidden_states": None}, [], []
+
+        def recv_tensor_dict(self, all_gather_group=None):  # 0.26+'s calls irecv_tensor_dict
+            return irecv(self)[0]
+
+    class Tensors:                                     # AsyncIntermediateTensors' wait, once
+        _comm_waited = False
+
+        def wait_for_comm(self):
+            self._comm_waited = True
+
+    irecv = _factory("GroupCoordinator", "irecv_tensor_dict")(Group.irecv_tensor_dict)
+    recv = next(h.factory for h in v0_33.PP_SYNC_HOOKS if h.name == "recv_tensor_dict")(Group.recv_tensor_dict)
+    wait = _factory("AsyncIntermediateTensors", "wait_for_comm")(Tensors.wait_for_comm)
+    group, tensors = Group(), Tensors()
+
+    def execute_model(self, scheduler_output):
+        irecv(group)                                   # blocks on the previous stage's metadata
+        wait(tensors)                                  # the forward's first use of .tensors
+        wait(tensors)                                  # already waited: nothing to record
+        recv(group)                                    # nested: timed once, by the outer call
+        return None
+
+    def failing(self, scheduler_output):
+        irecv(group)
+        raise RuntimeError("vLLM's own error")
+
+    worker = SimpleNamespace(vllm_config=vc)
+    irecv(group)                                       # outside any RPC: not recorded
+    assert _factory("Worker", "execute_model")(execute_model)(worker, so) is None
+    with pytest.raises(RuntimeError, match="vLLM's own error"):
+        _factory("Worker", "execute_model")(failing)(worker, so)
+    irecv(group)                                       # after the RPC: not recorded
+    assert v0_33._RPC_OPEN is None
+
+    rows = [e for e in H.close_and_read(recording) if e["component"] == "worker"]
+    assert {(e["pp_rank"], e["tp_rank"]) for e in rows} == {(1, 0)}
+    wait_rows = [("exec_wait_begin", step, "pp_recv"), ("exec_wait_end", step, "pp_recv")]
+    assert [(e["kind"], e["step"], e["reason"]) for e in rows] == [
+        ("exec_begin", step, None), *wait_rows * 3, ("exec_end", step, None),
+        ("exec_begin", step, None), *wait_rows]       # the failed RPC: its wait closed, no exec_end
+    assert all(b["ts_ns"] <= e["ts_ns"] for b, e in zip(rows[1:7:2], rows[2:7:2]))

@@ -8,7 +8,11 @@ Algorithm (over `pdtrace.analysis.steps`: `busy_spans`, `gap_frame`, `bubbles`; 
    (every gap, however short; `gap_frame`) summed by cause. Each gap has one cause (see steps.py):
    `idle_no_requests`, `kv_transfer`, `stage_imbalance`, `scheduler_cpu`, `queue_not_full`, and
    `sampled_token_wait` (the time a non-last stage sat inside `sample_tokens`, which computes nothing there: it
-   waits for the last stage's broadcast of the sampled tokens; vllm-ascend#10855, vllm#42187).
+   waits for the last stage's broadcast of the sampled tokens; vllm-ascend#10855, vllm#42187); and, where the
+   workers recorded their waits inside an RPC (`exec_wait_*`), `pp_recv_wait` (a later stage blocked receiving the
+   previous stage's tensors) and `pp_send_wait` (a stage blocked until the next one took its tensors): that time is
+   cut out of the RPC's busy span. Both are charged and avoidable as `stage_imbalance` is (another stage held the
+   step), and appear in `idle_ns_by_cause` only where the trace has such time.
 3. vLLM pipelines continuously, so in steady state the ideal idle time is 0. The fill/drain cost (p-1)/(m+p-1) of m
    micro-batches applies per burst: bursts are the runs of busy spans between `idle_no_requests` gaps, m the
    distinct steps in a burst; the burst ideal is that fraction of the burst's wall time, summed.
@@ -52,7 +56,10 @@ from pdtrace.analysis.ruleapi import (BUBBLE_CAUSES, AnalysisContext, FindingsBu
                                       sk_instance)
 
 ERROR_FRACTION = 0.5
-_CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait")
+_CHARGED = ("queue_not_full", "scheduler_cpu", "stage_imbalance", "sampled_token_wait", "pp_recv_wait", "pp_send_wait")
+#: Causes only a trace with `exec_wait_*` rows has: reported in idle_ns_by_cause only where there was such time, so
+#: that a trace without those rows is reported as before they existed.
+_RECORDED_WAITS = ("pp_recv_wait", "pp_send_wait")
 
 
 def _ms(ns: float) -> str:
@@ -100,7 +107,8 @@ def rank_summary(ctx: AnalysisContext) -> pd.DataFrame:
                          fill=np.iinfo(np.int64).max)
         unfilled_queue = starved_queue & (np.minimum(runnable, seats) > in_flight_requests)
         avoidable_mask = ((cause == code["scheduler_cpu"]) | (cause == code["stage_imbalance"])
-                          | (cause == code["sampled_token_wait"]) | starved_queue)
+                          | (cause == code["sampled_token_wait"]) | (cause == code["pp_recv_wait"])
+                          | (cause == code["pp_send_wait"]) | starved_queue)
         min_ns = max(int(ctx.config.bubble_min_ns), 1)
 
         def per_lane(weights: np.ndarray) -> np.ndarray:
@@ -189,7 +197,7 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         wall = float(r["wall_ns"])
         if wall <= 0:
             continue
-        idle = {c: int(r[c]) for c in BUBBLE_CAUSES}
+        idle = {c: int(r[c]) for c in BUBBLE_CAUSES if c not in _RECORDED_WAITS or r[c]}
         total_idle = sum(idle.values())
         active = max(wall - idle["idle_no_requests"], 1.0)
         ideal = float(r["burst_ideal_ns"])
@@ -220,13 +228,16 @@ def run(ctx: AnalysisContext) -> pd.DataFrame:
         for b in longest.itertuples(index=False):
             note = (f"idle {_ms(b.dur_ns)} ({b.cause}, {b.in_flight} steps in flight with {b.in_flight_requests} "
                     f"requests, {b.runnable} runnable requests)")
-            evidence.append({"kind": "exec_end", "ts_ns": int(b.start_ns), "seq": None, "req": None,
+            recorded = b.cause in _RECORDED_WAITS  # a wait the rank recorded inside its RPC: its own rows
+            evidence.append({"kind": "exec_wait_begin" if recorded else "exec_end", "ts_ns": int(b.start_ns),
+                             "seq": None, "req": None,
                              "step": int(b.step_before), "instance": instance, "pp_rank": int(b.pp),
                              "tp_rank": int(b.tp), "note": note})
-            evidence.append({"kind": "exec_begin", "ts_ns": int(b.end_ns), "seq": None, "req": None,
+            evidence.append({"kind": "exec_wait_end" if recorded else "exec_begin", "ts_ns": int(b.end_ns),
+                             "seq": None, "req": None,
                              "step": int(b.step_after), "instance": instance, "pp_rank": int(b.pp),
                              "tp_rank": int(b.tp)})
-        charged = {c: idle[c] for c in _CHARGED if idle[c]}
+        charged = {c: idle[c] for c in _CHARGED if idle.get(c)}
         others = {c: v for c, v in idle.items() if v}
         dominant = max(charged, key=charged.get) if charged else (max(others, key=others.get) if others else None)
         parts = ", ".join(f"{c} {100.0 * v / wall:.1f}%" for c, v in sorted(idle.items(), key=lambda kv: -kv[1])
@@ -268,7 +279,7 @@ RULE = Rule(
     summary="idle intervals of each pipeline stage, their causes and the fraction of time lost",
     run=run,
     subrules=("queue_not_full", "single_micro_batch", "scheduler_cpu", "stage_imbalance", "sampled_token_wait",
-              "kv_transfer", "idle_no_requests", "not_measured"),
+              "kv_transfer", "idle_no_requests", "not_measured", "pp_recv_wait", "pp_send_wait"),
     needs=(gap_frame,),
     cost=0.03,
     per_window="idle fractions measured over each window's own span",

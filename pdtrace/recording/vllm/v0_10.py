@@ -116,10 +116,11 @@ TABLE: tuple[Hook, ...] = overlay(
              ("request_id", "num_computed_tokens")),
         # The V1 Executor inherits its __init__ (which starts the workers) from V0's ExecutorBase here.
         Hook("vllm.executor.executor_base", "ExecutorBase", "__init__", v0_33._w_executor_init, ("vllm_config",)),
+        *v0_33.PP_SYNC_HOOKS,  # the PP tensors received and sent synchronously (0.10-0.16: v0_11, v0_14, v0_16)
     ),
     drop=(
         "Scheduler._preempt_request", "Scheduler.finish_requests", "Scheduler._drain_deferred_frees",
         "Scheduler._get_local_prefix_cache_hit", "Scheduler._set_kv_fetch_stage", "Scheduler._free_cow_retained_blocks",
-        "KVCacheManager.pop_blocks_for_free", "Worker.sample_tokens", "Executor.__init__",
+        "KVCacheManager.pop_blocks_for_free", "Worker.sample_tokens", "Executor.__init__", *v0_33.PP_ASYNC_HOOKS,
     ),
 )

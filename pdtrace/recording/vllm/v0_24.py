@@ -23,6 +23,9 @@ from pdtrace.recording.vllm._patching import Hook, overlay
 TABLE: tuple[Hook, ...] = overlay(
     v0_26.TABLE,
     replace=(Hook(v0_33._COORD, "KVCacheCoordinator", "remove_skipped_blocks", v0_33._w_remove_skipped_blocks,
-                  ("request_id", "total_computed_tokens")),),
-    drop=("Scheduler._free_cow_retained_blocks",),
+                  ("request_id", "total_computed_tokens")),
+             # 0.18-0.25's PP receive is unread (no release venv here): the synchronous hooks, whose methods exist
+             # in every release, rather than 0.26's AsyncIntermediateTensors, whose absence would unhook the worker
+             *v0_33.PP_SYNC_HOOKS),
+    drop=("Scheduler._free_cow_retained_blocks", *v0_33.PP_ASYNC_HOOKS),
 )

@@ -30,7 +30,9 @@ vllm-0.33-corrections.md) give the reasoning; in short:
   coalesced after each empty step's update (`_coalesce_empty_step`): while nothing else is recorded, a step's
   sched/step_submit/step_output rows are taken back out of the recorder's buffer and counted in the run's first
   sched row (detail `empty_run`). In-process workers (UniProcExecutor) record every step, so no run forms there.
-* Workers (lazy modules): `Worker.execute_model` / `sample_tokens` -> exec_begin / exec_end per PP and TP rank,
+* Workers (lazy modules): `Worker.execute_model` / `sample_tokens` -> exec_begin / exec_end per PP and TP rank;
+  inside execute_model, the receive of the previous PP stage's tensors (`GroupCoordinator.irecv_tensor_dict`, the
+  handles' `AsyncIntermediateTensors.wait_for_comm`) -> exec_wait_begin / exec_wait_end reason `pp_recv`;
   kv_send_rank / kv_recv_rank from each rank's own KVConnectorOutput; V1 `GPUModelRunner._update_states` ->
   batch_add / batch_remove.
 
@@ -73,6 +75,7 @@ _CORE = "vllm.v1.engine.core"
 _WORKER = "vllm.v1.worker.gpu_worker"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _EXECUTOR = "vllm.v1.executor.abstract"
+_DIST = "vllm.distributed.parallel_state"
 
 _RPC_EXECUTE = '{"rpc":"execute_model"}'
 # Pre-encoded details of the common req_add cases (a JSON string is passed through as it is).
@@ -1138,7 +1141,12 @@ def _w_worker_execute_model(orig: Any) -> Any:
         except Exception as exc:
             _RT.fail("Worker.execute_model", exc)
             return orig(self, scheduler_output)
-        out = orig(self, scheduler_output)
+        global _RPC_OPEN
+        _RPC_OPEN = wst  # the PP waits inside this RPC are recorded against it (_w_pp_wait)
+        try:
+            out = orig(self, scheduler_output)
+        finally:
+            _RPC_OPEN = None
         if _RT.active:
             try:
                 wst.ch.emit("exec_end", step=step, n=n, detail=_RPC_EXECUTE)
@@ -1148,6 +1156,52 @@ def _w_worker_execute_model(orig: Any) -> Any:
         return out
 
     return execute_model
+
+
+#: The worker whose execute_model runs now in this process (a worker process runs one RPC at a time), else None:
+#: a PP wait outside an RPC (none in vLLM's workers) or nested in an outer one being timed is not recorded.
+_RPC_OPEN: WorkerState | None = None
+
+
+def _w_pp_wait(reason: str) -> Any:
+    """A wrapper factory for a call inside execute_model that blocks on another PP stage: exec_wait_begin /
+    exec_wait_end (reason `pp_recv` or `pp_send`) around it, on the rank's worker channel, at the RPC's step. The
+    receive of the previous stage's tensors: `GroupCoordinator.recv_tensor_dict` (0.10-0.17: receives everything),
+    `irecv_tensor_dict` (0.26+: blocks on the metadata, which the previous stage sends when its forward is done;
+    the tensors' handles are waited later, `AsyncIntermediateTensors.wait_for_comm`). The send: `send_tensor_dict`
+    (synchronous before 0.26). One clock pair per call (the recorder's); nested calls (0.26+'s recv_tensor_dict
+    calls irecv_tensor_dict) are timed once, by the outer one."""
+
+    def factory(orig: Any) -> Any:
+        def pp_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            global _RPC_OPEN
+            wst = _RPC_OPEN
+            if wst is None or not _RT.active:
+                return orig(self, *args, **kwargs)
+            step = wst.step
+            wst.ch.emit("exec_wait_begin", step=step, reason=reason)  # emit never raises
+            _RPC_OPEN = None
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                _RPC_OPEN = wst
+                wst.ch.emit("exec_wait_end", step=step, reason=reason)
+
+        return pp_wait
+
+    return factory
+
+
+def _w_wait_for_comm(orig: Any) -> Any:
+    # 0.26+: the receive's tensor handles, waited on first use of `.tensors` inside the forward; once per RPC.
+    timed = _w_pp_wait("pp_recv")(orig)
+
+    def wait_for_comm(self: Any) -> Any:
+        if _RPC_OPEN is None or object.__getattribute__(self, "_comm_waited"):
+            return orig(self)
+        return timed(self)
+
+    return wait_for_comm
 
 
 def _w_worker_sample_tokens(orig: Any) -> Any:
@@ -1220,6 +1274,15 @@ def _w_update_states(orig: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------------------ table
 
+#: Before 0.26 execute_model receives and sends the PP tensors synchronously (`recv_tensor_dict` /
+#: `send_tensor_dict`; 0.10.2, 0.11.1, 0.15.1, 0.16.0 gpu_worker.py): the older tables put these in the place of
+#: 0.26+'s asynchronous receive (`PP_ASYNC_HOOKS`, names as overlay() drops them).
+PP_SYNC_HOOKS: tuple[Hook, ...] = (
+    Hook(_DIST, "GroupCoordinator", "recv_tensor_dict", _w_pp_wait("pp_recv"), (), lazy=True),
+    Hook(_DIST, "GroupCoordinator", "send_tensor_dict", _w_pp_wait("pp_send"), (), lazy=True),
+)
+PP_ASYNC_HOOKS = ("AsyncIntermediateTensors.wait_for_comm", "GroupCoordinator.irecv_tensor_dict")
+
 TABLE: tuple[Hook, ...] = (
     Hook(_SCHED, "Scheduler", "add_request", _w_add_request, ("request",)),
     Hook(_SCHED, "Scheduler", "schedule", _w_schedule, ("throttle_prefills",)),
@@ -1246,4 +1309,6 @@ TABLE: tuple[Hook, ...] = (
     Hook(_WORKER, "Worker", "execute_model", _w_worker_execute_model, ("scheduler_output",), lazy=True),
     Hook(_WORKER, "Worker", "sample_tokens", _w_worker_sample_tokens, ("grammar_output",), lazy=True),
     Hook(_RUNNER, "GPUModelRunner", "_update_states", _w_update_states, ("scheduler_output",), lazy=True),
+    Hook(_WORKER, "AsyncIntermediateTensors", "wait_for_comm", _w_wait_for_comm, (), lazy=True),
+    Hook(_DIST, "GroupCoordinator", "irecv_tensor_dict", _w_pp_wait("pp_recv"), (), lazy=True),
 )
