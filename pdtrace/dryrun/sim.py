@@ -22,6 +22,7 @@ calls; so the same seed gives the same trace. `real_scheduler_time=True` charges
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import json
@@ -132,6 +133,9 @@ class SimEngine:
         self.engine_id = instance
         self.steps_submitted = 0
         self.next_step = 0  # the step id the hooks give this engine's next schedule() (what replay's adds wait for)
+        self.replaying = False  # some input carries the step the recording added it before
+        # replay: the steps requests a peer will hand over were added before (sorted; one entry per request)
+        self.awaited: list[int] = []
         self.tokens_executed = 0
 
     # -- construction -------------------------------------------------------------------------------------
@@ -412,6 +416,34 @@ class SimEngine:
     # -- inputs ----------------------------------------------------------------------------------------------
     def push_input(self, ts: int, kind: str, payload: Any, min_step: int = -1) -> None:
         heapq.heappush(self.inputs, EngineInput(int(ts), self.cluster.next_order(), kind, payload, min_step))
+        if min_step >= 0:
+            self.replaying = True
+            i = bisect.bisect_left(self.awaited, min_step)
+            if i < len(self.awaited) and self.awaited[i] == min_step:
+                del self.awaited[i]
+
+    def await_from_peer(self, min_step: int) -> None:
+        """Replay: a request the recording added before step `min_step` of this engine will come from a peer."""
+        bisect.insort(self.awaited, min_step)
+        self.replaying = True
+
+    def give_up_waiting(self) -> None:
+        """Replay: what the peer was to hand over for the next step will not come (the replay parted from the
+        recording there); step without it."""
+        del self.awaited[:bisect.bisect_right(self.awaited, self.next_step)]
+
+    def step_ready_ns(self) -> int | None:
+        """When this engine's next step may begin: now, or (replay) the arrival of the last request the recording
+        added before that step, where it is still to come: the recorded engine had it in its input queue when it
+        scheduled, so the replay waits for it instead of scheduling without it. None: such a request is still with
+        a peer (P has not finished it), so the time is not known yet."""
+        now = self.timeline.now
+        if not self.replaying:
+            return now
+        if self.awaited and self.awaited[0] <= self.next_step:
+            return None
+        return max((i.ts for i in self.inputs if i.kind == "add" and 0 <= i.min_step <= self.next_step),
+                   default=now)
 
     @property
     def next_input_ns(self) -> int | None:
@@ -425,9 +457,14 @@ class SimEngine:
         """EngineCoreProc._process_input_queue: add and abort whatever is due by now."""
         now = self.timeline.now
         held: list[EngineInput] = []
+        due: list[EngineInput] = []
         while self.inputs and self.inputs[0].ts <= now:
-            item = heapq.heappop(self.inputs)
-            if item.kind == "add" and item.min_step > self.next_step and self.has_work():
+            due.append(heapq.heappop(self.inputs))
+        # replay: what the recording added before an earlier step first (two transfers may end in either order)
+        due.sort(key=lambda i: (i.min_step, i.ts, i.order))
+        for item in due:
+            if item.kind == "add" and item.min_step > self.next_step and (
+                    self.has_work() or (self.awaited and self.awaited[0] < item.min_step)):
                 held.append(item)  # replay: the recording added it before a later step of this engine
                 continue
             if item.kind == "add":
@@ -534,6 +571,10 @@ class SimCluster:
                 self.engines.append(self.decode)
         for e in self.engines:
             self.by_engine_id[e.engine_id] = e
+        if self.decode is not None:  # replay: D's steps wait for the requests P hands over before them
+            for c in self.clients:
+                if c.wl.decode_step >= 0:
+                    self.decode.await_from_peer(c.wl.decode_step)
         self.client_limit = self.faults.client_concurrency()
 
     def req_id(self, base: str, side: str) -> str:
@@ -649,15 +690,23 @@ class SimCluster:
             # Pick the engine to act next: smallest virtual time among those with work or a due input.
             best: SimEngine | None = None
             best_key = None
+            waiting_on_peer: list[SimEngine] = []
             for e in self.engines:
                 if e.has_work():
-                    key = e.timeline.now
+                    key = e.step_ready_ns()
+                    if key is None:
+                        waiting_on_peer.append(e)
+                        continue
                 elif e.inputs:
                     key = max(e.timeline.now, e.next_input_ns or 0)
                 else:
                     continue
                 if best_key is None or key < best_key:
                     best, best_key = e, key
+            if best is None and waiting_on_peer:  # replay: no peer will hand it over any more
+                best = min(waiting_on_peer, key=lambda e: e.timeline.now)
+                best.give_up_waiting()
+                best_key = best.step_ready_ns()
             if best is None:
                 # Nothing runs and nothing is due: done (or a closed-loop client waits for a slot that will never
                 # free, because its in-flight requests are stuck).
@@ -672,10 +721,11 @@ class SimCluster:
                 break
             e = best
             clock.current = e.timeline
-            if not e.has_work():
+            if best_key > e.timeline.now:  # idle until an input, or (replay) waiting for a recorded arrival
                 e.timeline.advance_to(best_key)
             e.deliver_inputs()
-            if not e.has_work():
+            ready = e.step_ready_ns()
+            if not e.has_work() or ready is None or ready > e.timeline.now:
                 continue
             before_tokens = e.tokens_executed
             try:

