@@ -105,7 +105,8 @@ def analyze(
     rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
                                               help="Rules to run, comma-separated or repeated (default: all)."),
     instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
-                                                 help="Only this instance (repeat for several)."),
+                                                 help="Only this instance (repeat for several): its "
+                                                      "readable name (prefill-0) or vLLM's id."),
     since: Optional[str] = typer.Option(None, "--since", help="Start of the window: seconds from the trace start "
                                         "(1.5, 500ms, 2min) or absolute ns since the epoch."),
     until: Optional[str] = typer.Option(None, "--until", help="End of the window (exclusive), same forms."),
@@ -176,10 +177,16 @@ def analyze(
     start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
     instances = _split(instance) or None
     if instances:
+        from pdtrace.trace.names import listing, resolve_instances
+        from pdtrace.trace.reader import footer_names
+
+        names = footer_names(plan.footers)
         known = set(plan.instances)
-        unknown = [name for name in instances if name not in known]
+        unknown = [name for name in instances if resolve_instances([name], names)[0] not in known]
         if unknown:
-            raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: {', '.join(sorted(known))})")
+            raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: "
+                             f"{listing(names, known)})")
+        instances = resolve_instances(instances, names)  # a readable name or vLLM's id: the id
     settings = settings.with_overrides(
         since_ns=parse_time(since, start_ns, "--since") if since is not None else None,
         until_ns=parse_time(until, start_ns, "--until") if until is not None else None,

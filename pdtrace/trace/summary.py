@@ -26,6 +26,8 @@ skipped_files, dropped_events, sources, versions, time, manifest and the instanc
 its files hold no other instance, and roles / pids / ranks when every row group of its files holds one value of
 them (the recorder writes one file per process), else null; `schedulers`, `kinds`, `requests` and per-instance
 `requests` need the rows and are null. `rows_read` (added key, also in `summarize`) says which it is.
+`named_summary(summary, names)` adds `name` (the readable name, `pdtrace.trace.names`) after `instance` in every
+`instances` and `schedulers` row: what `pdtrace info` prints, with names from the whole trace's footers.
 `merge_summaries(parts, footers, names)` folds summaries of parts of the trace into the whole trace's: of
 disjoint instance partitions, or of groups of one instance's files (`file_groups`: what `info --rows` reads at a
 time, so memory holds a group, not an instance of hours) with the union of each part's `request_names` (a request's
@@ -287,6 +289,21 @@ def summarize_footers(footers: "TraceFooters", instances_of: dict[str, list[str]
             "instances": instances, "schedulers": None, "kinds": None, "requests": None,
             "warnings": list(footers.notes) + [f"{s.path}: skipped: {s.reason}" for s in footers.skipped],
             "rows_read": False}
+
+
+def named_summary(summary: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The summary with each instance's readable name, `name`, after `instance` in its instances and schedulers
+    rows (the id stays: it is how vLLM's own logs call the instance)."""
+    def named(row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in row.items():
+            out[key] = value
+            if key == "instance":
+                out["name"] = names.get(str(value), str(value))
+        return out
+
+    return {**summary, "instances": [named(r) for r in summary["instances"]],
+            "schedulers": None if summary["schedulers"] is None else [named(r) for r in summary["schedulers"]]}
 
 
 def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",
