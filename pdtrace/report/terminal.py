@@ -144,9 +144,12 @@ def _one_line(rec: dict[str, Any], start_ns: int | None, names: Mapping[str, str
 def _leak_table(leaks: list[dict[str, Any]], names: Mapping[str, str]) -> Table:
     held = any("still_held" in row for row in leaks)  # the column only where some blocks are still held
     table = Table(title="LEAK SUMMARY (KV blocks)", title_justify="left")
+    # the instance column as wide as its longest name: a name cut to "prefill…" on a narrow console says nothing
+    longest = min(max([len(names.get(str(r["instance"]), str(r["instance"]))) for r in leaks] + [8]), 40)
     for name in ("instance", "dp", "definitely", "indirectly", "possibly", "total", "requests", "% of pool") + \
             (("still held",) if held else ()):
-        table.add_column(name, justify="left" if name == "instance" else "right", no_wrap=True, min_width=len(name))
+        table.add_column(name, justify="left" if name == "instance" else "right", no_wrap=True,
+                         min_width=longest if name == "instance" else len(name))
     for row in leaks:
         pct = row.get("pool_percent")
         cells = [names.get(str(row["instance"]), str(row["instance"])), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
@@ -161,9 +164,10 @@ def _leak_table(leaks: list[dict[str, Any]], names: Mapping[str, str]) -> Table:
 
 def _bubble_table(bubbles: list[dict[str, Any]], names: Mapping[str, str]) -> Table:
     table = Table(title="BUBBLE SUMMARY (per PP rank)", title_justify="left")
+    longest = min(max([len(names.get(str(r.get("instance")), str(r.get("instance")))) for r in bubbles] + [8]), 40)
     for name in ("instance", "dp", "pp rank", "idle", "lost", "avoidable", "main cause", "severity"):
         table.add_column(name, justify="left" if name in ("instance", "main cause", "severity") else "right",
-                         no_wrap=True, min_width=max(len(name), 5))
+                         no_wrap=True, min_width=longest if name == "instance" else max(len(name), 5))
 
     def pct(value: Any) -> str:
         return "-" if value is None else f"{100.0 * float(value):.1f}%"
