@@ -162,9 +162,10 @@ def test_show_request_and_step_print_names(pd_trace: Path, cli):
     assert ID_D not in step.stdout and "prefill-0" not in step.stdout
     assert cli("show", pd_trace, "--step", "3", "--instance", ID_D).stdout == step.stdout
     doc = json.loads(cli("show", pd_trace, "--req", "r00004-d", "--format", "json").stdout)
-    assert {(e["instance"], e["instance_name"]) for e in doc["events"]} == {(UUID, "prefill-0"), (ID_D, "decode-0")}
-    assert {(r["instance"], r["instance_name"]) for r in doc["requests"]} == {(UUID, "prefill-0"),
-                                                                              (ID_D, "decode-0")}
+    assert {e["instance"] for e in doc["events"]} == {r["instance"] for r in doc["requests"]} == {UUID, ID_D}
+    assert doc["instance_names"] == {UUID: "prefill-0", ID_D: "decode-0"}
+    doc = json.loads(cli("show", pd_trace, "--step", "3", "--instance", "decode-0", "--format", "json").stdout)
+    assert doc["instance"] == ID_D and doc["instance_names"] == {ID_D: "decode-0"}
 
 
 def test_info_shows_name_and_vllm_id(pd_trace: Path, cli):

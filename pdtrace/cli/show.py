@@ -38,31 +38,27 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _records(frame: pd.DataFrame, names: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The rows as JSON-ready dicts, each with `instance_name` (the readable name) after `instance` (vLLM's id)."""
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     out = []
     for rec in frame.to_dict("records"):  # a story: one request or one step, small
-        clean: dict[str, Any] = {}
-        for k, v in rec.items():
-            if not k.startswith("_"):
-                clean[k] = _plain(v)
-                if k == "instance":
-                    clean["instance_name"] = shown(names, clean[k])
+        clean = {k: _plain(v) for k, v in rec.items() if not k.startswith("_")}
         detail = clean.get("detail")
         if isinstance(detail, str):
             try:
                 clean["detail"] = json.loads(detail)
             except ValueError:
                 pass
-        remote = clean["detail"].get("remote_instance") if isinstance(clean.get("detail"), dict) else None
-        if isinstance(remote, str) and shown(names, remote) != remote:
-            clean["remote_instance_name"] = shown(names, remote)
         out.append(clean)
     return out
 
 
-def _event_line(rec: dict[str, Any]) -> str:
-    where = str(rec["instance_name"])
+def _story_names(story: pd.DataFrame, names: Mapping[str, str]) -> dict[str, str]:
+    """{vLLM's id: readable name} of the story's instances (added key of the JSON; records keep the ids)."""
+    return {str(i): shown(names, i) for i in sorted(set(story["instance"].astype(str)))}
+
+
+def _event_line(rec: dict[str, Any], names: Mapping[str, str]) -> str:
+    where = shown(names, rec["instance"])
     if rec.get("dp_rank") is not None:
         where += f"/dp{rec['dp_rank']}"
     if rec.get("pp_rank") is not None:
@@ -88,12 +84,12 @@ def _event_line(rec: dict[str, Any]) -> str:
             parts.append(key)
     if rec.get("blocks") is not None:
         blocks = list(rec["blocks"])
-        shown = ",".join(str(b) for b in blocks[:12]) + (",..." if len(blocks) > 12 else "")
-        parts.append(f"blocks=[{shown}] ({len(blocks)})")
+        listed = ",".join(str(b) for b in blocks[:12]) + (",..." if len(blocks) > 12 else "")
+        parts.append(f"blocks=[{listed}] ({len(blocks)})")
     if rec.get("detail") is not None:
         detail = rec["detail"]
-        if isinstance(detail, dict) and rec.get("remote_instance_name") is not None:  # the peer by its name too
-            detail = {**detail, "remote_instance": rec["remote_instance_name"]}
+        if isinstance(detail, dict) and isinstance(detail.get("remote_instance"), str):  # the peer by its name too
+            detail = {**detail, "remote_instance": shown(names, detail["remote_instance"])}
         parts.append(json.dumps(detail, separators=(",", ":")) if isinstance(detail, (dict, list)) else str(detail))
     return "  ".join(parts)
 
@@ -110,20 +106,20 @@ def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame,
     out_console.print(f"request {req} ({ids}): {len(story)} events over {span / 1e6:.3f} ms{reused}",
                       markup=False)
     current: dict[str, Any] = {}
-    for rec in _records(drawn, names):
+    for rec in _records(drawn):
         life = rec.get("lifetime")
         if life is not None and current.get(str(rec["instance"])) != life:  # a lifetime begins on this instance
             current[str(rec["instance"])] = life
-            out_console.print(f"  -- {rec['instance_name']}:{rec['req']} lifetime {life} of {lifetimes}", markup=False)
-        out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
+            out_console.print(f"  -- {shown(names, rec['instance'])}:{rec['req']} lifetime {life} of {lifetimes}", markup=False)
+        out_console.print("  " + _event_line(rec, names), markup=False, soft_wrap=True)
 
 
 def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd.DataFrame,
                  names: Mapping[str, str]) -> None:
     start = int(story["ts_ns"].iloc[0])
     out_console.print(f"step {step}: {len(story)} events", markup=False)
-    for rec in _records(story, names):
-        out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
+    for rec in _records(story):
+        out_console.print("  " + _event_line(rec, names), markup=False, soft_wrap=True)
     carried = story[story["kind"].isin(["req_finish", "kv_send_done", "kv_recv_done", "kv_recv_fail"])]
     if len(carried):
         items = ", ".join(f"{k} {r}" for k, r in zip(carried["kind"], carried["req"], strict=True))
@@ -199,9 +195,8 @@ def show(
         pairs = related_requests(loaded, req, instance)
         names = names_of(loaded)
         if fmt is ShowFormat.json:
-            doc = {"trace": str(trace), "req": req,
-                   "requests": [{"instance": i, "instance_name": shown(names, i), "req": r} for i, r in pairs],
-                   "events": _records(story, names)}
+            doc = {"trace": str(trace), "req": req, "requests": [{"instance": i, "req": r} for i, r in pairs],
+                   "events": _records(story), "instance_names": _story_names(story, names)}
             typer.echo(json.dumps(doc, default=str))
             return
         _render_request(req, pairs, story, full, names)
@@ -216,18 +211,18 @@ def show(
     names = names_of(loaded)
     if fmt is ShowFormat.json:
         start = int(story["ts_ns"].iloc[0])
-        rank_records = _records(ranks, names)
+        rank_records = _records(ranks)
         for rec in rank_records:
             for key in ("exec_begin_ts", "exec_end_ts", "output_ts"):
                 if rec.get(key) is not None:
                     rec[key.replace("_ts", "_t_ns")] = int(rec[key]) - start
         doc = {"trace": str(trace), "step": int(step), "instance": instance,  # type: ignore[arg-type]
-               "events": _records(story, names), "ranks": rank_records,
+               "events": _records(story), "ranks": rank_records,
                # null for an empty step folded into a run: its own step_output was not recorded
                "waited_for_every_rank": {f"{i}/dp{d}": None if (g["relation"] == "empty_run").any()
                                          else bool((g["relation"] == "before").all())
                                          for (i, d), g in ranks.groupby(["instance", "dp_rank"])},
-               "empty_run": _records(folded, names)}
+               "empty_run": _records(folded), "instance_names": _story_names(story, names)}
         typer.echo(json.dumps(doc, default=str))
         return
     _render_step(int(step), story, ranks, folded, names)  # type: ignore[arg-type]

@@ -8,9 +8,10 @@
     dropped_events   events the recorders dropped (per writer folder the largest running total of its files, summed)
     sources, schema_versions, pdtrace_versions   distinct values over the loaded files
     time             {start_ns, end_ns, duration_ns, start, end (ISO 8601 UTC)}; null values when no events
-    instances        [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `requests` counts
-                     distinct non-null `req` values of the instance; rank lists leave out nulls
-    schedulers       [{instance, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank) with
+    instances        [{instance, name, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `name` is the
+                     readable name (`pdtrace.trace.names`, added), `requests` counts distinct non-null `req` values
+                     of the instance; rank lists leave out nulls
+    schedulers       [{instance, name, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank) with
                      scheduler rows: `sched_events` counts `sched` rows, `steps` counts the steps they stand for
                      (a row with detail `empty_run` = k stands for k steps), first/last_step are the lowest and
                      highest step on a `sched` row (null without one)
@@ -49,6 +50,7 @@ import pyarrow.compute as pc
 
 from pdtrace.format import KINDS
 from pdtrace.trace.model import SkippedFile, Trace, dropped_events
+from pdtrace.trace.names import names_of
 from pdtrace.trace.reader import column_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -204,6 +206,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
     if any(pa.types.is_dictionary(t) for t in table.schema.types):
         table = table.unify_dictionaries()
     instances = _instances(table)
+    named = named_summary({"instances": instances, "schedulers": _schedulers(table)}, names_of(trace))
     return {
         "trace": trace.path,
         "events": table.num_rows,
@@ -214,8 +217,8 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "schema_versions": sorted({f.schema_version for f in trace.files}),
         "pdtrace_versions": sorted({f.pdtrace_version for f in trace.files}),
         "time": _time_span(table),
-        "instances": instances,
-        "schedulers": _schedulers(table),
+        "instances": named["instances"],
+        "schedulers": named["schedulers"],
         "kinds": _kinds(table),
         "requests": sum(i["requests"] for i in instances),
         "manifest": _manifest_summary(trace.manifest),
@@ -297,7 +300,8 @@ def named_summary(summary: dict[str, Any], names: dict[str, str]) -> dict[str, A
     def named(row: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in row.items():
-            out[key] = value
+            if key != "name":
+                out[key] = value
             if key == "instance":
                 out["name"] = names.get(str(value), str(value))
         return out
