@@ -102,7 +102,9 @@ def test_partitioned_and_windowed_analyses_name_instances_as_the_whole(engines_t
     base = ["analyze", engines_trace, "--format", "json", "--fail-on", "never"]
     whole = json.loads(cli(*base, "--whole").stdout)
     parts = json.loads(cli(*base, "--partitions", "--jobs", "1").stdout)
-    windows = json.loads(cli(*base, "--partitions", "--jobs", "1", "--window-events", "300").stdout)
+    windowed = cli(*base, "--partitions", "--jobs", "1", "--window-events", "300")
+    windows = json.loads(windowed.stdout)
+    assert "engine-1 window 1/" in windowed.stderr and ID_P not in windowed.stderr  # progress lines too
     named = {(f["instance"], f["instance_name"]) for f in whole["findings"]}
     assert named == {(ID_D, "engine-0"), (ID_P, "engine-1")}
     for other in (parts, windows):
