@@ -94,8 +94,9 @@ def _render(summary: dict[str, Any]) -> None:
     instances.add_column("events", justify="right")
     instances.add_column("requests", justify="right")
     for row in summary["instances"]:
-        instances.add_row(row.get("name", row["instance"]), *([row["instance"]] if ids else []), *(_join(row[k]) if row[k] is not None else "?" for k in
-                                             ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks")),
+        instances.add_row(row.get("name", row["instance"]), *([row["instance"]] if ids else []),
+                          *(_join(row[k]) if row[k] is not None else "?" for k in
+                            ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks")),
                           _count(row["events"]), _count(row["requests"]))
     out_console.print(instances)
 

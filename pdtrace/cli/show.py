@@ -110,7 +110,8 @@ def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame,
         life = rec.get("lifetime")
         if life is not None and current.get(str(rec["instance"])) != life:  # a lifetime begins on this instance
             current[str(rec["instance"])] = life
-            out_console.print(f"  -- {shown(names, rec['instance'])}:{rec['req']} lifetime {life} of {lifetimes}", markup=False)
+            out_console.print(f"  -- {shown(names, rec['instance'])}:{rec['req']} lifetime {life} of {lifetimes}",
+                              markup=False)
         out_console.print("  " + _event_line(rec, names), markup=False, soft_wrap=True)
 
 

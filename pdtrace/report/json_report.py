@@ -1,8 +1,8 @@
 """`pdtrace analyze --format json`: the findings document of docs/trace-format.md ("Findings").
 
     {"pdtrace": "<version>", "trace": "<path>", "summary": {...}, "findings": [{rule, subrule, severity, instance,
-     instance_name, dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}], context, extra,
-     requests}]}
+     instance_name, dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}],
+     context, extra, requests}]}
 
 `summary` is `pdtrace.analysis.summarize_findings`. Only renders: numpy and pandas scalars become JSON numbers,
 missing values null.

@@ -152,7 +152,8 @@ def _leak_table(leaks: list[dict[str, Any]], names: Mapping[str, str]) -> Table:
                          min_width=longest if name == "instance" else len(name))
     for row in leaks:
         pct = row.get("pool_percent")
-        cells = [names.get(str(row["instance"]), str(row["instance"])), "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
+        cells = [names.get(str(row["instance"]), str(row["instance"])),
+                 "-" if row.get("dp_rank") is None else str(row["dp_rank"]),
                  str(row["definitely"]), str(row["indirectly"]), str(row["possibly"]), str(row["blocks"]),
                  str(row["requests"]), "-" if pct is None else f"{pct:.1f}%"]
         if held:
@@ -206,7 +207,8 @@ def render_terminal(findings: pd.DataFrame, summary: dict[str, Any], console: Co
         console.print(Text(f"{PREFIX}WINDOW: {window['how']}, {_rel(window['start_ns'], start_ns)} from the "
                            f"trace's start: {window['meaning']}"), soft_wrap=True)
     for name, split in (summary.get("windows") or {}).items():
-        console.print(Text(f"{PREFIX}{names.get(name, name)}: analysed in {split['windows']} time windows (pdtrace.analysis.windows)"
+        console.print(Text(f"{PREFIX}{names.get(name, name)}: analysed in {split['windows']} time windows "
+                           "(pdtrace.analysis.windows)"
                            + (f"; {split['carried']} requests began more than a window before a cut and were "
                               "carried alone (their findings say so)" if split.get("carried") else "")),
                       soft_wrap=True)

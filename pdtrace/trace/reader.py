@@ -739,5 +739,6 @@ def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> N
         check_values(table, file.path)
 
 
-__all__ = ["open_trace", "read_footers", "footer_names", "footer_facts", "TraceFooters", "column_stats", "location", "is_url", "dataset",
+__all__ = ["open_trace", "read_footers", "footer_names", "footer_facts", "TraceFooters", "column_stats", "location",
+           "is_url", "dataset",
            "read_columns", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]

@@ -11,8 +11,8 @@
     instances        [{instance, name, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `name` is the
                      readable name (`pdtrace.trace.names`, added), `requests` counts distinct non-null `req` values
                      of the instance; rank lists leave out nulls
-    schedulers       [{instance, name, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank) with
-                     scheduler rows: `sched_events` counts `sched` rows, `steps` counts the steps they stand for
+    schedulers       [{instance, name, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank)
+                     with scheduler rows: `sched_events` counts `sched` rows, `steps` counts the steps they stand for
                      (a row with detail `empty_run` = k stands for k steps), first/last_step are the lowest and
                      highest step on a `sched` row (null without one)
     kinds            {kind: rows}, format kinds first in the format's order, then unknown kinds by name
