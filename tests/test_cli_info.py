@@ -70,14 +70,17 @@ def test_json_counts(cli, trace_dir):
     assert summary["time"]["start"] == "2023-11-14T22:13:20.000000000Z"
     by_instance = {i["instance"]: i for i in summary["instances"]}
     assert set(by_instance) == {"P", "D"}
-    assert by_instance["P"] == {"instance": "P", "roles": ["prefill"], "pids": [10, 11, 12, 20], "dp_ranks": [0, 1],
-                                "pp_ranks": [0], "tp_ranks": [0, 1], "events": 28, "requests": 3}
+    assert by_instance["P"] == {"instance": "P", "name": "P", "roles": ["prefill"], "pids": [10, 11, 12, 20],
+                                "dp_ranks": [0, 1], "pp_ranks": [0], "tp_ranks": [0, 1], "events": 28, "requests": 3}
     assert by_instance["D"]["requests"] == 1 and by_instance["D"]["events"] == 3
     assert summary["requests"] == 4
     assert summary["schedulers"] == [
-        {"instance": "D", "dp_rank": 0, "steps": 0, "sched_events": 0, "first_step": None, "last_step": None},
-        {"instance": "P", "dp_rank": 0, "steps": 4 + 10, "sched_events": 5, "first_step": 0, "last_step": 4},
-        {"instance": "P", "dp_rank": 1, "steps": 1, "sched_events": 1, "first_step": 7, "last_step": 7},
+        {"instance": "D", "name": "D",
+         "dp_rank": 0, "steps": 0, "sched_events": 0, "first_step": None, "last_step": None},
+        {"instance": "P", "name": "P",
+         "dp_rank": 0, "steps": 4 + 10, "sched_events": 5, "first_step": 0, "last_step": 4},
+        {"instance": "P", "name": "P",
+         "dp_rank": 1, "steps": 1, "sched_events": 1, "first_step": 7, "last_step": 7},
     ]
     # format kinds in the format's order, then unknown kinds
     assert list(summary["kinds"].items()) == [("engine_config", 1), ("req_add", 2), ("sched", 6), ("req_sched", 4),
@@ -203,8 +206,8 @@ def test_reads_a_trace_the_recorder_wrote(cli, tmp_path):
     [instance] = summary["instances"]
     assert instance["instance"] == "prefill-0" and instance["roles"] == ["prefill"]
     assert instance["requests"] == 2 and instance["tp_ranks"] == [0]
-    assert summary["schedulers"] == [{"instance": "prefill-0", "dp_rank": 0, "steps": 1, "sched_events": 1,
-                                      "first_step": 0, "last_step": 0}]
+    assert summary["schedulers"] == [{"instance": "prefill-0", "name": "prefill-0", "dp_rank": 0, "steps": 1,
+                                      "sched_events": 1, "first_step": 0, "last_step": 0}]
     # emit_many takes one timestamp for its rows: 8 clock readings for 9 events
     assert summary["time"]["start_ns"] == START and summary["time"]["duration_ns"] == 7_000
     assert result.stderr == ""

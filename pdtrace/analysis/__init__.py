@@ -30,7 +30,8 @@ import pandas as pd
 
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
-from pdtrace.analysis.findings import SEVERITY_ORDER, checked_findings, empty_findings, explained_once
+from pdtrace.analysis.findings import (SEVERITY_ORDER, checked_findings, empty_findings, explained_once,
+                                      named_findings)
 from pdtrace.analysis.history import trace_window, window_findings, window_summary
 from pdtrace.analysis.parallel import default_jobs, run_rules
 from pdtrace.analysis.registry import Rule, load_rules
@@ -38,6 +39,7 @@ from pdtrace.analysis.slices import allocation_settings, window
 from pdtrace.analysis.windows import judged, window_size
 from pdtrace.errors import UsageError
 from pdtrace.trace.model import Trace
+from pdtrace.trace.names import names_of
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
            "allocation_settings", "checked_findings", "ordered_findings"]
@@ -95,7 +97,9 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     `config.window_events` events finishes: `pdtrace.analysis.windows.WindowInfo`). The findings are the same
     either way.
 
-    The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS`; `attrs` holds `rules` (the ids
+    The DataFrame has the columns of `pdtrace.analysis.findings.FINDING_COLUMNS` and `instance_name` (the
+    instance's readable name, `pdtrace.trace.names`; `instance` stays vLLM's id); `attrs` holds `instance_names`
+    (every instance's), `rules` (the ids
     that ran), `events` (rows analysed), `trace` (its path), `warnings` (rule plugins that failed to load) and,
     when partitioned, `trace_warnings` (what opening the partitions tolerated, one line each), `partitions` and
     `windows` ({instance: windows, carried} of the instances analysed window by window).
@@ -130,7 +134,7 @@ def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,
     findings = explained_once(ordered_findings(frames), [r.id for r in chosen if r.fallback])
     findings.attrs = {"rules": [r.id for r in chosen], "events": len(trace), "trace": trace.path,
                       "warnings": notes, "window": window_summary(trace_window(ctx))}
-    return findings
+    return named_findings(findings, names_of(trace))
 
 
 def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig | None, notes: list[str],
@@ -163,7 +167,17 @@ def _analyze_partitioned(source: Any, chosen: list[Rule], config: AnalysisConfig
                       "trace": source.path if isinstance(source, Trace) else str(source), "warnings": notes,
                       "trace_warnings": trace_notes, "partitions": parts, "windows": windows,
                       "window": window_summary(_partitioned_window(source, config))}
-    return findings
+    return named_findings(findings, _names(source))
+
+
+def _names(source: Any) -> dict[str, str]:
+    """The instances' readable names of a partitioned analysis' trace: the whole trace's footers (what every read
+    of it names them by), or an in-memory trace's own."""
+    if isinstance(source, Trace):
+        return names_of(source)
+    from pdtrace.trace.reader import footer_names, read_footers
+
+    return footer_names(read_footers(source))
 
 
 def _one_partition(source: Any, config: AnalysisConfig, plan: Any) -> bool:

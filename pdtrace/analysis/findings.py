@@ -29,6 +29,19 @@ OPTIONAL_FINDING_COLUMNS: tuple[str, ...] = ("requests",)
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "error": 2}
 
+#: Added by `named_findings` once the rules' findings are joined (not a rule's to fill): the instance's readable
+#: name (`pdtrace.trace.names`), beside `instance`, which stays vLLM's id. The JSON puts it after `instance`.
+NAME_COLUMN = "instance_name"
+
+
+def named_findings(findings: pd.DataFrame, names: dict[str, str]) -> pd.DataFrame:
+    """The findings with `instance_name` (NAME_COLUMN), and `attrs["instance_names"]` = every instance's name of
+    the trace (the text report names the instances of evidence and summaries by it). Order and attrs kept."""
+    out = findings.assign(**{NAME_COLUMN: pd.Series([names.get(str(i), str(i)) for i in findings["instance"]],
+                                                    index=findings.index, dtype=object)})
+    out.attrs = {**findings.attrs, "instance_names": dict(names)}
+    return out
+
 
 _EMPTY: list[pd.DataFrame] = []
 

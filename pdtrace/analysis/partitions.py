@@ -73,7 +73,8 @@ from pdtrace.analysis.findings import checked_findings
 from pdtrace.analysis.slices import allocation_settings, window
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
-from pdtrace.trace.reader import TraceFooters, column_stats, dataset, is_url, location, read_columns, read_footers
+from pdtrace.trace.reader import (TraceFooters, column_stats, dataset, footer_names, is_url, location, read_columns,
+                                  read_footers)
 
 #: Below this many events (footer rows) a multi-instance trace is analysed whole, in this process: partitions
 #: would only add the start of the worker processes (about 1 s).
@@ -279,6 +280,7 @@ def open_instances(path: str | os.PathLike[str], instances: Sequence[str], colum
     files = sorted({f for p in wanted for f in p.files})
     trace = open_trace(path, columns=columns, instances=[p.instance for p in wanted] if any(p.shared for p in wanted)
                        else None, warn=False, only_files=files)
+    trace.instance_names = footer_names(plan.footers)  # the whole trace's names, not those of the files read
     span = plan.stats_span or analysed_span(plan, plan.partitions, AnalysisConfig())
     return trace, span, plan
 
@@ -318,13 +320,16 @@ def open_window_pieces(path: str | os.PathLike[str], instances: Sequence[str], s
     windows = plan_time_windows(source, since_ns, until_ns, config, piece_events)
     if check is not None:
         check(max(w.rows for w in windows))
-    return [(w, lambda w=w: _noted(read_time_window(source, w), source.warnings)) for w in windows]
+    names = footer_names(plan.footers)
+    return [(w, lambda w=w: _noted(read_time_window(source, w), source.warnings, names)) for w in windows]
 
 
-def _noted(trace: Trace, notes: list[str]) -> Trace:
+def _noted(trace: Trace, notes: list[str], names: dict[str, str] | None = None) -> Trace:
     """The trace with `notes` (its source's: files the plan could not decode, which no window reads) first among
-    its warnings."""
+    its warnings, and the whole trace's instance names (`names`, where given)."""
     trace.warnings = [*notes, *(w for w in trace.warnings if w not in notes)]
+    if names is not None:
+        trace.instance_names = names
     return trace
 
 

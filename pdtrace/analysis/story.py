@@ -315,7 +315,8 @@ def _joined(first: Trace, more: Trace) -> Trace:
     table = unified(pa.concat_tables([first.table, more.table]))
     warnings = first.warnings + [w for w in more.warnings if w not in first.warnings]
     return Trace(table=table, path=first.path, manifest=first.manifest, files=first.files, skipped=first.skipped,
-                 warnings=warnings, window_start_ns=first.window_start_ns, window_source=first.window_source)
+                 warnings=warnings, window_start_ns=first.window_start_ns, window_source=first.window_source,
+                 instance_names=first.instance_names)
 
 
 def request_rows(path: str | os.PathLike[str], req: str, instance: str | None = None) -> Trace:

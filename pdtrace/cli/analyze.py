@@ -50,19 +50,29 @@ def parse_time(value: str, start_ns: int, option: str) -> int:
     return start_ns + int(round(ns))
 
 
+def _label(task: Any, names: dict[str, str]) -> str:
+    """A partition's or window's name in progress lines, its instances by their readable names."""
+    if getattr(task, "total", None):  # a window: instance is the partition's instances joined by "+"
+        joined = "+".join(names.get(i, i) for i in str(task.instance).split("+"))
+        return f"{joined} window {task.index + 1}/{task.total}"
+    instances = getattr(task, "instances", None)
+    return "+".join(names.get(str(i), str(i)) for i in instances) if instances else str(task.name)
+
+
 @contextmanager
-def _partition_progress(total: int) -> Iterator[Callable[[Any, Any], None]]:
+def _partition_progress(total: int, names: dict[str, str]) -> Iterator[Callable[[Any, Any], None]]:
     """A callback for analyze(progress=...): a rich progress bar over the partitions (and one over the windows of an
     instance analysed window by window) on a terminal, else one line per finished partition or window; always on
     stderr (stdout holds the report)."""
     if not err_console.is_terminal:
         def line(task: Any, result: Any) -> None:
             if getattr(task, "total", None):  # a window of an instance analysed window by window
-                err_console.print(f"pdtrace: {task.name}: {task.events:,} events in {task.seconds:.1f} s",
+                err_console.print(f"pdtrace: {_label(task, names)}: {task.events:,} events in {task.seconds:.1f} s",
                                   markup=False, soft_wrap=True)
                 return
             what = "linked " if not task.summaries else ""
-            err_console.print(f"pdtrace: {what}{task.name}: {result.events:,} events in {result.seconds:.1f} s",
+            err_console.print(f"pdtrace: {what}{_label(task, names)}: {result.events:,} events in "
+                              f"{result.seconds:.1f} s",
                               markup=False, soft_wrap=True)
 
         yield line
@@ -79,14 +89,15 @@ def _partition_progress(total: int) -> Iterator[Callable[[Any, Any], None]]:
         def advance(task: Any, result: Any) -> None:
             if getattr(task, "total", None):  # a window: a bar per windowed instance
                 if task.instance not in windows:
-                    windows[task.instance] = bar.add_task(f"{task.instance} windows", total=task.total)
+                    shown = "+".join(names.get(i, i) for i in str(task.instance).split("+"))
+                    windows[task.instance] = bar.add_task(f"{shown} windows", total=task.total)
                 bar.update(windows[task.instance], advance=1,
-                           description=f"{task.name} ({task.events:,} events, {task.seconds:.1f} s)")
+                           description=f"{_label(task, names)} ({task.events:,} events, {task.seconds:.1f} s)")
                 return
             events[0] += result.events
             if task.summaries:
                 bar.advance(job)
-            bar.update(job, description=f"{task.name} done ({events[0]:,} events)")
+            bar.update(job, description=f"{_label(task, names)} done ({events[0]:,} events)")
 
         yield advance
 
@@ -105,7 +116,8 @@ def analyze(
     rules: Optional[list[str]] = typer.Option(None, "--rules", "-r",
                                               help="Rules to run, comma-separated or repeated (default: all)."),
     instance: Optional[list[str]] = typer.Option(None, "--instance", "-i",
-                                                 help="Only this instance (repeat for several)."),
+                                                 help="Only this instance (repeat for several): its "
+                                                      "readable name (prefill-0) or vLLM's id."),
     since: Optional[str] = typer.Option(None, "--since", help="Start of the window: seconds from the trace start "
                                         "(1.5, 500ms, 2min) or absolute ns since the epoch."),
     until: Optional[str] = typer.Option(None, "--until", help="End of the window (exclusive), same forms."),
@@ -174,12 +186,19 @@ def analyze(
 
     plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
     start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
+    from pdtrace.trace.reader import footer_names
+
+    names = footer_names(plan.footers)
     instances = _split(instance) or None
     if instances:
+        from pdtrace.trace.names import listing, resolve_instances
+
         known = set(plan.instances)
-        unknown = [name for name in instances if name not in known]
+        unknown = [name for name in instances if resolve_instances([name], names)[0] not in known]
         if unknown:
-            raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: {', '.join(sorted(known))})")
+            raise UsageError(f"--instance {unknown[0]!r} is not in the trace (instances: "
+                             f"{listing(names, known)})")
+        instances = resolve_instances(instances, names)  # a readable name or vLLM's id: the id
     settings = settings.with_overrides(
         since_ns=parse_time(since, start_ns, "--since") if since is not None else None,
         until_ns=parse_time(until, start_ns, "--until") if until is not None else None,
@@ -192,7 +211,7 @@ def analyze(
     if dask is None and partitions is False:
         findings = run_analysis(load_trace(trace), rules=chosen, config=settings, partitioned=False)
     else:
-        with _partition_progress(len(plan.partitions)) as progress:
+        with _partition_progress(len(plan.partitions), names) as progress:
             findings = run_analysis(str(trace), rules=chosen, config=settings, dask=dask, partitioned=True,
                                     progress=progress)
         for note in findings.attrs.get("trace_warnings", []):

@@ -41,7 +41,8 @@ TraceLocation = Annotated[str, typer.Argument(help="Trace directory, one Parquet
                                               "fsspec reads (s3://bucket/trace, file:///data/trace).",
                                               show_default=False)]
 InstanceOption = Annotated[Optional[list[str]], typer.Option("--instance", "-i",
-                                                             help="Only this instance (repeat for several).")]
+                                                             help="Only this instance (repeat for several): "
+                                                                  "its readable name (prefill-0) or vLLM's id.")]
 MemoryCheckOption = Annotated[bool, typer.Option("--memory-check/--no-memory-check",
                                                  help="Refuse a load that would need more memory than is "
                                                       "available (plot and export hold the events they show).")]
@@ -97,16 +98,18 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     whole trace and None. Warnings as load_trace's. `memory_check`: refuse a load that would not fit in the memory
     available (`check_memory`)."""
     from pdtrace.analysis.partitions import open_instances, plan_partitions
+    from pdtrace.trace.names import resolve_instances
+    from pdtrace.trace.reader import footer_names
 
-    names = list(instances or ())
     plan = plan_partitions(path) if plan is None else plan  # footers only
+    names = resolve_instances(instances or (), footer_names(plan.footers))  # a readable name or vLLM's id
     if memory_check:
         check_memory(shown_events(plan, names, with_links), path)
     if not names:
         return load_trace(path, columns=columns), None
     trace, span, plan = open_instances(path, names, columns=columns, with_links=with_links, plan=plan)
     if trace is None:
-        raise no_such_instances(names, plan.instances)
+        raise no_such_instances(names, plan.instances, footer_names(plan.footers))
     return warned(trace), span
 
 
@@ -152,9 +155,12 @@ def shown_pieces(path: Path, window: "Window", window_events: int, memory_check:
     from pdtrace.analysis.story import requests_span
     from pdtrace.analysis.windows import window_size
     from pdtrace.plot.window import no_requests
+    from pdtrace.trace.names import resolve_instances
+    from pdtrace.trace.reader import footer_names
 
-    names = list(window.instances)
     plan = plan_partitions(path)  # footers only
+    readable = footer_names(plan.footers)
+    names = resolve_instances(window.instances, readable)  # a readable name or vLLM's id: the id
     events = shown_events(plan, names, True)
     config = AnalysisConfig(window_events=window_events)
     timed = window.since_s is not None or window.until_s is not None
@@ -177,7 +183,7 @@ def shown_pieces(path: Path, window: "Window", window_events: int, memory_check:
                                 check=(lambda rows: check_memory(rows, path)) if memory_check else None,
                                 piece_events=piece_events if in_pieces else 0)
     if pieces is None:
-        raise no_such_instances(names, plan.instances)
+        raise no_such_instances(names, plan.instances, readable)
     # the footers' notes and skipped files (a window reads only the readable files: its trace does not name them),
     # then the first piece's own (each piece's are the trace's: printed once)
     told = warned_once(plan.warnings, [])
@@ -226,12 +232,15 @@ def check_memory(events: int, path: Any) -> None:
                          "anyway (analyze, show and info read a trace of any length in bounded memory)")
 
 
-def no_such_instances(names: Iterable[str], known: Iterable[str]) -> Exception:
-    """The one-line error (exit 2) for --instance names none of which the trace holds."""
+def no_such_instances(names: Iterable[str], known: Iterable[str],
+                      readable: dict[str, str] | None = None) -> Exception:
+    """The one-line error (exit 2) for --instance names none of which the trace holds; `readable`: the trace's
+    names (`pdtrace.trace.names`), listed with the ids."""
     from pdtrace.plot.window import EmptySelection
+    from pdtrace.trace.names import listing
 
     return EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
-                          f"{', '.join(sorted(known))})")
+                          f"{listing(readable or {}, known)})")
 
 
 def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":

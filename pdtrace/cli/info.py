@@ -3,8 +3,9 @@
 The numbers come from `pdtrace.trace.summary.summarize`; this module only loads the trace and renders them.
 `--format json` prints summarize()'s dict, whose keys are stable (documented in full in pdtrace/trace/summary.py):
 trace, events, files, skipped_files [{path, reason}], dropped_events, sources, schema_versions, pdtrace_versions,
-time {start_ns, end_ns, duration_ns, start, end}, instances [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks,
-events, requests}], schedulers [{instance, dp_rank, steps, sched_events, first_step, last_step}], kinds {kind: rows},
+time {start_ns, end_ns, duration_ns, start, end}, instances [{instance, name, roles, pids, dp_ranks, pp_ranks,
+tp_ranks, events, requests}], schedulers [{instance, name, dp_rank, steps, sched_events, first_step, last_step}]
+(`instance` is vLLM's id, `name` the readable name every other verb prints, `pdtrace.trace.names`), kinds {kind: rows},
 requests, manifest {command, vllm_version, vllm_table, created} or null, warnings.
 
 Which rows are read: a trace under PARTITION_MIN_EVENTS events (or one file) is loaded whole, as always. A larger
@@ -13,7 +14,7 @@ trace is summarised from its Parquet footers alone (`summarize_footers`: row cou
 says "-" for them and how to get them. `--rows` reads the rows, one instance at a time and an instance's files in
 groups of at most a window's events (`analysis.windows.DEFAULT_WINDOW_EVENTS`; the summaries merged, requests
 counted over the groups: the memory of a group, not of an instance of hours). `--instance NAME` (repeatable)
-summarises only those instances, reading only their part files, in the same groups.
+summarises only those instances (by readable name or vLLM's id), reading only their part files, in the same groups.
 
 Warnings found while loading (skipped part files, unknown kinds, a bad manifest) go to stderr, one line each;
 unreadable input is a one-line error and exit status 2.
@@ -82,15 +83,20 @@ def _render(summary: dict[str, Any]) -> None:
     out_console.print(overview)
 
     instances = Table(title="instances")
-    longest = max((len(row["instance"]) for row in summary["instances"]), default=8)
+    # the readable name, and vLLM's id where it is another (how vLLM's logs call the instance)
+    ids = any(row.get("name", row["instance"]) != row["instance"] for row in summary["instances"])
+    longest = max((len(row.get("name", row["instance"])) for row in summary["instances"]), default=8)
     instances.add_column("instance", min_width=min(longest, 40))
+    if ids:
+        instances.add_column("vLLM id", min_width=min(max(len(row["instance"]) for row in summary["instances"]), 40))
     for name in ("role", "pids", "dp", "pp", "tp"):
         instances.add_column(name)
     instances.add_column("events", justify="right")
     instances.add_column("requests", justify="right")
     for row in summary["instances"]:
-        instances.add_row(row["instance"], *(_join(row[k]) if row[k] is not None else "?" for k in
-                                             ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks")),
+        instances.add_row(row.get("name", row["instance"]), *([row["instance"]] if ids else []),
+                          *(_join(row[k]) if row[k] is not None else "?" for k in
+                            ("roles", "pids", "dp_ranks", "pp_ranks", "tp_ranks")),
                           _count(row["events"]), _count(row["requests"]))
     out_console.print(instances)
 
@@ -99,7 +105,7 @@ def _render(summary: dict[str, Any]) -> None:
         for name in ("instance", "dp rank", "steps", "sched events", "first step", "last step"):
             schedulers.add_column(name, justify="left" if name == "instance" else "right")
         for row in summary["schedulers"]:
-            schedulers.add_row(row["instance"], _dash(row["dp_rank"]), f"{row['steps']:,}",
+            schedulers.add_row(row.get("name", row["instance"]), _dash(row["dp_rank"]), f"{row['steps']:,}",
                                f"{row['sched_events']:,}", _dash(row["first_step"]), _dash(row["last_step"]))
         out_console.print(schedulers)
 
@@ -153,17 +159,20 @@ def info(
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
     from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
     from pdtrace.format import COLUMNS
-    from pdtrace.trace.reader import read_footers
-    from pdtrace.trace.summary import summarize, summarize_footers
+    from pdtrace.trace.names import resolve_instances
+    from pdtrace.trace.reader import footer_names, read_footers
+    from pdtrace.trace.summary import named_summary, summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks
     # a trace, so every value the validator knows how to check is loaded and checked.
     columns = [c for c in COLUMNS if c != "blocks"]
     plan = plan_partitions(trace)  # footers only
+    names = footer_names(plan.footers)
     if instance:
+        instance = resolve_instances(instance, names)  # a readable name or vLLM's id: the id
         chosen = [p for p in plan.partitions if p.instance in set(instance)]
         if not chosen:
-            raise no_such_instances(instance, plan.instances)
+            raise no_such_instances(instance, plan.instances, names)
         # the footers of their files alone, as a load of only those files reads them
         footers = read_footers(trace, only_files=sorted({f for p in chosen for f in p.files}))
         summary = _read_summary(trace, chosen, footers, columns)
@@ -175,6 +184,7 @@ def info(
         for note in plan.warnings:
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
         summary = summarize_footers(plan.footers, {p.instance: list(p.files) for p in plan.partitions})
+    summary = named_summary(summary, names)
     if output_format is InfoFormat.json:
         typer.echo(json.dumps(summary, indent=2))
     else:

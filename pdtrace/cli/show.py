@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import pandas as pd
 import typer
 
 from pdtrace.cli.app import TraceLocation, app, out_console, warned
 from pdtrace.errors import UsageError
+from pdtrace.trace.names import names_of, resolve_instance, shown
 
 
 class ShowFormat(str, Enum):
@@ -51,8 +52,13 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def _event_line(rec: dict[str, Any]) -> str:
-    where = str(rec["instance"])
+def _story_names(story: pd.DataFrame, names: Mapping[str, str]) -> dict[str, str]:
+    """{vLLM's id: readable name} of the story's instances (added key of the JSON; records keep the ids)."""
+    return {str(i): shown(names, i) for i in sorted(set(story["instance"].astype(str)))}
+
+
+def _event_line(rec: dict[str, Any], names: Mapping[str, str]) -> str:
+    where = shown(names, rec["instance"])
     if rec.get("dp_rank") is not None:
         where += f"/dp{rec['dp_rank']}"
     if rec.get("pp_rank") is not None:
@@ -78,38 +84,43 @@ def _event_line(rec: dict[str, Any]) -> str:
             parts.append(key)
     if rec.get("blocks") is not None:
         blocks = list(rec["blocks"])
-        shown = ",".join(str(b) for b in blocks[:12]) + (",..." if len(blocks) > 12 else "")
-        parts.append(f"blocks=[{shown}] ({len(blocks)})")
+        listed = ",".join(str(b) for b in blocks[:12]) + (",..." if len(blocks) > 12 else "")
+        parts.append(f"blocks=[{listed}] ({len(blocks)})")
     if rec.get("detail") is not None:
         detail = rec["detail"]
+        if isinstance(detail, dict) and isinstance(detail.get("remote_instance"), str):  # the peer by its name too
+            detail = {**detail, "remote_instance": shown(names, detail["remote_instance"])}
         parts.append(json.dumps(detail, separators=(",", ":")) if isinstance(detail, (dict, list)) else str(detail))
     return "  ".join(parts)
 
 
-def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame, full: bool) -> None:
+def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame, full: bool,
+                    names: Mapping[str, str]) -> None:
     from pdtrace.analysis.story import collapse_runs
 
-    shown = story if full else collapse_runs(story)
+    drawn = story if full else collapse_runs(story)
     span = int(story["t_ns"].iloc[-1]) if len(story) else 0
-    names = ", ".join(f"{inst}:{r}" for inst, r in pairs)
+    ids = ", ".join(f"{shown(names, inst)}:{r}" for inst, r in pairs)
     lifetimes = int(story["lifetime"].max()) if "lifetime" in story and story["lifetime"].notna().any() else 1
     reused = f"; the id was reused: {lifetimes} lifetimes" if lifetimes > 1 else ""
-    out_console.print(f"request {req} ({names}): {len(story)} events over {span / 1e6:.3f} ms{reused}",
+    out_console.print(f"request {req} ({ids}): {len(story)} events over {span / 1e6:.3f} ms{reused}",
                       markup=False)
     current: dict[str, Any] = {}
-    for rec in _records(shown):
+    for rec in _records(drawn):
         life = rec.get("lifetime")
         if life is not None and current.get(str(rec["instance"])) != life:  # a lifetime begins on this instance
             current[str(rec["instance"])] = life
-            out_console.print(f"  -- {rec['instance']}:{rec['req']} lifetime {life} of {lifetimes}", markup=False)
-        out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
+            out_console.print(f"  -- {shown(names, rec['instance'])}:{rec['req']} lifetime {life} of {lifetimes}",
+                              markup=False)
+        out_console.print("  " + _event_line(rec, names), markup=False, soft_wrap=True)
 
 
-def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd.DataFrame) -> None:
+def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd.DataFrame,
+                 names: Mapping[str, str]) -> None:
     start = int(story["ts_ns"].iloc[0])
     out_console.print(f"step {step}: {len(story)} events", markup=False)
     for rec in _records(story):
-        out_console.print("  " + _event_line(rec), markup=False, soft_wrap=True)
+        out_console.print("  " + _event_line(rec, names), markup=False, soft_wrap=True)
     carried = story[story["kind"].isin(["req_finish", "kv_send_done", "kv_recv_done", "kv_recv_fail"])]
     if len(carried):
         items = ", ".join(f"{k} {r}" for k, r in zip(carried["kind"], carried["req"], strict=True))
@@ -119,7 +130,7 @@ def _render_step(step: int, story: pd.DataFrame, ranks: pd.DataFrame, folded: pd
         return
     for (instance, dp), grp in ranks.groupby(["instance", "dp_rank"], sort=True):
         output = grp["output_ts"].dropna()
-        head = f"update_from_output({step}) on {instance}/dp{dp}"
+        head = f"update_from_output({step}) on {shown(names, instance)}/dp{dp}"
         run = folded[(folded["instance"] == instance)]
         if len(output):
             head += f" at {_ms(int(output.iloc[0]) - start)}"
@@ -159,7 +170,8 @@ def show(
     trace: TraceLocation,
     req: Optional[str] = typer.Option(None, "--req", help="Request id: its story on every instance."),
     step: Optional[int] = typer.Option(None, "--step", help="Step id: its story across scheduler, engine, ranks."),
-    instance: Optional[str] = typer.Option(None, "--instance", help="Only this instance (the request's or step's)."),
+    instance: Optional[str] = typer.Option(None, "--instance", help="Only this instance (the request's or step's): "
+                                           "its readable name (prefill-0) or vLLM's id."),
     fmt: ShowFormat = typer.Option(ShowFormat.text, "--format", help="text or json."),
     full: bool = typer.Option(False, "--full", help="One line per req_sched row instead of runs."),
 ) -> None:
@@ -176,18 +188,23 @@ def show(
     if (req is None) == (step is None):
         raise UsageError("give exactly one of --req ID or --step K")
     where = f" on instance {instance}" if instance else ""
+    if instance is not None:  # a readable name or vLLM's id: the id
+        from pdtrace.trace.reader import footer_names, read_footers
+
+        instance = resolve_instance(instance, footer_names(read_footers(trace)))
     if req is not None:
         loaded = warned(request_rows(trace, req, instance))  # the story's rows, not the trace's
         story = request_story(loaded, req, instance)
         if len(story) == 0:
             raise UsageError(f"request {req!r} not found in {trace}{where}")
         pairs = related_requests(loaded, req, instance)
+        names = names_of(loaded)
         if fmt is ShowFormat.json:
             doc = {"trace": str(trace), "req": req, "requests": [{"instance": i, "req": r} for i, r in pairs],
-                   "events": _records(story)}
+                   "events": _records(story), "instance_names": _story_names(story, names)}
             typer.echo(json.dumps(doc, default=str))
             return
-        _render_request(req, pairs, story, full)
+        _render_request(req, pairs, story, full, names)
         return
     loaded, lanes = step_rows(trace, int(step))  # type: ignore[arg-type]
     warned(loaded)
@@ -196,6 +213,7 @@ def show(
         raise UsageError(f"step {step} not found in {trace}{where}")
     ranks = step_ranks(loaded, int(step), instance, lanes)  # type: ignore[arg-type]
     folded = folded_steps(loaded, int(step), instance)  # type: ignore[arg-type]
+    names = names_of(loaded)
     if fmt is ShowFormat.json:
         start = int(story["ts_ns"].iloc[0])
         rank_records = _records(ranks)
@@ -209,7 +227,7 @@ def show(
                "waited_for_every_rank": {f"{i}/dp{d}": None if (g["relation"] == "empty_run").any()
                                          else bool((g["relation"] == "before").all())
                                          for (i, d), g in ranks.groupby(["instance", "dp_rank"])},
-               "empty_run": _records(folded)}
+               "empty_run": _records(folded), "instance_names": _story_names(story, names)}
         typer.echo(json.dumps(doc, default=str))
         return
-    _render_step(int(step), story, ranks, folded)  # type: ignore[arg-type]
+    _render_step(int(step), story, ranks, folded, names)  # type: ignore[arg-type]

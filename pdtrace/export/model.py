@@ -117,10 +117,13 @@ def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | N
     roles = reqs.drop_duplicates("instance").set_index("instance")["role"].to_dict()
     # prefill instances above decode ones, so that transfer arrows point down
     rank = {"prefill": 0, "both": 1, "decode": 2}
-    names.sort(key=lambda n: (rank.get(str(roles.get(n)), 3), n))
+    names.sort(key=lambda n: (rank.get(str(roles.get(n)), 3), sel.shown(n), n))
     pid_of = {name: i + 1 for i, name in enumerate(names)}
+    # a process by its readable name (`pdtrace.trace.names`), with vLLM's id where that is another
+    labels = [sel.shown(n) if sel.shown(n) == n else f"{sel.shown(n)} [{n}]" for n in names]
     processes = pd.DataFrame({"pid": [pid_of[n] for n in names],
-                              "name": [f"{n} ({roles[n]})" if roles.get(n) else n for n in names],
+                              "name": [f"{label} ({roles[n]})" if roles.get(n) else label
+                                       for n, label in zip(names, labels, strict=True)],
                               "sort": list(range(len(names)))})
     parts: list[pd.DataFrame] = []
     threads: list[pd.DataFrame] = []

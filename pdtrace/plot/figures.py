@@ -242,11 +242,12 @@ def instance_ranks(ctx: AnalysisContext) -> dict[str, int]:
     return best
 
 
-def instance_order(ctx: AnalysisContext | dict[str, int], names: list[str]) -> list[str]:
-    """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role;
-    `ctx` may be the ranks (`instance_ranks`) already found."""
+def instance_order(ctx: AnalysisContext | dict[str, int], names: list[str],
+                   shown: Selection | None = None) -> list[str]:
+    """Instances prefill first, then both, then decode (so a P/D pair reads top-down), by name within a role (the
+    readable name, `shown`'s, where given); `ctx` may be the ranks (`instance_ranks`) already found."""
     best = ctx if isinstance(ctx, dict) else instance_ranks(ctx)
-    return sorted(names, key=lambda n: (best.get(n, 5), n))
+    return sorted(names, key=lambda n: (best.get(n, 5), shown.shown(n) if shown is not None else n))
 
 
 def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
@@ -274,7 +275,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     inst_codes, _ = cols.codes("instance")
     m_inst, m_dp = inst_codes[m_rows], cols.dp[m_rows].astype(np.int64)
     b_inst, b_dp = bub["inst"].to_numpy()[b_keep], bub["dp"].to_numpy()[b_keep]
-    engines_of = _Engines(names, (s_inst, s_dp), (b_inst, b_dp), (m_inst[m_inst >= 0], m_dp[m_inst >= 0]))
+    engines_of = _Engines([sel.shown(n) for n in names], (s_inst, s_dp), (b_inst, b_dp),
+                          (m_inst[m_inst >= 0], m_dp[m_inst >= 0]))  # labelled by the readable names
 
     # Lanes: integer keys (engine, pp_rank) throughout; a lookup table maps them to the lane and its TP rank. One
     # lane per stage, drawn from its lowest TP rank (the TP ranks of one stage run in lockstep).
@@ -284,7 +286,8 @@ def pipeline_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     lowest_tp = np.full(n_labels * pp_span, np.iinfo(np.int64).max)
     np.minimum.at(lowest_tp, s_label * pp_span + s_pp, s_tp)
     stage_keys = np.flatnonzero(lowest_tp != np.iinfo(np.int64).max)
-    engines = instance_order(ctx, sorted({str(engines_of.labels[k // pp_span]) for k in stage_keys.tolist()}))
+    ranks = {sel.shown(inst): rank for inst, rank in instance_ranks(ctx).items()}
+    engines = instance_order(ranks, sorted({str(engines_of.labels[k // pp_span]) for k in stage_keys.tolist()}))
     engine_index = {name: i for i, name in enumerate(engines)}
     engine_of_label = np.array([engine_index.get(str(n), -1) for n in engines_of.labels] + [-1], np.int64)
     lane_lut = np.full(len(engines) * pp_span, -1, np.int64)
@@ -506,7 +509,8 @@ def requests_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
     f = f[f_lane >= 0]
     f_lane = f_lane[f_lane >= 0]
 
-    y_labels, left = fit_y_labels([f"{r} ({i})" for i, r in zip(first["instance"], first["req"], strict=True)]
+    y_labels, left = fit_y_labels([f"{r} ({sel.shown(i)})" for i, r in
+                                   zip(first["instance"], first["req"], strict=True)]
                                   if n_lanes <= 40 else [], 7, extra_in=0.25)
     fig = _figure(min(max(1.5 + 0.25 * n_lanes, 4.0), 12.0), dpi, left)
     ax = fig.add_subplot(1, 1, 1)
@@ -638,7 +642,7 @@ def draw_blocks(panels: BlockPanels, sel: Selection, tx: TimeAxis, dpi: float) -
     if not panels.parts:
         raise sel.empty("KV block allocations")
     keys = list(panels.parts)
-    order = {name: i for i, name in enumerate(instance_order(panels.ranks, sorted({k[0] for k in keys})))}
+    order = {name: i for i, name in enumerate(instance_order(panels.ranks, sorted({k[0] for k in keys}), sel))}
     keys.sort(key=lambda k: (order[k[0]], k[1] is None, k[1] if k[1] is not None else 0))
     several_dp = len(panels.schedulers) != len({k[0] for k in panels.schedulers})
     fig = _figure(min(1.0 + 2.6 * len(keys), 14.0), dpi)
@@ -663,7 +667,7 @@ def draw_blocks(panels: BlockPanels, sel: Selection, tx: TimeAxis, dpi: float) -
         if pool_size is not None:
             ax.axhline(float(pool_size), color="black", linestyle="--", linewidth=1, gid="pool",
                        label=f"pool ({pool_size} blocks)" + ("" if on_scale else ", above the axis"))
-        name = inst if dp is None or not several_dp else f"{inst} dp{dp}"
+        name = sel.shown(inst) if dp is None or not several_dp else f"{sel.shown(inst)} dp{dp}"
         used = f", {100 * peak / pool_size:.1f}% of the pool" if pool_size else ""
         ax.set_title(f"{name}: KV blocks in use (peak {peak}{used})", fontsize=9)
         ax.set_ylabel("blocks")
@@ -740,16 +744,16 @@ def steps_figure(ctx: AnalysisContext, sel: Selection, dpi: float) -> Figure:
 
 def draw_steps(lines: StepLines, sel: Selection, tx: TimeAxis, dpi: float) -> Figure:
     """The steps figure of its points (`step_lines`, or `joined_step_lines` of a selection read in pieces): the
-    schedulers by instance name, then DP rank."""
+    schedulers by readable instance name, then DP rank."""
     if not lines.points:
         raise sel.empty("scheduler steps")
     fig = _figure(7.0, dpi)
     ax_dur, ax_tok = fig.subplots(2, 1, sharex=True)
-    keys = sorted({key[:2] for key in lines.points}, key=lambda k: (k[0], k[1] is None, k[1] or 0))
+    keys = sorted({key[:2] for key in lines.points}, key=lambda k: (sel.shown(k[0]), k[1] is None, k[1] or 0))
     several_dp = len(keys) != len({inst for inst, _ in keys})
     aggregated = False
     for i, (inst, dp) in enumerate(keys):  # one line per scheduler (few)
-        name = inst if dp is None or not several_dp else f"{inst} dp{dp}"
+        name = sel.shown(inst) if dp is None or not several_dp else f"{sel.shown(inst)} dp{dp}"
         colour = SLOT_COLORS[i % len(SLOT_COLORS)]
         for ax, (what, _, scale) in zip((ax_dur, ax_tok), STEP_LINES, strict=True):
             tt, vv = lines.points[(inst, dp, what)]

@@ -4,7 +4,7 @@ requests. Shared by `pdtrace plot` and `pdtrace export`; no matplotlib here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -13,6 +13,8 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.timelines import request_phases, trace_span
 from pdtrace.errors import PdtraceError, UsageError
+from pdtrace.trace.names import names_of, resolve_instances
+from pdtrace.trace.names import shown as shown_name
 
 
 class EmptySelection(PdtraceError):
@@ -77,6 +79,12 @@ class Selection:
     window: Window
     #: (instance, req) of the named requests and their P/D peers (None without --request).
     request_pairs: frozenset[tuple[str, str]] | None = None
+    #: instance -> readable name (`pdtrace.trace.names`): what labels and titles print
+    names: Mapping[str, str] | None = None
+
+    def shown(self, instance: object) -> str:
+        """How a figure or export labels an instance: its readable name."""
+        return shown_name(self.names or {}, instance)
 
     def empty(self, what: str) -> EmptySelection:
         return EmptySelection(f"nothing to show: no {what} in the selection ({self.window.describe()})")
@@ -113,7 +121,9 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
     (their first to last phase) and, without `--instance`, the instances to theirs and their remote peers'."""
     t0, t1 = trace_span(ctx)
     lo, hi = window.bounds(t0, t1)
-    instances = frozenset(window.instances) if window.instances else None
+    names = names_of(ctx.trace)
+    # a readable name or vLLM's id: the id
+    instances = frozenset(resolve_instances(window.instances, names)) if window.instances else None
     requests = frozenset(window.requests) if window.requests else None
     pairs: frozenset[tuple[str, str]] | None = None
     if requests is not None:
@@ -133,7 +143,7 @@ def resolve(ctx: AnalysisContext, window: Window) -> Selection:
     if hi < lo:
         raise window.outside(t0, t1)
     return Selection(t0_ns=t0, lo_ns=lo, hi_ns=max(hi, lo + 1), instances=instances, requests=requests,
-                     window=window, request_pairs=pairs)
+                     window=window, request_pairs=pairs, names=names)
 
 
 def _request_pairs(ctx: AnalysisContext, requests: frozenset[str],

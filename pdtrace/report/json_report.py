@@ -1,8 +1,8 @@
 """`pdtrace analyze --format json`: the findings document of docs/trace-format.md ("Findings").
 
     {"pdtrace": "<version>", "trace": "<path>", "summary": {...}, "findings": [{rule, subrule, severity, instance,
-     dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}], context, extra,
-     requests}]}
+     instance_name, dp_rank, req, blocks, step, ts_ns, message, evidence: [{kind, ts_ns, seq, req, step, ...}],
+     context, extra, requests}]}
 
 `summary` is `pdtrace.analysis.summarize_findings`. Only renders: numpy and pandas scalars become JSON numbers,
 missing values null.
@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from pdtrace import __version__
-from pdtrace.analysis.findings import FINDING_COLUMNS
+from pdtrace.analysis.findings import FINDING_COLUMNS, NAME_COLUMN
 
 
 def _plain(value: Any) -> Any:
@@ -43,7 +43,11 @@ def findings_document(findings: pd.DataFrame, summary: dict[str, Any], trace: st
     """The findings JSON document as a dict."""
     records = []
     for rec in findings.to_dict("records"):  # one per finding
-        item = {c: _plain(rec.get(c)) for c in FINDING_COLUMNS}
+        item = {}
+        for c in FINDING_COLUMNS:
+            item[c] = _plain(rec.get(c))
+            if c == "instance" and NAME_COLUMN in rec:  # added: the readable name after vLLM's id
+                item[NAME_COLUMN] = _plain(rec[NAME_COLUMN])
         item["blocks"] = item["blocks"] or []
         item["evidence"] = item["evidence"] or []
         item["extra"] = item["extra"] or {}

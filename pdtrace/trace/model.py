@@ -78,6 +78,9 @@ class Trace:
     #: Where `window_start_ns` comes from: "metadata" (the files' `pdtrace.window_start_ns`), "manifest"
     #: (`window_start_ns` of a flight dump's `_manifest.json`) or "since" (a time cut of a longer trace).
     window_source: str | None = None
+    #: instance -> readable name (`pdtrace.trace.names`), from the footers of the whole trace where it was read
+    #: from a path, so that any part of a trace names its instances as the whole does; None: from the rows.
+    instance_names: dict[str, str] | None = None
 
     @classmethod
     def from_table(cls, table: pa.Table, **kwargs: Any) -> "Trace":
@@ -132,6 +135,7 @@ class Trace:
             warnings=self.warnings,
             window_start_ns=self.window_start_ns,
             window_source=self.window_source,
+            instance_names=self.instance_names,
         )
 
     def cut(self, since_ns: int) -> "Trace":

@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 from pdtrace.errors import TraceError, UsageError
 from pdtrace.format import COLUMNS, DUMP_PREFIX, MANIFEST_NAME, SCHEMA, flight_recordings
 from pdtrace.trace.model import WINDOW_KEEPS, SkippedFile, Trace, TraceFile, later_window
+from pdtrace.trace.names import readable_names, table_facts
 from pdtrace.trace.validate import (TraceWarning, describe_parquet_bytes, check_metadata, check_schema, check_values,
                                     first_seq_violation)
 
@@ -656,12 +657,53 @@ def _open_trace(path: str | os.PathLike[str], columns: Iterable[str] | None, ins
             warnings.warn(note, TraceWarning, stacklevel=3)
     trace = Trace(table=table, path=str(root), manifest=manifest, files=files, skipped=skipped, warnings=notes)
     trace.window_start_ns, trace.window_source = trace_window(manifest, files, footers, since_ns)
+    if only_files is None:  # the whole trace's footers: names as every other read of this trace gives them
+        trace.instance_names = footer_names(footers)
     if req_parts and all(part is not None for part in req_parts):
         req = pa.chunked_array([c for part in req_parts for c in part.chunks],  # type: ignore[union-attr]
                                pa.dictionary(pa.int32(), pa.string()))
         if len(req) == table.num_rows:
             setattr(trace, REQ_DICTIONARY_ATTR, (table, req))
     return trace
+
+
+def footer_facts(footers: TraceFooters) -> dict[str, tuple[set[str], int | None]]:
+    """instance -> (its `role` values, its first ts_ns) from the footers (`names.readable_names`' input): the
+    row-group statistics of `instance`, `role` and `ts_ns`; a file whose statistics do not name one instance and
+    one role (several instances in a file, a writer without statistics) has those three columns read."""
+    facts: dict[str, tuple[set[str], int | None]] = {}
+
+    def add(instance: str, roles: Iterable[str], first: int | None) -> None:
+        have_roles, have_first = facts.setdefault(instance, (set(), None))
+        have_roles.update(roles)
+        if first is not None and (have_first is None or first < have_first):
+            facts[instance] = (have_roles, int(first))
+
+    def text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    for file in footers.files:
+        metadata = footers.metadata[file.path]
+        if metadata.num_rows == 0:
+            continue
+        inst, role, ts = (column_stats(metadata, c) for c in ("instance", "role", "ts_ns"))
+        one_inst = {text(v) for pair in inst or [] for v in pair}
+        one_role = {text(v) for pair in role or [] for v in pair}
+        if inst and role and ts and len(one_inst) == 1 and len(one_role) == 1:
+            add(one_inst.pop(), one_role, min(low for low, _ in ts))
+            continue
+        try:
+            add_from = table_facts(read_columns(file.path, ["instance", "role", "ts_ns"]))
+        except (OSError, pa.ArrowException):
+            continue  # unreadable rows: skipped by the load as well
+        for instance, (roles, first) in add_from.items():
+            add(instance, roles, first)
+    return facts
+
+
+def footer_names(footers: TraceFooters) -> dict[str, str]:
+    """instance -> readable name for the trace these footers list (`pdtrace.trace.names`)."""
+    return readable_names(footer_facts(footers))
 
 
 def trace_window(manifest: dict[str, Any] | None, files: list[TraceFile], footers: TraceFooters,
@@ -697,5 +739,6 @@ def _raise_first_file_violation(files: list[TraceFile], columns: list[str]) -> N
         check_values(table, file.path)
 
 
-__all__ = ["open_trace", "read_footers", "TraceFooters", "column_stats", "location", "is_url", "dataset",
+__all__ = ["open_trace", "read_footers", "footer_names", "footer_facts", "TraceFooters", "column_stats", "location",
+           "is_url", "dataset",
            "read_columns", "find_part_files", "normalize_table", "describe_unreadable", "TraceWarning"]

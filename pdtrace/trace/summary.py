@@ -8,10 +8,11 @@
     dropped_events   events the recorders dropped (per writer folder the largest running total of its files, summed)
     sources, schema_versions, pdtrace_versions   distinct values over the loaded files
     time             {start_ns, end_ns, duration_ns, start, end (ISO 8601 UTC)}; null values when no events
-    instances        [{instance, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `requests` counts
-                     distinct non-null `req` values of the instance; rank lists leave out nulls
-    schedulers       [{instance, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank) with
-                     scheduler rows: `sched_events` counts `sched` rows, `steps` counts the steps they stand for
+    instances        [{instance, name, roles, pids, dp_ranks, pp_ranks, tp_ranks, events, requests}]: `name` is the
+                     readable name (`pdtrace.trace.names`, added), `requests` counts distinct non-null `req` values
+                     of the instance; rank lists leave out nulls
+    schedulers       [{instance, name, dp_rank, steps, sched_events, first_step, last_step}] per (instance, dp_rank)
+                     with scheduler rows: `sched_events` counts `sched` rows, `steps` counts the steps they stand for
                      (a row with detail `empty_run` = k stands for k steps), first/last_step are the lowest and
                      highest step on a `sched` row (null without one)
     kinds            {kind: rows}, format kinds first in the format's order, then unknown kinds by name
@@ -26,6 +27,8 @@ skipped_files, dropped_events, sources, versions, time, manifest and the instanc
 its files hold no other instance, and roles / pids / ranks when every row group of its files holds one value of
 them (the recorder writes one file per process), else null; `schedulers`, `kinds`, `requests` and per-instance
 `requests` need the rows and are null. `rows_read` (added key, also in `summarize`) says which it is.
+`named_summary(summary, names)` adds `name` (the readable name, `pdtrace.trace.names`) after `instance` in every
+`instances` and `schedulers` row: what `pdtrace info` prints, with names from the whole trace's footers.
 `merge_summaries(parts, footers, names)` folds summaries of parts of the trace into the whole trace's: of
 disjoint instance partitions, or of groups of one instance's files (`file_groups`: what `info --rows` reads at a
 time, so memory holds a group, not an instance of hours) with the union of each part's `request_names` (a request's
@@ -47,6 +50,7 @@ import pyarrow.compute as pc
 
 from pdtrace.format import KINDS
 from pdtrace.trace.model import SkippedFile, Trace, dropped_events
+from pdtrace.trace.names import names_of
 from pdtrace.trace.reader import column_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -202,6 +206,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
     if any(pa.types.is_dictionary(t) for t in table.schema.types):
         table = table.unify_dictionaries()
     instances = _instances(table)
+    named = named_summary({"instances": instances, "schedulers": _schedulers(table)}, names_of(trace))
     return {
         "trace": trace.path,
         "events": table.num_rows,
@@ -212,8 +217,8 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "schema_versions": sorted({f.schema_version for f in trace.files}),
         "pdtrace_versions": sorted({f.pdtrace_version for f in trace.files}),
         "time": _time_span(table),
-        "instances": instances,
-        "schedulers": _schedulers(table),
+        "instances": named["instances"],
+        "schedulers": named["schedulers"],
         "kinds": _kinds(table),
         "requests": sum(i["requests"] for i in instances),
         "manifest": _manifest_summary(trace.manifest),
@@ -287,6 +292,22 @@ def summarize_footers(footers: "TraceFooters", instances_of: dict[str, list[str]
             "instances": instances, "schedulers": None, "kinds": None, "requests": None,
             "warnings": list(footers.notes) + [f"{s.path}: skipped: {s.reason}" for s in footers.skipped],
             "rows_read": False}
+
+
+def named_summary(summary: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """The summary with each instance's readable name, `name`, after `instance` in its instances and schedulers
+    rows (the id stays: it is how vLLM's own logs call the instance)."""
+    def named(row: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in row.items():
+            if key != "name":
+                out[key] = value
+            if key == "instance":
+                out["name"] = names.get(str(value), str(value))
+        return out
+
+    return {**summary, "instances": [named(r) for r in summary["instances"]],
+            "schedulers": None if summary["schedulers"] is None else [named(r) for r in summary["schedulers"]]}
 
 
 def merge_summaries(parts: list[dict[str, Any]], footers: "TraceFooters",

@@ -166,6 +166,24 @@ def test_one_instance_with_every_rank_joined(pp1, pp2):
     assert_one_instance(pp2.trace, pp_ranks=[0, 1], requests=N_REQUESTS)
 
 
+def test_a_real_instance_is_printed_by_its_readable_name(pp1, pp2):
+    """vLLM calls an engine without a connector by its `instance_id` (19 digits, `time.time_ns()`, from 0.28):
+    `info` shows it as engine-0 beside that id, and `analyze` and `show --step` print engine-0, the id only on the
+    report's `instances:` line (issue 36 item 4)."""
+    from pdtrace.trace.names import is_generated
+
+    for run in (pp1, pp2):
+        (row,) = R.info(run.trace)["instances"]
+        vllm_id = row["instance"]
+        assert is_generated(vllm_id) and row["name"] == "engine-0", row
+        text = R.pdtrace_cli("analyze", run.trace, "--fail-on", "never").stdout
+        assert f"instances: engine-0 = {vllm_id}" in text, text
+        assert [line for line in text.splitlines() if vllm_id in line and "instances:" not in line] == [], text
+        show = R.show_step(run.trace, _busy_step(run.trace))
+        assert "engine-0" in show and vllm_id not in show, show
+        assert R.show_step(run.trace, _busy_step(run.trace), instance="engine-0") == show
+
+
 def _busy_step(trace) -> int:
     """A step that carried tokens, from the middle of the run (a step of its own, not inside a run of empty steps)."""
     ev = R.events(trace)
