@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.rules.unscheduled_request import RULE, run
+from pdtrace.trace.model import Trace
 from scenarios import HEALTHY, Engine, builder
 from scenarios_pipeline import few_requests_pp4, healthy_pp4, one_microbatch_pp4
 
@@ -486,3 +489,21 @@ def test_zombie_when_a_request_rows_are_not_in_time_order_in_the_files():
     z = by_sub(findings(b.trace()), "zombie")
     assert list(z["req"]) == ["a"]
     assert z.iloc[0]["extra"]["steps"] == 60 and z.iloc[0]["severity"] == "warning"
+
+
+def test_a_preemption_in_a_trace_without_any_sched_or_finish_is_judged_not_crashed() -> None:
+    """A damaged or cut trace: a request preempted, then nothing of any request scheduled or finished (found by
+    tests/test_steps.py's random corruptions: an IndexError in the search for each preemption's end). The
+    preemption waits to the end, and the rule reports what it can."""
+    b = builder()
+    e = Engine(b, instance="E", role="both")
+    e.add("a", n=32)
+    e.add("w", n=32)
+    k = e.step({})
+    e.ev("req_preempt", step=k, req="a")
+    e.output()
+    table = b.trace().table
+    kinds = pc.cast(table.column("kind"), pa.string())
+    trimmed = table.filter(pc.invert(pc.is_in(kinds, value_set=pa.array(["req_sched", "req_finish"]))))
+    found = run(AnalysisContext(Trace.from_table(trimmed)))
+    assert {"w", "a"} >= set(found["req"])

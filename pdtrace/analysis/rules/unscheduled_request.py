@@ -213,8 +213,11 @@ def _preempted_waiting(cols: Columns, sched_sk: np.ndarray, sched_pos: np.ndarra
     if not len(pre) or not len(sched_pos):
         return np.zeros(len(sched_pos), bool)
     ends = cols.req_rows("req_sched", "req_finish")
-    nxt = next_at_or_after(cols.rk[pre], cols.pos[pre], cols.rk[ends], cols.pos[ends], strict=True)
-    end_pos = np.where(nxt >= 0, cols.pos[ends[np.maximum(nxt, 0)]].astype(np.int64), int(cols.n) + 1)
+    if len(ends):
+        nxt = next_at_or_after(cols.rk[pre], cols.pos[pre], cols.rk[ends], cols.pos[ends], strict=True)
+        end_pos = np.where(nxt >= 0, cols.pos[ends[np.maximum(nxt, 0)]].astype(np.int64), int(cols.n) + 1)
+    else:  # no request was ever scheduled or finished: every preemption waits to the end
+        end_pos = np.full(len(pre), int(cols.n) + 1, np.int64)
     span = int(cols.n) + 2
     ev_key = np.concatenate([cols.sk[pre].astype(np.int64) * span + cols.pos[pre], cols.sk[pre].astype(np.int64)
                              * span + end_pos])
