@@ -90,3 +90,20 @@ def test_replay_refuses_a_non_empty_output_and_a_trace_without_a_scheduler(monke
     workers_only = trace.table.filter(pc.equal(trace.table.column("component").cast("string"), "worker"))
     with pytest.raises(UsageError, match="no scheduler events"):
         plan_replay(type("T", (), {"table": workers_only})())
+
+
+def test_the_plan_names_each_side_as_every_verb_does(tmp_path):
+    """A real engine's sides carry vLLM's ids; the replay's report names them as analyze and show do, and keeps
+    the id (text `prefill-0 = <id>`, JSON `instance` and `instance_name`)."""
+    from renamed import ID_D, UUID, renamed
+
+    from pdtrace.replay.run import ReplayResult
+    from pdtrace.report.replay_report import replay_summary
+
+    path = renamed(SAMPLES / "healthy_pd_pp1" / "trace", tmp_path / "t", {"prefill-0": UUID, "decode-0": ID_D})
+    plan = plan_replay(open_trace(path))
+    assert {(s.role, s.instance, s.name) for s in plan.sides.values()} == {
+        ("prefill", UUID, "prefill-0"), ("decode", ID_D, "decode-0")}
+    report = compare_decisions("prefill", [], [])
+    summary = replay_summary(ReplayResult(plan, [report]))
+    assert (summary["sides"][0]["instance"], summary["sides"][0]["instance_name"]) == (UUID, "prefill-0")

@@ -12,6 +12,7 @@ import pandas as pd
 
 from pdtrace.dryrun.config import DryRunConfig
 from pdtrace.errors import UsageError
+from pdtrace.trace.names import names_of
 
 _COLUMNS = ["ts_ns", "instance", "component", "dp_rank", "pp_rank", "tp_rank", "kind", "step", "req", "blocks", "n",
             "reason", "delay_free", "detail"]
@@ -28,6 +29,7 @@ class Side:
     role: str  # "prefill", "decode" or "single"
     config: dict[str, Any]
     events: pd.DataFrame
+    name: str = ""  # the instance's readable name (pdtrace.trace.names)
 
 
 @dataclass
@@ -149,6 +151,9 @@ def plan_replay(trace: Any) -> ReplayPlan:
     """The dry run that re-drives `trace` (UsageError, one line, for a trace it cannot drive)."""
     df = load_events(trace)
     sides = _sides(df)
+    names = names_of(trace)
+    for side in sides.values():
+        side.name = names.get(side.instance, side.instance)
     first = sides.get("prefill") or sides["single"]
     cfg = first.config
     notes: list[str] = []

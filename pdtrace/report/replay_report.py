@@ -15,7 +15,9 @@ def replay_summary(result: ReplayResult) -> dict[str, Any]:
     """The report as JSON-able data (`--format json`)."""
     return {"share": round(result.share, 4), "error": result.error, "notes": result.notes,
             "output": str(result.output) if result.output else None,
-            "sides": [{"role": s.role, "recorded": s.recorded, "replayed": s.replayed, "matched": s.matched,
+            "sides": [{"role": s.role, "instance": result.plan.sides[s.role].instance,
+                       "instance_name": result.plan.sides[s.role].name or result.plan.sides[s.role].instance,
+                       "recorded": s.recorded, "replayed": s.replayed, "matched": s.matched,
                        "share": round(s.share, 4), "first_divergence": s.first_divergence} for s in result.sides]}
 
 
@@ -24,8 +26,9 @@ def render_replay(console: Console, result: ReplayResult, vllm_version: str) -> 
     console.print(f"pdtrace replay on vLLM {vllm_version}: {result.share:.1%} of the scheduler's decisions match the "
                   f"recording", markup=False)
     for s in result.sides:
-        instance = result.plan.sides[s.role].instance
-        console.print(f"  {s.role} ({instance}): {s.matched} of {max(s.recorded, s.replayed)} decisions match "
+        side = result.plan.sides[s.role]
+        label = side.instance if side.name in ("", side.instance) else f"{side.name} = {side.instance}"
+        console.print(f"  {s.role} ({label}): {s.matched} of {max(s.recorded, s.replayed)} decisions match "
                       f"(recorded {s.recorded}, replayed {s.replayed})", markup=False)
         d = s.first_divergence
         if d:
