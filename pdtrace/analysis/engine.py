@@ -21,7 +21,7 @@ import pandas as pd
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.findings import SEVERITY_ORDER, checked_findings, empty_findings, explained_once
 from pdtrace.analysis.history import window_findings
-from pdtrace.analysis.parallel import run_rules
+from pdtrace.analysis import parallel
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.slices import allocation_settings
 
@@ -41,9 +41,9 @@ def analyze_slice(ctx: AnalysisContext, rules: Sequence[Rule], jobs: int, keep: 
                   summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None = None) -> SliceResult:
     """Run `rules` on the slice `ctx` on `jobs` threads, check and judge their findings, keep (`keep`) and
     summarise (`summarize`) them: the one rule loop of every analysis (module docstring)."""
-    with allocation_settings():
+    with allocation_settings():  # parallel.run_rules looked up per call: bench/long_trace.py --profile replaces it
         frames = [_judged(ctx, window_findings(ctx, checked_findings(frame, rule), rule))
-                  for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
+                  for frame, rule in zip(parallel.run_rules(ctx, rules, jobs), rules)]
         if keep is not None:
             frames = [keep(i, frame, rule) for i, (frame, rule) in enumerate(zip(frames, rules))]
         summary = summarize(ctx, frames) if summarize is not None else None
