@@ -132,10 +132,12 @@ class Plan:
                  f"mode:    {self.mode} ({self.why})",
                  f"runner:  {runner}, {self.threads} rule thread{'s' if self.threads != 1 else ''} per slice",
                  f"slices:  {len(self.slices)}"]
+        if config.instances:
+            lines.append(f"only:    {', '.join(config.instances)}")
         if config.since_ns is not None or config.until_ns is not None:
             lines.append(f"window:  ts_ns >= {config.since_ns}, < {config.until_ns} (rows are counted before it)")
         for s in self.slices:
-            what = "+".join(s.instances) or "every instance"
+            what = "+".join(s.instances) or "the whole trace"
             rows = "? rows" if s.rows is None else f"{s.rows:,} rows"
             files = f", {s.files} file{'s' if s.files != 1 else ''}" if s.files else ""
             shared = ", files shared with other instances" if s.shared else ""
