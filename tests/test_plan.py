@@ -146,3 +146,18 @@ def test_a_loaded_trace_is_planned_by_its_own_rows(pd_dir):
     assert P.plan_analysis(trace).mode == "whole"
     with pytest.raises(Exception, match="takes a trace path"):
         P.plan_analysis(trace, dask="tcp://127.0.0.1:1")
+
+
+def test_the_partitions_are_windowed_as_the_plan_says(pd_dir):
+    """The plan's per-slice decision is the one the run takes (no second reading of the rows): a plan edited to
+    window one partition runs that partition window by window, and only it."""
+    import dataclasses
+
+    rows = _rows(pd_dir)
+    plan = P.plan_analysis(pd_dir, AnalysisConfig(jobs=1), partitioned=True)
+    assert [s.window_events for s in plan.slices] == [0, 0]
+    assert analyze(pd_dir, plan=plan).attrs["windows"] == {}
+    at = next(i for i, s in enumerate(plan.slices) if s.instances == ("D",))
+    plan.slices[at] = dataclasses.replace(plan.slices[at], window_events=rows["D"] // 3)
+    windows = analyze(pd_dir, plan=plan).attrs["windows"]
+    assert list(windows) == ["D"] and windows["D"]["windows"] > 1

@@ -416,8 +416,7 @@ def run_partition(task: PartitionTask) -> PartitionResult:
 
     start = time.perf_counter()
     rules = _resolve(task.rules)
-    every = task_window_events(task)
-    if every:
+    if task_window_events(task):
         return _run_windowed(task, rules)
     trace = _load_partition(task)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
@@ -621,14 +620,14 @@ def default_workers() -> int:
 
 def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[Rule], config: AnalysisConfig,
                         runner: Any, plan: PartitionPlan | None = None,
-                        progress: Progress | None = None, parts: Sequence[Partition] | None = None
-                        ) -> tuple[list[pd.DataFrame], int, list[str], list[str],
+                        progress: Progress | None = None, parts: Sequence[Partition] | None = None,
+                        window_events: Sequence[int] | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str],
                                                                    dict[str, dict[str, int]]]:
     """(findings per rule, events analysed, trace warnings, partitions, {instance: windows and carried requests} of
     the partitions analysed window by window) of `rules` on the trace, partition by partition on the runner (see
     the module docstring). `parts`: the partitions to analyse, as the plan (`pdtrace.analysis.plan`) chose them
-    (default: those of `config.instances`); each is analysed window by window where its rows call for it
-    (`windows.window_size`), decided here once per task."""
+    (default: those of `config.instances`); `window_events`: per partition of `parts`, the plan's events per
+    window, 0 to analyse it whole (default: `windows.window_size` of its rows, what the plan decides)."""
     rule_refs: tuple[str | Rule, ...] = tuple(_portable(rule) for rule in rules)
     threads = getattr(runner, "threads_per_task", None) or int(config.jobs) or default_jobs()
     task_config = replace(config, jobs=int(threads))
@@ -640,7 +639,7 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
     else:
         if getattr(runner, "remote", False) and not is_url(source) and not os.path.isabs(source):
             source = os.path.abspath(source)  # the workers resolve paths in their own working directory
-            plan, parts = None, None
+            plan, parts, window_events = None, None, None
         plan = plan or plan_partitions(source)
         if parts is None:
             parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
@@ -648,10 +647,12 @@ def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[
         base = dict(path=str(source), trace=None)
         warnings = plan.warnings
     local = isinstance(runner, LocalRunner)  # per-window progress reaches back only from this process
+    if window_events is None:
+        window_events = [window_size(task_config, p.rows) for p in parts]
     tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
                            links=len(parts) > 1, progress=progress if local else None,
-                           window_events=window_size(task_config, p.rows), **_files_of([p], base))
-             for p in parts]
+                           window_events=every, **_files_of([p], base))
+             for p, every in zip(parts, window_events)]
     results: list[PartitionResult | None] = [None] * len(tasks)
     for index, result in runner.run(tasks):
         results[index] = result

@@ -254,7 +254,8 @@ def run_plan(plan: Plan, rules: Sequence[Rule], notes: list[str],
     runner = plan.runner_object()
     try:
         frames, events, trace_notes, parts, windows = analyze_partitioned(
-            plan.source, rules, plan.settings, runner, plan.partitions, progress, parts=plan.parts)
+            plan.source, rules, plan.settings, runner, plan.partitions, progress, parts=plan.parts,
+            window_events=[s.window_events for s in plan.slices])
     finally:
         getattr(runner, "close", lambda: None)()
     return merged(frames, rules, {"rules": [r.id for r in rules], "events": events, "trace": plan.trace,
