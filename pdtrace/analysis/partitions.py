@@ -416,8 +416,9 @@ def run_partition(task: PartitionTask) -> PartitionResult:
 
     start = time.perf_counter()
     rules = _resolve(task.rules)
-    if task_window_events(task):
-        return _run_windowed(task, rules)
+    every = task_window_events(task)
+    if every:
+        return _run_windowed(task, rules, every)
     trace = _load_partition(task)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
     result = analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
@@ -437,15 +438,15 @@ def task_window_events(task: PartitionTask) -> int:
     return window_size(task.config, task.rows if task.trace is None else len(_load_partition(task)))
 
 
-def _run_windowed(task: PartitionTask, rules: Sequence[Rule]) -> PartitionResult:
-    """A partition analysed window by window (`pdtrace.analysis.windows`): one read from files is never loaded
-    whole; an in-memory trace's rows are windowed where they are."""
+def _run_windowed(task: PartitionTask, rules: Sequence[Rule], every: int) -> PartitionResult:
+    """A partition analysed window by window (`pdtrace.analysis.windows`) in windows of `every` events: one read
+    from files is never loaded whole; an in-memory trace's rows are windowed where they are."""
     from pdtrace.analysis.windows import MemorySource, analyze_windows
 
     start = time.perf_counter()
     source: Any = MemorySource(_load_partition(task)) if task.trace is not None else PathSource(
         str(task.path), task.instances if task.filter_instances else None, task.files, task.config)
-    result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances),
+    result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances), every,
                              progress=task.progress,
                              summarize=_summary(task, rules))
     return PartitionResult(task.instances, result.events, frames=result.frames, warnings=result.warnings,
