@@ -81,6 +81,7 @@ def test_plan_json_rows_come_from_the_footers_and_windows_from_the_window_size(c
 def test_plan_of_a_small_trace_is_whole_and_of_one_instance_windowed(cli, pd_dir):
     doc = json.loads(cli("analyze", pd_dir, "--plan", "--format", "json").stdout)
     assert doc["mode"] == "whole" and doc["runner"]["kind"] == "this process"
+    assert doc["why"] == "under 2,000,000 events"
     assert doc["slices"] == [{"instances": [], "rows": doc["events"], "files": 2, "shared": False,
                               "window_events": 0, "windows": 1}]
     rows = _rows(pd_dir)

@@ -175,8 +175,7 @@ def plan_analysis(source: Any, config: AnalysisConfig | None = None, *, dask: An
         found = worth_partitioning(source, config or AnalysisConfig(), footers) if footers is not None else None
         if found is not None:
             return _partitioned(source, config, None, found, _worth_why(found, config or AnalysisConfig()))
-        return _whole(source, config, footers, "small, one instance or one dominant instance"
-                      if partitioned is None else "asked for")
+        return _whole(source, config, footers, _whole_why(footers, config or AnalysisConfig()))
     if partitioned is None and isinstance(source, Trace) and window_size(config or AnalysisConfig(), len(source)):
         return _partitioned(source, config, None, None, "a loaded trace above the window size")
     return _whole(source, config, footers, "asked for" if partitioned is False else "a loaded trace")
@@ -187,6 +186,19 @@ def _worth_why(found: PartitionPlan, config: AnalysisConfig) -> str:
     if parts and window_size(config, max(p.rows for p in parts)):
         return "an instance above the window size"
     return f"several instances, at least {PARTITION_MIN_EVENTS:,} events, none above 3/4 of them"
+
+
+def _whole_why(footers: PartitionPlan | None, config: AnalysisConfig) -> str:
+    """Why a trace path is not worth partitioning (`partitions.worth_partitioning`), in words."""
+    if footers is None:
+        return "a single file"
+    parts = [p for p in footers.partitions if not config.instances or p.instance in config.instances]
+    events = sum(p.rows for p in parts)
+    if len(parts) < 2:
+        return "one instance"
+    if events < PARTITION_MIN_EVENTS:
+        return f"under {PARTITION_MIN_EVENTS:,} events"
+    return "one instance holds more than 3/4 of the events"
 
 
 def _whole(source: Any, config: AnalysisConfig | None, footers: PartitionPlan | None, why: str) -> Plan:
