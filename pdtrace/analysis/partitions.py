@@ -69,8 +69,7 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_windows, read_time_window, window_size
-from pdtrace.analysis.findings import checked_findings
-from pdtrace.analysis.slices import allocation_settings, window
+from pdtrace.analysis.slices import window
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
 from pdtrace.trace.reader import (TraceFooters, column_stats, dataset, footer_names, is_url, location, read_columns,
@@ -366,6 +365,9 @@ class PartitionTask:
     trace: Trace | None = field(default=None, compare=False)
     #: called per analysed window of a windowed partition, in the process that runs it (LocalRunner only)
     progress: Any = field(default=None, compare=False)
+    #: events per window (`pdtrace.analysis.windows`), 0 to analyse the partition whole: decided once by the plan
+    #: (`pdtrace.analysis.plan`); None (a task made by hand): from its rows (`task_window_events`)
+    window_events: int | None = None
 
     @property
     def name(self) -> str:
@@ -413,42 +415,43 @@ def _load_partition(task: PartitionTask) -> Trace:
 
 
 def run_partition(task: PartitionTask) -> PartitionResult:
-    """Phase 1 (or a phase-2 group): load the task's rows, run its rules as on a whole trace, summarise."""
-    from pdtrace.analysis.history import window_findings
-    from pdtrace.analysis.parallel import run_rules
+    """Phase 1 (or a phase-2 group): the task's rows analysed as one slice (`engine.analyze_slice`), or window by
+    window where its plan says so (`PartitionTask.window_events`), and summarised."""
+    from pdtrace.analysis.engine import analyze_slice
 
     start = time.perf_counter()
     rules = _resolve(task.rules)
-    windowed = _windowed(task, rules)
-    if windowed is not None:
-        return windowed
+    every = task_window_events(task)
+    if every:
+        return _run_windowed(task, rules, every)
     trace = _load_partition(task)
-    if task.summaries and window_size(task.config, len(trace)):  # an in-memory trace's rows: now known
-        return _run_windowed(task, rules, trace)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
-    with allocation_settings():
-        frames = [window_findings(ctx, checked_findings(frame, rule), rule) for frame, rule in
-                  zip(run_rules(ctx, rules, max(1, int(task.config.jobs))), rules)]
-        summary = _summary(task, rules)(ctx, frames) if task.summaries else None
-    return PartitionResult(task.instances, len(trace), frames, list(trace.warnings), summary,
+    result = analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
+                           summarize=_summary(task, rules) if task.summaries else None)
+    return PartitionResult(task.instances, len(trace), result.frames, list(trace.warnings), result.summary,
                            time.perf_counter() - start)
 
 
-def _windowed(task: PartitionTask, rules: Sequence[Rule]) -> PartitionResult | None:
-    """A partition read from files whose footers count more than `config.window_events` rows: analysed window by
-    window (`pdtrace.analysis.windows`), never loaded whole. Linked groups (phase 2) are loaded whole."""
-    if task.trace is not None or not task.summaries or not window_size(task.config, task.rows):
-        return None
-    return _run_windowed(task, rules, None)
+def task_window_events(task: PartitionTask) -> int:
+    """Events per window of the task's partition, 0 to analyse it whole: the plan's (`PartitionTask.
+    window_events`); for a task made without one, `window_size` of its rows (the footers' of its files, or an
+    in-memory trace's rows of its instances). Linked groups (phase 2) are analysed whole."""
+    if not task.summaries:
+        return 0
+    if task.window_events is not None:
+        return int(task.window_events)
+    return window_size(task.config, task.rows if task.trace is None else len(_load_partition(task)))
 
 
-def _run_windowed(task: PartitionTask, rules: Sequence[Rule], trace: Trace | None) -> PartitionResult:
+def _run_windowed(task: PartitionTask, rules: Sequence[Rule], every: int) -> PartitionResult:
+    """A partition analysed window by window (`pdtrace.analysis.windows`) in windows of `every` events: one read
+    from files is never loaded whole; an in-memory trace's rows are windowed where they are."""
     from pdtrace.analysis.windows import MemorySource, analyze_windows
 
     start = time.perf_counter()
-    source: Any = MemorySource(trace) if trace is not None else PathSource(
+    source: Any = MemorySource(_load_partition(task)) if task.trace is not None else PathSource(
         str(task.path), task.instances if task.filter_instances else None, task.files, task.config)
-    result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances),
+    result = analyze_windows(source, rules, task.config, task.span_ns, "+".join(task.instances), every,
                              progress=task.progress,
                              summarize=_summary(task, rules))
     return PartitionResult(task.instances, result.events, frames=result.frames, warnings=result.warnings,
@@ -623,32 +626,39 @@ def default_workers() -> int:
 
 def analyze_partitioned(source: str | os.PathLike[str] | Trace, rules: Sequence[Rule], config: AnalysisConfig,
                         runner: Any, plan: PartitionPlan | None = None,
-                        progress: Progress | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str],
+                        progress: Progress | None = None, parts: Sequence[Partition] | None = None,
+                        window_events: Sequence[int] | None = None) -> tuple[list[pd.DataFrame], int, list[str], list[str],
                                                                    dict[str, dict[str, int]]]:
     """(findings per rule, events analysed, trace warnings, partitions, {instance: windows and carried requests} of
     the partitions analysed window by window) of `rules` on the trace, partition by partition on the runner (see
-    the module docstring)."""
+    the module docstring). `parts`: the partitions to analyse, as the plan (`pdtrace.analysis.plan`) chose them
+    (default: those of `config.instances`); `window_events`: per partition of `parts`, the plan's events per
+    window, 0 to analyse it whole (default: `windows.window_size` of its rows, what the plan decides)."""
     rule_refs: tuple[str | Rule, ...] = tuple(_portable(rule) for rule in rules)
     threads = getattr(runner, "threads_per_task", None) or int(config.jobs) or default_jobs()
     task_config = replace(config, jobs=int(threads))
     if isinstance(source, Trace):
-        parts = _memory_partitions(source, config)
+        parts = memory_partitions(source, config) if parts is None else parts
         span = _memory_span(source, config)
         base = dict(path=source.path, files=None, filter_instances=True, trace=source)
         warnings: list[str] = list(source.warnings)
     else:
-        if getattr(runner, "remote", False) and not is_url(source):
+        if getattr(runner, "remote", False) and not is_url(source) and not os.path.isabs(source):
             source = os.path.abspath(source)  # the workers resolve paths in their own working directory
-            plan = None
+            plan, parts, window_events = None, None, None
         plan = plan or plan_partitions(source)
-        parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
+        if parts is None:
+            parts = [p for p in plan.partitions if not config.instances or p.instance in config.instances]
         span = analysed_span(plan, parts, config)
         base = dict(path=str(source), trace=None)
         warnings = plan.warnings
     local = isinstance(runner, LocalRunner)  # per-window progress reaches back only from this process
+    if window_events is None:
+        window_events = [window_size(task_config, p.rows) for p in parts]
     tasks = [PartitionTask(instances=(p.instance,), rules=rule_refs, config=task_config, span_ns=span, rows=p.rows,
-                           links=len(parts) > 1, progress=progress if local else None, **_files_of([p], base))
-             for p in parts]
+                           links=len(parts) > 1, progress=progress if local else None,
+                           window_events=every, **_files_of([p], base))
+             for p, every in zip(parts, window_events)]
     results: list[PartitionResult | None] = [None] * len(tasks)
     for index, result in runner.run(tasks):
         results[index] = result
@@ -721,10 +731,15 @@ def _files_of(parts: Sequence[Partition], base: dict[str, Any]) -> dict[str, Any
     return dict(base, files=files, filter_instances=any(p.shared for p in parts))
 
 
-def _memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
+def memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
+    """An in-memory trace's partitions: its instances in order of first appearance (those of `config.instances`),
+    each with its rows inside the config's time window (what its task analyses; 0 where none)."""
     column = dictionary_decoded(trace.table.column("instance"))
     names = [str(v) for v in pc.unique(column).drop_null().to_pylist()]  # in order of first appearance
-    return [Partition(name, (), 0, True) for name in names if not config.instances or name in config.instances]
+    shown = dictionary_decoded(window(trace, config).table.column("instance"))
+    rows = {str(c["values"]): int(c["counts"]) for c in pc.value_counts(shown).to_pylist()} if len(shown) else {}
+    return [Partition(name, (), rows.get(name, 0), True) for name in names
+            if not config.instances or name in config.instances]
 
 
 def _memory_span(trace: Trace, config: AnalysisConfig) -> tuple[int, int]:

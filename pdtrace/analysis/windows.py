@@ -79,7 +79,6 @@ from pdtrace.analysis.columns import _bits, _values, dictionary_codes
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.findings import checked_findings
 from pdtrace.analysis.slices import allocation_settings
 from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
@@ -967,8 +966,7 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                      span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
                      progress: Callable[[Any, Any], None] | None,
                      summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
-    from pdtrace.analysis.history import window_findings
-    from pdtrace.analysis.parallel import run_rules
+    from pdtrace.analysis.engine import analyze_slice
 
     window_events = int(window_events or (config.window_events if config.window_events > 0 else 0)
                         or DEFAULT_WINDOW_EVENTS)
@@ -988,10 +986,10 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
         ctx = AnalysisContext(trace=trace, config=config, span_ns=span)
         analysed = len(trace)
         events.append(_events_in(trace, int(plan.cuts[k]), end))
-        found = [window_findings(ctx, checked_findings(frame, rule), rule)
-                 for frame, rule in zip(run_rules(ctx, rules, jobs), rules)]
-        kept: list[pd.DataFrame] = []
-        for i, (frame, rule) in enumerate(zip(found, rules)):
+
+        def keep(i: int, frame: pd.DataFrame, rule: Rule, k: int = k, start: int = start, end: int = end
+                 ) -> pd.DataFrame:
+            """The findings window k owns (module docstring, step 4); a per-window rule's, all, marked."""
             if len(frame) and rule.per_window:
                 frame = frame.copy()
                 frame["extra"] = [dict(e or {}, windowed={"start_ns": start, "end_ns": end,
@@ -1002,10 +1000,12 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                 owners = owner(frame, plan)
                 frame = carried_marked(frame[(owners == k) | ((owners < 0) & (k == last))], plan.carried[k],
                                        start)
-            kept.append(frame)
             frames[i].append(frame)
+            return frame
+
+        result = analyze_slice(ctx, rules, jobs, keep=keep, summarize=summarize)
         if summarize is not None:
-            summaries.append(summarize(ctx, kept))
+            summaries.append(result.summary)
         warnings.extend(w for w in trace.warnings if w not in warnings)
         del ctx, trace
         if progress is not None:

@@ -153,6 +153,9 @@ def analyze(
     partitions: Optional[bool] = typer.Option(None, "--partitions/--whole", help="Analyse instance by instance "
                                               "(default: when the trace is large and no instance dominates) or the "
                                               "whole trace in one process. Same findings either way."),
+    show_plan: bool = typer.Option(False, "--plan", help="Print how the analysis would run (mode, what is read, "
+                                   "the slices and their rows per the footers, the runner) and exit 0 without "
+                                   "analysing; --format json gives it as JSON."),
 ) -> None:
     """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
     unscheduled requests and pipeline bubbles, with the events that prove them."""
@@ -182,7 +185,8 @@ def analyze(
     for note in notes:
         err_console.print(f"pdtrace: warning: {note}", markup=False)
 
-    from pdtrace.analysis.partitions import analysed_span, plan_partitions, worth_partitioning
+    from pdtrace.analysis.partitions import analysed_span, plan_partitions
+    from pdtrace.analysis.plan import plan_analysis
 
     plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
     start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
@@ -206,14 +210,21 @@ def analyze(
     if instances:
         settings = settings.__class__(**{**settings.__dict__, "instances": tuple(instances)})
 
-    if dask is None and partitions is None and worth_partitioning(trace, settings, plan) is None:
-        partitions = False
-    if dask is None and partitions is False:
+    how = plan_analysis(str(trace), settings, dask=dask, partitioned=partitions, footers=plan)  # footers only
+    if show_plan:
+        if format is AnalyzeFormat.json:
+            import json
+
+            typer.echo(json.dumps(how.as_dict(), indent=2))
+        else:
+            for line in how.describe():
+                out_console.print(line, markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_OK)
+    if how.mode == "whole":
         findings = run_analysis(load_trace(trace), rules=chosen, config=settings, partitioned=False)
     else:
         with _partition_progress(len(plan.partitions), names) as progress:
-            findings = run_analysis(str(trace), rules=chosen, config=settings, dask=dask, partitioned=True,
-                                    progress=progress)
+            findings = run_analysis(str(trace), rules=chosen, config=settings, plan=how, progress=progress)
         for note in findings.attrs.get("trace_warnings", []):
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     summary = summarize_findings(findings)
