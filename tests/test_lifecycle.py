@@ -61,16 +61,23 @@ def preempt(running: bool) -> Trace:
     return e.b.trace()
 
 
-def wait_kv(external_tokens: int) -> Trace:
-    e = Engine(builder(), role="decode")
-    e.add("d", remote_prefill=True)
+def wait_step(e: Engine, req: str, blocks: list[int], n: int, detail: dict) -> int:
+    """A step of `e` whose only act is `req`'s allocation for a read and its wait for the remote KV (vLLM's step
+    that moves a request into WAITING_FOR_REMOTE_KVS), in flight until the next output; its step id."""
     k = e.next_step
     e.next_step += 1
-    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2], detail={"hit": 0})
-    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2], n=external_tokens)
+    e.ev("blocks_alloc", step=k, req=req, blocks=blocks, detail=detail)
+    e.ev("req_wait_kv", step=k, req=req, blocks=blocks, n=n)
     e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
     e.ev("step_submit", step=k, n=1)
     e.in_flight.append(k)
+    return k
+
+
+def wait_kv(external_tokens: int) -> Trace:
+    e = Engine(builder(), role="decode")
+    e.add("d", remote_prefill=True)
+    wait_step(e, "d", [1, 2], external_tokens, {"hit": 0})
     e.output()
     e.recv_done("d")
     e.step({"d": 1})
@@ -243,13 +250,7 @@ def failed_load(ignored: bool) -> Trace:
     (48 tokens) or, with the failure ignored (mutant of `_handle_invalid_blocks`), decodes one token on them."""
     e = Engine(builder(), role="decode")
     e.add("d", n=48, remote_prefill=True)
-    k = e.next_step
-    e.next_step += 1
-    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2, 3], detail={"hit": 0})
-    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2, 3], n=47)
-    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
-    e.ev("step_submit", step=k, n=1)
-    e.in_flight.append(k)
+    k = wait_step(e, "d", [1, 2, 3], 47, {"hit": 0})
     e.output()
     e.ev("kv_recv_fail", step=k, blocks=[1, 2, 3])
     e.recv_done("d")
@@ -464,13 +465,7 @@ def loaded_then_last_token() -> Trace:
     first step computes that one token: 48 tokens on 48 slots."""
     e = Engine(builder(), role="decode")
     e.add("d", n=48, remote_prefill=True)
-    k = e.next_step
-    e.next_step += 1
-    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2, 3], detail={"hit": 0, "external": 3})
-    e.ev("req_wait_kv", step=k, req="d", blocks=[1, 2, 3], n=48)
-    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
-    e.ev("step_submit", step=k, n=1)
-    e.in_flight.append(k)
+    wait_step(e, "d", [1, 2, 3], 48, {"hit": 0, "external": 3})
     e.output()
     e.recv_done("d")
     e.step({"d": 1})
