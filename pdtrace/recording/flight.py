@@ -35,7 +35,8 @@ everything after, up to its write: a trigger holds the ring
 (`FlightRecorder.hold`) until the dump is written, so a dump served late (a busy flight thread, a loaded machine)
 still holds the seconds before the failure, not just those before its write. What triggers one:
   - the engine fails: a hook that sees vLLM raise out of a step or a client request records `engine_error` and calls
-    the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance;
+    the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance (of its
+    P/D pair, where it is one side of one: below);
   - the dump signal (`SIGNAL_DEFAULT`, SIGUSR2: vLLM 0.27-0.33 handle SIGINT, SIGTERM and, in one connector,
     SIGQUIT, never SIGUSR1/2; SIGUSR1 is the one older vLLM and SLURM's pre-emption notices use;
     `PDTRACE_FLIGHT_SIGNAL=SIGUSR1` or another name chooses another). The handler only wakes this module's thread,
