@@ -512,7 +512,9 @@ def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, 
     for a full recording): `pdtrace dump traces/prod` asks both, into one folder that analyses as the pair, while
     the parent itself is refused (its dumps overlap) with one line naming that dump."""
     trace = tmp_path / "prod"
-    prefill, decode = worker(trace / "prefill", "P", seconds="2"), worker(trace / "decode", "D", seconds="2")
+    # prefill's window (the live side's, where a gone side's own dump must reach to join) is 8 s: from decode's own
+    # dump to the pair's, two CLI starts and a kill took more than 2 s on a loaded machine
+    prefill, decode = worker(trace / "prefill", "P", seconds="8"), worker(trace / "decode", "D", seconds="2")
     refused = pdtrace("analyze", trace)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no dump yet" in refused.stderr
     time.sleep(1.0)
@@ -545,7 +547,7 @@ def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, 
     assert parts(trace / "dump-0002" / "decode") == {"D": [decode.pid]}
     assert set(manifest(trace / "dump-0002")["recordings"]) == {"prefill", "decode"}
     assert pdtrace("analyze", trace / "dump-0002").returncode == 0
-    time.sleep(2.5)  # decode's dump is now older than its 2 s window
+    time.sleep(8.5)  # decode's dump is now older than prefill's 8 s window
     result = pdtrace("dump", trace)
     assert result.returncode == 0 and "ends before the others' windows begin" in result.stderr, result.stderr
     assert parts(trace / "dump-0003") == {} and parts(trace / "dump-0003" / "prefill") == {"P": [prefill.pid]}
