@@ -29,13 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 #: argv[1]; `fail S`: after S seconds records engine_error and flushes, as the vLLM hooks do, then lingers;
 #: `end S`: returns after S seconds. Prints "ready" once its recorder is registered.
 WORKER = """
-import sys, time
+import os, sys, time
 from pdtrace.recording import session
 session.configure_from_env("test")
 rec = session.recorder(sys.argv[1], "both")
 engine = rec.channel("engine")
 mode, after = (sys.argv[2], float(sys.argv[3])) if len(sys.argv) > 3 else ("run", 120.0)
 rec.emit("sched", step=0)
+if os.environ.get("READS_KV_FROM"):  # a decode side: a request whose KV it reads from that engine, as vLLM says
+    rec.emit("req_add", step=0, req="r0", detail={"remote_prefill": True,
+                                                   "remote_instance": os.environ["READS_KV_FROM"]})
 print("ready", flush=True)
 start = time.time()
 step = 1
@@ -509,7 +512,9 @@ def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, 
     for a full recording): `pdtrace dump traces/prod` asks both, into one folder that analyses as the pair, while
     the parent itself is refused (its dumps overlap) with one line naming that dump."""
     trace = tmp_path / "prod"
-    prefill, decode = worker(trace / "prefill", "P", seconds="2"), worker(trace / "decode", "D", seconds="2")
+    # prefill's window (the live side's, where a gone side's own dump must reach to join) is 8 s: from decode's own
+    # dump to the pair's, two CLI starts and a kill took more than 2 s on a loaded machine
+    prefill, decode = worker(trace / "prefill", "P", seconds="8"), worker(trace / "decode", "D", seconds="2")
     refused = pdtrace("analyze", trace)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no dump yet" in refused.stderr
     time.sleep(1.0)
@@ -542,7 +547,7 @@ def test_pdtrace_dump_of_a_pd_pairs_folder_is_one_trace_of_both_sides(tmp_path, 
     assert parts(trace / "dump-0002" / "decode") == {"D": [decode.pid]}
     assert set(manifest(trace / "dump-0002")["recordings"]) == {"prefill", "decode"}
     assert pdtrace("analyze", trace / "dump-0002").returncode == 0
-    time.sleep(2.5)  # decode's dump is now older than its 2 s window
+    time.sleep(8.5)  # decode's dump is now older than prefill's 8 s window
     result = pdtrace("dump", trace)
     assert result.returncode == 0 and "ends before the others' windows begin" in result.stderr, result.stderr
     assert parts(trace / "dump-0003") == {} and parts(trace / "dump-0003" / "prefill") == {"P": [prefill.pid]}
@@ -812,3 +817,138 @@ def test_a_side_whose_dump_cannot_be_copied_is_left_out_of_the_pairs_dump(tmp_pa
     assert (into / "inst" / "1").is_dir()
     later = time.time_ns() + 10**9  # windows that begin after the dump was asked for
     assert "ends before" in flight.join_recent_dump(side, tmp_path / "later", later)
+
+
+# ---- a P/D pair's engine error dumps both sides ------------------------------------------------------------------
+
+
+def marked(recording: Path) -> bool:
+    """Whether a decode side marked its recording with the engine it reads KV from (its trimmer does, within a
+    take)."""
+    return any((recording / "_flight" / "pair").glob("*.json"))
+
+
+def pair_done(dump: Path, sides: list[str]) -> bool:
+    return (dump / "_manifest.json").is_file() and all(done(dump / side) for side in sides)
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+def test_one_sides_engine_error_dumps_the_pair_under_one_folder(tmp_path, worker, failing):
+    """P and D recorded as users do (`-o RUN/prefill`, `-o RUN/decode`), linked by what vLLM knows: D's requests name
+    the engine they read KV from (P's engine_id, its instance). Either side's engine error writes RUN/dump-0001/
+    with both sides' windows of the same seconds before the error, one trace of two instances; the peer goes on
+    running; neither side dumps into its own folder."""
+    run = tmp_path / "run"
+    if failing == "prefill":  # the healthy side first, older than the window when the other fails 3 s after its start
+        decode = worker(run / "decode", "D", seconds="2", READS_KV_FROM="P")
+        assert wait_for(lambda: marked(run / "decode"))
+        time.sleep(2.5)
+        prefill = worker(run / "prefill", "P", "fail", "3.0", seconds="2")
+    else:  # D knows P from its own requests: no mark of P's needed, its registration names it
+        prefill = worker(run / "prefill", "P", seconds="2")
+        time.sleep(2.5)
+        decode = worker(run / "decode", "D", "fail", "3.0", seconds="2", READS_KV_FROM="P")
+    dump = run / "dump-0001"
+    assert wait_for(lambda: pair_done(dump, ["prefill", "decode"]), 30), sorted(map(str, run.rglob("*")))
+    assert parts(dump / "prefill") == {"P": [prefill.pid]} and parts(dump / "decode") == {"D": [decode.pid]}
+    joint = manifest(dump)
+    peer = "decode" if failing == "prefill" else "prefill"
+    assert joint["reason"] == "engine_error" and joint["trigger"] == failing and joint["missing"] == {}
+    assert set(joint["recordings"]) == {"prefill", "decode"} and all(r["events"] > 0
+                                                                   for r in joint["recordings"].values()), joint
+    assert manifest(dump / failing)["reason"] == "engine_error"
+    assert manifest(dump / peer)["reason"] == "peer_engine_error"
+    # the same 2 s before the error on both sides (the processes are older than that: windows, not whole)
+    starts = {side: manifest(dump / side)["window_start_ns"] for side in ("prefill", "decode")}
+    assert starts == {"prefill": joint["requested_ns"] - 2 * 10**9, "decode": joint["requested_ns"] - 2 * 10**9}
+    assert joint["window_start_ns"] == joint["requested_ns"] - 2 * 10**9
+    kinds = pq.read_table(next((dump / failing).rglob("part-*.parquet")), columns=["kind"]).column("kind")
+    assert "engine_error" in kinds.to_pylist()
+    summary = pdtrace("info", dump, "--format", "json")
+    assert {i["instance"] for i in json.loads(summary.stdout)["instances"]} == {"P", "D"}, summary.stderr
+    assert pdtrace("analyze", dump).returncode in (0, 1)
+    survivor = decode if failing == "prefill" else prefill
+    assert survivor.poll() is None  # a dump never stops the peer
+    assert not list(run.glob("*/dump-*"))  # the pair's dump is the parent's, not a side's own
+
+
+def test_record_pair_flag_links_sides_that_exchanged_no_kv_and_names_a_missing_one(tmp_path, worker):
+    """`pdtrace record --pair RUN` names the pair's folder where nothing links the sides by itself (no request went
+    across yet, sides not beside each other): the failing side's engine error dumps every flight recording under
+    RUN. A recording whose processes are gone, with no dump to join, is named in the manifest with why; the dump
+    does not wait for it."""
+    run = tmp_path / "run"
+    decode = worker(run / "d" / "0", "D", seconds="30")
+    gone = run / "x"  # a side whose process died without a word (its stale registration: a dead pid)
+    (gone / "_flight" / "procs").mkdir(parents=True)
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    (gone / "_flight" / "procs" / f"{dead.pid}.json").write_text(json.dumps({"pid": dead.pid, "instances": ["X"]}))
+    script = tmp_path / "w.py"
+    script.write_text(WORKER.replace("time.sleep(120)", "raise SystemExit(1)"))
+    t0 = time.monotonic()
+    result = pdtrace("record", "--flight", "30", "--pair", run, "-o", run / "p" / "0", "--", PY, script, "P",
+                     "fail", "1.0")
+    assert result.returncode == 1 and time.monotonic() - t0 < 45, result.stderr
+    assert manifest(run / "p" / "0")["flight"]["pair"] == str(run.resolve())
+    dump = run / "dump-0001"
+    assert wait_for(lambda: pair_done(dump, ["p/0", "d/0"]))
+    assert set(parts(dump / "p" / "0")) == {"P"} and parts(dump / "d" / "0") == {"D": [decode.pid]}
+    joint = manifest(dump)
+    assert set(joint["recordings"]) == {"p/0", "d/0"} and joint["trigger"] == "p/0"
+    assert joint["missing"] == {"x": "no live process; not in the dump"}
+    assert not (dump / "x").exists() and decode.poll() is None
+    assert pdtrace("analyze", dump).returncode in (0, 1)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--flight", "10", "--pair", "/elsewhere"], "must be a folder holding the output"),
+    (["--pair", "none"], "need --flight"),
+])
+def test_record_pair_bad_values(tmp_path, args, words):
+    result = pdtrace("record", *args, "-o", tmp_path / "run" / "t", "--", PY, "-c", "pass")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unrelated_runs_never_dump_each_other(tmp_path, worker):
+    """Two P/D pairs and a plain run recorded side by side in one folder (`-o flat/p1`, `flat/d1`, `flat/p2`, ...):
+    only the engines linked by KV are a pair. p1's engine error dumps p1 and d1 (which reads from it); p2, d2 and
+    the plain run are neither asked nor signalled. The plain run's own engine error then dumps itself alone."""
+    flat = tmp_path / "flat"
+    d1 = worker(flat / "d1", "D1", READS_KV_FROM="P1")
+    d2 = worker(flat / "d2", "D2", READS_KV_FROM="P2")
+    assert wait_for(lambda: marked(flat / "d1") and marked(flat / "d2"))
+    p2 = worker(flat / "p2", "P2")
+    plain = worker(flat / "plain", "A", "fail", "4.0")
+    p1 = worker(flat / "p1", "P1", "fail", "1.0")
+    dump = flat / "dump-0001"
+    assert wait_for(lambda: pair_done(dump, ["p1", "d1"]))
+    assert parts(dump / "p1") == {"P1": [p1.pid]} and parts(dump / "d1") == {"D1": [d1.pid]}
+    assert set(manifest(dump)["recordings"]) == {"p1", "d1"} and manifest(dump)["missing"] == {}
+    assert wait_for(lambda: done(flat / "plain" / "dump-0001"))
+    assert parts(flat / "plain" / "dump-0001") == {"A": [plain.pid]}
+    time.sleep(2 * flight.POLL_S + 0.5)  # a poll after both failures: nothing more
+    assert sorted(p.name for p in flat.glob("dump-*")) == ["dump-0001"]
+    assert sorted(str(p.relative_to(flat)) for p in flat.glob("*/dump-*")) == ["plain/dump-0001"]
+    assert all(p.poll() is None for p in (d1, d2, p2))  # alive: nobody signalled them with a default action
+
+
+def test_pair_of_links_only_by_kv_the_flag_or_nothing(tmp_path):
+    """The pairing rule alone: by itself only through an instance one side read KV from; `PAIR_OFF` never; a
+    `--pair` folder that does not hold the recording is no pair."""
+    for side, mark in (("prefill", None), ("decode", {"instances": ["D"], "remote_instances": ["P"]}),
+                       ("other", {"instances": ["Q"], "remote_instances": ["R"]})):
+        (tmp_path / side / "_flight" / "procs").mkdir(parents=True)
+        if mark:
+            (tmp_path / side / "_flight" / "pair").mkdir()
+            (tmp_path / side / "_flight" / "pair" / "1.json").write_text(json.dumps(mark))
+    (tmp_path / "prefill" / "_flight" / "procs" / "1.json").write_text(json.dumps({"pid": 1, "instances": ["P"]}))
+    root = tmp_path.resolve()
+    assert flight.pair_of(tmp_path / "prefill", ["P"], [], None) == (root, [root / "decode"])
+    assert flight.pair_of(tmp_path / "decode", ["D"], ["P"], None) == (root, [root / "prefill"])
+    assert flight.pair_of(tmp_path / "prefill", ["Z"], [], None) is None  # nothing read from it
+    assert flight.pair_of(tmp_path / "prefill", ["P"], [], flight.PAIR_OFF) is None
+    assert flight.pair_of(tmp_path / "prefill", ["Z"], [], str(tmp_path)) == (
+        root, [root / "decode", root / "other"])  # the flag: every other recording under the folder
+    assert flight.pair_of(tmp_path / "prefill", ["P"], [], str(tmp_path / "other")) is None

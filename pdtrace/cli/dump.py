@@ -10,7 +10,9 @@ did not answer in time or failed, 2 when TRACE is not a flight recording or has 
 
 TRACE may also be a folder holding several flight recordings (a P/D pair recorded as `TRACE/prefill` and
 `TRACE/decode`): each is asked, into `TRACE/dump-NNNN/<recording>/`, one trace of them all
-(`request_dump(into=...)`; a recording whose processes are gone joins with its own recent dump, `join_recent_dump`).
+(`request_dump(into=...)`; a recording whose processes are gone joins with its own recent dump, or its part of
+TRACE's newest pair dump, `join_recent_dump`). One side's engine error writes such a dump by itself
+(`pdtrace.recording.flight.request_pair_dump`).
 """
 
 from __future__ import annotations
@@ -63,10 +65,10 @@ def dump(
     seconds = [float(t.get("seconds") or 0) for live in targets.values() for t in live]
     since = time.time_ns() - int(max(seconds, default=0) * 1e9)
     if not seconds:  # none live: its recordings' newest dumps, joined where they meet
-        since = newest_window_start_ns(recordings) if not instance else None
+        since = newest_window_start_ns(recordings, trace) if not instance else None
         if since is None:
             which = f" of instance {', '.join(instance)}" if instance else ""
-            dumped = sum(newest_dump(r) is not None for r in recordings) if len(recordings) > 1 else 0
+            dumped = sum(newest_dump(r, trace) is not None for r in recordings) if len(recordings) > 1 else 0
             raise UsageError(f"no live process{which} in the flight recording {trace} (the run has ended?)"
                              + ("" if len(recordings) < 2 or instance else
                                 "; the newest dumps of its recordings do not overlap to join" if dumped > 1 else
@@ -84,7 +86,7 @@ def dump(
                 parts[part] = recording
             else:
                 part = folder / recording.relative_to(trace)
-                done = join_recent_dump(recording, part, since)
+                done = join_recent_dump(recording, part, since, trace)
                 if part.is_dir():
                     parts[part] = recording
                 err_console.print(f"pdtrace: {recording}: no live process{' of that instance' if instance else ''}; "

@@ -5,6 +5,9 @@ with recording on.
 keeps its last SECONDS of events in memory and writes nothing until a dump: an engine error, the dump signal
 (SIGUSR2), `pdtrace dump TRACE`, or (with --flight-dump-on-exit) its exit; each dump is a trace of its own,
 `TRACE/dump-NNNN/`. The settings travel as PDTRACE_FLIGHT, PDTRACE_FLIGHT_MB, PDTRACE_FLIGHT_DUMP_ON_EXIT.
+`--pair DIR` (PDTRACE_FLIGHT_PAIR): the P/D pair's folder, whose every flight recording an engine error on one
+side dumps with it (`pdtrace.recording.flight.pair_of`; by default a KV-transfer engine pairs with the KV-transfer
+recordings beside TRACE; `none`: no pair).
 
 Recording is switched on for the command and every process it starts by `PDTRACE_TRACE_DIR` (read by pdtrace's
 `vllm.general_plugins` entry point in each vLLM process). If the user restricts vLLM's plugins with `VLLM_PLUGINS`,
@@ -127,6 +130,8 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
     if flight is not None:
         manifest["flight"] = {"seconds": flight.seconds, "mb": flight.mb, "dump_on_exit": flight.dump_on_exit,
                               "signal": flight.signal_name}
+        if flight.pair is not None:
+            manifest["flight"]["pair"] = flight.pair
     write_manifest(output, manifest)
     from pdtrace.recording.recorder import FLUSH_ACK_DIR, request_flush
 
@@ -295,17 +300,24 @@ def _json_object(text: str, option: str, key: str) -> dict[str, Any]:
     return value
 
 
-def _flight_config(seconds: float | None, mb: float | None, dump_on_exit: bool) -> "FlightConfig | None":
-    """The flight settings of --flight/--flight-mb/--flight-dump-on-exit (None: full recording); UsageError on bad
-    values. The dump signal comes from PDTRACE_FLIGHT_SIGNAL if the user set it."""
-    from pdtrace.recording.flight import DEFAULT_MB, ENV_SIGNAL, SIGNAL_DEFAULT, FlightConfig
+def _flight_config(seconds: float | None, mb: float | None, dump_on_exit: bool, pair: str | None = None,
+                   output: Path | None = None) -> "FlightConfig | None":
+    """The flight settings of --flight/--flight-mb/--flight-dump-on-exit/--pair (None: full recording); UsageError
+    on bad values. The dump signal comes from PDTRACE_FLIGHT_SIGNAL if the user set it."""
+    from pdtrace.recording.flight import DEFAULT_MB, ENV_SIGNAL, PAIR_OFF, SIGNAL_DEFAULT, FlightConfig
 
     if seconds is None:
-        if mb is not None or dump_on_exit:
-            raise UsageError("--flight-mb and --flight-dump-on-exit need --flight SECONDS")
+        if mb is not None or dump_on_exit or pair is not None:
+            raise UsageError("--flight-mb, --flight-dump-on-exit and --pair need --flight SECONDS")
         return None
+    if pair is not None and pair != PAIR_OFF:
+        folder = Path(pair).resolve()
+        if output is None or folder not in output.resolve().parents:
+            raise UsageError(f"--pair {pair} must be a folder holding the output {output} (the pair's folder: "
+                             f"-o RUN/prefill --pair RUN), or '{PAIR_OFF}'")
+        pair = str(folder)
     config = FlightConfig(seconds=seconds, mb=DEFAULT_MB if mb is None else mb, dump_on_exit=dump_on_exit,
-                          signal_name=os.environ.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT)
+                          signal_name=os.environ.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT, pair=pair)
     try:
         return config.validate()
     except ValueError as exc:
@@ -357,6 +369,11 @@ def record(
                                               help="Memory bound of each process's window [default: 256]."),
     flight_dump_on_exit: bool = typer.Option(False, "--flight-dump-on-exit", rich_help_panel="Flight recorder",
                                              help="Also dump each process's window when it exits."),
+    pair: Optional[str] = typer.Option(
+        None, "--pair", metavar="DIR", rich_help_panel="Flight recorder",
+        help="The P/D pair's folder holding OUTPUT and the other side's recording: an engine error on either side "
+             "dumps both into DIR/dump-NNNN/. Without it, a KV-transfer engine (--kv-transfer-config) pairs with "
+             "the KV-transfer recordings beside OUTPUT; 'none': this side only."),
     command: list[str] = typer.Argument(None, metavar="-- CMD [ARGS]...",
                                         help="The command to run with recording on (after `--`)."),
     **dry_options: Any,
@@ -368,7 +385,7 @@ def record(
     if dry_run:
         if command:
             raise UsageError("--dry-run takes no command")
-        if flight_seconds is not None or flight_mb is not None or flight_dump_on_exit:
+        if flight_seconds is not None or flight_mb is not None or flight_dump_on_exit or pair is not None:
             raise UsageError("--flight records a command, not a dry run")
         status = _record_dry_run(output, force, options)
         out = output.resolve()
@@ -378,7 +395,7 @@ def record(
             raise UsageError(f"--{given[0].replace('_', '-')} is a dry-run option: add --dry-run")
         if not command:
             raise UsageError("no command to record: pdtrace record -o TRACE -- CMD [ARGS]...")
-        flight = _flight_config(flight_seconds, flight_mb, flight_dump_on_exit)
+        flight = _flight_config(flight_seconds, flight_mb, flight_dump_on_exit, pair, output)
         out = prepare_output(output, force)
         status = run_recorded(command, out, flight)
         if flight is not None:

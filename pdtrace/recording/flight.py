@@ -35,7 +35,8 @@ everything after, up to its write: a trigger holds the ring
 (`FlightRecorder.hold`) until the dump is written, so a dump served late (a busy flight thread, a loaded machine)
 still holds the seconds before the failure, not just those before its write. What triggers one:
   - the engine fails: a hook that sees vLLM raise out of a step or a client request records `engine_error` and calls
-    the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance;
+    the recorder's `flush()` (the process may die next); a flight recorder's flush is a dump of its instance (of its
+    P/D pair, where it is one side of one: below);
   - the dump signal (`SIGNAL_DEFAULT`, SIGUSR2: vLLM 0.27-0.33 handle SIGINT, SIGTERM and, in one connector,
     SIGQUIT, never SIGUSR1/2; SIGUSR1 is the one older vLLM and SLURM's pre-emption notices use;
     `PDTRACE_FLIGHT_SIGNAL=SIGUSR1` or another name chooses another). The handler only wakes this module's thread,
@@ -45,6 +46,18 @@ still holds the seconds before the failure, not just those before its write. Wha
   - the process exits or receives SIGTERM (vLLM stops its EngineCore and workers so, with a SIGKILL about a second
     later: no exit hook runs), with `PDTRACE_FLIGHT_DUMP_ON_EXIT=1` (off by default), unless it dumped after its
     last event; the processes of one server that stop together join one exit dump (`exit_dump`).
+A P/D pair's engine error dumps the pair: where the failing process's recording is one side of a pair
+(`pair_of`), its `engine_error` trigger writes `PAIR/dump-NNNN/<side>/` for every side (`request_pair_dump`), as
+`pdtrace dump PAIR` does: its own side's processes as above, the peer's live processes asked for the same SECONDS
+before the error (reason `peer_engine_error`; signalled where they run on this host, their poll serves them
+elsewhere; they go on running), a peer with no live process joined with its newest dump where that meets the
+window, or named under `missing` in the pair's manifest. The pair is known from `PDTRACE_FLIGHT_PAIR` (`record
+--pair PAIR`: every other flight recording under PAIR), or by itself from what vLLM knows of it: each process of
+a KV-transfer engine (a kv_transfer_config's kv_role: recorder role `prefill`, `decode` or `both`) marks its
+recording with its instances (the connector's engine_id) and the engines it read KV from (`remote_instance` of its
+requests' kv_transfer_params), `DIR/_flight/pair/<pid>.json`, once it read KV from one; its peers are the recordings beside it linked so
+(`-o RUN/prefill`, `-o RUN/decode`, once a request went from one to the other). Runs that never exchanged KV are
+never paired by themselves, however close their folders; `PDTRACE_FLIGHT_PAIR=none` turns pairing off.
 A request is `DIR/_flight/requests/NNNN.json` (the dump number is taken by an exclusive mkdir of `dump-NNNN`, so two
 requests never share a folder; `NNNN-<ns>.json` with the folder it names, for a `pdtrace dump` of a parent holding
 several flight recordings: a P/D pair's `prefill/` and `decode/` dump into `PARENT/dump-NNNN/prefill/` and
@@ -82,16 +95,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdtrace.format import DUMP_PREFIX, FLIGHT_REGISTRY, MANIFEST_NAME, META_WINDOW_START
+from pdtrace.format import DUMP_PREFIX, FLIGHT_REGISTRY, MANIFEST_NAME, META_WINDOW_START, flight_recordings
 from pdtrace.recording import recorder as _recorder
 from pdtrace.recording.recorder import ROW_WIDTH, Recorder
 
-_KIND = 2  # the kind's slot in a buffered row (recorder.ROW_WIDTH's layout)
+_KIND = 2  # the kind's and the detail's slots in a buffered row (recorder.ROW_WIDTH's layout)
+_DETAIL = 11
 #: engine_config rows a flight recorder keeps past its window (one per engine, a few more after a restart)
 CONFIG_ROWS_KEPT = 16
 
 __all__ = ["FlightConfig", "FlightRecorder", "FlightController", "config_from_env", "configure", "controller",
-           "request_dump", "live_processes", "ENV_SECONDS", "ENV_MB", "ENV_DUMP_ON_EXIT", "ENV_SIGNAL",
+           "request_dump", "request_pair_dump", "pair_of", "live_processes", "ENV_SECONDS", "ENV_MB",
+           "ENV_DUMP_ON_EXIT", "ENV_SIGNAL", "ENV_PAIR", "PAIR_OFF",
            "REGISTRY", "DUMP_PREFIX", "META_WINDOW_START", "SIGNAL_DEFAULT"]
 
 #: Flight mode's switch: seconds of events each process keeps (with PDTRACE_TRACE_DIR, the dumps' directory).
@@ -102,6 +117,16 @@ ENV_MB = "PDTRACE_FLIGHT_MB"
 ENV_DUMP_ON_EXIT = "PDTRACE_FLIGHT_DUMP_ON_EXIT"
 #: The dump signal's name (default `SIGNAL_DEFAULT`).
 ENV_SIGNAL = "PDTRACE_FLIGHT_SIGNAL"
+#: The P/D pair's folder (`pdtrace record --pair DIR`): an engine error dumps every flight recording under it;
+#: `PAIR_OFF` dumps this side only; unset, the pair is found by itself (`pair_of`).
+ENV_PAIR = "PDTRACE_FLIGHT_PAIR"
+PAIR_OFF = "none"
+#: The recorder roles of a KV-transfer engine (vLLM's kv_role producer, consumer, both): one side of a P/D pair.
+KV_ROLES = frozenset({"prefill", "decode", "both"})
+#: A recording's marks that it is one side of a P/D pair, `DIR/_flight/pair/<pid>.json` beside `procs/`, written
+#: once a process read KV from another engine: its instances and those engines (`remote_instances`); kept after
+#: the process is gone, so that a side dead before its peer failed is still known as one.
+PAIR_MARKS = "pair"
 DEFAULT_MB = 256.0
 SIGNAL_DEFAULT = "SIGUSR2"
 
@@ -145,6 +170,8 @@ class FlightConfig:
     mb: float = DEFAULT_MB
     dump_on_exit: bool = False
     signal_name: str = SIGNAL_DEFAULT
+    #: None: the pair is found by itself (`pair_of`); `PAIR_OFF`: none; else the pair's folder (absolute)
+    pair: str | None = None
 
     @property
     def signum(self) -> int:
@@ -168,8 +195,11 @@ class FlightConfig:
 
     def env(self) -> dict[str, str]:
         """The environment variables that give a process these settings."""
-        return {ENV_SECONDS: _number(self.seconds), ENV_MB: _number(self.mb),
-                ENV_DUMP_ON_EXIT: "1" if self.dump_on_exit else "0", ENV_SIGNAL: self.signal_name}
+        env = {ENV_SECONDS: _number(self.seconds), ENV_MB: _number(self.mb),
+               ENV_DUMP_ON_EXIT: "1" if self.dump_on_exit else "0", ENV_SIGNAL: self.signal_name}
+        if self.pair is not None:
+            env[ENV_PAIR] = self.pair
+        return env
 
 
 def _number(value: float) -> str:
@@ -186,7 +216,8 @@ def config_from_env(environ: dict[str, str] | None = None) -> FlightConfig | Non
         config = FlightConfig(seconds=float(seconds), mb=float(env.get(ENV_MB, "").strip() or DEFAULT_MB),
                               dump_on_exit=env.get(ENV_DUMP_ON_EXIT, "").strip().lower() in ("1", "true", "yes",
                                                                                             "on"),
-                              signal_name=env.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT)
+                              signal_name=env.get(ENV_SIGNAL, "").strip().upper() or SIGNAL_DEFAULT,
+                              pair=env.get(ENV_PAIR, "").strip() or None)
     except ValueError:
         raise ValueError(f"{ENV_SECONDS}/{ENV_MB} must be numbers, not {seconds!r}/{env.get(ENV_MB)!r}") from None
     return config.validate()
@@ -394,6 +425,8 @@ class FlightRecorder(Recorder):
             with self._ring_lock:
                 if taken:
                     self._keep_config(taken)
+                    if self._controller is not None and self.role in KV_ROLES:
+                        self._note_remote(taken)
                     rows = len(taken) // ROW_WIDTH
                     self.row_bytes = estimate_row_bytes(taken, rows) or self.row_bytes
                     bound_rows = int(self.max_bytes / self.row_bytes) if self.row_bytes else rows
@@ -427,6 +460,25 @@ class FlightRecorder(Recorder):
             if kind == "engine_config":
                 self._config_rows += taken[i * ROW_WIDTH:(i + 1) * ROW_WIDTH]
         del self._config_rows[:-CONFIG_ROWS_KEPT * ROW_WIDTH]
+
+    def _note_remote(self, taken: list[Any]) -> None:
+        """Tell the controller the KV-transfer peers that `taken`'s req_add rows name (`remote_instance`: the
+        engine a decode request reads its KV from, from vLLM's kv_transfer_params), which is how a P/D pair knows
+        itself (`pair_of`). One C-level membership test per take without a req_add; on this (the trimmer's)
+        thread, never the engine's."""
+        kinds = taken[_KIND::ROW_WIDTH]
+        if "req_add" not in kinds:
+            return
+        known = self._controller.remote_instances if self._controller is not None else set()
+        seen: set[str] = set()
+        for i, kind in enumerate(kinds):
+            if kind == "req_add":
+                detail = taken[i * ROW_WIDTH + _DETAIL]
+                remote = detail.get("remote_instance") if detail.__class__ is dict else None
+                if remote and remote not in known:
+                    seen.add(str(remote))
+        if seen and self._controller is not None:
+            self._controller.saw_remote(seen)
 
     def hold(self, asked_ns: int) -> None:
         """A dump was asked for at `asked_ns`: keep the window before it until `release(asked_ns)`, however late
@@ -638,12 +690,14 @@ def next_dump_folder(root: Path) -> tuple[int, Path]:
 
 def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[dict[str, Any]],
                  by_pid: int | None = None, now_ns: int | None = None,
-                 into: tuple[int, Path] | None = None) -> tuple[int, Path]:
+                 into: tuple[int, Path] | None = None, pair: Path | None = None) -> tuple[int, Path]:
     """Ask `targets` (registrations, as `live_processes` gives them) to dump: take the next dump number (an
     exclusive mkdir of its folder), write its manifest and the request, then signal each target that catches the
     signal it registered. Returns (number, folder). `into`: the (number, folder) of a dump that holds several
     flight recordings (`pdtrace dump` of their parent: a P/D pair's prefill/ and decode/); this recording's part
-    goes into that folder, created here, and its request names it."""
+    goes into that folder, created here, and its request names it; `pair`: that dump's folder, where it is the dump
+    of a P/D pair asked for by one side's engine error (`request_pair_dump`), whose manifest each process that
+    writes its part refreshes."""
     root = Path(directory)
     requests = root / REGISTRY / "requests"
     requests.mkdir(parents=True, exist_ok=True)
@@ -681,6 +735,8 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
                                "pids": [t["pid"] for t in targets], "signalled": sorted(signals)}
     if into is not None:
         request["folder"] = str(folder.resolve())
+    if pair is not None:
+        request["pair"] = str(Path(pair).resolve())
     _write_json(requests / request_name, request)
     for pid, signum in signals.items():
         try:
@@ -690,21 +746,32 @@ def request_dump(directory: str | os.PathLike[str], reason: str, targets: list[d
     return number, folder
 
 
-def newest_dump(recording: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest dump of `recording` that a process wrote its part of, with its manifest; None if there is none."""
-    for candidate in sorted(recording.glob(DUMP_PREFIX + "*"), reverse=True):
+def newest_dump(recording: Path, root: Path | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The newest dump of `recording` that a process wrote its part of, with its manifest; None if there is none.
+    With `root` (the folder of the pair or group it is recorded in), its parts of `root`'s dumps (a pair's dump that
+    an engine error or `pdtrace dump ROOT` asked for) count as its dumps too; the newest is the latest asked for."""
+    candidates = sorted(recording.glob(DUMP_PREFIX + "*"), reverse=True)
+    if root is not None and root != recording:
+        relative = recording.relative_to(root)
+        candidates += sorted((d / relative for d in root.glob(DUMP_PREFIX + "*")), reverse=True)
+    found = []
+    for order, candidate in enumerate(candidates):
         manifest = _read_json(candidate / MANIFEST_NAME)
         if _written(manifest):
-            return candidate, manifest
-    return None
+            asked = manifest.get("requested_ns")
+            found.append((asked if isinstance(asked, int) else -1, -order, candidate, manifest))
+    if not found:
+        return None
+    _, _, candidate, manifest = max(found, key=lambda item: item[:2])
+    return candidate, manifest
 
 
-def newest_window_start_ns(recordings: list[Path]) -> int | None:
+def newest_window_start_ns(recordings: list[Path], root: Path | None = None) -> int | None:
     """With no process left (a P/D pair stopped, each side's exit dump written): where the window of the newest of
     the recordings' newest dumps begins, the moment the others' must reach (`join_recent_dump`), where at least one
     other does; None otherwise."""
     asked = [(m["requested_ns"], float(m.get("flight_seconds") or 0))
-             for m in (found[1] for found in map(newest_dump, recordings) if found is not None)
+             for m in (found[1] for found in (newest_dump(r, root) for r in recordings) if found is not None)
              if isinstance(m.get("requested_ns"), int)]
     if len(asked) < 2:
         return None
@@ -713,37 +780,164 @@ def newest_window_start_ns(recordings: list[Path]) -> int | None:
     return since if sum(ns >= since for ns, _ in asked) >= 2 else None
 
 
-def join_recent_dump(recording: Path, into: Path, since_ns: int) -> str:
+def join_recent_dump(recording: Path, into: Path, since_ns: int, root: Path | None = None) -> str:
     """A recording with no process left to ask (a prefill engine that died of the assert) joins the dump with its
-    own newest dump, copied into `into`, where that dump's window meets the others' (which begin at `since_ns`: it
-    was asked for then or later); what was done, in words."""
-    found = newest_dump(recording)
+    own newest dump (with `root`: or its part of `root`'s newest pair dump, `newest_dump`), copied into `into`, where
+    that dump's window meets the others' (which begin at `since_ns`: it was asked for then or later); what was done,
+    in words."""
+    found = newest_dump(recording, root)
     if found is None:
         return "not in the dump"
     candidate, manifest = found
+    name = str(candidate.relative_to(recording if candidate.parent == recording else root or recording.parent))
     asked = manifest.get("requested_ns")
     if not isinstance(asked, int) or asked < since_ns:
-        return f"its newest dump ({candidate.name}) ends before the others' windows begin: not in the dump"
+        return f"its newest dump ({name}) ends before the others' windows begin: not in the dump"
     try:
         shutil.copytree(candidate, into, ignore=shutil.ignore_patterns("_manifest.lock"))
     except OSError as exc:  # the pair's dump goes on without it; the recording's own dump is untouched
         shutil.rmtree(into, ignore_errors=True)
-        return f"its own {candidate.name} could not be copied ({exc.strerror or str(exc)[:160]}): not in the dump"
-    return f"its own {candidate.name} ({manifest.get('reason')}) copied in"
+        return f"its own {name} could not be copied ({exc.strerror or str(exc)[:160]}): not in the dump"
+    return f"its own {name} ({manifest.get('reason')}) copied in"
 
 
 def write_joint_manifest(folder: Path, number: int, parts: dict[Path, dict[str, Any] | None]) -> None:
     """The manifest of a dump of several flight recordings (each part has its own, as a P/D recording's sides do):
     which they are, and the window of them all, the latest of theirs (null: every process is in it whole)."""
+    manifest = {"flight": True, "dump": number, "reason": "pdtrace dump",
+                **_joint_summary({str(part.relative_to(folder)): m for part, m in parts.items()})}
+    _write_json(folder / MANIFEST_NAME, manifest)
+
+
+def _joint_summary(parts: dict[str, Any]) -> dict[str, Any]:
+    """A joint dump's `requested_ns`, `window_start_ns` and `recordings` from its parts' manifests."""
     manifests = [m for m in parts.values() if isinstance(m, dict)]
     starts = [m["window_start_ns"] for m in manifests if _written(m) and isinstance(m.get("window_start_ns"), int)]
     asked = [m["requested_ns"] for m in manifests if isinstance(m.get("requested_ns"), int)]
-    manifest = {"flight": True, "dump": number, "reason": "pdtrace dump", "requested_ns": max(asked, default=None),
-                "window_start_ns": max(starts, default=None),
-                "recordings": {str(part.relative_to(folder)): {"events": sum(
-                    int((e or {}).get("events") or 0) for e in ((m or {}).get("processes") or {}).values())}
-                    for part, m in parts.items()}}
-    _write_json(folder / MANIFEST_NAME, manifest)
+    return {"requested_ns": max(asked, default=None), "window_start_ns": max(starts, default=None),
+            "recordings": {name: {"events": sum(int((e or {}).get("events") or 0)
+                                                for e in ((m or {}).get("processes") or {}).values())}
+                           for name, m in parts.items()}}
+
+
+#: The reason in a pair's dump of the side whose peer's engine failed (the failing side's is `engine_error`).
+PEER_REASON = "peer_engine_error"
+
+
+def pair_of(directory: str | os.PathLike[str], instances: list[str], remote_instances: list[str] | set[str],
+            setting: str | None) -> tuple[Path, list[Path]] | None:
+    """The P/D pair whose one side the flight recording `directory` is: (the pair's folder, the other sides'
+    recordings), or None. `setting` is `FlightConfig.pair`: `PAIR_OFF`, none; a folder (`record --pair`), every
+    other flight recording under it, as `pdtrace dump FOLDER` asks them, where it holds `directory`; None, found by
+    itself from what vLLM knows of the pair: the folders beside `directory` whose KV-transfer processes read KV from
+    one of this process's `instances` (a decode side names its prefill side's engine_id, in each request's
+    kv_transfer_params), or that one of them is an engine this process read KV from (`remote_instances`); their
+    marks (`PAIR_MARKS`) say so, also once their processes are gone. The common layout (`-o RUN/prefill`,
+    `-o RUN/decode`) thus pairs by itself once a request went from one side to the other; a recording that never
+    exchanged KV with this one, however close, is never paired by itself."""
+    here = Path(directory).resolve()
+    if setting == PAIR_OFF:
+        return None
+    if setting:
+        root = Path(setting).resolve()
+        if root not in here.parents:
+            return None
+        peers = [r.resolve() for r in flight_recordings(root)]
+        peers = [r for r in peers if r != here and r not in here.parents and here not in r.parents]
+    else:
+        mine, remote = set(instances), set(remote_instances)
+        root = here.parent
+        peers = []
+        try:  # the folder's children only: the parent of a recording may be a large folder of runs
+            children = sorted(root.iterdir())
+        except OSError:
+            return None
+        for child in children:
+            if child == here:
+                continue
+            # its marks, and its registrations (only their names are read: a gone process's too; nothing is
+            # signalled on their account but what `live_processes` then finds alive)
+            marks = [m for folder in (PAIR_MARKS, "procs")
+                     for m in map(_read_json, (child / REGISTRY / folder).glob("*.json")) if isinstance(m, dict)]
+            theirs = {str(i) for m in marks for i in m.get("instances") or ()}
+            read_from = {str(i) for m in marks for i in m.get("remote_instances") or ()}
+            if (mine & read_from) or (remote & theirs):
+                peers.append(child)
+    return (root, peers) if peers else None
+
+
+def request_pair_dump(directory: str | os.PathLike[str], root: Path, peers: list[Path], reason: str,
+                      targets: list[dict[str, Any]], by_pid: int | None, now_ns: int,
+                      seconds: float) -> tuple[int, Path]:
+    """One side's engine error, a dump of its P/D pair (`pair_of`): `root/dump-NNNN/<side>/` for this side (its
+    `targets`, as `request_dump` asks them) and every peer, one trace of the pair as `pdtrace dump ROOT` writes it.
+    A peer's live processes are asked (signalled where on this host, their poll elsewhere) for the window of the
+    same `seconds` before `now_ns` (reason `PEER_REASON`); they write it on their own threads, never stopped. A
+    peer with no live process joins with its newest dump where that dump's window meets this one
+    (`join_recent_dump`), or is named under `missing` in the pair's manifest with why. Never waits for a peer.
+    Returns (number, the pair's dump folder)."""
+    here = Path(directory).resolve()
+    number, folder = next_dump_folder(root)
+    own = str(here.relative_to(root))
+    request_dump(here, reason, targets, by_pid=by_pid, now_ns=now_ns, into=(number, folder / own), pair=folder)
+    parts, missing = [own], {}
+    for peer in peers:
+        name = str(peer.relative_to(root))
+        try:
+            live = live_processes(peer)
+            if live:
+                request_dump(peer, PEER_REASON, live, by_pid=by_pid, now_ns=now_ns, into=(number, folder / name),
+                             pair=folder)
+                parts.append(name)
+                continue
+            done = join_recent_dump(peer, folder / name, now_ns - int(seconds * 1e9), root)
+            if (folder / name).is_dir():
+                parts.append(name)
+            else:
+                missing[name] = f"no live process; {done}"
+        except Exception as exc:  # this side's dump goes on without that peer
+            missing[name] = f"could not be asked ({type(exc).__name__}: {str(exc)[:160]})"
+    with _joint_lock(folder):
+        manifest = {"flight": True, "dump": number, "reason": reason, "requested_by": by_pid, "trigger": own,
+                    "flight_seconds": seconds, **_joint_summary({n: _read_json(folder / n / MANIFEST_NAME)
+                                                                 for n in parts}),
+                    "missing": missing}
+        manifest["requested_ns"] = now_ns
+        _write_json(folder / MANIFEST_NAME, manifest)
+    return number, folder
+
+
+def refresh_joint_manifest(folder: Path) -> None:
+    """A process wrote its part of a pair's dump: its manifest's events and window, from the parts' manifests
+    (whichever process writes last leaves it whole). Nothing before `request_pair_dump` wrote it."""
+    with _joint_lock(folder):
+        manifest = _read_json(folder / MANIFEST_NAME)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("recordings"), dict):
+            return
+        summary = _joint_summary({n: _read_json(folder / n / MANIFEST_NAME) for n in manifest["recordings"]})
+        manifest.update(window_start_ns=summary["window_start_ns"], recordings=summary["recordings"])
+        _write_json(folder / MANIFEST_NAME, manifest)
+
+
+class _joint_lock:
+    """An flock on a joint dump's lock file (processes of both sides update its manifest)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "_manifest.lock"
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.handle = open(self.path, "a+")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: Any) -> None:
+        import fcntl
+
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+        finally:
+            self.handle.close()
 
 
 def _written(manifest: Any) -> bool:
@@ -805,6 +999,8 @@ class FlightController:
         self._exit_dumped = False
         self._registered_ns = time.time_ns() - int(1e9)  # (a second's slack for clocks of other processes)
         self._exited = False
+        #: the KV-transfer peers (instances) this process's engines read KV from (`FlightRecorder._note_remote`)
+        self.remote_instances: set[str] = set()
 
     # -- engine side (cheap, never raises) --
 
@@ -816,6 +1012,15 @@ class FlightController:
         except Exception as exc:
             self._count(exc)
         self._ensure_thread()
+
+    def saw_remote(self, instances: set[str]) -> None:
+        """This process's engine read KV from the engines `instances` (new ones): mark it in the registry, where
+        their side's `pair_of` finds it. On the trimmer's thread, once per new peer. Never raises."""
+        self.remote_instances |= instances
+        try:
+            self._register()
+        except Exception as exc:
+            self._count(exc)
 
     def trigger(self, reason: str, instances: list[str] | None) -> None:
         """Ask for a dump of `instances` (None: this process only) across their processes. Returns at once.
@@ -923,6 +1128,10 @@ class FlightController:
     def instances(self) -> list[str]:
         return sorted({rec.instance for rec in self._recorders})
 
+    def roles(self) -> list[str]:
+        """Its recorders' roles (`prefill`, `decode`, `both`: a KV-transfer engine; `none`)."""
+        return sorted({str(rec.role) for rec in self._recorders})
+
     def _request(self, reason: str, instances: list[str] | None, asked_ns: int) -> None:
         mine = self._registration()
         if instances is None:
@@ -931,7 +1140,24 @@ class FlightController:
             targets = [t for t in live_processes(self.directory) if _linked(mine, t, set(instances))]
             if not any(t["pid"] == self.pid for t in targets):
                 targets.append(mine)
+        pair = None
+        if reason == "engine_error" and instances is not None:
+            try:  # one side's engine error is the pair's: both sides' windows, one trace (`request_pair_dump`)
+                pair = pair_of(self.directory, self.instances(), self.remote_instances, self.config.pair)
+                if pair is not None:
+                    request_pair_dump(self.directory, *pair, reason, targets, by_pid=self.pid, now_ns=asked_ns,
+                                      seconds=self.config.seconds)
+                    return
+            except Exception as exc:
+                self._count(exc)
+                if pair is not None and self._pair_asked(asked_ns):
+                    return  # this side's part was asked for before the failure: it is served, not asked again
         request_dump(self.directory, reason, targets, by_pid=self.pid, now_ns=asked_ns)
+
+    def _pair_asked(self, asked_ns: int) -> bool:
+        """Whether a pair's dump asked this recording for its part at `asked_ns` (a request is on disk)."""
+        return any(p.name.endswith(f"-{asked_ns}.json")
+                   for p in (self.directory / REGISTRY / "requests").glob("*.json"))
 
     def _serve_requests(self) -> None:
         # One serving thread at a time (the flight thread; the exit dump on a SIGTERM), bounded: the thread that
@@ -964,10 +1190,15 @@ class FlightController:
             self._seen.add(name)
             # A request older than this process's registration names an earlier process with the same pid.
             if self.pid in request.get("pids", ()) and int(request.get("requested_ns", 0)) >= self._registered_ns:
-                folder = request.get("folder")
+                folder, pair = request.get("folder"), request.get("pair")
                 self._dump(int(request["dump"]), int(request["requested_ns"]),
                            in_thread=request.get("reason") in DYING_REASONS and request.get("by_pid") == self.pid,
                            folder=Path(folder) if isinstance(folder, str) else None)
+                if isinstance(pair, str):
+                    try:
+                        refresh_joint_manifest(Path(pair))
+                    except Exception as exc:
+                        self._count(exc)
                 if self.pid in request.get("signalled", ()):
                     # stamped once the dump is written, not when the request was read: a large ring's dump takes
                     # longer than SIGNAL_GRACE_S (1.46M events: ~4 s), and the request's own signal, counted after
@@ -1022,7 +1253,8 @@ class FlightController:
 
     def _registration(self) -> dict[str, Any]:
         return {"pid": self.pid, "host": _host(), "sid": _session_id(), "start_time": _proc_start_time(self.pid),
-                "instances": self.instances(),
+                "instances": self.instances(), "roles": self.roles(),
+                "remote_instances": sorted(self.remote_instances),
                 "signal": self.config.signal_name if _installed_signal == self.config.signum else None,
                 "seconds": self.config.seconds, "mb": self.config.mb, "registered_ns": time.time_ns(),
                 "argv": sys.argv[:4]}
@@ -1030,7 +1262,14 @@ class FlightController:
     def _register(self) -> None:
         procs = self.directory / REGISTRY / "procs"
         procs.mkdir(parents=True, exist_ok=True)
-        _write_json(procs / f"{self.pid}.json", self._registration())
+        registration = self._registration()
+        _write_json(procs / f"{self.pid}.json", registration)
+        if self.remote_instances:  # one side of a P/D pair, to its peer's `pair_of` even once gone
+            marks = self.directory / REGISTRY / PAIR_MARKS
+            marks.mkdir(exist_ok=True)
+            _write_json(marks / f"{self.pid}.json", {
+                "pid": self.pid, "host": registration["host"], "roles": registration["roles"],
+                "instances": registration["instances"], "remote_instances": registration["remote_instances"]})
 
     def exit_dump(self) -> None:
         """The dump on exit, now, on the calling thread, once (with `dump_on_exit`, and only if the process recorded

@@ -183,9 +183,11 @@ def test_no_error_or_warning_findings(pair):
 
 # ---- the pair in flight mode ---------------------------------------------------------------------------------------
 # Production P/D: both servers in flight mode (each side's own folder, as above), asked for one dump of the pair by
-# `pdtrace dump TRACE` while healthy, then again after the prefill engine died (its worker SIGKILLed with requests
-# in flight: its engine_error dumps its own side, and the pair's dump takes that dump in beside decode's live
-# window). Every process is younger than the 600 s window, so each dump is the pair's whole recording.
+# `pdtrace dump TRACE` while healthy, then the prefill engine dies (its worker SIGKILLed with requests in flight):
+# its engine_error dumps the pair by itself, TRACE/dump-NNNN/ with prefill's window and decode's live one (the
+# sides know each other from what vLLM knows: decode's requests name prefill's engine_id), and decode goes on
+# serving; a `pdtrace dump TRACE` after that takes prefill's part of that dump in beside decode's live window.
+# Every process is younger than the 600 s window, so each dump is the pair's whole recording.
 
 FLIGHT_S = 600
 
@@ -193,6 +195,27 @@ FLIGHT_S = 600
 def _dump_pair(trace) -> tuple[int, str, str]:
     out = R.pdtrace_cli("dump", trace, check=False)
     return out.returncode, out.stdout.strip(), out.stderr
+
+
+def _manifest(folder) -> dict:
+    try:
+        return json.loads((folder / "_manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _engine_error_pair_dumps(trace, written: bool = True) -> list:
+    """The pair's dumps an engine error asked for (`written`: those whose every process wrote its part)."""
+    found = []
+    for dump in sorted(trace.glob("dump-*")):
+        joint = _manifest(dump)
+        if joint.get("reason") != "engine_error":
+            continue
+        sides = [_manifest(dump / name) for name in joint.get("recordings") or {}]
+        if not written or (sides and all(side.get("processes") and all(
+                e.get("status") != "pending" for e in side["processes"].values()) for side in sides)):
+            found.append(dump)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -217,13 +240,17 @@ def pair_in_flight(tmp_path_factory):
         workers = [p.pid for p in psutil.Process(prefill.proc.pid).children(recursive=True)
                    if "Worker" in p.name() or "Worker" in " ".join(p.cmdline())]
         assert workers, "no worker process in the prefill server's tree"
+        extra["killed_ns"] = time.time_ns()
         os.kill(workers[0], signal.SIGKILL)
         wave.join(120)
-        own = root / "trace" / "prefill" / "dump-0001"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (own / "_manifest.json").is_file():
+        deadline = time.monotonic() + 60  # the engine error's dump of the pair, with no hand work
+        while time.monotonic() < deadline and not _engine_error_pair_dumps(root / "trace"):
             time.sleep(0.5)
-        time.sleep(2)  # its part written
+        extra["pair_dumps"] = _engine_error_pair_dumps(root / "trace", written=False)
+        extra["decode_alive"] = decode.proc.poll() is None
+        extra["decode_answers_after"] = R.parallel_requests(lambda i: decode.complete(R.prompt(200 + i, 16), 4),
+                                                            list(range(2)))
+        time.sleep(2)
         extra["after_crash"] = _dump_pair(root / "trace")
     finally:
         for server in (decode, prefill):
@@ -252,11 +279,47 @@ def test_the_pairs_dump_is_one_trace_of_both_sides(pair_in_flight):
     assert refused.returncode == 2 and "2 flight recordings" in refused.stderr, refused.stderr
 
 
+def test_the_prefill_engine_error_dumped_both_sides_by_itself(pair_in_flight):
+    dumps = pair_in_flight.extra["pair_dumps"]
+    assert dumps, sorted(str(p.relative_to(pair_in_flight.trace)) for p in pair_in_flight.trace.rglob("_manifest.json"))
+    dump = dumps[0]
+    joint = _manifest(dump)
+    assert joint["trigger"] == "prefill" and joint["missing"] == {}, joint
+    assert set(joint["recordings"]) == {"prefill", "decode"} and all(r["events"] for r in joint["recordings"].values())
+    assert _manifest(dump / "decode")["reason"] == "peer_engine_error"
+    assert not list(pair_in_flight.trace.glob("*/dump-*"))  # no side dumped alone
+    ev = R.events(dump)
+    roles = {i["roles"][0]: i["instance"] for i in R.info(dump)["instances"]}
+    assert set(roles) == {"prefill", "decode"}, roles
+    errors = ev[ev["kind"] == "engine_error"]
+    assert set(errors["instance"].astype(str)) == {roles["prefill"]}, errors
+    error_ns = int(errors["ts_ns"].min())
+    assert error_ns >= pair_in_flight.extra["killed_ns"]
+    decode_rows = ev[ev["instance"].astype(str) == roles["decode"]]
+    assert requests_of(decode_rows, "req_add")
+    # decode's window is the same seconds: asked for at prefill's error and written after it, by every decode
+    # process (the whole recording here, every process being younger than the window; an idle decode engine
+    # records nothing, so its last row may come before the error)
+    side = _manifest(dump / "decode")
+    assert side["requested_ns"] == joint["requested_ns"] >= error_ns - 10**9, (side["requested_ns"], error_ns)
+    assert side["processes"] and all(e["status"] == "written" and e["whole"] and e["dumped_ns"] >= side["requested_ns"]
+                                     for e in side["processes"].values()), side["processes"]
+    assert joint["window_start_ns"] is None
+    # decode went on serving
+    assert pair_in_flight.extra["decode_alive"]
+    answers = pair_in_flight.extra["decode_answers_after"]
+    assert all(not isinstance(a, Exception) for a in answers), answers
+    assert_healthy_findings(dump)
+
+
 def test_after_the_prefill_died_the_pairs_dump_holds_its_last_window(pair_in_flight):
     code, folder, err = pair_in_flight.extra["after_crash"]
-    assert code == 0 and folder.endswith("dump-0002"), err
-    assert "prefill: no live process; its own dump-0001 (engine_error" in err, err
-    dump = pair_in_flight.trace / "dump-0002"
+    newest = sorted(pair_in_flight.trace.glob("dump-*"))[-1]
+    assert code == 0 and folder == str(newest), err
+    # prefill's last window is its part of the pair's dump its engine error wrote (not a dump of its own)
+    assert f"prefill: no live process; its own {pair_in_flight.extra['pair_dumps'][0].name}/prefill (engine_error" \
+        in err, err
+    dump = newest
     ev = R.events(dump)
     roles = {i["roles"][0]: i["instance"] for i in R.info(dump)["instances"]}
     errors = ev[ev["kind"] == "engine_error"]
