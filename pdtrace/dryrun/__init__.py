@@ -17,16 +17,21 @@ Importing this package does not import vLLM: `DryRunConfig` is usable without it
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
-from pdtrace.errors import RecordingError
+from pdtrace.errors import RecordingError, UsageError
 
 #: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
 SUPPORTED_VLLM = "0.33.0"
@@ -88,8 +93,6 @@ def _check_vllm() -> str:
 
 
 def _count_rows(output_dir: Path) -> int:
-    import pyarrow.parquet as pq
-
     total = 0
     for p in output_dir.rglob("*.parquet"):
         if any(part.startswith(("_", ".")) for part in p.relative_to(output_dir).parts):
@@ -99,8 +102,6 @@ def _count_rows(output_dir: Path) -> int:
 
 
 def _run_in_child(config: DryRunConfig, out: Path, spawn: Any = None) -> DryRunResult:
-    import tempfile
-
     _check_vllm_importable()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdtrace-dryrun-") as tmp:
@@ -119,8 +120,6 @@ def _run_in_child(config: DryRunConfig, out: Path, spawn: Any = None) -> DryRunR
             sys.stderr.write(noise)
         data = json.loads(res_path.read_text())
     if data.get("usage_error"):
-        from pdtrace.errors import UsageError
-
         raise UsageError(data["usage_error"])
     if data.get("recording_error"):
         raise RecordingError(data["recording_error"])
@@ -132,8 +131,6 @@ def _spawn_child(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run `python -m pdtrace.dryrun._child ARGS` with `env` and wait: (its exit status, its stderr). vLLM logs on
     stdout; the child's stdout goes to our stderr (stdout is for results). The one place the dry run starts its
     process (the vLLM test tier swaps in a server that imports vLLM once per test worker and forks per run)."""
-    import subprocess
-
     proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", *args], env=env,
                           stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
@@ -160,8 +157,6 @@ def _has_fileno(stream: Any) -> bool:
 
 
 def _check_vllm_importable() -> None:
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of README.md)")
 

@@ -5,8 +5,13 @@ differently is in docs/vllm-releases.md.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 
 def attach_block_hasher(request: Any, hasher: Any) -> None:
@@ -55,9 +60,6 @@ def shared_request_ids() -> bool:
     RemoteMeta lives where the release keeps NIXL's metadata: nixl_connector.py (0.13.0:206 to 0.17.1:240, and on
     to the release that split the connector into a package), nixl/metadata.py (0.28+); each candidate is looked
     in, and no RemoteMeta anywhere means no remote request id."""
-    import dataclasses
-    import importlib
-
     for module in _NIXL_METADATA_MODULES:
         try:
             remote_meta = importlib.import_module(module).RemoteMeta
@@ -126,8 +128,6 @@ def sliding_window_spec(block_size: int, window: int, num_kv_heads: int = 1, hea
 
 def _attention_spec(spec_type: Any, block_size: int, num_kv_heads: int, head_size: int, dtype: Any,
                     **fields: Any) -> Any:
-    import dataclasses
-
     import torch
 
     if "use_mla" in {f.name for f in dataclasses.fields(spec_type)}:
@@ -140,8 +140,6 @@ def new_request(request_id: str, prompt_token_ids: list[int], sampling_params: A
     """A text-only vllm.v1.request.Request: the multimodal parameters each release requires are passed as None
     (0.10: multi_modal_kwargs / _hashes / _placeholders; 0.11.0: also mm_features; 0.28+: mm_features only);
     `kwargs` (block_hasher, arrival_time, eos_token_id: 0.10 / 0.11 only, ...) where the release takes them."""
-    import inspect
-
     from vllm.v1.request import Request
 
     params = inspect.signature(Request.__init__).parameters
@@ -159,14 +157,10 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], 
     """A ModelRunnerOutput of sampled tokens: the fields a release requires without a default are given empty
     (0.10: spec_token_ids; 0.10-0.11: logprobs, prompt_logprobs_dict, pooler_output), and 0.11.1 / 0.11.2 take
     the sampled tokens as numpy arrays (their update_from_output calls .tolist())."""
-    import dataclasses
-
     from vllm.v1.outputs import ModelRunnerOutput
 
     fields = {f.name: f for f in dataclasses.fields(ModelRunnerOutput)}
     if "ndarray" in str(fields["sampled_token_ids"].type):
-        import numpy as np
-
         sampled_token_ids = [np.array(t, dtype=np.int64) for t in sampled_token_ids]
     args: dict[str, Any] = {"req_ids": req_ids, "req_id_to_index": {r: i for i, r in enumerate(req_ids)},
                             "sampled_token_ids": sampled_token_ids, "kv_connector_output": kv_connector_output}

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from pathlib import Path
 
 import pdtrace.dryrun
@@ -37,8 +38,6 @@ _server_env: dict[str, str] | None = None
 
 
 def _serve() -> int:
-    import traceback
-
     # the replies get a descriptor of their own: vLLM logs on stdout, which goes to stderr from here on
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
