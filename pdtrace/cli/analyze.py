@@ -8,6 +8,7 @@ the flags. The analysis itself is `pdtrace.analysis.analyze`, the same code path
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import contextmanager
 from enum import Enum
@@ -18,6 +19,8 @@ import typer
 
 from pdtrace.cli.app import TraceLocation, app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+from pdtrace.trace.names import listing, resolve_instances
+from pdtrace.trace.reader import footer_names
 
 
 class AnalyzeFormat(str, Enum):
@@ -190,13 +193,9 @@ def analyze(
 
     plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
     start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
-    from pdtrace.trace.reader import footer_names
-
     names = footer_names(plan.footers)
     instances = _split(instance) or None
     if instances:
-        from pdtrace.trace.names import listing, resolve_instances
-
         known = set(plan.instances)
         unknown = [name for name in instances if resolve_instances([name], names)[0] not in known]
         if unknown:
@@ -213,8 +212,6 @@ def analyze(
     how = plan_analysis(str(trace), settings, dask=dask, partitioned=partitions, footers=plan)  # footers only
     if show_plan:
         if format is AnalyzeFormat.json:
-            import json
-
             typer.echo(json.dumps(how.as_dict(), indent=2))
         else:
             for line in how.describe():

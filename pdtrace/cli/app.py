@@ -17,6 +17,8 @@ from rich.console import Console
 
 from pdtrace import __version__
 from pdtrace.errors import UsageError
+from pdtrace.trace.names import listing, resolve_instances
+from pdtrace.trace.reader import footer_names, open_trace
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.analysis.partitions import PartitionPlan
@@ -98,8 +100,6 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     whole trace and None. Warnings as load_trace's. `memory_check`: refuse a load that would not fit in the memory
     available (`check_memory`)."""
     from pdtrace.analysis.partitions import open_instances, plan_partitions
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names
 
     plan = plan_partitions(path) if plan is None else plan  # footers only
     names = resolve_instances(instances or (), footer_names(plan.footers))  # a readable name or vLLM's id
@@ -155,8 +155,6 @@ def shown_pieces(path: Path, window: "Window", window_events: int, memory_check:
     from pdtrace.analysis.story import requests_span
     from pdtrace.analysis.windows import window_size
     from pdtrace.plot.window import no_requests
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names
 
     plan = plan_partitions(path)  # footers only
     readable = footer_names(plan.footers)
@@ -237,7 +235,6 @@ def no_such_instances(names: Iterable[str], known: Iterable[str],
     """The one-line error (exit 2) for --instance names none of which the trace holds; `readable`: the trace's
     names (`pdtrace.trace.names`), listed with the ids."""
     from pdtrace.plot.window import EmptySelection
-    from pdtrace.trace.names import listing
 
     return EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
                           f"{listing(readable or {}, known)})")
@@ -246,8 +243,6 @@ def no_such_instances(names: Iterable[str], known: Iterable[str],
 def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":
     """Open a trace for a CLI verb: warnings (skipped files, unknown kinds, bad manifest) go to stderr, one line
     each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
-    from pdtrace.trace.reader import open_trace
-
     return warned(open_trace(path, columns=columns, warn=False, **kwargs))
 
 

@@ -31,6 +31,9 @@ from rich.table import Table
 
 from pdtrace.cli.app import (InstanceOption, TraceArgument, app, err_console, load_trace, no_such_instances,
                              out_console)
+from pdtrace.format import COLUMNS
+from pdtrace.trace.names import resolve_instances
+from pdtrace.trace.reader import footer_names, read_footers
 
 
 class InfoFormat(str, Enum):
@@ -158,9 +161,6 @@ def info(
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
     from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
-    from pdtrace.format import COLUMNS
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names, read_footers
     from pdtrace.trace.summary import named_summary, summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks

@@ -19,6 +19,7 @@ import typer
 from pdtrace.cli.app import TraceLocation, app, out_console, warned
 from pdtrace.errors import UsageError
 from pdtrace.trace.names import names_of, resolve_instance, shown
+from pdtrace.trace.reader import footer_names, read_footers
 
 
 class ShowFormat(str, Enum):
@@ -189,8 +190,6 @@ def show(
         raise UsageError("give exactly one of --req ID or --step K")
     where = f" on instance {instance}" if instance else ""
     if instance is not None:  # a readable name or vLLM's id: the id
-        from pdtrace.trace.reader import footer_names, read_footers
-
         instance = resolve_instance(instance, footer_names(read_footers(trace)))
     if req is not None:
         loaded = warned(request_rows(trace, req, instance))  # the story's rows, not the trace's
