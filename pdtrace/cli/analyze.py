@@ -80,6 +80,7 @@ def _partition_progress(total: int, names: dict[str, str]) -> Iterator[Callable[
 
         yield line
         return
+    # lazy: only a partitioned run draws a progress bar (CLI start-up)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -162,8 +163,11 @@ def analyze(
 ) -> None:
     """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
     unscheduled requests and pipeline bubbles, with the events that prove them."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis import analyze as run_analysis
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis import available_rules, select_rules, summarize_findings
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.config import config_from_table, find_pyproject, load_pyproject_table
 
     pyproject = config if config is not None else find_pyproject()
@@ -188,7 +192,9 @@ def analyze(
     for note in notes:
         err_console.print(f"pdtrace: warning: {note}", markup=False)
 
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import analysed_span, plan_partitions
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.plan import plan_analysis
 
     plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
@@ -226,10 +232,12 @@ def analyze(
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     summary = summarize_findings(findings)
     if format is AnalyzeFormat.json:
+        # lazy: the reporters load with the analysis stack, not at CLI start
         from pdtrace.report.json_report import render_json
 
         typer.echo(render_json(findings, summary, str(trace)))
     else:
+        # lazy: the reporters load with the analysis stack, not at CLI start
         from pdtrace.report.terminal import render_terminal
 
         render_terminal(findings, summary, out_console, trace=str(trace), start_ns=start_ns, verbose=verbose)

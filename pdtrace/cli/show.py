@@ -97,6 +97,7 @@ def _event_line(rec: dict[str, Any], names: Mapping[str, str]) -> str:
 
 def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame, full: bool,
                     names: Mapping[str, str]) -> None:
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.story import collapse_runs
 
     drawn = story if full else collapse_runs(story)
@@ -183,6 +184,7 @@ def show(
     carried, then which ranks' exec_end came before the step_output and which after (or never): whether
     update_from_output waited for every PP rank.
     """
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.story import (folded_steps, related_requests, request_rows, request_story, step_ranks,
                                         step_rows, step_story)
 
