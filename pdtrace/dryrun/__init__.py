@@ -77,6 +77,7 @@ _ENV_DEFAULTS = {
 
 def _check_vllm() -> str:
     """The installed vLLM release, if pdtrace has a hook table for it; else RecordingError."""
+    # lazy: the CLI imports this package at start (via dryrun.config); no hook tables then
     from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
 
     try:
@@ -186,11 +187,17 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     vllm_version = _check_vllm()
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.faults import reshape_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.perturb import apply_to_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.sim import SimCluster
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.workload import make_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.recording import session
+    # lazy: the CLI imports this package at start; no hook tables then
     from pdtrace.recording.vllm import install_hooks, table_for
 
     wall0 = time.perf_counter()

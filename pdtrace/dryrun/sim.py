@@ -146,11 +146,13 @@ class SimEngine:
     # -- construction -------------------------------------------------------------------------------------
     def build(self) -> None:
         """Build the VllmConfig (PP, TP and async poked in afterwards, as this CPU platform needs) and the core."""
-        import torch
+        import torch  # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.v1.engine.core import EngineCore
 
-        from pdtrace.dryrun.executor import RankState, SimExecutor
+        from pdtrace.dryrun.executor import RankState, SimExecutor  # lazy: the executor imports vLLM at its top
 
         ensure_cpu_platform()
         cfg = self.cluster.config
@@ -258,6 +260,7 @@ class SimEngine:
     # -- the workers ----------------------------------------------------------------------------------------
     def submit_step(self, so: Any) -> Any:
         """Lay one step out on the pipeline (called from SimExecutor.execute_model) and return its record."""
+        # lazy: the executor imports vLLM at its top
         from pdtrace.dryrun.executor import (
             NO_FORWARD_US,
             RPC_ISSUE_US,
@@ -395,6 +398,7 @@ class SimEngine:
 
     def _rank_end(self, rank: Any, rec: Any, ts: int) -> None:
         """A rank's forward (or no-forward) ends: it reports its finished transfers, then replies."""
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.v1.outputs import KVConnectorOutput
 
         step = rec.step
@@ -590,6 +594,7 @@ class SimCluster:
     # -- requests ----------------------------------------------------------------------------------------------
     def _make_request(self, req_id: str, wl: WorkloadRequest, max_tokens: int, params: dict | None,
                       arrival_ns: int) -> Any:
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.sampling_params import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS_TOKEN_ID],

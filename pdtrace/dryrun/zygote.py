@@ -42,6 +42,7 @@ def _serve() -> int:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
 
+    # in the server only, before its first fork: the process that starts it never loads a run's modules
     import pdtrace.dryrun._child as child
     # every module a run imports, before the first fork: a child then runs the code the server started with, even
     # if the files change while a long campaign runs
