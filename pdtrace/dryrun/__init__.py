@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
 from pdtrace.errors import RecordingError, UsageError
 
@@ -94,6 +92,8 @@ def _check_vllm() -> str:
 
 
 def _count_rows(output_dir: Path) -> int:
+    import pyarrow.parquet as pq  # lazy: `import pdtrace.dryrun` (the dry run's child, its server) loads no pyarrow
+
     total = 0
     for p in output_dir.rglob("*.parquet"):
         if any(part.startswith(("_", ".")) for part in p.relative_to(output_dir).parts):

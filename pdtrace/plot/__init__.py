@@ -14,7 +14,6 @@ from pdtrace.analysis import allocation_settings
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.parallel import build_tables, default_jobs
 from pdtrace.errors import UsageError
-from pdtrace.plot.figures import FIGURES, FIGURE_TABLES, PIECES, time_axis
 from pdtrace.plot.window import EmptySelection, Selection, Window, resolve
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +52,9 @@ def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, 
         raise UsageError(f"unknown plot kind {kind!r} (kinds: {', '.join(KINDS)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
+    # lazy: matplotlib loads only to draw (export, and the CLI's window choice, import this package)
+    from pdtrace.plot.figures import FIGURE_TABLES, FIGURES
+
     with allocation_settings():  # as analyze runs its rules (at 10M events: blocks figure 1.1-1.6 -> 0.9 s)
         sel = resolve(ctx, window or Window())
         build_tables(ctx, FIGURE_TABLES[kind], int(ctx.config.jobs) or default_jobs())
@@ -77,6 +79,9 @@ def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | 
         raise UsageError(f"plot kind {kind!r} is not drawn in pieces (kinds: {', '.join(IN_PIECES)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
+    # lazy: matplotlib loads only to draw (export, and the CLI's window choice, import this package)
+    from pdtrace.plot.figures import FIGURE_TABLES, PIECES, time_axis
+
     points_of, joined, draw = PIECES[kind]
 
     drawn = []
