@@ -66,9 +66,9 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pdtrace.analysis import engine
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext, trace_span
-from pdtrace.analysis.engine import analyze_slice
 from pdtrace.analysis.findings import empty_findings
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.registry import Rule, load_rules
@@ -419,7 +419,8 @@ def run_partition(task: PartitionTask) -> PartitionResult:
         return _run_windowed(task, rules, every)
     trace = _load_partition(task)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
-    result = analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
+    # engine's, looked up at each call (tests/test_plan.py counts the calls through it)
+    result = engine.analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
                            summarize=_summary(task, rules) if task.summaries else None)
     return PartitionResult(task.instances, len(trace), result.frames, list(trace.warnings), result.summary,
                            time.perf_counter() - start)
