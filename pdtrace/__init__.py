@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def open_trace(path: Any, **kwargs: Any) -> "Trace":
     """Open a trace directory (or one Parquet file); see `pdtrace.trace.reader.open_trace`."""
+    # lazy: every pdtrace import (the hooks in each vLLM process too) runs this file; no reader at import
     from pdtrace.trace.reader import open_trace as _open_trace
 
     return _open_trace(path, **kwargs)
@@ -24,6 +25,7 @@ def open_trace(path: Any, **kwargs: Any) -> "Trace":
 
 def analyze(trace: Any, **kwargs: Any) -> Any:
     """Run the analysis rules on a trace (or a path) and return the findings DataFrame; see `pdtrace.analysis`."""
+    # lazy: every pdtrace import (the hooks in each vLLM process too) runs this file; no analysis at import
     from pdtrace.analysis import analyze as _analyze
 
     return _analyze(trace, **kwargs)

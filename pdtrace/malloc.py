@@ -7,6 +7,7 @@ each from a fresh mmap and unmaps it on free, so every array is page-faulted in 
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc mallopt parameters
@@ -16,8 +17,6 @@ GLIBC_DEFAULT_THRESHOLD = 128 * 1024
 def glibc_mallopt() -> Callable[[int, int], int] | None:
     """glibc's mallopt, or None where there is none."""
     try:
-        import ctypes
-
         return ctypes.CDLL("libc.so.6").mallopt  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None

@@ -36,15 +36,20 @@ summary.json and the summary of all of them.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+import pdtrace
 
 PLUGIN_NAME = "pdtrace"
 SKIP_MARKER = "pdtrace_skip"
@@ -87,8 +92,6 @@ def trace_dir_name(nodeid: str) -> str:
     """A directory name for a test id: unsafe characters replaced, long ids cut and made unique by a hash."""
     name = _UNSAFE.sub("_", nodeid).strip("_") or "test"
     if len(name) > _MAX_NAME:
-        import hashlib
-
         name = name[: _MAX_NAME - 13] + "-" + hashlib.sha1(nodeid.encode()).hexdigest()[:12]
     return name
 
@@ -118,6 +121,7 @@ class Recording:
     """The per-test hooks, registered only when pdtrace was asked for."""
 
     def __init__(self, config: pytest.Config) -> None:
+        # lazy: the analysis stack loads only in a run that asked for pdtrace
         from pdtrace.analysis.findings import SEVERITY_ORDER
 
         self.config = config
@@ -137,6 +141,7 @@ class Recording:
 
     def _install_hooks(self) -> bool:
         if self._hooks is None:
+            # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
             from pdtrace.recording.vllm import hooks_installed, install_hooks, installed_vllm_version
 
             self._owns_hooks = not hooks_installed()
@@ -144,14 +149,15 @@ class Recording:
         return self._hooks
 
     def _start(self, item: pytest.Item) -> None:
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.recording import session
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.recording.vllm import installed_vllm_version
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.recording.vllm._runtime import RUNTIME
 
         trace = self.root / trace_dir_name(item.nodeid)
         if trace.exists():  # a rerun into the same --pdtrace-dir: this run's trace only
-            import shutil
-
             shutil.rmtree(trace)
         trace.mkdir(parents=True)  # there from the start, for a test (or a process it starts) to look at
         version = installed_vllm_version()
@@ -165,7 +171,9 @@ class Recording:
 
     def _stop(self) -> RecordedTest | None:
         """Switch the hooks off, close the recorders, restore the environment; the test's record."""
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.recording import session
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.recording.vllm._runtime import RUNTIME
 
         rec, self._current = self._current, None
@@ -184,6 +192,7 @@ class Recording:
     def _analyze(self, rec: RecordedTest, allowed: frozenset[str]) -> tuple[Any, int | None]:
         """The test's findings DataFrame (None when nothing was recorded) and the trace's first time; fills
         `rec`'s counts."""
+        # lazy: the analysis stack loads only in a run that asked for pdtrace
         from pdtrace.analysis.findings import SEVERITY_ORDER
 
         trace = Path(rec.trace)
@@ -191,9 +200,9 @@ class Recording:
             if trace.is_dir() and not any(trace.iterdir()):
                 trace.rmdir()
             return None, None
-        import pyarrow.compute as pc
+        import pyarrow.compute as pc  # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
 
-        import pdtrace
+        # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
         from pdtrace.errors import PdtraceError
 
         try:
@@ -258,6 +267,7 @@ class Recording:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self._stop()
         if self._hooks and self._owns_hooks:
+            # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
             from pdtrace.recording.vllm import uninstall_hooks
 
             uninstall_hooks()
@@ -303,12 +313,11 @@ class Recording:
 
 def _render(findings: Any, trace: str, start_ns: int | None) -> str:
     """The memcheck-shaped report of `pdtrace analyze`, as plain text."""
-    import io
+    from rich.console import Console  # lazy: the plugin is inert unless asked for (pytest and stdlib only at import)
 
-    from rich.console import Console
-
+    # lazy: the analysis stack loads only in a run that asked for pdtrace
     from pdtrace.analysis import summarize_findings
-    from pdtrace.report.terminal import render_terminal
+    from pdtrace.report.terminal import render_terminal  # lazy: the reporters load only in a run that asked for pdtrace
 
     out = io.StringIO()
     console = Console(file=out, width=120, color_system=None, force_terminal=False, soft_wrap=True)

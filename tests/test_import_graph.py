@@ -117,3 +117,86 @@ def test_no_import_circle_but_the_known_ones():
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset({"a", "b", "c"})]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+#: Files whose inner imports may go without a reason for now, each with why. The test fails when one of them has
+#: none left (so the entry is removed), as KNOWN does for circles.
+UNEXPLAINED_ALLOWED: dict[str, str] = {
+    "recording/flight.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
+    "cli/dump.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
+    "cli/record.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
+}
+
+
+def unexplained_inner_imports(source: str) -> list[int]:
+    """The lines of the imports inside functions of `source` that give no reason: no comment on the import's
+    first or last line, nor a comment line right above it."""
+    lines = source.splitlines()
+    found = set()
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                first, last = lines[node.lineno - 1], lines[(node.end_lineno or node.lineno) - 1]
+                above = lines[node.lineno - 2] if node.lineno >= 2 else ""
+                if "#" not in first and "#" not in last and not above.strip().startswith("#"):
+                    found.add(node.lineno)
+    return sorted(found)
+
+
+def test_every_import_inside_a_function_says_why():
+    missing, clean_allowed = [], []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        lines = unexplained_inner_imports(path.read_text())
+        if rel in UNEXPLAINED_ALLOWED:
+            if not lines:
+                clean_allowed.append(rel)
+            continue
+        missing += [f"pdtrace/{rel}:{line}" for line in lines]
+    assert not missing, ("imports inside functions without a reason (a comment on the line or the line above; "
+                         "or move them to the top): " + ", ".join(missing))
+    assert not clean_allowed, f"every inner import of {clean_allowed} says why now: remove from UNEXPLAINED_ALLOWED"
+
+
+def test_the_reason_check_flags_an_import_without_one():
+    source = '''
+import os
+
+
+def bare():
+    import json
+    return json
+
+
+def trailing():
+    import json  # lazy: a reason
+    return json
+
+
+def above():
+    # lazy: a reason
+    from json import (dumps,
+                      loads)
+    return dumps, loads
+
+
+def on_the_last_line():
+    from json import (dumps,
+                      loads)  # lazy: a reason
+    return dumps, loads
+
+
+async def bare_async():
+    import json
+    from os import path
+    return json, path
+
+
+class Holder:
+    def method(self):
+        import json
+        return json
+'''
+    assert unexplained_inner_imports(source) == [6, 29, 30, 36]

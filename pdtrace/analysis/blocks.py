@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pdtrace.analysis.columns import NO, Columns, block_lists, columns, order_by_key, positions, request_keys
+from pdtrace.analysis.columns import (NO, Columns, block_lists, columns, last_before, order_by_key, positions,
+                                      request_keys)
 from pdtrace.analysis.parallel import shared_table
 
 OWNERSHIP_COLUMNS = (
@@ -278,8 +279,6 @@ class ReleaseGaps:
 
     def find(self, rk: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """For each (rk, pos): the index of the gap that contains pos, else NO."""
-        from pdtrace.analysis.columns import last_before
-
         idx = last_before(rk, pos, self.rk, self.start_pos, strict=True)
         ok = idx >= 0
         end = np.where(ok, self.end_pos[np.maximum(idx, 0)] if len(self.end_pos) else NO, NO)

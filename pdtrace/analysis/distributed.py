@@ -28,7 +28,7 @@ CONNECT_TIMEOUT_S = 10
 
 def _distributed() -> Any:
     try:
-        import distributed
+        import distributed  # optional dependency (pdtrace[dask])
     except ImportError:
         raise UsageError(INSTALL_HINT) from None
     return distributed

@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.columns import NO, _kind_mask, columns, first_per_key, order_by_key
-from pdtrace.analysis.registry import HISTORY_KINDS, Rule
+from pdtrace.analysis.registry import HISTORY_KINDS, Rule, load_rules
 from pdtrace.analysis.rulekit import DOWNGRADE
 
 _BIG = np.iinfo(np.int64).max
@@ -371,12 +371,8 @@ def __getattr__(name: str) -> Any:
     `Rule` ((rule id, subrule) -> {kind: action}, and a set of (rule id, subrule)), built from the registered rules.
     Kept for one release for code written against them; read `Rule.window_policy` / `Rule.status_proves`."""
     if name == "WINDOW_POLICY":
-        from pdtrace.analysis.registry import load_rules
-
         return {(r.id, sub): dict(policy) for r in load_rules(errors=[]).values()
                 for sub, policy in r.window_policy.items()}
     if name == "STATUS_PROVES":
-        from pdtrace.analysis.registry import load_rules
-
         return {(r.id, sub) for r in load_rules(errors=[]).values() for sub in r.status_proves}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,6 +48,7 @@ partition), in a pool of worker processes (`ProcessRunner`, bounded by the parti
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -62,18 +63,22 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pdtrace.analysis import engine
 from pdtrace.analysis.config import AnalysisConfig
-from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.context import AnalysisContext, trace_span
+from pdtrace.analysis.findings import empty_findings
 from pdtrace.analysis.parallel import default_jobs
-from pdtrace.analysis.registry import Rule
-from pdtrace.analysis.windows import PathSource, TimeWindow, plan_time_windows, read_time_window, window_size
+from pdtrace.analysis.registry import Rule, load_rules
+from pdtrace.analysis.windows import (MemorySource, PathSource, TimeWindow, analyze_windows, plan_time_windows,
+                                      read_time_window, window_size)
 from pdtrace.analysis.slices import window
 from pdtrace.errors import PdtraceError, TraceError
 from pdtrace.trace.model import Trace, dictionary_decoded
-from pdtrace.trace.reader import (TraceFooters, column_stats, dataset, footer_names, is_url, location, read_columns,
-                                  read_footers)
+from pdtrace.trace.reader import (TraceFooters, column_stats, dataset, footer_names, is_url, location, open_trace,
+                                  read_columns, read_footers)
 
 #: Below this many events (footer rows) a multi-instance trace is analysed whole, in this process: partitions
 #: would only add the start of the worker processes (about 1 s).
@@ -162,8 +167,6 @@ def plan_partitions(path: str | os.PathLike[str]) -> PartitionPlan:
 
 def is_directory(path: str | os.PathLike[str]) -> bool:
     """Whether a trace location (local path or URL) is a directory of part files rather than one file."""
-    import pyarrow.fs as pafs
-
     fs, inner = location(path)
     if fs is None:
         return Path(path).is_dir()
@@ -217,8 +220,6 @@ def instance_links(plan: PartitionPlan) -> set[tuple[str, str]]:
     Parquet reader, which skips row groups by their statistics), and matches `remote_instance` in the JSON text
     with a vectorised regular expression; only the distinct names are decoded.
     A file that cannot be read here is left to the reader, which skips it with a warning."""
-    import json
-
     pairs: set[tuple[str, str]] = set()
     kinds = pa.array(_LINK_KINDS)
     for file in plan.footers.files:
@@ -270,8 +271,6 @@ def open_instances(path: str | os.PathLike[str], instances: Sequence[str], colum
     so times stay relative to the trace start; the plan). The trace is None when none of them is in the trace.
     `with_links`: also the rows of their `linked_instances`, so that findings on `instances` are those of the
     whole trace (the caller shows only `instances`). `plan`: the trace's, where the caller has read it."""
-    from pdtrace.trace.reader import open_trace
-
     plan = plan_partitions(path) if plan is None else plan
     wanted = instance_partitions(plan, instances, with_links)
     if not wanted:
@@ -389,8 +388,6 @@ class PartitionResult:
 
 
 def _resolve(rules: Iterable[str | Rule]) -> list[Rule]:
-    from pdtrace.analysis.registry import load_rules
-
     registered: dict[str, Rule] | None = None
     out = []
     for rule in rules:
@@ -407,8 +404,6 @@ def _load_partition(task: PartitionTask) -> Trace:
     if task.trace is not None:
 
         return window(task.trace, replace(task.config, instances=task.instances))
-    from pdtrace.trace.reader import open_trace
-
     return open_trace(task.path, instances=list(task.instances) if task.filter_instances else None,  # type: ignore
                       since_ns=task.config.since_ns, until_ns=task.config.until_ns, warn=False,
                       only_files=task.files, keep_config=True)
@@ -417,8 +412,6 @@ def _load_partition(task: PartitionTask) -> Trace:
 def run_partition(task: PartitionTask) -> PartitionResult:
     """Phase 1 (or a phase-2 group): the task's rows analysed as one slice (`engine.analyze_slice`), or window by
     window where its plan says so (`PartitionTask.window_events`), and summarised."""
-    from pdtrace.analysis.engine import analyze_slice
-
     start = time.perf_counter()
     rules = _resolve(task.rules)
     every = task_window_events(task)
@@ -426,7 +419,8 @@ def run_partition(task: PartitionTask) -> PartitionResult:
         return _run_windowed(task, rules, every)
     trace = _load_partition(task)
     ctx = AnalysisContext(trace=trace, config=task.config, span_ns=task.span_ns)
-    result = analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
+    # engine's, looked up at each call (tests/test_plan.py counts the calls through it)
+    result = engine.analyze_slice(ctx, rules, max(1, int(task.config.jobs)),
                            summarize=_summary(task, rules) if task.summaries else None)
     return PartitionResult(task.instances, len(trace), result.frames, list(trace.warnings), result.summary,
                            time.perf_counter() - start)
@@ -446,7 +440,6 @@ def task_window_events(task: PartitionTask) -> int:
 def _run_windowed(task: PartitionTask, rules: Sequence[Rule], every: int) -> PartitionResult:
     """A partition analysed window by window (`pdtrace.analysis.windows`) in windows of `every` events: one read
     from files is never loaded whole; an in-memory trace's rows are windowed where they are."""
-    from pdtrace.analysis.windows import MemorySource, analyze_windows
 
     start = time.perf_counter()
     source: Any = MemorySource(_load_partition(task)) if task.trace is not None else PathSource(
@@ -555,8 +548,6 @@ def combine(rule_ids: Sequence[str], results: Sequence[PartitionResult],
 
 
 def _empty() -> pd.DataFrame:
-    from pdtrace.analysis.findings import empty_findings
-
     return empty_findings()
 
 
@@ -712,15 +703,11 @@ def worth_partitioning(path: str | os.PathLike[str], config: AnalysisConfig,
 
 def load_rules_quietly() -> dict[str, Rule]:
     """The registered rules, a plugin that fails to load left out (as `analyze` reports it, not here)."""
-    from pdtrace.analysis.registry import load_rules
-
     return load_rules(errors=[])
 
 
 def _portable(rule: Rule) -> str | Rule:
     """A registered rule travels by id (workers load it from the registry), any other Rule object as itself."""
-    from pdtrace.analysis.registry import load_rules
-
     return rule.id if load_rules(errors=[]).get(rule.id) is rule else rule
 
 
@@ -743,8 +730,6 @@ def memory_partitions(trace: Trace, config: AnalysisConfig) -> list[Partition]:
 
 
 def _memory_span(trace: Trace, config: AnalysisConfig) -> tuple[int, int]:
-    from pdtrace.analysis.context import trace_span
-
     return trace_span(AnalysisContext(trace=window(trace, config)))
 
 

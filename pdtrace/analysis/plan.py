@@ -27,9 +27,10 @@ import pandas as pd
 
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.distributed import DaskRunner, _distributed
 from pdtrace.analysis.engine import analyze_slice, merged
 from pdtrace.analysis.findings import named_findings
-from pdtrace.analysis.history import trace_window, window_summary
+from pdtrace.analysis.history import Window, trace_window, window_summary
 from pdtrace.analysis.parallel import default_jobs
 from pdtrace.analysis.partitions import (PARTITION_MIN_EVENTS, LocalRunner, Partition, PartitionPlan, ProcessRunner,
                                          analyze_partitioned, default_workers, is_directory, memory_partitions,
@@ -40,7 +41,7 @@ from pdtrace.analysis.windows import window_size
 from pdtrace.errors import UsageError
 from pdtrace.trace.model import Trace
 from pdtrace.trace.names import names_of
-from pdtrace.trace.reader import is_url
+from pdtrace.trace.reader import is_url, open_trace, read_footers, trace_window as reader_window
 
 MODES = ("whole", "partitioned", "windowed")
 RUNNERS = ("this process", "processes", "dask")
@@ -155,8 +156,6 @@ class Plan:
         """The runner that carries out the partitioned path's tasks (`partitions.LocalRunner`, `ProcessRunner`,
         `distributed.DaskRunner`); the Dask client connects here, not when planning."""
         if self.runner == "dask":
-            from pdtrace.analysis.distributed import DaskRunner
-
             return DaskRunner.connect(self.dask)
         if self.runner == "processes":
             return ProcessRunner(self.workers)
@@ -230,8 +229,6 @@ def _partitioned(source: Any, config: AnalysisConfig | None, dask: Any, found: P
         if isinstance(source, Trace):
             raise UsageError("analyze(dask=...) takes a trace path (the cluster reads the trace where it lives), "
                              "not a loaded Trace")
-        from pdtrace.analysis.distributed import _distributed
-
         _distributed()  # without the extra: the install hint now, not after planning
     if not isinstance(source, (Trace, str, os.PathLike)):
         raise UsageError(f"analyze() takes a Trace or a path, not {type(source).__name__}")
@@ -310,8 +307,6 @@ def _load(source: Any) -> Trace:
     if isinstance(source, Trace):
         return source
     if isinstance(source, (str, os.PathLike)):
-        from pdtrace.trace.reader import open_trace
-
         return open_trace(source)
     raise UsageError(f"analyze() takes a Trace or a path, not {type(source).__name__}")
 
@@ -319,14 +314,10 @@ def _load(source: Any) -> Trace:
 def _partitioned_window(source: Any, config: AnalysisConfig) -> Any:
     """The window a partitioned analysis reads (`history.Window`), from what the reader knows: a loaded trace's
     own, else the files' footers and manifest and the config's since_ns (what each partition's reader finds)."""
-    from pdtrace.analysis.history import Window
-
     if isinstance(source, Trace):
         trace = window(source, config)
         start, how = trace.window_start_ns, trace.window_source
     else:
-        from pdtrace.trace.reader import read_footers, trace_window as reader_window
-
         footers = read_footers(source)
         start, how = reader_window(footers.manifest, footers.files, footers, config.since_ns)
     return None if start is None else Window(int(start), str(how))

@@ -18,6 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdtrace.analysis.config import AnalysisConfig
+from pdtrace.analysis.rulekit import engine_configs
+
 
 @dataclass(frozen=True)
 class ReleaseBehaviour:
@@ -139,8 +142,6 @@ def behaviour_of(version: str | None) -> ReleaseBehaviour:
 def trace_release(ctx: Any) -> str | None:
     """The vLLM release a trace was recorded on: the newest its engine_config events name, else the manifest's,
     else a `vllm-X` source; None when the trace does not say."""
-    from pdtrace.analysis.rulekit import engine_configs
-
     named = {str(cfg["vllm_version"]) for cfg in engine_configs(ctx).values() if cfg.get("vllm_version")}
     if named:
         return max(named, key=release_key)
@@ -159,8 +160,6 @@ def trace_behaviour(ctx: Any) -> ReleaseBehaviour:
 def grace_configured(ctx: Any) -> bool:
     """Whether the analysis was given its own `grace_s` (`--grace-s`, `[tool.pdtrace]`): it then overrides every
     release's timeout, lease included."""
-    from pdtrace.analysis.config import AnalysisConfig
-
     return float(ctx.config.grace_s) != AnalysisConfig.grace_s
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pdtrace.analysis.columns import (NO, Columns, columns, first_per_key, last_before, last_per_key, next_at_or_after,
                                      positions, request_keys)
@@ -173,8 +174,6 @@ def remote_flags(cols: Columns, n: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     instance = np.full(n, None, object)
     remote_req = np.full(n, None, object)
     detail = cols.table.column("detail")
-    import pyarrow.compute as pc
-
     rows = cols.req_rows("req_add")
     rows = rows[pc.is_valid(detail.take(pa.array(rows))).to_numpy(zero_copy_only=False)] if len(rows) else rows
     for row, d in zip(rows.tolist(), cols.details(rows)):  # one per request

@@ -69,6 +69,7 @@ from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.trace.model import take_rows
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.rulekit import engine_config_rows, engine_configs as configs_by_scheduler
 
 BUBBLE_CAUSES = ("queue_not_full", "scheduler_cpu", "kv_transfer", "stage_imbalance", "idle_no_requests",
                  "sampled_token_wait", "pp_recv_wait", "pp_send_wait")  # new causes at the end: codes stay
@@ -225,9 +226,6 @@ def engine_configs(ctx: AnalysisContext) -> pd.DataFrame:
     """One row per scheduler (inst, dp) that wrote `engine_config`: n_blocks, pp, tp, batch_queue_size, block_size,
     max_num_seqs, max_num_batched_tokens, runner (NaN / None where the recorder did not know). The table form of
     `rulekit.engine_configs` (the one reading of engine_config: the first per scheduler, in time order)."""
-    from pdtrace.analysis.rulekit import engine_config_rows
-    from pdtrace.analysis.rulekit import engine_configs as configs_by_scheduler
-
     def build() -> pd.DataFrame:
         cols = columns(ctx)
         configs = configs_by_scheduler(ctx)

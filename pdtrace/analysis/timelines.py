@@ -14,12 +14,14 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pdtrace.analysis import available_rules
 from pdtrace.analysis.blocks import ownership
 from pdtrace.analysis.columns import _ramp, columns, order_by_key, positions, request_keys
 from pdtrace.analysis.context import trace_span
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
-from pdtrace.analysis.rulekit import step_index
+from pdtrace.analysis.rulekit import engine_configs, step_index
+from pdtrace.analysis.windows import judged
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.analysis.context import AnalysisContext
@@ -165,8 +167,6 @@ request_phases = shared_table(_phase_arrays, cost=0.3)(request_phases)
 def pool_sizes(ctx: "AnalysisContext") -> pd.DataFrame:
     """KV blocks in the pool per scheduler (instance, dp_rank): `n` of its engine_config as `rulekit.engine_configs`
     reads it (the first per scheduler), the one reading every analysis shares."""
-    from pdtrace.analysis.rulekit import engine_configs
-
     names = columns(ctx).sk_names
     found = [(sk, cfg["num_blocks"]) for sk, cfg in engine_configs(ctx).items() if "num_blocks" in cfg]
     return pd.DataFrame({
@@ -200,10 +200,6 @@ def _empty_usage() -> pd.DataFrame:
 def leaked_blocks_findings(ctx: "AnalysisContext") -> pd.DataFrame | None:
     """The registered `leaked_blocks` rule's own findings on this context (one code path with analyze); None when
     no such rule is registered."""
-    from pdtrace.analysis import available_rules
-
-    from pdtrace.analysis.windows import judged
-
     rule = available_rules()[0].get("leaked_blocks")
     return ctx.cached("timelines.leaked_blocks", lambda: judged(ctx, rule.run(ctx))) if rule else None
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
@@ -75,14 +76,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from pdtrace.analysis import engine
 from pdtrace.analysis.columns import _bits, _values, dictionary_codes
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.findings import empty_findings
 from pdtrace.analysis.registry import Rule
 from pdtrace.analysis.slices import allocation_settings
 from pdtrace.format import SCHEMA
 from pdtrace.trace.model import Trace, dictionary_decoded, later_window
-from pdtrace.trace.reader import system_memory_pool, unified
+from pdtrace.trace.reader import (_DICTIONARY_READ, _filter_expression, column_stats, dataset, describe_unreadable,
+                                  open_trace, read_footers, system_memory_pool, unified)
 
 #: Kinds every window reads, whatever its time: configuration, and the recorder's gaps (a gap between a moment and
 #: the end of the trace lowers a leak found at that moment).
@@ -413,8 +417,6 @@ def _plan_input(groups: list[Any], rows: int | None, jobs: int) -> _PlanInput | 
         rows = sum(g.num_rows for g in groups)
     stride = max(1, int(rows or 0) // SAMPLE)
     if jobs > 1 and len(groups) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         # the files' decoding releases the GIL, and so do the numpy passes over a batch: 60M events (bench/
         # long_trace.py) wall 1.05-1.6 s on 2 threads against 1.4-1.6 s on one
         with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pdtrace-plan") as pool:
@@ -609,8 +611,6 @@ class PathSource:
 
     def __init__(self, path: str, instances: Sequence[str] | None, files: Sequence[str] | None,
                  config: AnalysisConfig) -> None:
-        from pdtrace.trace.reader import column_stats, read_footers
-
         self.path, self.instances, self.config = path, instances, config
         footers = read_footers(path, files)
         self.files = [f.path for f in footers.files]
@@ -640,8 +640,6 @@ class PathSource:
 
     def _open(self, lo: int, hi: int, files: list[str] | None = None, **kwargs: Any) -> Trace:
         """The rows of the files that may hold rows in [lo, hi) (`files` where given), as `open_trace` reads."""
-        from pdtrace.trace.reader import open_trace
-
         # req as read (dictionary codes): the rules read requests by code, never the strings
         return open_trace(self.path, instances=list(self.instances) if self.instances else None, warn=False,
                           only_files=self.meeting([(lo, hi)]) if files is None else files, req_dictionary=True,
@@ -650,8 +648,6 @@ class PathSource:
     def plan_groups(self, columns: Sequence[str] = PLAN_COLUMNS) -> list[PlanFile]:
         """The plan's input (`plan_windows`): per file, its `columns` in batches, with the rows `open_trace`
         keeps; `plan_windows` reads the files on its threads, and a file it cannot decode is skipped (`corrupt`)."""
-        from pdtrace.trace.reader import _DICTIONARY_READ, _filter_expression, dataset, describe_unreadable
-
         expression = _filter_expression(list(self.instances) if self.instances else None, self.config.since_ns,
                                         self.config.until_ns, keep_config=True)  # what open_trace keeps
 
@@ -966,8 +962,6 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
                      span: tuple[int, int] | None, instance: str, window_events: int | None, lookback: int | None,
                      progress: Callable[[Any, Any], None] | None,
                      summarize: Callable[[AnalysisContext, list[pd.DataFrame]], Any] | None) -> WindowedResult:
-    from pdtrace.analysis.engine import analyze_slice
-
     window_events = int(window_events or (config.window_events if config.window_events > 0 else 0)
                         or DEFAULT_WINDOW_EVENTS)
     lookback = lookback if lookback is not None else (int(config.window_lookback) or None)
@@ -1003,7 +997,8 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
             frames[i].append(frame)
             return frame
 
-        result = analyze_slice(ctx, rules, jobs, keep=keep, summarize=summarize)
+        # engine's, looked up at each call (tests/test_plan.py counts the calls through it)
+        result = engine.analyze_slice(ctx, rules, jobs, keep=keep, summarize=summarize)
         if summarize is not None:
             summaries.append(result.summary)
         warnings.extend(w for w in trace.warnings if w not in warnings)
@@ -1016,8 +1011,6 @@ def _analyze_windows(source: MemorySource | PathSource, rules: Sequence[Rule], c
     for parts in frames:
         parts = [p for p in parts if len(p)]
         out.append(pd.concat(parts, ignore_index=True) if parts else None)
-    from pdtrace.analysis.findings import empty_findings
-
     return WindowedResult([empty_findings() if f is None else f for f in out], sum(events), warnings,
                           total, len({r for c in plan.carried for r in c}), summaries)
 

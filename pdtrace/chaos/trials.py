@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pdtrace.dryrun import run_dry_run
 from pdtrace.dryrun.config import DryRunConfig
 from pdtrace.dryrun.perturb import draw, label_of
+from pdtrace.errors import PdtraceError
 
 #: The campaign's workloads: the topology every trial of it shares (the rest is drawn per trial).
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -104,9 +106,7 @@ Spawner = Callable[[list[str], dict[str, str]], "tuple[int, str]"]
 def run_trial(config: DryRunConfig, out: Path, spawn: Spawner | None = None) -> Outcome:
     """Run `config` into `out` (a new directory) and judge it. A trial the dry run refuses or cannot finish is an
     Outcome with `harness_error` (and no signature): pdtrace's problem, not vLLM's."""
-    from pdtrace.analysis import analyze
-    from pdtrace.dryrun import run_dry_run
-    from pdtrace.errors import PdtraceError
+    from pdtrace.analysis import analyze  # lazy: `import pdtrace.chaos` loads no analysis stack (600 modules)
 
     label = label_of(config.perturbations)
     t0 = time.perf_counter()

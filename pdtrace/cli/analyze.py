@@ -8,6 +8,7 @@ the flags. The analysis itself is `pdtrace.analysis.analyze`, the same code path
 
 from __future__ import annotations
 
+import json
 import re
 from contextlib import contextmanager
 from enum import Enum
@@ -18,6 +19,8 @@ import typer
 
 from pdtrace.cli.app import TraceLocation, app, err_console, load_trace, out_console
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
+from pdtrace.trace.names import listing, resolve_instances
+from pdtrace.trace.reader import footer_names
 
 
 class AnalyzeFormat(str, Enum):
@@ -77,6 +80,7 @@ def _partition_progress(total: int, names: dict[str, str]) -> Iterator[Callable[
 
         yield line
         return
+    # lazy: only a partitioned run draws a progress bar (CLI start-up)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -159,8 +163,11 @@ def analyze(
 ) -> None:
     """Replay a trace and report premature frees, use after free, double frees, leaks, completions before finish,
     unscheduled requests and pipeline bubbles, with the events that prove them."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis import analyze as run_analysis
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis import available_rules, select_rules, summarize_findings
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.config import config_from_table, find_pyproject, load_pyproject_table
 
     pyproject = config if config is not None else find_pyproject()
@@ -185,18 +192,16 @@ def analyze(
     for note in notes:
         err_console.print(f"pdtrace: warning: {note}", markup=False)
 
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import analysed_span, plan_partitions
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.plan import plan_analysis
 
     plan = plan_partitions(trace)  # footers only: bad schema, unknown version, nothing readable exit 2 here
     start_ns = plan.stats_span[0] if plan.stats_span else analysed_span(plan, plan.partitions, settings)[0]
-    from pdtrace.trace.reader import footer_names
-
     names = footer_names(plan.footers)
     instances = _split(instance) or None
     if instances:
-        from pdtrace.trace.names import listing, resolve_instances
-
         known = set(plan.instances)
         unknown = [name for name in instances if resolve_instances([name], names)[0] not in known]
         if unknown:
@@ -213,8 +218,6 @@ def analyze(
     how = plan_analysis(str(trace), settings, dask=dask, partitioned=partitions, footers=plan)  # footers only
     if show_plan:
         if format is AnalyzeFormat.json:
-            import json
-
             typer.echo(json.dumps(how.as_dict(), indent=2))
         else:
             for line in how.describe():
@@ -229,10 +232,12 @@ def analyze(
             err_console.print(f"pdtrace: warning: {note}", markup=False, soft_wrap=True)
     summary = summarize_findings(findings)
     if format is AnalyzeFormat.json:
+        # lazy: the reporters load with the analysis stack, not at CLI start
         from pdtrace.report.json_report import render_json
 
         typer.echo(render_json(findings, summary, str(trace)))
     else:
+        # lazy: the reporters load with the analysis stack, not at CLI start
         from pdtrace.report.terminal import render_terminal
 
         render_terminal(findings, summary, out_console, trace=str(trace), start_ns=start_ns, verbose=verbose)

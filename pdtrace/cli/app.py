@@ -17,6 +17,8 @@ from rich.console import Console
 
 from pdtrace import __version__
 from pdtrace.errors import UsageError
+from pdtrace.trace.names import listing, resolve_instances
+from pdtrace.trace.reader import footer_names, open_trace
 
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.analysis.partitions import PartitionPlan
@@ -97,9 +99,8 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
     only); span is the whole trace's (first, last) ts, for an AnalysisContext's `span_ns`. Without instances, the
     whole trace and None. Warnings as load_trace's. `memory_check`: refuse a load that would not fit in the memory
     available (`check_memory`)."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import open_instances, plan_partitions
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names
 
     plan = plan_partitions(path) if plan is None else plan  # footers only
     names = resolve_instances(instances or (), footer_names(plan.footers))  # a readable name or vLLM's id
@@ -116,6 +117,7 @@ def load_instances(path: Path, instances: Iterable[str] | None, columns: Iterabl
 def shown_events(plan: "PartitionPlan", names: list[str], with_links: bool) -> int:
     """The events, by the footers, of the files of `names`' partitions (with `with_links` their peers' too; all
     partitions where `names` is empty): what a whole load of them reads."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import instance_partitions
 
     chosen = instance_partitions(plan, names, with_links) if names else plan.partitions
@@ -150,13 +152,15 @@ def shown_pieces(path: Path, window: "Window", window_events: int, memory_check:
     requests' lives, their P/D peers' included: `story.requests_span`), read as the windowed analysis reads one
     (`pdtrace.analysis.partitions.open_window_pieces`). With `in_pieces` (a figure drawn piece by piece) the
     window is read in pieces of that many events, one at a time; else in one."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.config import AnalysisConfig
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import analysed_span, open_window_pieces, plan_partitions
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.story import requests_span
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.windows import window_size
-    from pdtrace.plot.window import no_requests
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names
+    from pdtrace.plot.window import no_requests  # lazy: matplotlib and the analysis stack load only to draw
 
     plan = plan_partitions(path)  # footers only
     readable = footer_names(plan.footers)
@@ -236,8 +240,7 @@ def no_such_instances(names: Iterable[str], known: Iterable[str],
                       readable: dict[str, str] | None = None) -> Exception:
     """The one-line error (exit 2) for --instance names none of which the trace holds; `readable`: the trace's
     names (`pdtrace.trace.names`), listed with the ids."""
-    from pdtrace.plot.window import EmptySelection
-    from pdtrace.trace.names import listing
+    from pdtrace.plot.window import EmptySelection  # lazy: matplotlib and the analysis stack load only to draw
 
     return EmptySelection(f"nothing to show: no instance {', '.join(names)} in the trace (instances: "
                           f"{listing(readable or {}, known)})")
@@ -246,8 +249,6 @@ def no_such_instances(names: Iterable[str], known: Iterable[str],
 def load_trace(path: Path, columns: Iterable[str] | None = None, **kwargs: Any) -> "Trace":
     """Open a trace for a CLI verb: warnings (skipped files, unknown kinds, bad manifest) go to stderr, one line
     each; errors propagate as TraceError (one line and exit 2 through pdtrace.cli.main)."""
-    from pdtrace.trace.reader import open_trace
-
     return warned(open_trace(path, columns=columns, warn=False, **kwargs))
 
 

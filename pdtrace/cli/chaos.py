@@ -49,8 +49,10 @@ def chaos(
     """Force the orderings nobody tests (aborts at every point, transfer reports late, lost, repeated, failed reads,
     a small pool) on the installed vLLM's real EngineCore and Scheduler, judge each run, and minimise and save every
     new failure; legal timing (a vLLM bug) apart from faulty peer (a robustness gap)."""
+    # lazy: the campaign runs the analysis stack; the CLI starts without it
     from pdtrace.chaos import Campaign, repro, run_campaign
-    from pdtrace.dryrun import zygote
+    from pdtrace.dryrun import zygote  # lazy: pdtrace --help loads no dry-run server code (CLI start-up)
+    # lazy: pdtrace --help loads no chaos reporter (CLI start-up)
     from pdtrace.report.chaos_report import progress_line, render_campaign, render_repro
 
     version = installed_release()

@@ -41,11 +41,14 @@ def export(
 
     With --request, the request threads kept are the named requests' and their P/D peers' (so that a transfer
     flow has both ends), over the window that --request narrowed."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.context import AnalysisContext
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.export import export as run_export
-    from pdtrace.plot import Window, trace_stem
+    from pdtrace.plot import Window, trace_stem  # lazy: matplotlib and the analysis stack load only to draw
 
     if to is ExportFormat.perfetto:
+        # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
         from pdtrace.export.perfetto import _builder_classes
 
         _builder_classes()  # a missing optional package fails before the trace is read

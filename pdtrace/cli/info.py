@@ -31,6 +31,9 @@ from rich.table import Table
 
 from pdtrace.cli.app import (InstanceOption, TraceArgument, app, err_console, load_trace, no_such_instances,
                              out_console)
+from pdtrace.format import COLUMNS
+from pdtrace.trace.names import resolve_instances
+from pdtrace.trace.reader import footer_names, read_footers
 
 
 class InfoFormat(str, Enum):
@@ -132,7 +135,9 @@ def _render(summary: dict[str, Any]) -> None:
 def _read_summary(trace: Any, partitions: list[Any], footers: Any, columns: list[str]) -> dict[str, Any]:
     """The summary of the partitions' rows, read one partition at a time and a partition's files in groups of at
     most a window's events (an instance of hours does not fit in memory), merged."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.windows import DEFAULT_WINDOW_EVENTS
+    # lazy: pdtrace --help loads no summary code (CLI start-up)
     from pdtrace.trace.summary import file_groups, merge_summaries, request_names, summarize
 
     parts, names = [], {}  # type: ignore[var-annotated]
@@ -157,10 +162,9 @@ def info(
                               "(default there: the Parquet footers only)."),
 ) -> None:
     """Summarise a trace: instances, roles, processes, ranks, time span, events per kind, steps, requests."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.partitions import PARTITION_MIN_EVENTS, is_directory, plan_partitions
-    from pdtrace.format import COLUMNS
-    from pdtrace.trace.names import resolve_instances
-    from pdtrace.trace.reader import footer_names, read_footers
+    # lazy: pdtrace --help loads no summary code (CLI start-up)
     from pdtrace.trace.summary import named_summary, summarize, summarize_footers
 
     # Everything but the heavy `blocks` lists: the summary needs few columns, but `info` is also how a user checks

@@ -44,7 +44,9 @@ def plot(
 
     With --request, `--kind requests` draws only the named requests' lanes; the other kinds draw everything in the
     window that --request narrowed."""
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.context import AnalysisContext
+    # lazy: matplotlib and the analysis stack load only to draw
     from pdtrace.plot import IN_PIECES, Piece, Window, default_output, render
 
     target = output or default_output(str(trace), kind.value)

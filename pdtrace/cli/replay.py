@@ -30,7 +30,8 @@ def replay(
     """Re-drive a recorded run (its arrivals, lengths, aborts, prefix hits, transfer completions and step times)
     through vLLM's real scheduler on the dry run, and report the first step where its decisions differ from the
     recording and the share that match. With a patched vLLM installed, this is how a fix is checked."""
-    from pdtrace.replay import replay as run_replay
+    from pdtrace.replay import replay as run_replay  # lazy: pdtrace --help loads no replay code (CLI start-up)
+    # lazy: pdtrace --help loads no replay code (CLI start-up)
     from pdtrace.report.replay_report import render_replay, replay_summary
 
     version = installed_release("pdtrace replay")

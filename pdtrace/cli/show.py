@@ -19,6 +19,7 @@ import typer
 from pdtrace.cli.app import TraceLocation, app, out_console, warned
 from pdtrace.errors import UsageError
 from pdtrace.trace.names import names_of, resolve_instance, shown
+from pdtrace.trace.reader import footer_names, read_footers
 
 
 class ShowFormat(str, Enum):
@@ -96,6 +97,7 @@ def _event_line(rec: dict[str, Any], names: Mapping[str, str]) -> str:
 
 def _render_request(req: str, pairs: list[tuple[str, str]], story: pd.DataFrame, full: bool,
                     names: Mapping[str, str]) -> None:
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.story import collapse_runs
 
     drawn = story if full else collapse_runs(story)
@@ -182,6 +184,7 @@ def show(
     carried, then which ranks' exec_end came before the step_output and which after (or never): whether
     update_from_output waited for every PP rank.
     """
+    # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.story import (folded_steps, related_requests, request_rows, request_story, step_ranks,
                                         step_rows, step_story)
 
@@ -189,8 +192,6 @@ def show(
         raise UsageError("give exactly one of --req ID or --step K")
     where = f" on instance {instance}" if instance else ""
     if instance is not None:  # a readable name or vLLM's id: the id
-        from pdtrace.trace.reader import footer_names, read_footers
-
         instance = resolve_instance(instance, footer_names(read_footers(trace)))
     if req is not None:
         loaded = warned(request_rows(trace, req, instance))  # the story's rows, not the trace's

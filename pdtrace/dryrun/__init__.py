@@ -17,16 +17,19 @@ Importing this package does not import vLLM: `DryRunConfig` is usable without it
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
-from pdtrace.errors import RecordingError
+from pdtrace.errors import RecordingError, UsageError
 
 #: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
 SUPPORTED_VLLM = "0.33.0"
@@ -72,6 +75,7 @@ _ENV_DEFAULTS = {
 
 def _check_vllm() -> str:
     """The installed vLLM release, if pdtrace has a hook table for it; else RecordingError."""
+    # lazy: the CLI imports this package at start (via dryrun.config); no hook tables then
     from pdtrace.recording.vllm import installed_vllm_version, supported_versions, table_for
 
     try:
@@ -88,7 +92,7 @@ def _check_vllm() -> str:
 
 
 def _count_rows(output_dir: Path) -> int:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: `import pdtrace.dryrun` (the dry run's child, its server) loads no pyarrow
 
     total = 0
     for p in output_dir.rglob("*.parquet"):
@@ -99,8 +103,6 @@ def _count_rows(output_dir: Path) -> int:
 
 
 def _run_in_child(config: DryRunConfig, out: Path, spawn: Any = None) -> DryRunResult:
-    import tempfile
-
     _check_vllm_importable()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdtrace-dryrun-") as tmp:
@@ -119,8 +121,6 @@ def _run_in_child(config: DryRunConfig, out: Path, spawn: Any = None) -> DryRunR
             sys.stderr.write(noise)
         data = json.loads(res_path.read_text())
     if data.get("usage_error"):
-        from pdtrace.errors import UsageError
-
         raise UsageError(data["usage_error"])
     if data.get("recording_error"):
         raise RecordingError(data["recording_error"])
@@ -132,8 +132,6 @@ def _spawn_child(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run `python -m pdtrace.dryrun._child ARGS` with `env` and wait: (its exit status, its stderr). vLLM logs on
     stdout; the child's stdout goes to our stderr (stdout is for results). The one place the dry run starts its
     process (the vLLM test tier swaps in a server that imports vLLM once per test worker and forks per run)."""
-    import subprocess
-
     proc = subprocess.run([sys.executable, "-m", "pdtrace.dryrun._child", *args], env=env,
                           stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
@@ -160,8 +158,6 @@ def _has_fileno(stream: Any) -> bool:
 
 
 def _check_vllm_importable() -> None:
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         raise RecordingError("the dry run needs vLLM (install pdtrace[vllm] with the CPU recipe of README.md)")
 
@@ -191,11 +187,17 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     vllm_version = _check_vllm()
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.faults import reshape_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.perturb import apply_to_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.sim import SimCluster
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.dryrun.workload import make_workload
+    # lazy: the CLI imports this package at start; the simulator loads when a dry run starts
     from pdtrace.recording import session
+    # lazy: the CLI imports this package at start; no hook tables then
     from pdtrace.recording.vllm import install_hooks, table_for
 
     wall0 = time.perf_counter()

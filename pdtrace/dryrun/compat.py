@@ -5,8 +5,13 @@ differently is in docs/vllm-releases.md.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 from functools import partial
 from typing import Any
+
+import numpy as np
 
 
 def attach_block_hasher(request: Any, hasher: Any) -> None:
@@ -55,9 +60,6 @@ def shared_request_ids() -> bool:
     RemoteMeta lives where the release keeps NIXL's metadata: nixl_connector.py (0.13.0:206 to 0.17.1:240, and on
     to the release that split the connector into a package), nixl/metadata.py (0.28+); each candidate is looked
     in, and no RemoteMeta anywhere means no remote request id."""
-    import dataclasses
-    import importlib
-
     for module in _NIXL_METADATA_MODULES:
         try:
             remote_meta = importlib.import_module(module).RemoteMeta
@@ -94,11 +96,11 @@ def ensure_cpu_platform() -> None:
     of `vllm._custom_ops`, e.g. from the scheduler's module on 0.17) asks `torch._C._cpu._is_avx512_supported`, which
     the CPU torch the tier runs no longer has, and a CUDA wheel ships no CPU kernels to load; the dry run runs no
     model."""
-    import vllm.platforms as platforms
+    import vllm.platforms as platforms  # lazy: vLLM (optional) loads only when a dry run starts
 
     current = platforms.current_platform
     if type(current).__name__ == "UnspecifiedPlatform":
-        from vllm.platforms.cpu import CpuPlatform
+        from vllm.platforms.cpu import CpuPlatform  # lazy: vLLM (optional) loads only when a dry run starts
 
         platform = CpuPlatform()
         platform.import_kernels = _no_kernels  # type: ignore[method-assign]
@@ -111,7 +113,7 @@ def _no_kernels() -> None:
 
 def full_attention_spec(block_size: int, num_kv_heads: int = 1, head_size: int = 1, dtype: Any = None) -> Any:
     """A FullAttentionSpec (default: one KV head of size 1, float32); 0.10 / 0.11 also require `use_mla`."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # lazy: vLLM (optional) loads only when a dry run starts
 
     return _attention_spec(FullAttentionSpec, block_size, num_kv_heads, head_size, dtype)
 
@@ -119,16 +121,14 @@ def full_attention_spec(block_size: int, num_kv_heads: int = 1, head_size: int =
 def sliding_window_spec(block_size: int, window: int, num_kv_heads: int = 1, head_size: int = 1,
                         dtype: Any = None) -> Any:
     """A SlidingWindowSpec of `window` tokens, with the same defaults and `use_mla` handling."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec  # lazy: vLLM (optional) loads only when a dry run starts
 
     return _attention_spec(SlidingWindowSpec, block_size, num_kv_heads, head_size, dtype, sliding_window=window)
 
 
 def _attention_spec(spec_type: Any, block_size: int, num_kv_heads: int, head_size: int, dtype: Any,
                     **fields: Any) -> Any:
-    import dataclasses
-
-    import torch
+    import torch  # lazy: torch comes with vLLM (optional), loaded only when a dry run starts
 
     if "use_mla" in {f.name for f in dataclasses.fields(spec_type)}:
         fields["use_mla"] = False
@@ -140,9 +140,7 @@ def new_request(request_id: str, prompt_token_ids: list[int], sampling_params: A
     """A text-only vllm.v1.request.Request: the multimodal parameters each release requires are passed as None
     (0.10: multi_modal_kwargs / _hashes / _placeholders; 0.11.0: also mm_features; 0.28+: mm_features only);
     `kwargs` (block_hasher, arrival_time, eos_token_id: 0.10 / 0.11 only, ...) where the release takes them."""
-    import inspect
-
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request  # lazy: vLLM (optional) loads only when a dry run starts
 
     params = inspect.signature(Request.__init__).parameters
     args: dict[str, Any] = {"request_id": request_id, "prompt_token_ids": prompt_token_ids,
@@ -159,14 +157,10 @@ def model_runner_output(req_ids: list[str], sampled_token_ids: list[list[int]], 
     """A ModelRunnerOutput of sampled tokens: the fields a release requires without a default are given empty
     (0.10: spec_token_ids; 0.10-0.11: logprobs, prompt_logprobs_dict, pooler_output), and 0.11.1 / 0.11.2 take
     the sampled tokens as numpy arrays (their update_from_output calls .tolist())."""
-    import dataclasses
-
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import ModelRunnerOutput  # lazy: vLLM (optional) loads only when a dry run starts
 
     fields = {f.name: f for f in dataclasses.fields(ModelRunnerOutput)}
     if "ndarray" in str(fields["sampled_token_ids"].type):
-        import numpy as np
-
         sampled_token_ids = [np.array(t, dtype=np.int64) for t in sampled_token_ids]
     args: dict[str, Any] = {"req_ids": req_ids, "req_id_to_index": {r: i for i, r in enumerate(req_ids)},
                             "sampled_token_ids": sampled_token_ids, "kv_connector_output": kv_connector_output}
@@ -225,6 +219,6 @@ def batch_queue_busy(core: Any) -> bool:
 def split_sampling() -> bool:
     """Whether the engine samples in a second RPC (`Executor.sample_tokens`, 0.11.1+): execute_model then replies
     None for a step with tokens. Before, execute_model's reply carries the sampled tokens."""
-    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.abstract import Executor  # lazy: vLLM (optional) loads only when a dry run starts
 
     return hasattr(Executor, "sample_tokens")

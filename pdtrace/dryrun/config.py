@@ -160,6 +160,7 @@ class DryRunConfig:
                  f"given request {i} needs arrival_us >= 0, prompt_len >= 1 and max_tokens >= 1")
         if self.given_requests:
             self.requests = len(self.given_requests)
+        # lazy: the CLI imports this module at start; the orderings' module only when a config is validated
         from pdtrace.dryrun.perturb import check
 
         problem = check(self.perturbations, self.requests, pair=self.instances == "pd")

@@ -118,6 +118,7 @@ class SimExecutor(Executor):
         self.engine.executor = self
         self._last: StepRecord | None = None
         if not hasattr(self, "kv_output_aggregator"):  # 0.10 / 0.11: MultiprocExecutor makes it, not Executor
+            # only vLLM 0.10 / 0.11 come here, and the module path is theirs
             from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
             self.kv_output_aggregator = KVOutputAggregator(self.parallel_config.world_size)

@@ -31,6 +31,7 @@ import os
 import random
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,12 @@ from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine
                                    full_attention_spec, new_request, post_step, shared_request_ids, split_sampling,
                                    use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
+from pdtrace.dryrun.faults import FaultInjector
 from pdtrace.dryrun.perturb import pool_blocks
+from pdtrace.dryrun.transfer import SimTransferEngine
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
+from pdtrace.recording import session
+from pdtrace.recording.vllm._common import instance_of
 from pdtrace.recording.vllm.v0_33 import _batch_add_reason as batch_add_reason
 from pdtrace.recording.vllm.v0_33 import _resumed_ids as resumed_ids
 
@@ -141,11 +146,13 @@ class SimEngine:
     # -- construction -------------------------------------------------------------------------------------
     def build(self) -> None:
         """Build the VllmConfig (PP, TP and async poked in afterwards, as this CPU platform needs) and the core."""
-        import torch
+        import torch  # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.v1.engine.core import EngineCore
 
-        from pdtrace.dryrun.executor import RankState, SimExecutor
+        from pdtrace.dryrun.executor import RankState, SimExecutor  # lazy: the executor imports vLLM at its top
 
         ensure_cpu_platform()
         cfg = self.cluster.config
@@ -181,9 +188,6 @@ class SimEngine:
         self.cluster.clock.current = self.timeline
         self.core = EngineCore(vc, executor_class=executor_cls, log_stats=False)
         self.scheduler = self.core.scheduler
-        from pdtrace.recording import session
-        from pdtrace.recording.vllm._common import instance_of
-
         # The very recorder the hooks use for this engine (same instance, role and dp rank): one writer, one seq.
         instance, role, dp_rank = instance_of(vc)
         self.recorder = session.recorder(instance, role, dp_rank)
@@ -256,6 +260,7 @@ class SimEngine:
     # -- the workers ----------------------------------------------------------------------------------------
     def submit_step(self, so: Any) -> Any:
         """Lay one step out on the pipeline (called from SimExecutor.execute_model) and return its record."""
+        # lazy: the executor imports vLLM at its top
         from pdtrace.dryrun.executor import (
             NO_FORWARD_US,
             RPC_ISSUE_US,
@@ -393,6 +398,7 @@ class SimEngine:
 
     def _rank_end(self, rank: Any, rec: Any, ts: int) -> None:
         """A rank's forward (or no-forward) ends: it reports its finished transfers, then replies."""
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.v1.outputs import KVConnectorOutput
 
         step = rec.step
@@ -524,9 +530,6 @@ class SimCluster:
     """The engines, the client/proxy, the transfer engine and the faults of one dry run."""
 
     def __init__(self, config: DryRunConfig, workload: list[WorkloadRequest]) -> None:
-        from pdtrace.dryrun.faults import FaultInjector
-        from pdtrace.dryrun.transfer import SimTransferEngine
-
         self.config = config
         self.clock = VirtualClock()
         self.model_dir = _model_dir()
@@ -591,6 +594,7 @@ class SimCluster:
     # -- requests ----------------------------------------------------------------------------------------------
     def _make_request(self, req_id: str, wl: WorkloadRequest, max_tokens: int, params: dict | None,
                       arrival_ns: int) -> Any:
+        # lazy: vLLM (optional) loads when a cluster is built, not when this module is imported
         from vllm.sampling_params import SamplingParams
 
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=[EOS_TOKEN_ID],
@@ -731,8 +735,6 @@ class SimCluster:
             try:
                 outputs, executed = engine_step(e.core)
             except Exception as exc:  # vLLM itself raised (its assert): the hooks recorded engine_error
-                import traceback
-
                 tb = traceback.extract_tb(exc.__traceback__)
                 where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
                 msg = f": {exc}" if str(exc) else ""

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from pathlib import Path
 
 import pdtrace.dryrun
@@ -37,12 +38,11 @@ _server_env: dict[str, str] | None = None
 
 
 def _serve() -> int:
-    import traceback
-
     # the replies get a descriptor of their own: vLLM logs on stdout, which goes to stderr from here on
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
 
+    # in the server only, before its first fork: the process that starts it never loads a run's modules
     import pdtrace.dryrun._child as child
     # every module a run imports, before the first fork: a child then runs the code the server started with, even
     # if the files change while a long campaign runs

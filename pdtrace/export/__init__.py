@@ -10,7 +10,9 @@ from pathlib import Path
 from pdtrace.analysis import allocation_settings
 from pdtrace.analysis.context import AnalysisContext
 from pdtrace.errors import UsageError
+from pdtrace.export.chrome import write_chrome
 from pdtrace.export.model import ExportModel, build_model
+from pdtrace.export.perfetto import _builder_classes, write_perfetto
 from pdtrace.plot.window import Window, resolve
 
 FORMATS: tuple[str, ...] = ("chrome", "perfetto")
@@ -22,20 +24,14 @@ def export(ctx: AnalysisContext, to: str, output: str | Path, window: Window | N
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r} (formats: {', '.join(FORMATS)})")
     if to == "perfetto":
-        from pdtrace.export.perfetto import _builder_classes
-
         _builder_classes()  # fail on a missing package before any work
     with allocation_settings():  # as analyze runs its rules
         sel = resolve(ctx, window or Window())
         model = build_model(ctx, sel)
     try:
         if to == "chrome":
-            from pdtrace.export.chrome import write_chrome
-
             write_chrome(model, output, trace_name)
         else:
-            from pdtrace.export.perfetto import write_perfetto
-
             write_perfetto(model, output)
     except OSError as exc:
         raise UsageError(f"{output}: cannot write the export: {exc.strerror or exc}") from None

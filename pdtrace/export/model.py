@@ -19,6 +19,8 @@ import numpy as np
 import pandas as pd
 
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.requests import request_table
+from pdtrace.analysis.steps import BUBBLE_CAUSES, WAIT_CAUSES, exec_spans, instances, step_table, wait_frame
 from pdtrace.analysis.timelines import BLOCK_STATES, block_usage, request_phases, usage_held_at
 from pdtrace.plot.window import Selection
 
@@ -63,8 +65,6 @@ def _slices(pid: np.ndarray, tid: np.ndarray, name: pd.Series | np.ndarray, cat:
 def _wait_slices(ctx: AnalysisContext, sel: Selection, pid_of: dict[str, int]) -> pd.DataFrame:
     """A slice per wait a rank recorded inside an RPC (`exec_wait_*`: `wait pp_recv`, category `wait`), on the
     rank's thread, nested in its RPC's slice: the part of the RPC that is idle time, not work."""
-    from pdtrace.analysis.steps import BUBBLE_CAUSES, WAIT_CAUSES, instances, wait_frame
-
     waits = wait_frame(ctx)
     names = np.array(instances(ctx) + [""], dtype=object)
     inst = names[waits["inst"].to_numpy()] if len(waits) else np.empty(0, dtype=object)
@@ -81,9 +81,6 @@ def _wait_slices(ctx: AnalysisContext, sel: Selection, pid_of: dict[str, int]) -
 
 def build_model(ctx: AnalysisContext, sel: Selection, findings: pd.DataFrame | None = None) -> ExportModel:
     """The export model of a selection (see the module docstring). Vectorised: merges and column arithmetic."""
-    from pdtrace.analysis.requests import request_table
-    from pdtrace.analysis.steps import exec_spans, step_table
-
     reqs = request_table(ctx)
     wanted_reqs = sel.request_pairs  # the named requests and their P/D peers, so that a transfer has both ends
     instances = sel.instances

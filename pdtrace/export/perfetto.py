@@ -25,8 +25,9 @@ _SEQ = 0x5D7  # one trusted packet sequence for all packets
 
 def _builder_classes():
     try:
+        # optional dependency (pdtrace[perfetto])
         from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import TrackEvent
-        from perfetto.trace_builder.proto_builder import TraceProtoBuilder
+        from perfetto.trace_builder.proto_builder import TraceProtoBuilder  # optional dependency (pdtrace[perfetto])
     except ImportError:
         raise UsageError(f"--to perfetto needs the optional perfetto package: {INSTALL_HINT} "
                          "(or use --to chrome, which ui.perfetto.dev opens too)") from None

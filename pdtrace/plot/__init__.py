@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from pdtrace.analysis import allocation_settings
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.parallel import build_tables, default_jobs
 from pdtrace.errors import UsageError
 from pdtrace.plot.window import EmptySelection, Selection, Window, resolve
 
@@ -50,8 +52,7 @@ def build_figure(ctx: AnalysisContext, kind: str, window: Window | None = None, 
         raise UsageError(f"unknown plot kind {kind!r} (kinds: {', '.join(KINDS)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
-    from pdtrace.analysis import allocation_settings
-    from pdtrace.analysis.parallel import build_tables, default_jobs
+    # lazy: matplotlib loads only to draw (export, and the CLI's window choice, import this package)
     from pdtrace.plot.figures import FIGURE_TABLES, FIGURES
 
     with allocation_settings():  # as analyze runs its rules (at 10M events: blocks figure 1.1-1.6 -> 0.9 s)
@@ -78,8 +79,7 @@ def build_figure_in_pieces(pieces: Iterable[Piece], kind: str, window: Window | 
         raise UsageError(f"plot kind {kind!r} is not drawn in pieces (kinds: {', '.join(IN_PIECES)})")
     if dpi <= 0:
         raise UsageError(f"--dpi must be positive, got {dpi:g}")
-    from pdtrace.analysis import allocation_settings
-    from pdtrace.analysis.parallel import build_tables, default_jobs
+    # lazy: matplotlib loads only to draw (export, and the CLI's window choice, import this package)
     from pdtrace.plot.figures import FIGURE_TABLES, PIECES, time_axis
 
     points_of, joined, draw = PIECES[kind]

@@ -9,8 +9,11 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
+from pdtrace.analysis import analyze, available_rules
 from pdtrace.analysis.context import AnalysisContext
+from pdtrace.analysis.findings import empty_findings
 from pdtrace.analysis.parallel import shared_table
+from pdtrace.analysis.requests import request_table
 from pdtrace.analysis.timelines import request_phases, trace_span
 from pdtrace.errors import PdtraceError, UsageError
 from pdtrace.trace.names import names_of, resolve_instances
@@ -151,8 +154,6 @@ def _request_pairs(ctx: AnalysisContext, requests: frozenset[str],
     """(instance, req) of the named requests and, without --instance, of their P/D peers: the prefill request a
     decode request received from (its remote_instance / remote_req) and the decode requests that received from
     a named prefill request."""
-    from pdtrace.analysis.requests import request_table
-
     rt = request_table(ctx)
     mine = rt[rt["req"].isin(list(requests))]
     if instances is not None:
@@ -170,9 +171,6 @@ def findings_of(ctx: AnalysisContext, without: tuple[str, ...] = ()) -> pd.DataF
     """The findings `pdtrace analyze` reports for this trace and configuration: plots and exports mark exactly
     these (one code path with analyze), computed once per context. `without`: rule ids a figure has no use for
     (their findings are left out, and their analysis is not run)."""
-    from pdtrace.analysis import analyze, available_rules
-    from pdtrace.analysis.findings import empty_findings
-
     def build() -> pd.DataFrame:
         rules = [rule for rule_id, rule in available_rules()[0].items() if rule_id not in without]
         return analyze(ctx, rules=rules) if rules else empty_findings()

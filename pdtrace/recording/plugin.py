@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from pdtrace.recording import session
 from pdtrace.recording.session import TRACE_DIR_ENV
 
 
@@ -20,7 +21,7 @@ def install() -> None:
     if not os.environ.get(TRACE_DIR_ENV):
         return
     try:
-        from pdtrace.recording import session
+        # lazy: loaded in every vLLM process; without $PDTRACE_TRACE_DIR the plugin loads nothing
         from pdtrace.recording.vllm import install_hooks, installed_vllm_version
 
         version = installed_vllm_version()
@@ -35,6 +36,7 @@ def install() -> None:
             if session.flight() is None:  # flight mode starts no writer process until a dump
                 warm_up()
     except Exception as exc:  # the plugin must never stop vLLM from starting
+        # lazy: loaded in every vLLM process; without $PDTRACE_TRACE_DIR the plugin loads nothing
         from pdtrace.recording.vllm._runtime import RUNTIME
 
         RUNTIME.fail("plugin install", exc)

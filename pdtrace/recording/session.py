@@ -48,6 +48,7 @@ def configure(directory: str | os.PathLike[str], source: str = "dryrun",
         _clock = clock
         _flight = flight
     if flight is not None or "pdtrace.recording.flight" in sys.modules:
+        # lazy: flight loads the recorder and pyarrow; the session loads in every vLLM process (plugin.py)
         from pdtrace.recording import flight as flight_mode
 
         flight_mode.configure(_directory if flight is not None else None, flight)
@@ -63,6 +64,7 @@ def configure_from_env(source: str) -> bool:
     if _directory is None:
         flight = None
         if os.environ.get("PDTRACE_FLIGHT", "").strip():
+            # lazy: flight loads the recorder and pyarrow; the session loads in every vLLM process (plugin.py)
             from pdtrace.recording.flight import config_from_env
 
             try:
@@ -109,6 +111,7 @@ def recorder(instance: str, role: str, dp_rank: int | None = None) -> "Recorder"
             if _directory is None:
                 raise RuntimeError("pdtrace recording session is not configured")
             if _flight is not None:
+                # lazy: flight loads the recorder and pyarrow; the session loads in every vLLM process (plugin.py)
                 from pdtrace.recording.flight import make_recorder as make
             else:
                 from pdtrace.recording.recorder import Recorder as make  # type: ignore[assignment]

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdtrace.dryrun import run_dry_run
 from pdtrace.replay.compare import SideReport, compare_decisions, decisions
 from pdtrace.replay.plan import ReplayPlan, load_events, plan_replay
+from pdtrace.trace.reader import open_trace
 
 
 @dataclass
@@ -31,9 +33,6 @@ class ReplayResult:
 def replay(trace: Any, output: Path | None = None, spawn: Any = None) -> ReplayResult:
     """Re-drive `trace` (a loaded Trace) on the installed vLLM; the replayed trace goes to `output` (kept) or a
     temporary directory (removed)."""
-    from pdtrace.dryrun import run_dry_run
-    from pdtrace.trace.reader import open_trace
-
     plan = plan_replay(trace)
     recorded = load_events(trace)
 

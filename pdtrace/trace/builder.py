@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pdtrace.format import COLUMNS, KINDS, SCHEMA, file_metadata
@@ -110,8 +111,6 @@ def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
 def write_table(table: pa.Table, directory: str | Path, source: str = "synthetic", version: str = "test",
                 rows_per_file: int | None = None) -> Path:
     """Write a schema-conformant table as a trace directory, split by writer (instance, pid)."""
-    import pyarrow.compute as pc
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     instances = pc.cast(table.column("instance"), pa.string())

@@ -81,7 +81,7 @@ def location(path: str | os.PathLike[str]) -> tuple[pafs.FileSystem | None, str]
     except (pa.ArrowException, ValueError, OSError) as exc:
         why = " ".join(str(exc).split())[:160]
     try:
-        import fsspec
+        import fsspec  # optional dependency: only URLs pyarrow cannot open need fsspec
 
         protocol, inner = text.split("://", 1)
         return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(protocol))), inner

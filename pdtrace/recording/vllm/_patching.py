@@ -16,6 +16,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import inspect
+import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -176,8 +177,6 @@ class _PostImportLoader(importlib.abc.Loader):
         try:
             self._patcher.module_imported(module)
         except Exception:  # never break vLLM's import
-            import logging
-
             logging.getLogger("pdtrace").warning("pdtrace: could not hook %s", module.__name__, exc_info=True)
 
     def __getattr__(self, name: str) -> Any:

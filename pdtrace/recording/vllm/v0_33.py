@@ -655,6 +655,7 @@ def _prefix_hit_seen(sched: Any, request: Any, out: Any) -> None:
 
 
 def _w_set_kv_fetch_stage(orig: Any) -> Any:
+    # vLLM's, at call time: a hook table imports no vLLM at load (hooks patch vLLM's modules as they load)
     from vllm.v1.metrics.stats import KV_FETCH_IN_PROGRESS
 
     # "in_progress" is set right after the request became WAITING_FOR_REMOTE_KVS with its blocks allocated and
@@ -771,6 +772,7 @@ def _trims_blocks(manager: Any) -> bool:
     """Whether a KV cache group's manager can give blocks up while the request runs (sliding window, chunked
     local attention, Mamba): it overrides the no-op trimming of the base class (0.11+) or, in 0.10, whose base
     method is abstract, of FullAttentionManager; 0.10 has no get_num_skipped_tokens."""
+    # vLLM's, at call time: a hook table imports no vLLM at load (hooks patch vLLM's modules as they load)
     from vllm.v1.core import single_type_kv_cache_manager as managers
 
     cls, no_ops = type(manager), (managers.SingleTypeKVCacheManager, managers.FullAttentionManager)
@@ -1087,6 +1089,7 @@ def _w_executor_init(orig: Any) -> Any:
 def _worker_ranks() -> tuple[int | None, int | None]:
     """(pp_rank, tp_rank) from vLLM's process groups; (None, None) where they are not initialised."""
     try:
+        # vLLM's, at call time: a hook table imports no vLLM at load (hooks patch vLLM's modules as they load)
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         return int(get_pp_group().rank_in_group), int(get_tp_group().rank_in_group)
