@@ -121,11 +121,7 @@ def test_the_circle_finder_finds_a_circle():
 
 #: Files whose inner imports may go without a reason for now, each with why. The test fails when one of them has
 #: none left (so the entry is removed), as KNOWN does for circles.
-UNEXPLAINED_ALLOWED: dict[str, str] = {
-    "recording/flight.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
-    "cli/dump.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
-    "cli/record.py": "in flux on another branch (the flight recorder's work); its imports are settled there",
-}
+UNEXPLAINED_ALLOWED: dict[str, str] = {}
 
 
 def unexplained_inner_imports(source: str) -> list[int]:

@@ -26,7 +26,7 @@ import typer
 
 from pdtrace.cli.app import InstanceOption, app, err_console, out_console
 from pdtrace.errors import EXIT_FINDINGS, UsageError
-from pdtrace.format import FLIGHT_REGISTRY, MANIFEST_NAME
+from pdtrace.format import FLIGHT_REGISTRY, MANIFEST_NAME, flight_recordings
 
 
 def _pending(manifest: dict[str, Any] | None) -> list[str]:
@@ -52,7 +52,7 @@ def dump(
 ) -> None:
     """Ask every live process of the flight recording TRACE to write its window into TRACE/dump-NNNN/ (of every
     flight recording under TRACE, into TRACE/dump-NNNN/<recording>/: one trace of them all)."""
-    from pdtrace.format import flight_recordings
+    # lazy: the flight recorder's module loads only for the verbs that record or dump
     from pdtrace.recording.flight import (join_recent_dump, live_processes, newest_dump, newest_window_start_ns,
                                           next_dump_folder, request_dump, write_joint_manifest)
 

@@ -38,6 +38,7 @@ import typer
 
 from pdtrace import __version__
 from pdtrace.cli.app import app, err_console
+from pdtrace.dryrun import DryRunConfig, run_dry_run
 from pdtrace.errors import RecordingError, UsageError
 from pdtrace.format import MANIFEST_NAME
 from pdtrace.recording.session import TRACE_DIR_ENV
@@ -50,14 +51,14 @@ _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def _vllm_version() -> str | None:
     """The importable vLLM's version, whatever distribution ships it (see `installed_vllm_version`)."""
-    from pdtrace.recording.vllm import installed_vllm_version
+    from pdtrace.recording.vllm import installed_vllm_version  # lazy: the hook tables load only for `record`
 
     return installed_vllm_version()
 
 
 def _vllm_table(version: str | None) -> str | None:
     """The hook table pdtrace applies to vLLM `version` (`v0_33`), or None (not installed, or unsupported)."""
-    from pdtrace.recording.vllm import table_for
+    from pdtrace.recording.vllm import table_for  # lazy: the hook tables load only for `record`
 
     entry = table_for(version) if version else None
     return entry.name if entry is not None else None
@@ -133,7 +134,7 @@ def run_recorded(command: list[str], output: Path, flight: "FlightConfig | None"
         if flight.pair is not None:
             manifest["flight"]["pair"] = flight.pair
     write_manifest(output, manifest)
-    from pdtrace.recording.recorder import FLUSH_ACK_DIR, request_flush
+    from pdtrace.recording.recorder import FLUSH_ACK_DIR, request_flush  # lazy: only a recording run needs it
 
     child: list[subprocess.Popen] = []
     pending: list[int] = []
@@ -232,13 +233,13 @@ def _wait_for_writer_processes(output: Path, timeout: float = WRITERS_WAIT_S) ->
     """Wait until no writer process holds its shared lock on the trace's lock file (each holds it for its
     lifetime; see pdtrace.recording.writer_process.LOCK_ENV): they outlive the vLLM processes that vLLM killed,
     by the time it takes to write what those processes handed over. Then remove the lock file."""
-    from pdtrace.recording.writer_process import LOCK_NAME
+    from pdtrace.recording.writer_process import LOCK_NAME  # lazy: only a recording run needs it
 
     path = output / LOCK_NAME
     if not path.exists():
         return
     try:
-        import fcntl
+        import fcntl  # POSIX only: where it is missing, no writer could hold the lock
     except ImportError:  # no flock: nothing could have taken it
         return
     fd = os.open(path, os.O_RDWR)
@@ -270,7 +271,6 @@ def _record_dry_run(output: Path, force: bool, options: dict[str, Any]) -> int:
     The configuration is checked before the output directory is made. Exits 0 even when vLLM raised inside the
     run (its assert, say): that is the trace's finding, recorded as an `engine_error` event, not a failure of the
     recording."""
-    from pdtrace.dryrun import DryRunConfig, run_dry_run
 
     given = {name: value for name, value in options.items() if value is not None}
     if given.get("perturbations"):
@@ -304,6 +304,7 @@ def _flight_config(seconds: float | None, mb: float | None, dump_on_exit: bool, 
                    output: Path | None = None) -> "FlightConfig | None":
     """The flight settings of --flight/--flight-mb/--flight-dump-on-exit/--pair (None: full recording); UsageError
     on bad values. The dump signal comes from PDTRACE_FLIGHT_SIGNAL if the user set it."""
+    # lazy: the flight recorder's module loads only when flight mode is asked for
     from pdtrace.recording.flight import DEFAULT_MB, ENV_SIGNAL, PAIR_OFF, SIGNAL_DEFAULT, FlightConfig
 
     if seconds is None:

@@ -83,10 +83,13 @@ Recording path: the standard library only (the Recorder brings pyarrow).
 from __future__ import annotations
 
 import atexit
+import bisect
+import fcntl
 import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -244,7 +247,6 @@ class _TsColumn:
 
 def _first_at_or_after(flat: list[Any], rows: int, ts: int) -> int:
     """The first row whose ts is >= `ts` (rows are in ts order per thread; across threads nearly so)."""
-    import bisect
 
     return bisect.bisect_left(_TsColumn(flat, rows), ts)
 
@@ -617,7 +619,6 @@ def _read_json(path: Path) -> Any:
 
 
 def _host() -> str:
-    import socket
 
     try:
         return socket.gethostname()
@@ -926,13 +927,11 @@ class _joint_lock:
         self.path = folder / "_manifest.lock"
 
     def __enter__(self) -> None:
-        import fcntl
 
         self.handle = open(self.path, "a+")
         fcntl.flock(self.handle, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: Any) -> None:
-        import fcntl
 
         try:
             fcntl.flock(self.handle, fcntl.LOCK_UN)
@@ -949,7 +948,6 @@ def _written(manifest: Any) -> bool:
 def _update_manifest(folder: Path, pid: int, entry: dict[str, Any]) -> None:
     """Record one process's part of a dump in its manifest: read-modify-write under an flock (several processes of
     the run finish their parts at once)."""
-    import fcntl
 
     lock_path = folder / "_manifest.lock"
     with open(lock_path, "a+") as lock:
