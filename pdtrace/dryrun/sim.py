@@ -448,6 +448,8 @@ class SimEngine:
             return now
         if self.awaited and self.awaited[0] <= self.next_step:
             return None
+        if self.role == "decode":  # what P hands over arrives on the replay's clock, not the recording's: held
+            return now             # in order (deliver_inputs), never waited for by the clock
         return max((i.ts for i in self.inputs if i.kind == "add" and 0 <= i.min_step <= self.next_step),
                    default=now)
 
