@@ -489,6 +489,10 @@ class SimEngine:
             heapq.heappush(self.inputs, item)
 
 
+#: Replay: how long (virtual) D waits for a request the recording added before its next step and P has not handed
+#: over yet, while P runs on (a P that idles with a send pending would otherwise keep D waiting to the time limit)
+PEER_WAIT_NS = 2_000_000_000
+
 _RPC_EXEC = '{"rpc":"execute_model"}'
 _RPC_SAMPLE = '{"rpc":"sample_tokens"}'
 
@@ -709,10 +713,12 @@ class SimCluster:
                     continue
                 if best_key is None or key < best_key:
                     best, best_key = e, key
-            if best is None and waiting_on_peer:  # replay: no peer will hand it over any more
-                best = min(waiting_on_peer, key=lambda e: e.timeline.now)
-                best.give_up_waiting()
-                best_key = best.step_ready_ns()
+            for e in waiting_on_peer:  # replay: a peer that has not handed it over by now will not
+                if best is None or best_key - e.timeline.now > PEER_WAIT_NS:
+                    e.give_up_waiting()
+                    key = e.step_ready_ns()
+                    if key is not None and (best is None or key < best_key):
+                        best, best_key = e, key
             if best is None:
                 # Nothing runs and nothing is due: done (or a closed-loop client waits for a slot that will never
                 # free, because its in-flight requests are stuck).
