@@ -205,6 +205,7 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
         return here + [tuple(w) for w in workers if tuple(w)[0] != here[0][0]]
 
     blocks = []
+    sched_cpu = scheduler_cpu_meter(llm)
     n, plen = spec["block_requests"], spec["prompt_len"]
     # one untimed block of the blocks' size first, hooks on: without it the first timed block ran at 60 % of the
     # others' tokens/s (one pair at -42 %: vLLM's buffers growing to the first full batch, presumably)
@@ -218,6 +219,7 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
         prompts = [TokensPrompt(prompt_token_ids=[100 + (7 * (b * n + i) + j * 13) % 30000 for j in range(plen)])
                    for i in range(n)]
         del steps[:]
+        sched_cpu[:] = [0, 0]
         before = tree_cpu()
         start_ns = time.time_ns()
         t0 = time.perf_counter()
@@ -229,6 +231,7 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
         cpu = {pid: t - before.get(pid, (None, 0.0))[1] for pid, (_, t) in after.items()}
         blocks.append({"on": on, "tokens_s": tokens / wall, "tokens": tokens, "start_ns": start_ns,
                        "end_ns": end_ns, "median_step_ms": statistics.median(steps) / 1e6,
+                       "sched_cpu_us": sched_cpu[0] / 1e3 / max(sched_cpu[1], 1),
                        "cpu_s": sum(cpu.values()),
                        "writer_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "writer"),
                        "worker_cpu_s": sum(cpu[p] for p, (kind, _) in after.items() if kind == "worker")})
@@ -236,6 +239,35 @@ def toggled_blocks(llm: object, spec: dict, steps: list[int], params: object) ->
     if any(errors for _, _, errors in state):
         raise SystemExit(f"a hook failed during the blocks (its errors switch recording off): {state}")
     return blocks
+
+
+def scheduler_cpu_meter(llm: object) -> list[int]:
+    """[thread CPU ns, steps]: the CPU time the engine's thread spends inside `Scheduler.schedule` and
+    `Scheduler.update_from_output` (pdtrace's hooks on them included: the meter wraps the scheduler instance's bound
+    methods, which are the class's hooked ones), counted per `schedule()` call. This is the scheduler's part of a
+    step's critical path when nothing overlaps it (a GPU without async scheduling), and, as thread CPU time, it does
+    not count the engine's spin-wait for the workers (vLLM's `sched_yield` loop, most of the engine process's CPU at
+    PP=2) nor time the thread was not running, so other processes' load moves it far less than tokens/s."""
+    meter = [0, 0]
+    core = getattr(getattr(llm, "llm_engine").engine_core, "engine_core", None)  # InprocClient -> EngineCore
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        raise SystemExit("--inproc needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    clock = time.thread_time_ns
+
+    def metered(method, counts_step):
+        def call(*args, **kwargs):
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                meter[0] += clock() - t0
+                meter[1] += counts_step
+        return call
+
+    scheduler.schedule = metered(scheduler.schedule, 1)
+    scheduler.update_from_output = metered(scheduler.update_from_output, 0)
+    return meter
 
 
 def tree_cpu() -> dict[int, tuple[str, float]]:
@@ -347,7 +379,8 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
         shutil.rmtree(result["trace"], ignore_errors=True)
         for b, (block, count) in enumerate(zip(blocks, rows)):
             print(f"PP={pp} {arm} block {b + 1:2d} {'on ' if block['on'] else 'off'}: {block['tokens_s']:.0f} "
-                  f"tok/s, step {block['median_step_ms']:.2f} ms, cpu {cpu_per_1k(block):.3f} s/1k tok, "
+                  f"tok/s, step {block['median_step_ms']:.2f} ms, scheduler {block['sched_cpu_us']:.0f} us CPU/step, "
+                  f"cpu {cpu_per_1k(block):.3f} s/1k tok, "
                   f"{count} trace rows", flush=True)
         on_rows = [c for b, c in zip(blocks, rows) if b["on"]]
         off_rows = [c for b, c in zip(blocks, rows) if not b["on"]]
@@ -364,7 +397,8 @@ def inproc(args: argparse.Namespace, work: Path, model: Path) -> None:
         parts = [("tree", "tree")] + ([("workers'", "workers"), ("the rest's", "rest")]
                                       if all(block["worker_cpu_s"] for block in blocks) else [])
         changes = [("tokens/s", lambda a, b: a["tokens_s"] / b["tokens_s"]),
-                   ("median step", lambda a, b: a["median_step_ms"] / b["median_step_ms"])]
+                   ("median step", lambda a, b: a["median_step_ms"] / b["median_step_ms"]),
+                   ("scheduler CPU per step", lambda a, b: a["sched_cpu_us"] / b["sched_cpu_us"])]
         changes += [(f"{label} CPU per token", lambda a, b, part=part: cpu_per_1k(a, part) / cpu_per_1k(b, part))
                     for label, part in parts]
         for name, change in changes:
