@@ -56,6 +56,39 @@ def test_worker_modules_are_wrapped_when_a_process_imports_them(tmp_path):
     assert wrapped == [True, True if split else None, True]
 
 
+def _wraps_the_receive(table, called: set[str]) -> bool:
+    """Whether a hook table wraps every PP receive in `called` (and the handles' wait after an asynchronous one)."""
+    wrapped = {(h.owner, h.name) for h in table}
+    receive = called & {"recv_tensor_dict", "irecv_tensor_dict"}
+    return bool(receive) and all(("GroupCoordinator", name) in wrapped for name in receive) and (
+        "irecv_tensor_dict" not in receive or ("AsyncIntermediateTensors", "wait_for_comm") in wrapped)
+
+
+def test_the_pp_calls_the_installed_worker_makes_are_the_ones_its_table_wraps():
+    """The PP wait is recorded by wrapping the GroupCoordinator method the worker's `execute_model` calls to receive
+    the previous stage's tensors (and, after an asynchronous receive, `AsyncIntermediateTensors.wait_for_comm`). A
+    table that wraps a receive the installed worker no longer calls records no wait and raises nothing (0.17-0.25
+    under the synchronous hooks until 2026-12-07), so this reads the installed worker's own source. Twin: the table
+    of the other kind of receive (v0_16's synchronous one, v0_17's asynchronous one) fails the same check."""
+    import importlib
+    import inspect
+    import re
+
+    from vllm.v1.worker import gpu_worker
+
+    from pdtrace.recording.vllm import table_for, v0_16, v0_17
+
+    source = inspect.getsource(gpu_worker.Worker.execute_model)
+    called = set(re.findall(r"get_pp_group\(\)\s*\.\s*(i?recv_tensor_dict)", source))
+    assert called, "execute_model receives no PP tensors through get_pp_group(): re-read it"
+    table = importlib.import_module(table_for(H.release()).module).TABLE
+    assert _wraps_the_receive(table, called), sorted(called)
+    if "irecv_tensor_dict" in called:
+        assert hasattr(gpu_worker.AsyncIntermediateTensors, "wait_for_comm")
+    other = v0_16 if "irecv_tensor_dict" in called else v0_17
+    assert not _wraps_the_receive(other.TABLE, called)
+
+
 def test_exec_spans_and_per_rank_completions(recording, model_dir, monkeypatch):
     from vllm.v1.outputs import KVConnectorOutput
 

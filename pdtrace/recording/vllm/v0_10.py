@@ -116,7 +116,7 @@ TABLE: tuple[Hook, ...] = overlay(
              ("request_id", "num_computed_tokens")),
         # The V1 Executor inherits its __init__ (which starts the workers) from V0's ExecutorBase here.
         Hook("vllm.executor.executor_base", "ExecutorBase", "__init__", v0_33._w_executor_init, ("vllm_config",)),
-        *v0_33.PP_SYNC_HOOKS,  # the PP tensors received and sent synchronously (0.10-0.16: v0_11, v0_14, v0_16)
+        *v0_33.PP_SYNC_HOOKS,  # the PP tensors received and sent synchronously (0.10-0.16: v0_11, v0_14, v0_16; v0_17 on: async)
     ),
     drop=(
         "Scheduler._preempt_request", "Scheduler.finish_requests", "Scheduler._drain_deferred_frees",

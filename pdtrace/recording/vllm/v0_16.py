@@ -1,5 +1,5 @@
-"""Hook table for vLLM 0.16.0 to 0.17.x: the 0.14 table (v0_14.py) plus `Scheduler.finish_requests`, because an
-abort while receiving now delays the free.
+"""Hook table for vLLM 0.16.0 to 0.16.x: the 0.14 table (v0_14.py) plus `Scheduler.finish_requests`, because an
+abort while receiving now delays the free. 0.17.x is this table with the asynchronous PP receive (v0_17.py).
 
 Read from each release's vllm/v1 sources (0.16.0, 0.17.0, 0.17.1 sdists; line numbers of 0.16.0's
 core/sched/scheduler.py):

@@ -13,6 +13,9 @@ Read from 0.24.0's and 0.25.0's vllm/v1/core sources (line numbers: 0.24.0):
   adds `num_prompt_tokens=None`): the same trimming, its second parameter not yet `processed_computed_tokens`.
 * The local prefix hit is `KVCacheManager.get_computed_blocks(request)` (scheduler.py:711), a 2-tuple
   (kv_cache_manager.py:202).
+* The PP receive is 0.26's, asynchronous (`irecv_tensor_dict`, `AsyncIntermediateTensors.wait_for_comm`: read in
+  the v1/worker/gpu_worker.py of 0.18.0, 0.19.0, 0.20.0, 0.21.0, 0.22.1, 0.23.0, 0.24.0, 0.25.0 and 0.25.1), so
+  0.26's hooks record the PP wait here and in the 0.18 table built on this one.
 """
 
 from __future__ import annotations
@@ -23,9 +26,6 @@ from pdtrace.recording.vllm._patching import Hook, overlay
 TABLE: tuple[Hook, ...] = overlay(
     v0_26.TABLE,
     replace=(Hook(v0_33._COORD, "KVCacheCoordinator", "remove_skipped_blocks", v0_33._w_remove_skipped_blocks,
-                  ("request_id", "total_computed_tokens")),
-             # 0.18-0.25's PP receive is unread (no release venv here): the synchronous hooks, whose methods exist
-             # in every release, rather than 0.26's AsyncIntermediateTensors, whose absence would unhook the worker
-             *v0_33.PP_SYNC_HOOKS),
-    drop=("Scheduler._free_cow_retained_blocks", *v0_33.PP_ASYNC_HOOKS),
+                  ("request_id", "total_computed_tokens")),),
+    drop=("Scheduler._free_cow_retained_blocks",),
 )
