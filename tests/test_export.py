@@ -14,6 +14,7 @@ from pdtrace.analysis.context import AnalysisContext
 from pdtrace.analysis.requests import request_table
 from pdtrace.analysis.steps import exec_spans, step_table
 from pdtrace.analysis.timelines import block_usage, request_phases
+from pdtrace.cli.app import WindowOptions, window_options
 from pdtrace.export import export
 from pdtrace.plot import Window
 
@@ -304,3 +305,30 @@ def test_a_recorded_wait_is_its_own_slice_nested_in_its_rpc(tmp_path: Path) -> N
         assert w["dur"] == pytest.approx(8000.0)  # µs
     hidden = chrome(pp_recv_pp2("hidden"), tmp_path)
     assert not [e for e in by_ph(hidden)["X"] if e["cat"] == "wait"]
+
+
+def test_plot_and_export_share_one_declaration_of_the_window_options():
+    """`--instance/--since/--until/--request/--memory-check/--window-events` come from `window_options` in both
+    verbs: same names, declarations and defaults, and the command gets them gathered."""
+    import inspect
+
+    from pdtrace.cli.export import export as export_command
+    from pdtrace.cli.plot import plot
+
+    names = ["instance", "since", "until", "request", "memory_check", "window_events"]
+
+    def shared(command):
+        params = inspect.signature(command).parameters
+        return [(n, params[n].annotation, params[n].default) for n in names]
+
+    assert shared(plot) == shared(export_command)
+    assert "shown" not in inspect.signature(plot).parameters
+
+    @window_options
+    def probe(trace: str, shown: WindowOptions = WindowOptions()) -> WindowOptions:
+        return shown
+
+    got = probe("t", instance=["prefill-0"], since=1.5, until=None, request=None, memory_check=False,
+                window_events=0)
+    assert got == WindowOptions(instance=("prefill-0",), since=1.5, memory_check=False, window_events=0)
+    assert got.window().instances == ("prefill-0",) and got.window().since_s == 1.5

@@ -30,9 +30,9 @@ from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.engine import ordered_findings
 from pdtrace.analysis.findings import SEVERITY_ORDER, checked_findings
 from pdtrace.analysis.plan import Plan, plan_analysis, run_plan
-from pdtrace.analysis.registry import Rule, load_rules
+# select_rules: defined in the registry (the partition workers resolve ids too); importable from here as before
+from pdtrace.analysis.registry import Rule, load_rules, select_rules
 from pdtrace.analysis.slices import allocation_settings, window
-from pdtrace.errors import UsageError
 
 __all__ = ["analyze", "available_rules", "select_rules", "summarize_findings", "window", "AnalysisConfig",
            "allocation_settings", "checked_findings", "ordered_findings", "Plan", "plan_analysis", "run_plan"]
@@ -43,26 +43,6 @@ def available_rules() -> tuple[dict[str, Rule], list[str]]:
     hiding every other rule."""
     notes: list[str] = []
     return load_rules(errors=notes), notes
-
-
-def select_rules(rules: Iterable[str | Rule] | None, registered: dict[str, Rule]) -> list[Rule]:
-    """The rules to run: all registered ones, or the given ids / Rule objects (unknown ids raise UsageError)."""
-    if rules is None:
-        return list(registered.values())
-    chosen: list[Rule] = []
-    for item in rules:
-        if isinstance(item, Rule):
-            chosen.append(item)
-            continue
-        name = str(item).strip()
-        if not name:
-            continue
-        if name not in registered:
-            raise UsageError(f"unknown rule {name!r} (known: {', '.join(sorted(registered))})")
-        chosen.append(registered[name])
-    if not chosen:
-        raise UsageError("no rule selected")
-    return chosen
 
 
 def analyze(trace_or_path: Any, rules: Iterable[str | Rule] | None = None,

@@ -833,6 +833,15 @@ def _search_by_key(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_
     return found
 
 
+def lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, fill: int | float) -> np.ndarray:
+    """values[i] where keys_sorted[i] == query, else fill (keys_sorted ascending, distinct). The one exact-key
+    lookup of the analyses (`steps.lookup` and `rulekit.StepIndex` call it)."""
+    if len(keys_sorted) == 0 or len(query) == 0:
+        return np.full(len(query), fill, dtype=np.result_type(values.dtype, type(fill)))
+    idx = np.minimum(np.searchsorted(keys_sorted, query), len(keys_sorted) - 1)
+    return np.where(keys_sorted[idx] == query, values[idx], fill)
+
+
 def next_at_or_after(key_a: np.ndarray, pos_a: np.ndarray, key_b: np.ndarray, pos_b: np.ndarray,
                      strict: bool = False) -> np.ndarray:
     """For each a: the index into b of the first b with the same key and pos_b >= pos_a (> if strict), else -1."""

@@ -53,13 +53,18 @@ def shared_table(*needs: Table, cost: float = DEFAULT_COST) -> Callable[[Table],
     return mark
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else every CPU), at least 1: the one
+    count behind both defaults, threads (`default_jobs`) and worker processes (`partitions.default_workers`)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_jobs() -> int:
     """One thread per CPU this process may run on, at most MAX_JOBS."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_JOBS, cpus))
+    return min(MAX_JOBS, usable_cpus())
 
 
 def _needs(node: Any) -> tuple[Table, ...]:

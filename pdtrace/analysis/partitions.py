@@ -70,8 +70,8 @@ from pdtrace.analysis import engine
 from pdtrace.analysis.config import AnalysisConfig
 from pdtrace.analysis.context import AnalysisContext, trace_span
 from pdtrace.analysis.findings import empty_findings
-from pdtrace.analysis.parallel import default_jobs
-from pdtrace.analysis.registry import Rule, load_rules
+from pdtrace.analysis.parallel import default_jobs, usable_cpus
+from pdtrace.analysis.registry import Rule, load_rules, select_rules
 from pdtrace.analysis.windows import (MemorySource, PathSource, TimeWindow, analyze_windows, plan_time_windows,
                                       read_time_window, window_size)
 from pdtrace.analysis.slices import window
@@ -388,16 +388,8 @@ class PartitionResult:
 
 
 def _resolve(rules: Iterable[str | Rule]) -> list[Rule]:
-    registered: dict[str, Rule] | None = None
-    out = []
-    for rule in rules:
-        if isinstance(rule, Rule):
-            out.append(rule)
-            continue
-        if registered is None:
-            registered = load_rules(errors=[])
-        out.append(registered[rule])
-    return out
+    """A task's rules as Rule objects (ids travel to workers: `_portable`): `registry.select_rules`."""
+    return select_rules(list(rules))
 
 
 def _load_partition(task: PartitionTask) -> Trace:
@@ -606,11 +598,8 @@ class ProcessRunner:
 
 
 def default_workers() -> int:
-    """One worker process per CPU this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    """One worker process per CPU this process may run on (`parallel.usable_cpus`)."""
+    return usable_cpus()
 
 
 # ----------------------------------------------------------------------------------------------------- driver

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+from pdtrace.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -128,3 +130,27 @@ def load_rules(errors: list[str] | None = None) -> dict[str, Rule]:
             raise RuleLoadError(problem)
         errors.append(problem)
     return rules
+
+
+def select_rules(rules: Iterable[str | Rule] | None, registered: Mapping[str, Rule] | None = None) -> list[Rule]:
+    """The rules to run: all registered ones, or the given ids / Rule objects (unknown ids raise UsageError). The
+    one resolver of rule ids (`analyze`, `pdtrace analyze --rule`, the partition workers). `registered`: the
+    registered rules by id; None loads them (`load_rules`, a plugin that fails to load left out) only if needed."""
+    if rules is None:
+        return list((registered if registered is not None else load_rules(errors=[])).values())
+    chosen: list[Rule] = []
+    for item in rules:
+        if isinstance(item, Rule):
+            chosen.append(item)
+            continue
+        name = str(item).strip()
+        if not name:
+            continue
+        if registered is None:
+            registered = load_rules(errors=[])
+        if name not in registered:
+            raise UsageError(f"unknown rule {name!r} (known: {', '.join(sorted(registered))})")
+        chosen.append(registered[name])
+    if not chosen:
+        raise UsageError("no rule selected")
+    return chosen

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from pdtrace.analysis.columns import NO, Columns, columns, positions, request_keys
+from pdtrace.analysis.columns import NO, Columns, columns, lookup, positions, request_keys
 from pdtrace.analysis.findings import findings_frame
 from pdtrace.analysis.parallel import shared_table
 
@@ -42,12 +42,7 @@ class StepIndex:
 
     @staticmethod
     def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> np.ndarray:
-        if len(keys) == 0:
-            return np.full(len(query), NO, np.int64)
-        idx = np.searchsorted(keys, query)
-        idx_c = np.minimum(idx, len(keys) - 1)
-        found = (idx < len(keys)) & (keys[idx_c] == query)
-        return np.where(found, values[idx_c], NO)
+        return lookup(keys, values, query, NO)
 
     def output_pos_of(self, sk: np.ndarray, step: np.ndarray) -> np.ndarray:
         """Position of the step's step_output (NO if none or step unknown)."""

@@ -64,7 +64,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pdtrace.analysis.columns import columns, gather, order_by_pair, positions
+# lookup: defined in columns (rulekit.StepIndex uses it too, and rulekit may not import steps); steps.lookup stays
+from pdtrace.analysis.columns import columns, gather, lookup, order_by_pair, positions
 from pdtrace.analysis.parallel import shared_table
 from pdtrace.analysis.requests import request_state
 from pdtrace.trace.model import take_rows
@@ -703,14 +704,6 @@ def distinct(values: np.ndarray) -> np.ndarray:
     """Sorted distinct values (a sort: numpy 2's hash-based np.unique is slower on large int arrays)."""
     v = np.sort(values)
     return v[np.r_[True, v[1:] != v[:-1]]] if len(v) else v
-
-
-def lookup(keys_sorted: np.ndarray, values: np.ndarray, query: np.ndarray, fill: int | float) -> np.ndarray:
-    """values[i] where keys_sorted[i] == query, else fill (keys_sorted ascending, distinct)."""
-    if len(keys_sorted) == 0 or len(query) == 0:
-        return np.full(len(query), fill, dtype=np.result_type(values.dtype, type(fill)))
-    idx = np.minimum(np.searchsorted(keys_sorted, query), len(keys_sorted) - 1)
-    return np.where(keys_sorted[idx] == query, values[idx], fill)
 
 
 class _Keys:

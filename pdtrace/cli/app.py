@@ -5,6 +5,8 @@ Results go to stdout; progress and diagnostics go to stderr through `err_console
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 
@@ -61,6 +63,70 @@ RequestOption = Annotated[Optional[list[str]], typer.Option(
     "--request", "-r",
     help="Only this request (repeat for several): the window narrows to its lifetime and its P/D peer's, and "
          "(without --instance) to their instances.")]
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    """What `--instance`, `--since`, `--until`, `--request`, `--memory-check` and `--window-events` chose: the
+    window options that `plot` and `export` share, declared once (`window_options`)."""
+
+    instance: tuple[str, ...] = ()
+    since: float | None = None
+    until: float | None = None
+    request: tuple[str, ...] = ()
+    memory_check: bool = True
+    window_events: int = -1
+
+    def window(self) -> "Window":
+        """The selection as `pdtrace.plot` takes it."""
+        # lazy: pdtrace.plot's package loads matplotlib; the CLI starts without it
+        from pdtrace.plot.window import Window
+
+        return Window(since_s=self.since, until_s=self.until, instances=self.instance, requests=self.request)
+
+
+#: The window options, in the order `--help` lists them, with their declarations and defaults.
+_WINDOW_PARAMETERS = (
+    ("instance", InstanceOption, None),
+    ("since", SinceSecondsOption, None),
+    ("until", UntilSecondsOption, None),
+    ("request", RequestOption, None),
+    ("memory_check", MemoryCheckOption, True),
+    ("window_events", WindowEventsOption, -1),
+)
+
+
+def window_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """A command's window options declared once: `command` takes one parameter `shown: WindowOptions =
+    WindowOptions()` (the default only keeps Python's parameter order; typer never sees it); typer sees
+    the six options in its place (same names, help and defaults wherever a command uses them) and the command gets
+    them gathered in a `WindowOptions`."""
+    signature = inspect.signature(command, eval_str=True)
+    names = [name for name, _, _ in _WINDOW_PARAMETERS]
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        chosen = {name: kwargs.pop(name) for name in names}
+        chosen["instance"] = tuple(chosen["instance"] or ())
+        chosen["request"] = tuple(chosen["request"] or ())
+        return command(*args, shown=WindowOptions(**chosen), **kwargs)
+
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name == "shown":
+            parameters += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
+                                             default=default) for name, annotation, default in _WINDOW_PARAMETERS]
+        else:
+            parameters.append(parameter)
+    if len(parameters) != len(signature.parameters) + len(names) - 1:
+        raise TypeError(f"{command.__name__} takes no `shown` parameter for window_options to fill")
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    # typer reads the annotations too (typing.get_type_hints): the six options', not `shown`'s
+    wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+    if signature.return_annotation is not inspect.Signature.empty:
+        wrapper.__annotations__["return"] = signature.return_annotation
+    del wrapper.__wrapped__  # typer must see the six options, not the command's own signature
+    return wrapper
 
 #: Results (tables, reports) go to stdout.
 def _results_width() -> int | None:

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
-                             UntilSecondsOption, WindowEventsOption, app, err_console, load_shown, out_console)
+from pdtrace.cli.app import (TraceArgument, WindowOptions, app, err_console, load_shown, out_console,
+                             window_options)
 
 
 class ExportFormat(str, Enum):
@@ -22,6 +22,7 @@ class ExportFormat(str, Enum):
 
 
 @app.command()
+@window_options
 def export(
     trace: TraceArgument,
     to: ExportFormat = typer.Option(ExportFormat.chrome, "--to",
@@ -29,12 +30,7 @@ def export(
                                          "perfetto`)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Output file (default: <trace>.json or <trace>.pftrace)."),
-    instance: InstanceOption = None,
-    since: SinceSecondsOption = None,
-    until: UntilSecondsOption = None,
-    request: RequestOption = None,
-    memory_check: MemoryCheckOption = True,
-    window_events: WindowEventsOption = -1,
+    shown: WindowOptions = WindowOptions(),
 ) -> None:
     """Export a trace to Chrome Trace Event JSON or Perfetto protobuf: processes per instance, threads per rank
     and request, slices, block counters and P->D transfer flows.
@@ -45,7 +41,7 @@ def export(
     from pdtrace.analysis.context import AnalysisContext
     # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.export import export as run_export
-    from pdtrace.plot import Window, trace_stem  # lazy: matplotlib and the analysis stack load only to draw
+    from pdtrace.plot import trace_stem  # lazy: matplotlib and the analysis stack load only to draw
 
     if to is ExportFormat.perfetto:
         # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
@@ -54,9 +50,9 @@ def export(
         _builder_classes()  # a missing optional package fails before the trace is read
     stem = trace_stem(str(trace))
     target = output or Path(f"{stem}.{'json' if to is ExportFormat.chrome else 'pftrace'}")
-    window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    window = shown.window()
     # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows
-    loaded, span, window_end = load_shown(trace, window, window_events, memory_check=memory_check)
+    loaded, span, window_end = load_shown(trace, window, shown.window_events, memory_check=shown.memory_check)
     err_console.print(f"pdtrace: exporting {len(loaded):,} events to {to.value} ...", markup=False)
     model = run_export(AnalysisContext(loaded, span_ns=span, window_end=window_end), to.value, target,
                        window=window, trace_name=str(trace))

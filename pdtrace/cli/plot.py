@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from pdtrace.cli.app import (InstanceOption, MemoryCheckOption, RequestOption, SinceSecondsOption, TraceArgument,
-                             UntilSecondsOption, WindowEventsOption, app, err_console, out_console, shown_pieces)
+from pdtrace.cli.app import (TraceArgument, WindowOptions, app, err_console, out_console, shown_pieces,
+                             window_options)
 
 
 class PlotKind(str, Enum):
@@ -24,6 +24,7 @@ class PlotKind(str, Enum):
 
 
 @app.command()
+@window_options
 def plot(
     trace: TraceArgument,
     kind: PlotKind = typer.Option(PlotKind.pipeline, "--kind", "-k",
@@ -32,12 +33,7 @@ def plot(
                                        "steps (schedule() time and tokens per step)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Image file: .png, .svg or .pdf (default: <trace>-<kind>.png)."),
-    instance: InstanceOption = None,
-    since: SinceSecondsOption = None,
-    until: UntilSecondsOption = None,
-    request: RequestOption = None,
-    memory_check: MemoryCheckOption = True,
-    window_events: WindowEventsOption = -1,
+    shown: WindowOptions = WindowOptions(),
     dpi: float = typer.Option(100.0, "--dpi", help="Resolution: the image is 14 in wide, so 100 dpi = 1400 px."),
 ) -> None:
     """Plot a trace: pipeline bubbles, request lifecycles, KV block usage or scheduler steps.
@@ -47,13 +43,14 @@ def plot(
     # lazy: the CLI starts without the analysis stack (pdtrace --help stays fast)
     from pdtrace.analysis.context import AnalysisContext
     # lazy: matplotlib and the analysis stack load only to draw
-    from pdtrace.plot import IN_PIECES, Piece, Window, default_output, render
+    from pdtrace.plot import IN_PIECES, Piece, default_output, render
 
     target = output or default_output(str(trace), kind.value)
-    window = Window(since_s=since, until_s=until, instances=tuple(instance or ()), requests=tuple(request or ()))
+    window = shown.window()
     # --instance: theirs and their peers' partitions; with --since/--until on a long trace, only that window's rows;
     # the blocks of a long trace (or a long window of it) piece by piece
-    pieces = shown_pieces(trace, window, window_events, memory_check=memory_check, in_pieces=kind.value in IN_PIECES)
+    pieces = shown_pieces(trace, window, shown.window_events, memory_check=shown.memory_check,
+                          in_pieces=kind.value in IN_PIECES)
 
     def contexts() -> Iterator[Piece]:
         for k, piece in enumerate(pieces):

@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdtrace.recording import switch
+# The recording switch (`PDTRACE_TRACE_DIR`): defined in `switch`, importable from here as before.
+from pdtrace.recording.switch import TRACE_DIR_ENV
+
 if TYPE_CHECKING:  # pragma: no cover
     from pdtrace.recording.flight import FlightConfig
     from pdtrace.recording.recorder import Recorder
-
-#: The recording switch: the directory a live vLLM run records into. Unset or empty: the plugin does nothing.
-TRACE_DIR_ENV = "PDTRACE_TRACE_DIR"
 
 log = logging.getLogger("pdtrace")
 
@@ -43,7 +44,7 @@ def configure(directory: str | os.PathLike[str], source: str = "dryrun",
     global _directory, _source, _clock, _flight
     close_all()
     with _lock:
-        _directory = os.fspath(directory)
+        _directory = switch.trace_directory = os.fspath(directory)
         _source = source
         _clock = clock
         _flight = flight
@@ -163,7 +164,7 @@ def reset() -> None:
     global _directory, _clock, _flight
     close_all()
     with _lock:
-        _directory = None
+        _directory = switch.trace_directory = None
         _clock = None
         _flight = None
     if "pdtrace.recording.flight" in sys.modules:

@@ -49,6 +49,7 @@ import threading
 from typing import Any
 
 import pdtrace
+from pdtrace.recording import switch
 
 __all__ = ["WriterProcess", "WriterProcessLost", "available", "shared", "stop_shared", "ENV_SWITCH"]
 
@@ -146,19 +147,13 @@ def _child_command() -> list[str]:
 
 def _child_env() -> dict[str, str]:
     """The child's environment: this process's without the recording switch (the child records nothing)."""
-    # the recording package's known circle (tests/test_import_graph.py KNOWN): kept inside until the recorder's split
-    from pdtrace.recording.session import TRACE_DIR_ENV
-
     env = dict(os.environ)
-    env.pop(TRACE_DIR_ENV, None)
+    env.pop(switch.TRACE_DIR_ENV, None)
     return env
 
 
 def _lock_path() -> str | None:
-    # the recording package's known circle (tests/test_import_graph.py KNOWN): kept inside until the recorder's split
-    from pdtrace.recording import session
-
-    directory = session.directory()
+    directory = switch.trace_directory  # the session's directory, without importing the session
     return os.environ.get(LOCK_ENV) or (os.path.join(directory, LOCK_NAME) if directory else None)
 
 
@@ -449,8 +444,8 @@ def main() -> int:
             pass
     replies = os.dup(1)
     os.dup2(2, 1)  # a stray print must never garble a reply
-    # would be circular at import: the recorder imports this module at its top
-    from pdtrace.recording.recorder import holds_bytes, warm_up_pyarrow, write_rows
+    # lazy: pyarrow loads after the signals are ignored and stdout is kept for the replies
+    from pdtrace.recording.conversion import holds_bytes, warm_up_pyarrow, write_rows
 
     warm_up_pyarrow()  # pyarrow's one-time costs now, not in the first part (see recorder.warm_up)
     parent_gone = False

@@ -32,28 +32,20 @@ from typing import Any
 from pdtrace.recording.vllm import v0_33
 from pdtrace.recording.vllm._common import state_get
 from pdtrace.recording.vllm._patching import Hook, overlay
-from pdtrace.recording.vllm._runtime import RUNTIME
+from pdtrace.recording.vllm._runtime import SKIP, guarded
 from pdtrace.recording.vllm.v0_28 import note_kv_waits
 
-_RT = RUNTIME
+
+def _computed_blocks_after(ctx: Any, self: Any, out: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+    st = state_get(id(self))
+    if st is not None:
+        v0_33._note_prefix_hit(st, request, out)
+        st.admitting.append(request)
 
 
-def _w_get_computed_blocks(orig: Any) -> Any:
-    # The local prefix hit, as 0.33's _get_local_prefix_cache_hit hook notes it, and the request as a candidate for
-    # a KV receive started in this schedule().
-    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        out = orig(self, request, *args, **kwargs)
-        if _RT.active:
-            st = state_get(id(self))
-            if st is not None:
-                try:
-                    v0_33._note_prefix_hit(st, request, out)
-                    st.admitting.append(request)
-                except Exception as exc:
-                    _RT.fail("KVCacheManager.get_computed_blocks", exc)
-        return out
-
-    return get_computed_blocks
+# The local prefix hit, as 0.33's _get_local_prefix_cache_hit hook notes it, and the request as a candidate for
+# a KV receive started in this schedule().
+_w_get_computed_blocks = guarded("KVCacheManager.get_computed_blocks", None, after=_computed_blocks_after)
 
 
 def _take_admitting(st: Any) -> list[Any]:
@@ -66,41 +58,35 @@ def _w_schedule(orig: Any) -> Any:
     return v0_33._w_schedule(note_kv_waits(orig, _take_admitting))
 
 
-def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
-    # Polled at every schedule() while the request waits (0.10.1.1 scheduler.py:339-349): True once the read is
-    # done. It frees nothing here (0.11.1 added the failed-load free: v0_11.py).
-    def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
-        ready = orig(self, request)
-        if ready and _RT.active:
-            st = state_get(id(self))
-            if st is not None:
-                st.waiting_kv.discard(request.request_id)
-        return ready
+def _waiting_after(ctx: Any, self: Any, ready: Any, request: Any) -> None:
+    if ready:
+        st = state_get(id(self))
+        if st is not None:
+            st.waiting_kv.discard(request.request_id)
 
-    return _update_waiting_for_remote_kv
+
+# Polled at every schedule() while the request waits (0.10.1.1 scheduler.py:339-349): True once the read is
+# done. It frees nothing here (0.11.1 added the failed-load free: v0_11.py).
+_w_update_waiting_for_remote_kv = guarded("_update_waiting_for_remote_kv", ("request",), after=_waiting_after)
+
+
+def _inline_preempt_before(self: Any, request: Any) -> Any:
+    st = state_get(id(self))
+    if st is None or st.free_reason is not None or v0_33._status_name(request.status) != "RUNNING":
+        return SKIP
+    st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
+    st.free_reason = "preempted"
+    return st
+
+
+def _inline_preempt_restore(st: Any) -> None:
+    st.free_reason = None
 
 
 def _w_kvm_free(orig: Any) -> Any:
     # A free of a RUNNING request outside any other free path is schedule()'s inline preemption.
-    free_and_record = v0_33._w_kvm_free(orig)
-
-    def free(self: Any, request: Any) -> Any:
-        st = state_get(id(self))
-        if (st is None or not _RT.active or st.free_reason is not None
-                or v0_33._status_name(request.status) != "RUNNING"):
-            return free_and_record(self, request)
-        try:
-            st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
-        except Exception as exc:
-            _RT.fail("KVCacheManager.free", exc)
-            return free_and_record(self, request)
-        st.free_reason = "preempted"
-        try:
-            return free_and_record(self, request)
-        finally:
-            st.free_reason = None
-
-    return free
+    return guarded("KVCacheManager.free", ("request",), _inline_preempt_before,
+                   restore=_inline_preempt_restore)(v0_33._w_kvm_free(orig))
 
 
 TABLE: tuple[Hook, ...] = overlay(

@@ -37,27 +37,22 @@ from typing import Any
 from pdtrace.recording.vllm import v0_10, v0_33
 from pdtrace.recording.vllm._common import state_get
 from pdtrace.recording.vllm._patching import Hook, overlay
-from pdtrace.recording.vllm._runtime import RUNTIME
+from pdtrace.recording.vllm._runtime import SKIP, guarded
 
-_RT = RUNTIME
+
+def _load_failed_before(self: Any, request: Any) -> Any:
+    st = state_get(id(self))
+    if st is None:
+        return SKIP
+    previous, st.free_reason = st.free_reason, "load_failed"
+    return st, previous
 
 
 def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
     """v0_10's polled wrapper, with the free it may make (a failed read with nothing valid) recorded as
     `load_failed`: the only free this method makes."""
-    polled = v0_10._w_update_waiting_for_remote_kv(orig)
-
-    def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
-        st = state_get(id(self)) if _RT.active else None
-        if st is None:
-            return polled(self, request)
-        previous, st.free_reason = st.free_reason, "load_failed"
-        try:
-            return polled(self, request)
-        finally:
-            st.free_reason = previous
-
-    return _update_waiting_for_remote_kv
+    return guarded("_update_waiting_for_remote_kv", ("request",), _load_failed_before,
+                   restore=v0_33._restore_free_reason)(v0_10._w_update_waiting_for_remote_kv(orig))
 
 
 TABLE: tuple[Hook, ...] = overlay(

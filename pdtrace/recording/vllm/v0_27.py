@@ -30,9 +30,7 @@ from typing import Any
 from pdtrace.recording.vllm import v0_28, v0_33
 from pdtrace.recording.vllm._common import state_get
 from pdtrace.recording.vllm._patching import Hook, overlay
-from pdtrace.recording.vllm._runtime import RUNTIME
-
-_RT = RUNTIME
+from pdtrace.recording.vllm._runtime import guarded
 
 
 def w_prefix_hit(where: str) -> Any:
@@ -40,21 +38,12 @@ def w_prefix_hit(where: str) -> Any:
     admission attempt: the answer noted as 0.33's `_get_local_prefix_cache_hit` hook notes it (0.18-0.27's
     `get_computed_blocks`, 0.27's `get_computed_blocks_for_connector`)."""
 
-    def factory(orig: Any) -> Any:
-        def prefix_hit(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            out = orig(self, request, *args, **kwargs)
-            if _RT.active:
-                st = state_get(id(self))
-                if st is not None:
-                    try:
-                        v0_33._note_prefix_hit(st, request, out)
-                    except Exception as exc:
-                        _RT.fail(where, exc)
-            return out
+    def after(ctx: Any, self: Any, out: Any, request: Any, *args: Any, **kwargs: Any) -> None:
+        st = state_get(id(self))
+        if st is not None:
+            v0_33._note_prefix_hit(st, request, out)
 
-        return prefix_hit
-
-    return factory
+    return guarded(where, None, after=after)
 
 
 TABLE: tuple[Hook, ...] = overlay(

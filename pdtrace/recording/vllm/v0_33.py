@@ -61,7 +61,7 @@ from pdtrace.recording.vllm._common import (
     state_get,
 )
 from pdtrace.recording.vllm._patching import ORIGINAL_ATTR, REQUIRED, Hook, takes_exactly
-from pdtrace.recording.vllm._runtime import RUNTIME
+from pdtrace.recording.vllm._runtime import RUNTIME, SKIP, guarded
 
 if TYPE_CHECKING:  # the hooks load without pyarrow; the recorder is imported once recording starts
     from pdtrace.recording.recorder import RowView
@@ -278,41 +278,33 @@ def _free_reason(st: SchedulerState, request: Any) -> str:
 # ----------------------------------------------------------------------------------------------- scheduler
 
 
-def _w_add_request(orig: Any) -> Any:
-    def add_request(self: Any, request: Any) -> Any:
-        if not _RT.active:
-            return orig(self, request)
-        try:
-            st = _sched_state(self)
-            req_id = request.request_id
-            new = req_id not in self.requests  # an existing id is a streaming-input chunk, not a new request
-            if new:
-                params = request.kv_transfer_params
-                detail: Any = _ADD_LOCAL
-                if params and params.get("do_remote_prefill"):
-                    detail = {"remote_prefill": True, "remote_decode": bool(params.get("do_remote_decode"))}
-                    detail["remote_instance"] = remote_instance(params.get("remote_engine_id"))
-                    detail["remote_req"] = params.get("remote_request_id")
-                    remote_blocks = params.get("remote_block_ids")
-                    if remote_blocks:
-                        if remote_blocks and isinstance(remote_blocks[0], (list, tuple)):
-                            remote_blocks = [b for group in remote_blocks for b in group]
-                        detail["remote_blocks"] = [int(b) for b in remote_blocks]
-                elif params and params.get("do_remote_decode"):
-                    detail = _ADD_REMOTE_DECODE
-                n_prompt = request.num_prompt_tokens
-        except Exception as exc:
-            _RT.fail("add_request", exc)
-            return orig(self, request)
-        out = orig(self, request)
-        if new and _RT.active:
-            try:
-                st.ch.emit("req_add", st.cur_step, req_id, None, n_prompt, None, None, None, None, detail)
-            except Exception as exc:
-                _RT.fail("add_request", exc)
-        return out
+def _add_request_before(self: Any, request: Any) -> Any:
+    st = _sched_state(self)
+    req_id = request.request_id
+    if req_id in self.requests:  # an existing id is a streaming-input chunk, not a new request
+        return SKIP
+    params = request.kv_transfer_params
+    detail: Any = _ADD_LOCAL
+    if params and params.get("do_remote_prefill"):
+        detail = {"remote_prefill": True, "remote_decode": bool(params.get("do_remote_decode"))}
+        detail["remote_instance"] = remote_instance(params.get("remote_engine_id"))
+        detail["remote_req"] = params.get("remote_request_id")
+        remote_blocks = params.get("remote_block_ids")
+        if remote_blocks:
+            if remote_blocks and isinstance(remote_blocks[0], (list, tuple)):
+                remote_blocks = [b for group in remote_blocks for b in group]
+            detail["remote_blocks"] = [int(b) for b in remote_blocks]
+    elif params and params.get("do_remote_decode"):
+        detail = _ADD_REMOTE_DECODE
+    return st, req_id, request.num_prompt_tokens, detail
 
-    return add_request
+
+def _add_request_after(ctx: Any, self: Any, out: Any, request: Any) -> None:
+    st, req_id, n_prompt, detail = ctx
+    st.ch.emit("req_add", st.cur_step, req_id, None, n_prompt, None, None, None, None, detail)
+
+
+_w_add_request = guarded("add_request", ("request",), _add_request_before, _add_request_after)
 
 
 def _w_schedule(orig: Any) -> Any:
@@ -465,23 +457,19 @@ def _coalesce_empty_step(st: SchedulerState, step: int) -> None:
     st.run_head, st.run_k = st.rec.edit_recent(edit)
 
 
-def _w_preempt_request(orig: Any) -> Any:
-    def _preempt_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _RT.active:
-            return orig(self, request, *args, **kwargs)
-        try:
-            st = _sched_state(self)
-            st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
-            previous, st.free_reason = st.free_reason, "preempted"
-        except Exception as exc:
-            _RT.fail("_preempt_request", exc)
-            return orig(self, request, *args, **kwargs)
-        try:
-            return orig(self, request, *args, **kwargs)
-        finally:
-            st.free_reason = previous
+def _preempt_before(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    st = _sched_state(self)
+    st.ch.emit("req_preempt", step=st.cur_step, req=request.request_id)
+    previous, st.free_reason = st.free_reason, "preempted"
+    return st, previous
 
-    return _preempt_request
+
+def _restore_free_reason(ctx: Any) -> None:
+    st, st.free_reason = ctx
+
+
+#: (request, timestamp) in 0.12+, (request) before: the parameters pass through as given.
+_w_preempt_request = guarded("_preempt_request", None, _preempt_before, restore=_restore_free_reason)
 
 
 def _w_finish_requests(orig: Any) -> Any:
@@ -509,110 +497,87 @@ def _w_finish_requests(orig: Any) -> Any:
     return finish_requests
 
 
-def _w_connector_finished(orig: Any) -> Any:
-    # Every finish passes here (Scheduler._free_request, before it frees anything), HMA connectors or not, and
-    # without a connector too: req_finish lands before the request's blocks_free.
-    def _connector_finished(self: Any, request: Any) -> Any:
-        out = orig(self, request)
-        # Only a finished request finishes here: vLLM's tests also call it on a running one, for its
-        # sliding-window prune (test_swa_inflight_window_free), which the remove_skipped_blocks hook records.
-        if _RT.active and request.is_finished():
-            try:
-                st = _sched_state(self)
-                req_id = request.request_id
-                st.waiting_kv.discard(req_id)
-                st.hits.pop(req_id, None)
-                delay = bool(out[0])
-                if st.abort_delay:
-                    delay = st.abort_delay.pop(req_id, False) or delay
-                st.ch.emit("req_finish", st.cur_step, req_id, None, None, _finish_reason(request),
-                           _status_name(request.status), delay)
-            except Exception as exc:
-                _RT.fail("_connector_finished", exc)
-        return out
-
-    return _connector_finished
+def _connector_finished_after(ctx: Any, self: Any, out: Any, request: Any) -> None:
+    # Only a finished request finishes here: vLLM's tests also call it on a running one, for its
+    # sliding-window prune (test_swa_inflight_window_free), which the remove_skipped_blocks hook records.
+    if not request.is_finished():
+        return
+    st = _sched_state(self)
+    req_id = request.request_id
+    st.waiting_kv.discard(req_id)
+    st.hits.pop(req_id, None)
+    delay = bool(out[0])
+    if st.abort_delay:
+        delay = st.abort_delay.pop(req_id, False) or delay
+    st.ch.emit("req_finish", st.cur_step, req_id, None, None, _finish_reason(request),
+               _status_name(request.status), delay)
 
 
-def _w_update_from_kv_xfer_finished(orig: Any) -> Any:
-    def _update_from_kv_xfer_finished(self: Any, kv_connector_output: Any) -> Any:
-        if not _RT.active:
-            return orig(self, kv_connector_output)
-        try:
-            st = _sched_state(self)
-            step = st.cur_step
-            requests = self.requests
-            recving = kv_connector_output.finished_recving or ()
-            sending = kv_connector_output.finished_sending or ()
-            # Emitted before vLLM acts: its asserts (scheduler.py:3571/3577/3581, _free_blocks:3065) would
-            # otherwise take the evidence with them.
-            for req_id in recving:
-                req = requests.get(req_id)
-                st.ch.emit("kv_recv_done", step, req_id, None, None, None,
-                           "unknown" if req is None else _status_name(req.status))
-            for req_id in sending:
-                req = requests.get(req_id)
-                st.ch.emit("kv_send_done", step, req_id, None, None, None,
-                           "unknown" if req is None else _status_name(req.status))
-            previous = (st.free_reason, st.xfer_sending)
-            st.free_reason, st.xfer_sending = "xfer", frozenset(sending)
-        except Exception as exc:
-            _RT.fail("_update_from_kv_xfer_finished", exc)
-            return orig(self, kv_connector_output)
-        try:
-            return orig(self, kv_connector_output)
-        finally:
-            st.free_reason, st.xfer_sending = previous
-
-    return _update_from_kv_xfer_finished
+# Every finish passes here (Scheduler._free_request, before it frees anything), HMA connectors or not, and
+# without a connector too: req_finish lands before the request's blocks_free.
+_w_connector_finished = guarded("_connector_finished", ("request",), after=_connector_finished_after)
 
 
-def _w_update_waiting_for_remote_kv(orig: Any) -> Any:
-    def _update_waiting_for_remote_kv(self: Any, request: Any) -> Any:
-        if not _RT.active:
-            return orig(self, request)
-        try:
-            st = _sched_state(self)
-            st.waiting_kv.discard(request.request_id)
-            previous, st.free_reason = st.free_reason, "load_failed"  # its only free is the failed-load path
-        except Exception as exc:
-            _RT.fail("_update_waiting_for_remote_kv", exc)
-            return orig(self, request)
-        try:
-            return orig(self, request)
-        finally:
-            st.free_reason = previous
+def _xfer_finished_before(self: Any, kv_connector_output: Any) -> Any:
+    st = _sched_state(self)
+    step = st.cur_step
+    requests = self.requests
+    recving = kv_connector_output.finished_recving or ()
+    sending = kv_connector_output.finished_sending or ()
+    # Emitted before vLLM acts: its asserts (scheduler.py:3571/3577/3581, _free_blocks:3065) would
+    # otherwise take the evidence with them.
+    for req_id in recving:
+        req = requests.get(req_id)
+        st.ch.emit("kv_recv_done", step, req_id, None, None, None,
+                   "unknown" if req is None else _status_name(req.status))
+    for req_id in sending:
+        req = requests.get(req_id)
+        st.ch.emit("kv_send_done", step, req_id, None, None, None,
+                   "unknown" if req is None else _status_name(req.status))
+    previous = (st.free_reason, st.xfer_sending)
+    st.free_reason, st.xfer_sending = "xfer", frozenset(sending)
+    return st, previous
 
-    return _update_waiting_for_remote_kv
+
+def _xfer_finished_restore(ctx: Any) -> None:
+    st, (st.free_reason, st.xfer_sending) = ctx
 
 
-def _w_drain_deferred_frees(orig: Any) -> Any:
-    def _drain_deferred_frees(self: Any) -> Any:
-        pending = self.deferred_frees
-        if not pending or not _RT.active:
-            return orig(self)
-        try:
-            st = _sched_state(self)
-            before = list(pending)
-        except Exception as exc:
-            _RT.fail("_drain_deferred_frees", exc)
-            return orig(self)
-        out = orig(self)
-        if _RT.active:
-            try:
-                drained = before[: len(before) - len(self.deferred_frees)]  # popleft only, nothing appended
-                seen: set[int] = set()
-                for fence, blocks in drained:
-                    ids = [b.block_id for b in blocks
-                           if b.ref_cnt == 0 and not b.is_null and b.block_id not in seen]
-                    if ids:
-                        seen.update(ids)
-                        st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"fence": fence})
-            except Exception as exc:
-                _RT.fail("_drain_deferred_frees", exc)
-        return out
+_w_update_from_kv_xfer_finished = guarded("_update_from_kv_xfer_finished", ("kv_connector_output",),
+                                          _xfer_finished_before, restore=_xfer_finished_restore)
 
-    return _drain_deferred_frees
+
+def _waiting_for_remote_kv_before(self: Any, request: Any) -> Any:
+    st = _sched_state(self)
+    st.waiting_kv.discard(request.request_id)
+    previous, st.free_reason = st.free_reason, "load_failed"  # its only free is the failed-load path
+    return st, previous
+
+
+_w_update_waiting_for_remote_kv = guarded("_update_waiting_for_remote_kv", ("request",),
+                                          _waiting_for_remote_kv_before, restore=_restore_free_reason)
+
+
+def _drain_before(self: Any) -> Any:
+    pending = self.deferred_frees
+    if not pending:
+        return SKIP
+    return _sched_state(self), list(pending)
+
+
+def _drain_after(ctx: Any, self: Any, out: Any) -> None:
+    st, before = ctx
+    drained = before[: len(before) - len(self.deferred_frees)]  # popleft only, nothing appended
+    seen: set[int] = set()
+    for fence, blocks in drained:
+        ids = [b.block_id for b in blocks
+               if b.ref_cnt == 0 and not b.is_null and b.block_id not in seen]
+        if ids:
+            seen.update(ids)
+            st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"fence": fence})
+
+
+_w_drain_deferred_frees = guarded("_drain_deferred_frees", (), _drain_before, _drain_after)
 
 
 # ------------------------------------------------------------------------------------- KV cache manager, pool
@@ -660,16 +625,11 @@ def _w_set_kv_fetch_stage(orig: Any) -> Any:
 
     # "in_progress" is set right after the request became WAITING_FOR_REMOTE_KVS with its blocks allocated and
     # num_computed_tokens = local hit + external tokens (scheduler.py:1513-1543), whatever log_stats says.
-    def _set_kv_fetch_stage(self: Any, request: Any, stage: Any) -> Any:
-        out = orig(self, request, stage)
-        if stage == KV_FETCH_IN_PROGRESS and _RT.active:
-            try:
-                _record_growth(_sched_state(self), request.request_id, wait_kv_request=request)
-            except Exception as exc:
-                _RT.fail("_set_kv_fetch_stage", exc)
-        return out
+    def after(ctx: Any, self: Any, out: Any, request: Any, stage: Any) -> None:
+        if stage == KV_FETCH_IN_PROGRESS:
+            _record_growth(_sched_state(self), request.request_id, wait_kv_request=request)
 
-    return _set_kv_fetch_stage
+    return guarded("_set_kv_fetch_stage", ("request", "stage"), after=after)(orig)
 
 
 def _record_pool_return(st: SchedulerState, req_id: str, given_up: list[Any]) -> None:
@@ -680,92 +640,80 @@ def _record_pool_return(st: SchedulerState, req_id: str, given_up: list[Any]) ->
         st.ch.emit("blocks_pool_free", st.cur_step, req_id, ids)
 
 
-def _w_kvm_free(orig: Any) -> Any:
-    # Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
-    # 0 in this call (shared prefix blocks stay referenced by their other owners).
-    def free(self: Any, request: Any) -> Any:
-        st = state_get(id(self))
-        if st is None or not _RT.active:
-            return orig(self, request)
-        try:
-            req_id = request.request_id
-            known = st.known.pop(req_id, 0)
-            tbl0 = st.tbl0
-            if tbl0 is not None:
-                # One pass for the ids; the pool return below reads the same list (vLLM pops it from the table,
-                # it does not change it), null blocks skipped there as here.
-                blocks = tbl0.get(req_id)
-                ids = [b.block_id for b in blocks if not b.is_null] if blocks else None
-                if blocks and len(blocks) > known:  # grown in this very step (then preempted): growth first
-                    grown = [b.block_id for b in blocks[known:] if not b.is_null]
-                    if grown:
-                        st.ch.emit("blocks_alloc", st.cur_step, req_id, grown)
-            else:
-                if known:
-                    st.known[req_id] = known
-                _record_growth(st, req_id)
-                st.known.pop(req_id, None)
-                blocks = _table_blocks(st, req_id)
-                ids = [b.block_id for b in blocks]
-            if ids:
-                st.ch.emit("blocks_free", st.cur_step, req_id, ids, None, _free_reason(st, request), None, None,
-                           False)
-        except Exception as exc:
-            _RT.fail("KVCacheManager.free", exc)
-            return orig(self, request)
-        out = orig(self, request)
-        if ids and _RT.active:
-            try:
-                _record_pool_return(st, req_id, blocks)
-            except Exception as exc:
-                _RT.fail("KVCacheManager.free", exc)
-        return out
-
-    return free
+def _kvm_free_before(self: Any, request: Any) -> Any:
+    st = state_get(id(self))
+    if st is None:
+        return SKIP
+    req_id = request.request_id
+    known = st.known.pop(req_id, 0)
+    tbl0 = st.tbl0
+    if tbl0 is not None:
+        # One pass for the ids; the pool return below reads the same list (vLLM pops it from the table,
+        # it does not change it), null blocks skipped there as here.
+        blocks = tbl0.get(req_id)
+        ids = [b.block_id for b in blocks if not b.is_null] if blocks else None
+        if blocks and len(blocks) > known:  # grown in this very step (then preempted): growth first
+            grown = [b.block_id for b in blocks[known:] if not b.is_null]
+            if grown:
+                st.ch.emit("blocks_alloc", st.cur_step, req_id, grown)
+    else:
+        if known:
+            st.known[req_id] = known
+        _record_growth(st, req_id)
+        st.known.pop(req_id, None)
+        blocks = _table_blocks(st, req_id)
+        ids = [b.block_id for b in blocks]
+    if ids:
+        st.ch.emit("blocks_free", st.cur_step, req_id, ids, None, _free_reason(st, request), None, None,
+                   False)
+    return st, req_id, ids, blocks
 
 
-def _w_pop_blocks_for_free(orig: Any) -> Any:
-    # Only the deferred path of Scheduler._free_request_blocks calls this (scheduler.py:3084-3093); the blocks go
-    # back to the pool in _drain_deferred_frees once the fence step is processed.
-    def pop_blocks_for_free(self: Any, request: Any) -> Any:
-        st = state_get(id(self))
-        if st is None or not _RT.active:
-            return orig(self, request)
-        try:
-            req_id = request.request_id
-            _record_growth(st, req_id)
-            st.known.pop(req_id, None)
-            blocks = _table_blocks(st, req_id)
-            if blocks:
-                st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
-                           deferred=True, reason=_free_reason(st, request),
-                           detail={"fence": st.sched().sched_step_seq})
-        except Exception as exc:
-            _RT.fail("KVCacheManager.pop_blocks_for_free", exc)
-        return orig(self, request)
-
-    return pop_blocks_for_free
+def _kvm_free_after(ctx: Any, self: Any, out: Any, request: Any) -> None:
+    st, req_id, ids, blocks = ctx
+    if ids:
+        _record_pool_return(st, req_id, blocks)
 
 
-def _w_free_cow_retained_blocks(orig: Any) -> Any:
-    # Copy-on-write retentions released (rare): straight to the pool, or parked in deferred_frees (then reported
-    # by the drain like any deferred free).
-    def _free_cow_retained_blocks(self: Any, blocks: Any, fence_seq: Any) -> Any:
-        if not _RT.active:
-            return orig(self, blocks, fence_seq)
-        parked = len(self.deferred_frees)
-        out = orig(self, blocks, fence_seq)
-        if _RT.active and len(self.deferred_frees) == parked:
-            try:
-                ids = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
-                if ids:
-                    st = _sched_state(self)
-                    st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"cow": True})
-            except Exception as exc:
-                _RT.fail("_free_cow_retained_blocks", exc)
-        return out
+# Immediate frees: the owner's blocks_free first, then blocks_pool_free for the blocks whose ref count reached
+# 0 in this call (shared prefix blocks stay referenced by their other owners).
+_w_kvm_free = guarded("KVCacheManager.free", ("request",), _kvm_free_before, _kvm_free_after)
 
-    return _free_cow_retained_blocks
+
+def _pop_blocks_before(self: Any, request: Any) -> None:
+    st = state_get(id(self))
+    if st is None:
+        return
+    req_id = request.request_id
+    _record_growth(st, req_id)
+    st.known.pop(req_id, None)
+    blocks = _table_blocks(st, req_id)
+    if blocks:
+        st.ch.emit("blocks_free", step=st.cur_step, req=req_id, blocks=[b.block_id for b in blocks],
+                   deferred=True, reason=_free_reason(st, request),
+                   detail={"fence": st.sched().sched_step_seq})
+
+
+# Only the deferred path of Scheduler._free_request_blocks calls this (scheduler.py:3084-3093); the blocks go
+# back to the pool in _drain_deferred_frees once the fence step is processed.
+_w_pop_blocks_for_free = guarded("KVCacheManager.pop_blocks_for_free", ("request",), _pop_blocks_before)
+
+
+def _cow_before(self: Any, blocks: Any, fence_seq: Any) -> int:
+    return len(self.deferred_frees)
+
+
+def _cow_after(parked: int, self: Any, out: Any, blocks: Any, fence_seq: Any) -> None:
+    if len(self.deferred_frees) == parked:
+        ids = [b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        if ids:
+            st = _sched_state(self)
+            st.ch.emit("blocks_pool_free", step=st.cur_step, blocks=ids, detail={"cow": True})
+
+
+# Copy-on-write retentions released (rare): straight to the pool, or parked in deferred_frees (then reported
+# by the drain like any deferred free).
+_w_free_cow_retained_blocks = guarded("_free_cow_retained_blocks", ("blocks", "fence_seq"), _cow_before, _cow_after)
 
 
 def _trims_blocks(manager: Any) -> bool:
@@ -1131,34 +1079,30 @@ def _rank_completions(wst: WorkerState, output: Any, step: int | None) -> None:
             wst.conn.emit("kv_recv_rank", step=step, req=req_id)
 
 
-def _w_worker_execute_model(orig: Any) -> Any:
-    def execute_model(self: Any, scheduler_output: Any) -> Any:
-        if not _RT.active:
-            return orig(self, scheduler_output)
-        try:
-            wst = _worker_state(self)
-            step = getattr(scheduler_output, STEP_ATTR, None)
-            n = scheduler_output.total_num_scheduled_tokens
-            wst.step, wst.n = step, n
-            wst.ch.emit("exec_begin", step=step, n=n)
-        except Exception as exc:
-            _RT.fail("Worker.execute_model", exc)
-            return orig(self, scheduler_output)
-        global _RPC_OPEN
-        _RPC_OPEN = wst  # the PP waits inside this RPC are recorded against it (_w_pp_wait)
-        try:
-            out = orig(self, scheduler_output)
-        finally:
-            _RPC_OPEN = None
-        if _RT.active:
-            try:
-                wst.ch.emit("exec_end", step=step, n=n, detail=_RPC_EXECUTE)
-                _rank_completions(wst, out, step)
-            except Exception as exc:
-                _RT.fail("Worker.execute_model", exc)
-        return out
+def _execute_model_before(self: Any, scheduler_output: Any) -> Any:
+    global _RPC_OPEN
+    wst = _worker_state(self)
+    step = getattr(scheduler_output, STEP_ATTR, None)
+    n = scheduler_output.total_num_scheduled_tokens
+    wst.step, wst.n = step, n
+    wst.ch.emit("exec_begin", step=step, n=n)
+    _RPC_OPEN = wst  # the PP waits inside this RPC are recorded against it (_w_pp_wait)
+    return wst, step, n
 
-    return execute_model
+
+def _execute_model_restore(ctx: Any) -> None:
+    global _RPC_OPEN
+    _RPC_OPEN = None
+
+
+def _execute_model_after(ctx: Any, self: Any, out: Any, scheduler_output: Any) -> None:
+    wst, step, n = ctx
+    wst.ch.emit("exec_end", step=step, n=n, detail=_RPC_EXECUTE)
+    _rank_completions(wst, out, step)
+
+
+_w_worker_execute_model = guarded("Worker.execute_model", ("scheduler_output",), _execute_model_before,
+                                  _execute_model_after, _execute_model_restore)
 
 
 #: The worker whose execute_model runs now in this process (a worker process runs one RPC at a time), else None:
@@ -1207,28 +1151,22 @@ def _w_wait_for_comm(orig: Any) -> Any:
     return wait_for_comm
 
 
-def _w_worker_sample_tokens(orig: Any) -> Any:
-    # sample_tokens carries no SchedulerOutput; it always follows its step's execute_model on this worker.
-    def sample_tokens(self: Any, grammar_output: Any) -> Any:
-        if not _RT.active:
-            return orig(self, grammar_output)
-        try:
-            wst = _worker_state(self)
-            step, n = wst.step, wst.n
-            wst.ch.emit("exec_begin", step=step, n=n)
-        except Exception as exc:
-            _RT.fail("Worker.sample_tokens", exc)
-            return orig(self, grammar_output)
-        out = orig(self, grammar_output)
-        if _RT.active:
-            try:
-                wst.ch.emit("exec_end", step=step, n=n, detail=_RPC_SAMPLE)
-                _rank_completions(wst, out, step)
-            except Exception as exc:
-                _RT.fail("Worker.sample_tokens", exc)
-        return out
+def _sample_tokens_before(self: Any, grammar_output: Any) -> Any:
+    wst = _worker_state(self)
+    step, n = wst.step, wst.n
+    wst.ch.emit("exec_begin", step=step, n=n)
+    return wst, step, n
 
-    return sample_tokens
+
+def _sample_tokens_after(ctx: Any, self: Any, out: Any, grammar_output: Any) -> None:
+    wst, step, n = ctx
+    wst.ch.emit("exec_end", step=step, n=n, detail=_RPC_SAMPLE)
+    _rank_completions(wst, out, step)
+
+
+# sample_tokens carries no SchedulerOutput; it always follows its step's execute_model on this worker.
+_w_worker_sample_tokens = guarded("Worker.sample_tokens", ("grammar_output",), _sample_tokens_before,
+                                  _sample_tokens_after)
 
 
 def _batch_add_reason(req_id: str, new_ids: Any, resumed: Any) -> str:
@@ -1237,42 +1175,34 @@ def _batch_add_reason(req_id: str, new_ids: Any, resumed: Any) -> str:
     return "new" if req_id in new_ids else "resumed" if req_id in resumed else "rescheduled"
 
 
-def _w_update_states(orig: Any) -> Any:
-    # V1 runner only (the V2 runner has no persistent batch). Diff of the batch's request ids around the call.
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        if not _RT.active:
-            return orig(self, scheduler_output)
-        try:
-            wst = _worker_state(self)
-            before = set(self.input_batch.req_id_to_index)
-        except Exception as exc:
-            _RT.fail("GPUModelRunner._update_states", exc)
-            return orig(self, scheduler_output)
-        out = orig(self, scheduler_output)
-        if _RT.active:
-            try:
-                after = self.input_batch.req_id_to_index.keys()
-                removed = before - after
-                added = after - before
-                if removed or added:
-                    step = getattr(scheduler_output, STEP_ATTR, None)
-                    finished = scheduler_output.finished_req_ids
-                    preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()  # 0.11.1+
-                    for req_id in removed:
-                        reason = ("finished" if req_id in finished
-                                  else "preempted" if req_id in preempted else "unscheduled")
-                        wst.ch.emit("batch_remove", step=step, req=req_id, reason=reason)
-                    if added:
-                        new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
-                        resumed = _resumed_ids(scheduler_output.scheduled_cached_reqs)
-                        for req_id in added:
-                            wst.ch.emit("batch_add", step=step, req=req_id,
-                                        reason=_batch_add_reason(req_id, new_ids, resumed))
-            except Exception as exc:
-                _RT.fail("GPUModelRunner._update_states", exc)
-        return out
+def _update_states_before(self: Any, scheduler_output: Any) -> Any:
+    return _worker_state(self), set(self.input_batch.req_id_to_index)
 
-    return _update_states
+
+def _update_states_after(ctx: Any, self: Any, out: Any, scheduler_output: Any) -> None:
+    wst, before = ctx
+    after = self.input_batch.req_id_to_index.keys()
+    removed = before - after
+    added = after - before
+    if removed or added:
+        step = getattr(scheduler_output, STEP_ATTR, None)
+        finished = scheduler_output.finished_req_ids
+        preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()  # 0.11.1+
+        for req_id in removed:
+            reason = ("finished" if req_id in finished
+                      else "preempted" if req_id in preempted else "unscheduled")
+            wst.ch.emit("batch_remove", step=step, req=req_id, reason=reason)
+        if added:
+            new_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            resumed = _resumed_ids(scheduler_output.scheduled_cached_reqs)
+            for req_id in added:
+                wst.ch.emit("batch_add", step=step, req=req_id,
+                            reason=_batch_add_reason(req_id, new_ids, resumed))
+
+
+# V1 runner only (the V2 runner has no persistent batch). Diff of the batch's request ids around the call.
+_w_update_states = guarded("GPUModelRunner._update_states", ("scheduler_output",), _update_states_before,
+                           _update_states_after)
 
 
 # ------------------------------------------------------------------------------------------------------ table
