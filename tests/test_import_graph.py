@@ -107,13 +107,13 @@ def test_no_import_circle_in_pdtrace():
 
 def test_the_recording_modules_import_no_session_and_no_recorder_below_them():
     """The recorder's split (issue 35): the writer process and the conversion import neither the session nor the
-    recorder; the lifecycle imports no recorder."""
+    recorder; the process hooks import no recorder."""
     graph = import_graph()
     rec = "pdtrace.recording."
     assert not graph[rec + "writer_process"] & {rec + "session", rec + "recorder", rec + "flight"}
     assert not graph[rec + "conversion"] & {rec + "session", rec + "recorder", rec + "writer_process",
-                                            rec + "lifecycle"}
-    assert not graph[rec + "lifecycle"] & {rec + "session", rec + "recorder", rec + "flight"}
+                                            rec + "process_hooks"}
+    assert not graph[rec + "process_hooks"] & {rec + "session", rec + "recorder", rec + "flight"}
 
 
 def test_the_circle_finder_finds_a_circle():

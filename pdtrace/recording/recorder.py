@@ -95,7 +95,7 @@ Callers must not mutate a `blocks` list or `detail` dict after passing it: the w
 
 This module is the emit path (channels, the flat buffer, the writer thread and its hand-over); the conversion to
 Arrow and the part files are `pdtrace.recording.conversion` (which the writer process runs too), the process-wide
-hooks (exit, signals, fork, `request_flush`, `close_all`) `pdtrace.recording.lifecycle`. Their public names stay
+hooks (exit, signals, fork, `request_flush`, `close_all`) `pdtrace.recording.process_hooks`. Their public names stay
 importable from here.
 
 Recording path: imports only the standard library and pyarrow.
@@ -115,13 +115,13 @@ import pyarrow as pa
 
 from pdtrace.format import COMPONENTS, ROLES
 from pdtrace.recording import writer_process
-# The Arrow conversion and the process lifecycle live in their own modules (`conversion`, `lifecycle`); the names
+# The Arrow conversion and the process lifecycle live in their own modules (`conversion`, `process_hooks`); the names
 # below stay importable from here, as before the split (tests, bench, flight, third-party code).
 from pdtrace.recording.conversion import (_BATCH, _BLOCKS, _TS, PARQUET_DICTIONARY_COLUMNS, ROW_WIDTH,  # noqa: F401
                                           PartWriter, _as_blocks, _as_int, _as_str, _claim_part, _claim_seq,
                                           _encode_detail, _write_parquet, flat_rows_to_table, holds_bytes,
                                           rows_to_table, warm_up_pyarrow, write_part, write_rows)
-from pdtrace.recording.lifecycle import (_CLOSED, _LIVE, _NEW, _OFF, _ON, FLUSH_ACK_DIR,  # noqa: F401
+from pdtrace.recording.process_hooks import (_CLOSED, _LIVE, _NEW, _OFF, _ON, FLUSH_ACK_DIR,  # noqa: F401
                                          FLUSH_REQUEST_SIGNAL, SHUTDOWN_FLUSH_S, SHUTDOWN_TICK_S, _alive, _catches,
                                          _install_flush_request_handler, _install_sigterm_handler, _live_recorders,
                                          _register_exit_hooks, close_all, request_flush)
