@@ -38,6 +38,7 @@ __all__ = [
     "FAULTS",
     "INSTANCE_LAYOUTS",
     "SUPPORTED_VLLM",
+    "offload_supported",
     "DryRunConfig",
     "DryRunResult",
     "parse_length_distribution",
@@ -89,6 +90,32 @@ def _check_vllm() -> str:
         raise RecordingError(f"the dry run drives the vLLM releases pdtrace records ({', '.join(supported_versions())}"
                              f"); this is vLLM {version}")
     return version
+
+
+#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`), the
+#: protocol pdtrace/dryrun/offload.py simulates.
+OFFLOAD_MIN_VLLM = (0, 26)
+
+
+def offload_supported(version: str | None) -> bool:
+    """Whether the dry run simulates the OffloadingConnector of vLLM `version` (an unknown version: yes, and the
+    run says so if not)."""
+    try:
+        release = tuple(int(x) for x in (version or "").split(".")[:2])
+    except ValueError:
+        return True
+    return not version or release >= OFFLOAD_MIN_VLLM
+
+
+def _check_offload() -> None:
+    """UsageError (one line) where the installed vLLM's OffloadingConnector is not the one the dry run simulates."""
+    # lazy: the CLI imports this package at start; no hook tables then
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    version = installed_vllm_version()
+    if not offload_supported(version):
+        raise UsageError(f"--instances offload needs vLLM 0.26 or later (its OffloadingConnector reports stores and "
+                         f"loads per job; earlier ones report them per request); this is vLLM {version}")
 
 
 def _count_rows(output_dir: Path) -> int:
@@ -177,6 +204,8 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     fresh interpreter; `pdtrace.dryrun.zygote.spawn` forks it from a server that imported vLLM once).
     """
     config.validate()
+    if config.instances == "offload":
+        _check_offload()
     out = Path(output_dir)
     if out.exists() and any(out.rglob("*.parquet")):
         raise RecordingError(f"{out} already holds a trace; choose an empty or new directory")

@@ -26,7 +26,7 @@ FAULTS: dict[str, str] = {
     "few_requests_pp": "fewer ready requests than PP stages (requests arrive one at a time): pipeline bubbles",
 }
 
-INSTANCE_LAYOUTS = ("pd", "p", "single")
+INSTANCE_LAYOUTS = ("pd", "p", "single", "offload")
 
 _DIST_RE = re.compile(r"^(?:(?P<fixed>\d+)|uniform:(?P<lo>\d+):(?P<hi>\d+)|exp:(?P<mean>\d+(?:\.\d+)?))$")
 
@@ -67,7 +67,8 @@ class DryRunConfig:
     # topology
     pp: int = 1
     tp: int = 1
-    instances: str = "pd"  # "pd": one prefill and one decode engine; "p": prefill only; "single": aggregated
+    instances: str = "pd"  # "pd": one prefill and one decode engine; "p": prefill only; "single": aggregated;
+    # "offload": one engine with the OffloadingConnector (pdtrace/dryrun/offload.py)
     num_blocks: int = 2048
     block_size: int = 16
     max_num_seqs: int = 64
@@ -80,6 +81,7 @@ class DryRunConfig:
     prompt_len: str = "uniform:64:256"
     output_len: str = "exp:32"
     seed: int = 0
+    shared_prefix: float = 0.0  # share of requests whose prompt starts with an earlier request's (prefix hits)
     # simulated cluster (virtual time)
     transfer_latency_us_per_block: float = 20.0  # KV read time per block (latency part)
     transfer_setup_us: float = 200.0  # fixed cost per read (handshake amortised, RDMA post, notification)
@@ -124,6 +126,7 @@ class DryRunConfig:
         need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
         need(self.requests >= 1, "--requests must be at least 1")
         need(self.end_hold_s >= 0, "--end-hold-s must be >= 0")
+        need(0.0 <= self.shared_prefix <= 1.0, "--shared-prefix must be between 0 and 1")
         parse_length_distribution(self.prompt_len)
         parse_length_distribution(self.output_len)
         if self.async_scheduling and self.pp > 1:
@@ -135,7 +138,7 @@ class DryRunConfig:
         pd_faults = {"completion_before_finish", "lost_send_completion", "abort_while_waiting_kv",
                      "duplicate_completion", "missing_rank_completion", "slow_transfer"}
         bad = sorted(pd_faults & set(self.faults))
-        if bad and self.instances == "single":
+        if bad and self.instances in ("single", "offload"):
             raise UsageError(f"fault {bad[0]} needs a prefill/decode pair (--instances pd or p)")
         d_faults = sorted({"abort_while_waiting_kv", "slow_transfer"} & set(self.faults))
         if d_faults and self.instances != "pd":
@@ -145,7 +148,7 @@ class DryRunConfig:
         if "few_requests_pp" in self.faults:
             need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
         if "starve" in self.faults:
-            need(self.instances != "single", "fault starve needs a prefill instance that holds blocks for its "
+            need(self.instances not in ("single", "offload"), "fault starve needs a prefill instance that holds blocks for its "
                  "decoder (--instances pd or p)")
             # The starving prompt must come in one chunk: chunked, it would run and preempt itself instead.
             pool = (self.num_blocks - 1) * self.block_size
@@ -163,7 +166,8 @@ class DryRunConfig:
         # lazy: the CLI imports this module at start; the orderings' module only when a config is validated
         from pdtrace.dryrun.perturb import check
 
-        problem = check(self.perturbations, self.requests, pair=self.instances == "pd")
+        problem = check(self.perturbations, self.requests, pair=self.instances == "pd",
+                        offload=self.instances == "offload")
         need(problem is None, str(problem))
         return self
 
@@ -178,7 +182,8 @@ FIELD_HELP: dict[str, str] = {
     "pp": "Pipeline-parallel stages per instance.",
     "tp": "Tensor-parallel ranks per stage.",
     "instances": "pd: a prefill and a decode instance (1P1D); p: prefill only (a phantom decoder reads the KV); "
-                 "single: one aggregated engine without a connector.",
+                 "single: one aggregated engine without a connector; offload: one engine with vLLM's "
+                 "OffloadingConnector (CPU offloading, simulated workers; vLLM 0.26+).",
     "num_blocks": "KV blocks in each instance's pool (vLLM's num_gpu_blocks_override).",
     "block_size": "Tokens per KV block.",
     "max_num_seqs": "vLLM's max_num_seqs.",
@@ -190,6 +195,8 @@ FIELD_HELP: dict[str, str] = {
     "prompt_len": "Prompt lengths: N, uniform:A:B or exp:MEAN.",
     "output_len": "Output lengths: N, uniform:A:B or exp:MEAN (half the requests end with EOS, half by length).",
     "seed": "Seed of the workload and the sampled tokens: same seed, same trace.",
+    "shared_prefix": "Share of requests (0 to 1) whose prompt starts with half of an earlier request's prompt: "
+                     "prefix-cache hits, and with --instances offload loads from the CPU.",
     "transfer_latency_us_per_block": "Simulated KV read time per block, microseconds.",
     "transfer_setup_us": "Simulated fixed cost per KV read, microseconds.",
     "transfer_bandwidth_gbps": "Simulated link bandwidth, Gbit/s (0: latency model only).",
