@@ -19,7 +19,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "pd": {"instances": "pd", "pp": 1},
     "pp": {"instances": "pd", "pp": 2},
     "single": {"instances": "single", "pp": 1},
-    "offload": {"instances": "offload", "pp": 1},  # vLLM's OffloadingConnector (CPU), vLLM 0.26+
+    "offload": {"instances": "offload", "pp": 1},  # vLLM's OffloadingConnector (CPU), vLLM 0.23+
 }
 
 #: Long enough that a leak outlasts the leak rules' grace (480 s) before the trace ends.

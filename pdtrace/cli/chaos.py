@@ -44,7 +44,7 @@ def chaos(
     seed: int = typer.Option(0, "--seed", help="Seed of the campaign: the same seed draws the same trials."),
     workload: Workload = typer.Option(Workload.all, "--workload", help="pd: a prefill/decode pair; pp: the pair at "
                                       "PP=2; single: one engine under KV pressure; offload: one engine with vLLM's "
-                                      "OffloadingConnector (vLLM 0.26+); all: each in turn (offload where the "
+                                      "OffloadingConnector (vLLM 0.23+); all: each in turn (offload where the "
                                       "release has it)."),
     max_runs: int = typer.Option(0, "--max-runs", help="Stop after this many trials (0: when the budget ends)."),
     repro_dir: Optional[Path] = typer.Option(None, "--repro", help="Re-run one saved failure (a failure-NNNN "
@@ -76,7 +76,7 @@ def chaos(
     names = tuple(w.value for w in Workload if w is not Workload.all) if workload is Workload.all else (workload.value,)
     if not offload_supported(version):
         if workload is Workload.offload:
-            raise UsageError(f"--workload offload needs vLLM 0.26 or later (its OffloadingConnector reports stores "
+            raise UsageError(f"--workload offload needs vLLM 0.23 or later (its OffloadingConnector reports stores "
                              f"and loads per job); this is vLLM {version}")
         names = tuple(n for n in names if n != Workload.offload.value)
     campaign = Campaign(output=output, budget_s=parse_budget(budget), seed=seed, workloads=names,

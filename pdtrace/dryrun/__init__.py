@@ -62,6 +62,7 @@ class DryRunResult:
     engine_steps: dict[str, int] = field(default_factory=dict)
     injected: list[str] = field(default_factory=list)
     traceback: str | None = None  # vLLM's traceback, when it raised
+    offload_jobs: dict[str, int] = field(default_factory=dict)  # --instances offload: stores and loads submitted
 
 
 #: Environment of the process that runs the engines (set in the child, never in the caller's process).
@@ -92,19 +93,36 @@ def _check_vllm() -> str:
     return version
 
 
-#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`), the
-#: protocol pdtrace/dryrun/offload.py simulates.
-OFFLOAD_MIN_VLLM = (0, 26)
+#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`, vLLM
+#: #39186), the protocol pdtrace/dryrun/offload.py simulates: checked in 0.23.0 (and 0.25.1 to 0.33.0); 0.17.1 and
+#: earlier report per request. The releases between were not checked: where vLLM's files are at hand they decide.
+OFFLOAD_MIN_VLLM = (0, 23)
+_WORKER_METADATA = "distributed/kv_transfer/kv_connector/v1/offloading/common.py"
 
 
 def offload_supported(version: str | None) -> bool:
-    """Whether the dry run simulates the OffloadingConnector of vLLM `version` (an unknown version: yes, and the
-    run says so if not)."""
+    """Whether the dry run simulates the OffloadingConnector of the installed vLLM (release `version`): its files
+    define `OffloadingWorkerMetadata` (read as text: vLLM is not imported), or where they cannot be read, the
+    release is 0.23 or later (an unknown version: yes, and the run says so if not)."""
+    in_files = _offload_protocol_in_files()
+    if in_files is not None:
+        return in_files
     try:
         release = tuple(int(x) for x in (version or "").split(".")[:2])
     except ValueError:
         return True
     return not version or release >= OFFLOAD_MIN_VLLM
+
+
+def _offload_protocol_in_files() -> bool | None:
+    """Whether the installed vLLM's files define `OffloadingWorkerMetadata`; None where there are no vLLM files."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            return "class OffloadingWorkerMetadata" in (Path(root) / _WORKER_METADATA).read_text()
+        except OSError:
+            return False  # no offloading/ package: an OffloadingConnector that reports per request, or none
+    return None
 
 
 def _check_offload() -> None:
@@ -114,7 +132,7 @@ def _check_offload() -> None:
 
     version = installed_vllm_version()
     if not offload_supported(version):
-        raise UsageError(f"--instances offload needs vLLM 0.26 or later (its OffloadingConnector reports stores and "
+        raise UsageError(f"--instances offload needs vLLM 0.23 or later (its OffloadingConnector reports stores and "
                          f"loads per job; earlier ones report them per request); this is vLLM {version}")
 
 
@@ -257,7 +275,9 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
                         instances=[e.instance for e in cluster.engines], virtual_s=(end - start) / 1e9,
                         wall_s=time.perf_counter() - wall0, engine_steps=dict(stats.engine_steps),
                         injected=list(cluster.faults.injected) + list(cluster.faults.perturber.injected),
-                        traceback=stats.traceback)
+                        traceback=stats.traceback,
+                        offload_jobs=({"stores": cluster.offload.stores, "loads": cluster.offload.loads}
+                                      if cluster.offload is not None else {}))
 
 
 def summarize(result: DryRunResult) -> dict[str, Any]:

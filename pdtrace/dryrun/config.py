@@ -148,8 +148,8 @@ class DryRunConfig:
         if "few_requests_pp" in self.faults:
             need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
         if "starve" in self.faults:
-            need(self.instances not in ("single", "offload"), "fault starve needs a prefill instance that holds blocks for its "
-                 "decoder (--instances pd or p)")
+            need(self.instances not in ("single", "offload"), "fault starve needs a prefill instance that holds "
+                 "blocks for its decoder (--instances pd or p)")
             # The starving prompt must come in one chunk: chunked, it would run and preempt itself instead.
             pool = (self.num_blocks - 1) * self.block_size
             need(self.max_num_batched_tokens >= pool,
@@ -183,7 +183,7 @@ FIELD_HELP: dict[str, str] = {
     "tp": "Tensor-parallel ranks per stage.",
     "instances": "pd: a prefill and a decode instance (1P1D); p: prefill only (a phantom decoder reads the KV); "
                  "single: one aggregated engine without a connector; offload: one engine with vLLM's "
-                 "OffloadingConnector (CPU offloading, simulated workers; vLLM 0.26+).",
+                 "OffloadingConnector (CPU offloading, simulated workers; vLLM 0.23+).",
     "num_blocks": "KV blocks in each instance's pool (vLLM's num_gpu_blocks_override).",
     "block_size": "Tokens per KV block.",
     "max_num_seqs": "vLLM's max_num_seqs.",

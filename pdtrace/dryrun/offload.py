@@ -2,9 +2,9 @@
 virtual time, reported to the real scheduler side the way vLLM's OffloadingConnectorWorker does.
 
 The scheduler side (`OffloadingConnectorScheduler`, the CPU offloading spec and its `CPUOffloadingManager`) is
-vLLM's own and runs unchanged; only `CPUOffloadingSpec.get_worker` needs CUDA (cpu/spec.py:145 on 0.26.0: "CPU
-Offloading is currently only supported on CUDA-alike and XPU GPUs"), and the engine never calls it here because
-there are no real workers. What one simulated rank does, after offloading/worker.py (0.26.0):
+vLLM's own and runs unchanged; only `CPUOffloadingSpec.get_worker` needs CUDA (vllm/v1/kv_offload/cpu/spec.py:145-148
+on 0.26.0: "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"), and the engine never calls it
+here because there are no real workers. What one simulated rank does, after offloading/worker.py (0.26.0):
 
 - at the start of a step (`handle_preemptions`, then `start_kv_transfers`): the store jobs in the metadata's
   `jobs_to_flush` are submitted with the stores deferred from the previous step, and the flushed ones are waited
@@ -15,9 +15,10 @@ there are no real workers. What one simulated rank does, after offloading/worker
   also names its request in `finished_recving`.
 
 A store of n blocks takes `transfer_setup_us + n * transfer_latency_us_per_block` (the dry run's transfer timings),
-a load the same; `slow_store` / `slow_load` multiply it. Releases before 0.26 report offloading completions by
-request in `finished_sending` / `finished_recving`, a protocol this module does not speak
-(`run_dry_run` refuses `--instances offload` there, pdtrace/dryrun/__init__.py `_check_offload`).
+a load the same; `slow_store` / `slow_load` multiply it. The per-job protocol (`OffloadingWorkerMetadata`, vLLM
+#39186) is in 0.23.0 and later (checked: 0.23.0, 0.25.1, 0.26.0, 0.27.0); earlier OffloadingConnectors (0.11.1 to
+0.17.1 checked) report completions by request in `finished_sending` / `finished_recving`, a protocol this module
+does not speak (`run_dry_run` refuses `--instances offload` there: pdtrace/dryrun/__init__.py `offload_supported`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,19 @@ class OffloadRank:
     in_flight: list[_Job] = field(default_factory=list)
     held: list[tuple[int, _Job]] = field(default_factory=list)  # (report no earlier than this step count, job)
     steps: int = 0  # steps this rank ended
+    flushed: set[int] = field(default_factory=set)  # the step's store jobs it flushed at its start
+
+
+def _specs(job: Any) -> tuple[Any, ...]:
+    """A job's (source, destination) specs: `src_spec` / `dst_spec` from 0.26, one `transfer_spec` pair before."""
+    if hasattr(job, "src_spec"):
+        return (job.src_spec, getattr(job, "dst_spec", None))
+    spec = getattr(job, "transfer_spec", None)
+    return tuple(spec) if isinstance(spec, (tuple, list)) else (spec,)
 
 
 def _blocks(job: Any) -> int:
-    for spec in (getattr(job, "src_spec", None), getattr(job, "dst_spec", None)):
+    for spec in _specs(job):
         ids = getattr(spec, "block_ids", None)
         if ids is not None:
             try:
@@ -103,8 +113,11 @@ class SimOffload:
         st = self._rank(rank)
         flush = set(getattr(meta, "jobs_to_flush", None) or ())
         stores = getattr(meta, "store_jobs", None) or {}
-        st_flushed = [_Job(j, stores[j].req_id, False, _blocks(stores[j])) for j in sorted(flush) if j in stores]
-        rank.offload_flushed = {j.job_id for j in st_flushed}  # this step's metadata: not deferred again at its end
+        # 0.26+ (`src_spec`) pops a flushed job of this very step out of its store jobs and submits it now; before,
+        # `handle_preemptions` only waits for jobs already submitted
+        st_flushed = [_Job(j, stores[j].req_id, False, _blocks(stores[j])) for j in sorted(flush)
+                      if j in stores and hasattr(stores[j], "src_spec")]
+        st.flushed = {j.job_id for j in st_flushed}  # this step's metadata: not deferred again at its end
         for job in st.deferred + st_flushed:
             self._submit(job, ts, rank)
         st.deferred = []
@@ -120,11 +133,10 @@ class SimOffload:
         st = self._rank(rank)
         st.steps += 1
         if meta is not None:
-            flushed = getattr(rank, "offload_flushed", set())
             for job_id, entry in sorted((getattr(meta, "store_jobs", None) or {}).items()):
-                if job_id not in flushed:
+                if job_id not in st.flushed:
                     st.deferred.append(_Job(job_id, entry.req_id, False, _blocks(entry)))
-            rank.offload_flushed = set()
+            st.flushed = set()
         perturber = self.cluster.faults.perturber
         done = [j for j in st.in_flight if j.done_ns <= ts]
         st.in_flight = [j for j in st.in_flight if j.done_ns > ts]
