@@ -43,7 +43,10 @@ def test_every_kind_is_labelled_and_drawn_only_where_it_applies():
     assert all(0 <= p["req"] < 10 for p in paired)
 
 
-def test_the_same_seed_draws_the_same_trials():
+def test_the_same_seed_draws_the_same_trials(monkeypatch):
+    import pdtrace.dryrun.config as dryrun_config
+
+    monkeypatch.setattr(dryrun_config, "_offload_protocol_in_files", lambda: True)  # whatever vLLM is installed
     a = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single", "offload")]
     b = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single", "offload")]
     assert a == b
@@ -257,10 +260,10 @@ def test_chaos_without_a_supported_vllm_says_which_releases_in_one_line(monkeypa
 
 def test_chaos_offload_before_vllm_0_23_is_refused_in_one_line_and_left_out_of_all(monkeypatch, tmp_path):
     import pdtrace.chaos as chaos_pkg
-    import pdtrace.dryrun as dryrun
+    import pdtrace.dryrun.config as dryrun_config
     import pdtrace.recording.vllm as hooks
 
-    monkeypatch.setattr(dryrun, "_offload_protocol_in_files", lambda: None)  # decided by the release alone
+    monkeypatch.setattr(dryrun_config, "_offload_protocol_in_files", lambda: None)  # decided by the release alone
     monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.17.1")
     result = runner.invoke(app, ["chaos", "-o", str(tmp_path / "c"), "--workload", "offload"], standalone_mode=False)
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2

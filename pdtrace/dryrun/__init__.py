@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
+from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, offload_supported, parse_length_distribution
 from pdtrace.errors import RecordingError, UsageError
 
 #: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
@@ -91,49 +91,6 @@ def _check_vllm() -> str:
         raise RecordingError(f"the dry run drives the vLLM releases pdtrace records ({', '.join(supported_versions())}"
                              f"); this is vLLM {version}")
     return version
-
-
-#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`, vLLM
-#: #39186), the protocol pdtrace/dryrun/offload.py simulates: checked in 0.23.0 (and 0.25.1 to 0.33.0); 0.17.1 and
-#: earlier report per request. The releases between were not checked: where vLLM's files are at hand they decide.
-OFFLOAD_MIN_VLLM = (0, 23)
-_WORKER_METADATA = "distributed/kv_transfer/kv_connector/v1/offloading/common.py"
-
-
-def offload_supported(version: str | None) -> bool:
-    """Whether the dry run simulates the OffloadingConnector of the installed vLLM (release `version`): its files
-    define `OffloadingWorkerMetadata` (read as text: vLLM is not imported), or where they cannot be read, the
-    release is 0.23 or later (an unknown version: yes, and the run says so if not)."""
-    in_files = _offload_protocol_in_files()
-    if in_files is not None:
-        return in_files
-    try:
-        release = tuple(int(x) for x in (version or "").split(".")[:2])
-    except ValueError:
-        return True
-    return not version or release >= OFFLOAD_MIN_VLLM
-
-
-def _offload_protocol_in_files() -> bool | None:
-    """Whether the installed vLLM's files define `OffloadingWorkerMetadata`; None where there are no vLLM files."""
-    spec = importlib.util.find_spec("vllm")
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            return "class OffloadingWorkerMetadata" in (Path(root) / _WORKER_METADATA).read_text()
-        except OSError:
-            return False  # no offloading/ package: an OffloadingConnector that reports per request, or none
-    return None
-
-
-def _check_offload() -> None:
-    """UsageError (one line) where the installed vLLM's OffloadingConnector is not the one the dry run simulates."""
-    # lazy: the CLI imports this package at start; no hook tables then
-    from pdtrace.recording.vllm import installed_vllm_version
-
-    version = installed_vllm_version()
-    if not offload_supported(version):
-        raise UsageError(f"--instances offload needs vLLM 0.23 or later (its OffloadingConnector reports stores and "
-                         f"loads per job; earlier ones report them per request); this is vLLM {version}")
 
 
 def _count_rows(output_dir: Path) -> int:
@@ -222,8 +179,6 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
     fresh interpreter; `pdtrace.dryrun.zygote.spawn` forks it from a server that imported vLLM once).
     """
     config.validate()
-    if config.instances == "offload":
-        _check_offload()
     out = Path(output_dir)
     if out.exists() and any(out.rglob("*.parquet")):
         raise RecordingError(f"{out} already holds a trace; choose an empty or new directory")

@@ -6,8 +6,10 @@ async scheduling together, config/vllm.py:1665-1681) and what a fault needs but 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdtrace.errors import UsageError
@@ -58,6 +60,49 @@ def distribution_max(spec: str | int) -> int:
     """An upper bound used to size max_model_len (exponential: 8x the mean, where draws are clipped)."""
     kind, a, b = parse_length_distribution(spec)
     return int(b) if kind != "exp" else int(8 * a) + 1
+
+
+#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`, vLLM
+#: #39186), the protocol pdtrace/dryrun/offload.py simulates: checked in 0.23.0 (and 0.25.1 to 0.33.0); 0.17.1 and
+#: earlier report per request. The releases between were not checked: where vLLM's files are at hand they decide.
+OFFLOAD_MIN_VLLM = (0, 23)
+_WORKER_METADATA = "distributed/kv_transfer/kv_connector/v1/offloading/common.py"
+
+
+def offload_supported(version: str | None) -> bool:
+    """Whether the dry run simulates the OffloadingConnector of the installed vLLM (release `version`): its files
+    define `OffloadingWorkerMetadata` (read as text: vLLM is not imported), or where they cannot be read, the
+    release is 0.23 or later (an unknown version: yes, and the run says so if not)."""
+    in_files = _offload_protocol_in_files()
+    if in_files is not None:
+        return in_files
+    try:
+        release = tuple(int(x) for x in (version or "").split(".")[:2])
+    except ValueError:
+        return True
+    return not version or release >= OFFLOAD_MIN_VLLM
+
+
+def _offload_protocol_in_files() -> bool | None:
+    """Whether the installed vLLM's files define `OffloadingWorkerMetadata`; None where there are no vLLM files."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            return "class OffloadingWorkerMetadata" in (Path(root) / _WORKER_METADATA).read_text()
+        except OSError:
+            return False  # no offloading/ package: an OffloadingConnector that reports per request, or none
+    return None
+
+
+def check_offload() -> None:
+    """UsageError (one line) where the installed vLLM's OffloadingConnector is not the one the dry run simulates."""
+    # lazy: the CLI imports this module at start; no hook tables then
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    version = installed_vllm_version()
+    if not offload_supported(version):
+        raise UsageError(f"--instances offload needs vLLM 0.23 or later (its OffloadingConnector reports stores and "
+                         f"loads per job; earlier ones report them per request); this is vLLM {version}")
 
 
 @dataclass
@@ -169,6 +214,8 @@ class DryRunConfig:
         problem = check(self.perturbations, self.requests, pair=self.instances == "pd",
                         offload=self.instances == "offload")
         need(problem is None, str(problem))
+        if self.instances == "offload":
+            check_offload()
         return self
 
     def to_dict(self) -> dict[str, Any]:
