@@ -77,9 +77,21 @@ ABORT_QUEUED = dict(instances="offload", requests=12, rate=0.0, max_num_seqs=4, 
                     drain_timeout_ms=2000.0, perturbations=[{"kind": "abort", "req": 9, "side": "p", "after_us": 50.0}])
 
 
+#: What `pdtrace chaos -o DIR --workload offload` (seed 0) found on 0.26.0 after 259 s, minimised to one request
+#: (a 400-token prompt in chunks of 64) aborted 1.46 ms after it arrived, mid-prefill: the same assert and the same
+#: fix, with some of the prompt's blocks allocated instead of none (`num_tokens` counts the whole prompt).
+ABORT_MID_PREFILL = dict(
+    instances="offload", num_blocks=48, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True,
+    requests=1, rate=0.0, prompt_len="uniform:8:400", output_len="exp:4", seed=262357606, shared_prefix=0.9,
+    end_hold_s=600.0, drain_timeout_ms=2000.0,
+    perturbations=[{"kind": "abort", "req": 0, "side": "p", "after_us": 1464.3}])
+
+
 @needs_offload
-def test_an_abort_of_a_queued_request_kills_0_26_in_build_store_jobs_and_no_other_release(tmp_path: Path) -> None:
-    outcome = run_trial(DryRunConfig(**ABORT_QUEUED), tmp_path / "trace")
+@pytest.mark.parametrize("schedule", [ABORT_MID_PREFILL, ABORT_QUEUED], ids=["chaos_found", "issue_49118"])
+def test_an_abort_before_the_prompt_is_computed_kills_0_26_in_build_store_jobs_and_no_other_release(
+        tmp_path: Path, schedule: dict) -> None:
+    outcome = run_trial(DryRunConfig(**schedule), tmp_path / "trace")
     assert outcome.harness_error is None and outcome.label == LEGAL
     if (0, 26, 0) <= _release() < (0, 27, 0):
         assert outcome.signature == ("AssertionError at vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
