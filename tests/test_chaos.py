@@ -35,20 +35,65 @@ def test_every_kind_is_labelled_and_drawn_only_where_it_applies():
     single = draw(random.Random(3), 10, 1, 1, pair=False, count=200)
     assert {p["kind"] for p in single} <= {k for k, v in PERTURBATIONS.items() if not v.needs_pair}
     paired = draw(random.Random(3), 10, 2, 2, pair=True, count=400)
-    assert {p["kind"] for p in paired} == {k for k, v in PERTURBATIONS.items() if v.drawn}
+    assert {p["kind"] for p in paired} == {k for k, v in PERTURBATIONS.items() if v.drawn and not v.needs_offload}
+    offload = draw(random.Random(3), 10, 1, 1, pair=False, count=400, offload=True)
+    assert {p["kind"] for p in offload} == {k for k, v in PERTURBATIONS.items() if v.drawn and not v.needs_pair}
+    assert not {p["kind"] for p in single} & {k for k, v in PERTURBATIONS.items() if v.needs_offload}
     assert "read_time" not in {p["kind"] for p in paired}  # replay's, not chaos's
     assert all(0 <= p["req"] < 10 for p in paired)
 
 
-def test_the_same_seed_draws_the_same_trials():
-    a = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single")]
-    b = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single")]
+def test_the_same_seed_draws_the_same_trials(monkeypatch):
+    import pdtrace.dryrun.config as dryrun_config
+
+    monkeypatch.setattr(dryrun_config, "_offload_protocol_in_files", lambda: True)  # whatever vLLM is installed
+    a = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single", "offload")]
+    b = [draw_trial(random.Random(7), w).to_dict() for w in ("pd", "pp", "single", "offload")]
     assert a == b
-    assert a != [draw_trial(random.Random(8), w).to_dict() for w in ("pd", "pp", "single")]
+    assert a != [draw_trial(random.Random(8), w).to_dict() for w in ("pd", "pp", "single", "offload")]
     for trial in a:
         DryRunConfig(**trial).validate()  # every drawn trial is a valid dry run
         # a trial outlasts its slowest read before it is judged stuck, and a leak outlasts the leak grace
         assert trial["drain_timeout_ms"] >= 2000 and trial["end_hold_s"] >= 600
+
+
+def test_the_other_workloads_draw_what_they_drew_before_offload_existed():
+    """The offload workload's own draws (shared prefixes, pool) come after the others': a pd/pp/single campaign of
+    a seed still runs the trials it ran (the seeds of docs/chaos.md's table)."""
+    for workload in ("pd", "pp", "single"):
+        trial = draw_trial(random.Random(11), workload)
+        assert trial.shared_prefix == 0.0 and trial.num_blocks == 512
+        assert not any(PERTURBATIONS[p["kind"]].needs_offload for p in trial.perturbations)
+    offload = [draw_trial(random.Random(s), "offload") for s in range(30)]
+    assert {t.instances for t in offload} == {"offload"} and all(t.shared_prefix > 0 for t in offload)
+    assert {t.num_blocks for t in offload} > {512}  # small pools too: the GPU evicts what the CPU holds
+
+
+def test_offload_perturbations_need_the_offload_layout_in_one_line():
+    with pytest.raises(UsageError, match="needs the offloading connector"):
+        DryRunConfig(instances="single", perturbations=[{"kind": "drop_job", "req": 0, "what": "load"}]).validate()
+    with pytest.raises(UsageError, match="needs a prefill/decode pair"):
+        DryRunConfig(instances="offload", perturbations=[{"kind": "slow_read", "req": 0}]).validate()
+    DryRunConfig(instances="offload", perturbations=[{"kind": "slow_store", "req": 0, "factor": 3}]).validate()
+    assert label_of([{"kind": "delay_job", "req": 0}, {"kind": "slow_load", "req": 0}]) == LEGAL
+    assert label_of([{"kind": "drop_job", "req": 0}]) == FAULTY
+
+
+def test_shared_prefixes_copy_half_an_earlier_prompt_and_change_nothing_without_them():
+    from pdtrace.dryrun.workload import make_workload
+
+    plain = make_workload(DryRunConfig(requests=12, seed=4))
+    shared = make_workload(DryRunConfig(requests=12, seed=4, shared_prefix=1.0))
+    assert [w.arrival_ns for w in plain] == [w.arrival_ns for w in shared]
+    assert [len(w.prompt_token_ids) for w in plain] == [len(w.prompt_token_ids) for w in shared]
+    assert plain[0].prompt_token_ids == shared[0].prompt_token_ids
+    for w in shared[1:]:  # each starts with the first half of some earlier prompt
+        assert any(w.prompt_token_ids[:max(1, len(e.prompt_token_ids) // 2)] ==
+                   e.prompt_token_ids[:max(1, len(e.prompt_token_ids) // 2)][:len(w.prompt_token_ids)]
+                   for e in shared[:w.index])
+    assert sum(w.prompt_token_ids != p.prompt_token_ids for w, p in zip(shared, plain)) >= 8
+    with pytest.raises(UsageError, match="--shared-prefix"):
+        DryRunConfig(shared_prefix=1.5).validate()
 
 
 def test_a_schedule_is_faulty_if_one_perturbation_is():
@@ -167,6 +212,21 @@ def test_a_decode_side_perturbation_leaves_the_prefill_side_alone():
     assert _steps(perturber, engine, _Rank(), [{"r00001-p"}]) == [{"r00001-p"}]
 
 
+def test_offload_jobs_are_dropped_once_per_rank_delayed_or_slowed():
+    perturber, engine = _perturber([{"kind": "drop_job", "req": 2, "what": "load", "rank": -1},
+                                    {"kind": "delay_job", "req": 3, "what": "store", "rank": 1, "steps": 4},
+                                    {"kind": "slow_store", "req": 3, "factor": 5.0}])
+    perturber.cluster.req_id = lambda base, side: base  # one engine: the client's ids
+    r0, r1 = _Rank(0, 0), _Rank(0, 1)
+    assert perturber.offload_report(engine, r0, "r00002", True) is None  # the first load of r00002: never reported
+    assert perturber.offload_report(engine, r0, "r00002", True) == 0  # a later one is
+    assert perturber.offload_report(engine, r1, "r00002", True) is None  # each rank drops its own
+    assert perturber.offload_report(engine, r0, "r00002", False) == 0  # stores are left alone
+    assert perturber.offload_report(engine, r1, "r00003", False) == 4
+    assert perturber.offload_report(engine, r0, "r00003", False) == 0  # another rank: untouched
+    assert perturber.offload_factor("r00003", False) == 5.0 and perturber.offload_factor("r00003", True) == 1.0
+
+
 def test_a_campaign_whose_dry_run_cannot_run_stops_in_one_line(tmp_path):
     from pdtrace.chaos import Campaign, run_campaign
     from pdtrace.errors import RecordingError
@@ -196,6 +256,30 @@ def test_chaos_without_a_supported_vllm_says_which_releases_in_one_line(monkeypa
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
     assert "0.9.0" in str(result.exception) and "0.33" in str(result.exception)
     assert not (tmp_path / "c").exists()
+
+
+def test_chaos_offload_before_vllm_0_23_is_refused_in_one_line_and_left_out_of_all(monkeypatch, tmp_path):
+    import pdtrace.chaos as chaos_pkg
+    import pdtrace.dryrun.config as dryrun_config
+    import pdtrace.recording.vllm as hooks
+
+    monkeypatch.setattr(dryrun_config, "_offload_protocol_in_files", lambda: None)  # decided by the release alone
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.17.1")
+    result = runner.invoke(app, ["chaos", "-o", str(tmp_path / "c"), "--workload", "offload"], standalone_mode=False)
+    assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
+    assert "needs vLLM 0.23" in str(result.exception) and "0.17.1" in str(result.exception)
+    seen = []
+
+    def fake_campaign(campaign, spawn, version, progress=None):
+        seen.append(campaign.workloads)
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(chaos_pkg, "run_campaign", fake_campaign)
+    runner.invoke(app, ["chaos", "-o", str(tmp_path / "d")], standalone_mode=False)
+    assert seen == [("pd", "pp", "single")]
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.26.0")
+    runner.invoke(app, ["chaos", "-o", str(tmp_path / "e")], standalone_mode=False)
+    assert seen[-1] == ("pd", "pp", "single", "offload")
 
 
 @pytest.mark.parametrize("args, message", [

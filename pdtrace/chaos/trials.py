@@ -19,6 +19,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "pd": {"instances": "pd", "pp": 1},
     "pp": {"instances": "pd", "pp": 2},
     "single": {"instances": "single", "pp": 1},
+    "offload": {"instances": "offload", "pp": 1},  # vLLM's OffloadingConnector (CPU), vLLM 0.23+
 }
 
 #: Long enough that a leak outlasts the leak rules' grace (480 s) before the trace ends.
@@ -45,7 +46,12 @@ def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryR
         async_scheduling=async_ok and pp == 1 and rng.random() < 0.3,
         enable_prefix_caching=rng.random() < 0.7,
         seed=rng.randrange(1 << 31), end_hold_s=END_HOLD_S, drain_timeout_ms=DRAIN_MS)
-    config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4))
+    offload = shape["instances"] == "offload"
+    if offload:  # drawn after the others so the other workloads' trials stay what they were
+        # Shared prefixes and a pool that evicts them: the CPU holds what the GPU lost, so requests load from it.
+        config.shared_prefix = rng.choice((0.3, 0.6, 0.9))
+        config.num_blocks = rng.choice((48, 96, 512))
+    config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4), offload=offload)
     return config
 
 

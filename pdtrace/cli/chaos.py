@@ -1,4 +1,4 @@
-"""`pdtrace chaos -o DIR [--budget 10m] [--seed N] [--workload pd|pp|single|all]`, and `pdtrace chaos --repro
+"""`pdtrace chaos -o DIR [--budget 10m] [--seed N] [--workload pd|pp|single|offload|all]`, and `pdtrace chaos --repro
 FAILURE`: forced orderings on the installed vLLM's real scheduler (pdtrace.chaos); exit 1 when a legal-timing
 failure was found (or a re-run reproduced its failure), 0 when not, 2 on bad usage or an unsupported vLLM."""
 
@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from pdtrace.cli.app import app, err_console, installed_release, out_console
+from pdtrace.dryrun import offload_supported
 from pdtrace.errors import EXIT_FINDINGS, EXIT_OK, UsageError
 
 
@@ -19,6 +20,7 @@ class Workload(str, Enum):
     pd = "pd"
     pp = "pp"
     single = "single"
+    offload = "offload"
     all = "all"
 
 
@@ -41,7 +43,9 @@ def chaos(
     budget: str = typer.Option("10m", "--budget", help="How long to search: 90s, 10m, 1h."),
     seed: int = typer.Option(0, "--seed", help="Seed of the campaign: the same seed draws the same trials."),
     workload: Workload = typer.Option(Workload.all, "--workload", help="pd: a prefill/decode pair; pp: the pair at "
-                                      "PP=2; single: one engine under KV pressure; all: each in turn."),
+                                      "PP=2; single: one engine under KV pressure; offload: one engine with vLLM's "
+                                      "OffloadingConnector (vLLM 0.23+); all: each in turn (offload where the "
+                                      "release has it)."),
     max_runs: int = typer.Option(0, "--max-runs", help="Stop after this many trials (0: when the budget ends)."),
     repro_dir: Optional[Path] = typer.Option(None, "--repro", help="Re-run one saved failure (a failure-NNNN "
                                              "directory) and say whether it still fails the same way."),
@@ -70,6 +74,11 @@ def chaos(
     if output.exists() and any(output.glob("failure-*")):
         raise UsageError(f"{output} already holds failures of a campaign; choose a new directory")
     names = tuple(w.value for w in Workload if w is not Workload.all) if workload is Workload.all else (workload.value,)
+    if not offload_supported(version):
+        if workload is Workload.offload:
+            raise UsageError(f"--workload offload needs vLLM 0.23 or later (its OffloadingConnector reports stores "
+                             f"and loads per job); this is vLLM {version}")
+        names = tuple(n for n in names if n != Workload.offload.value)
     campaign = Campaign(output=output, budget_s=parse_budget(budget), seed=seed, workloads=names,
                         max_runs=max(0, max_runs))
     err_console.print(f"pdtrace chaos: vLLM {version}, {campaign.budget_s:.0f} s, seed {seed}", markup=False)

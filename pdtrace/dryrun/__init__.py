@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, parse_length_distribution
+from pdtrace.dryrun.config import FAULTS, INSTANCE_LAYOUTS, DryRunConfig, offload_supported, parse_length_distribution
 from pdtrace.errors import RecordingError, UsageError
 
 #: The newest release the dry run was written against (what differs between releases: docs/vllm-releases.md).
@@ -38,6 +38,7 @@ __all__ = [
     "FAULTS",
     "INSTANCE_LAYOUTS",
     "SUPPORTED_VLLM",
+    "offload_supported",
     "DryRunConfig",
     "DryRunResult",
     "parse_length_distribution",
@@ -61,6 +62,7 @@ class DryRunResult:
     engine_steps: dict[str, int] = field(default_factory=dict)
     injected: list[str] = field(default_factory=list)
     traceback: str | None = None  # vLLM's traceback, when it raised
+    offload_jobs: dict[str, int] = field(default_factory=dict)  # --instances offload: stores and loads submitted
 
 
 #: Environment of the process that runs the engines (set in the child, never in the caller's process).
@@ -228,7 +230,9 @@ def run_dry_run(config: DryRunConfig, output_dir: str | os.PathLike, in_process:
                         instances=[e.instance for e in cluster.engines], virtual_s=(end - start) / 1e9,
                         wall_s=time.perf_counter() - wall0, engine_steps=dict(stats.engine_steps),
                         injected=list(cluster.faults.injected) + list(cluster.faults.perturber.injected),
-                        traceback=stats.traceback)
+                        traceback=stats.traceback,
+                        offload_jobs=({"stores": cluster.offload.stores, "loads": cluster.offload.loads}
+                                      if cluster.offload is not None else {}))
 
 
 def summarize(result: DryRunResult) -> dict[str, Any]:

@@ -6,8 +6,10 @@ async scheduling together, config/vllm.py:1665-1681) and what a fault needs but 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pdtrace.errors import UsageError
@@ -26,7 +28,7 @@ FAULTS: dict[str, str] = {
     "few_requests_pp": "fewer ready requests than PP stages (requests arrive one at a time): pipeline bubbles",
 }
 
-INSTANCE_LAYOUTS = ("pd", "p", "single")
+INSTANCE_LAYOUTS = ("pd", "p", "single", "offload")
 
 _DIST_RE = re.compile(r"^(?:(?P<fixed>\d+)|uniform:(?P<lo>\d+):(?P<hi>\d+)|exp:(?P<mean>\d+(?:\.\d+)?))$")
 
@@ -60,6 +62,49 @@ def distribution_max(spec: str | int) -> int:
     return int(b) if kind != "exp" else int(8 * a) + 1
 
 
+#: The first release whose OffloadingConnector reports completions per job (`OffloadingWorkerMetadata`, vLLM
+#: #39186), the protocol pdtrace/dryrun/offload.py simulates: checked in 0.23.0 (and 0.25.1 to 0.33.0); 0.17.1 and
+#: earlier report per request. The releases between were not checked: where vLLM's files are at hand they decide.
+OFFLOAD_MIN_VLLM = (0, 23)
+_WORKER_METADATA = "distributed/kv_transfer/kv_connector/v1/offloading/common.py"
+
+
+def offload_supported(version: str | None) -> bool:
+    """Whether the dry run simulates the OffloadingConnector of the installed vLLM (release `version`): its files
+    define `OffloadingWorkerMetadata` (read as text: vLLM is not imported), or where they cannot be read, the
+    release is 0.23 or later (an unknown version: yes, and the run says so if not)."""
+    in_files = _offload_protocol_in_files()
+    if in_files is not None:
+        return in_files
+    try:
+        release = tuple(int(x) for x in (version or "").split(".")[:2])
+    except ValueError:
+        return True
+    return not version or release >= OFFLOAD_MIN_VLLM
+
+
+def _offload_protocol_in_files() -> bool | None:
+    """Whether the installed vLLM's files define `OffloadingWorkerMetadata`; None where there are no vLLM files."""
+    spec = importlib.util.find_spec("vllm")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            return "class OffloadingWorkerMetadata" in (Path(root) / _WORKER_METADATA).read_text()
+        except OSError:
+            return False  # no offloading/ package: an OffloadingConnector that reports per request, or none
+    return None
+
+
+def check_offload() -> None:
+    """UsageError (one line) where the installed vLLM's OffloadingConnector is not the one the dry run simulates."""
+    # lazy: the CLI imports this module at start; no hook tables then
+    from pdtrace.recording.vllm import installed_vllm_version
+
+    version = installed_vllm_version()
+    if not offload_supported(version):
+        raise UsageError(f"--instances offload needs vLLM 0.23 or later (its OffloadingConnector reports stores and "
+                         f"loads per job; earlier ones report them per request); this is vLLM {version}")
+
+
 @dataclass
 class DryRunConfig:
     """Everything a dry run needs. Times are virtual (the recorder's injectable clock), never wall-clock."""
@@ -67,7 +112,8 @@ class DryRunConfig:
     # topology
     pp: int = 1
     tp: int = 1
-    instances: str = "pd"  # "pd": one prefill and one decode engine; "p": prefill only; "single": aggregated
+    instances: str = "pd"  # "pd": one prefill and one decode engine; "p": prefill only; "single": aggregated;
+    # "offload": one engine with the OffloadingConnector (pdtrace/dryrun/offload.py)
     num_blocks: int = 2048
     block_size: int = 16
     max_num_seqs: int = 64
@@ -80,6 +126,7 @@ class DryRunConfig:
     prompt_len: str = "uniform:64:256"
     output_len: str = "exp:32"
     seed: int = 0
+    shared_prefix: float = 0.0  # share of requests whose prompt starts with an earlier request's (prefix hits)
     # simulated cluster (virtual time)
     transfer_latency_us_per_block: float = 20.0  # KV read time per block (latency part)
     transfer_setup_us: float = 200.0  # fixed cost per read (handshake amortised, RDMA post, notification)
@@ -124,6 +171,7 @@ class DryRunConfig:
         need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
         need(self.requests >= 1, "--requests must be at least 1")
         need(self.end_hold_s >= 0, "--end-hold-s must be >= 0")
+        need(0.0 <= self.shared_prefix <= 1.0, "--shared-prefix must be between 0 and 1")
         parse_length_distribution(self.prompt_len)
         parse_length_distribution(self.output_len)
         if self.async_scheduling and self.pp > 1:
@@ -135,7 +183,7 @@ class DryRunConfig:
         pd_faults = {"completion_before_finish", "lost_send_completion", "abort_while_waiting_kv",
                      "duplicate_completion", "missing_rank_completion", "slow_transfer"}
         bad = sorted(pd_faults & set(self.faults))
-        if bad and self.instances == "single":
+        if bad and self.instances in ("single", "offload"):
             raise UsageError(f"fault {bad[0]} needs a prefill/decode pair (--instances pd or p)")
         d_faults = sorted({"abort_while_waiting_kv", "slow_transfer"} & set(self.faults))
         if d_faults and self.instances != "pd":
@@ -145,8 +193,8 @@ class DryRunConfig:
         if "few_requests_pp" in self.faults:
             need(self.pp >= 2, "fault few_requests_pp needs --pp of at least 2")
         if "starve" in self.faults:
-            need(self.instances != "single", "fault starve needs a prefill instance that holds blocks for its "
-                 "decoder (--instances pd or p)")
+            need(self.instances not in ("single", "offload"), "fault starve needs a prefill instance that holds "
+                 "blocks for its decoder (--instances pd or p)")
             # The starving prompt must come in one chunk: chunked, it would run and preempt itself instead.
             pool = (self.num_blocks - 1) * self.block_size
             need(self.max_num_batched_tokens >= pool,
@@ -163,8 +211,11 @@ class DryRunConfig:
         # lazy: the CLI imports this module at start; the orderings' module only when a config is validated
         from pdtrace.dryrun.perturb import check
 
-        problem = check(self.perturbations, self.requests, pair=self.instances == "pd")
+        problem = check(self.perturbations, self.requests, pair=self.instances == "pd",
+                        offload=self.instances == "offload")
         need(problem is None, str(problem))
+        if self.instances == "offload":
+            check_offload()
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,7 +229,8 @@ FIELD_HELP: dict[str, str] = {
     "pp": "Pipeline-parallel stages per instance.",
     "tp": "Tensor-parallel ranks per stage.",
     "instances": "pd: a prefill and a decode instance (1P1D); p: prefill only (a phantom decoder reads the KV); "
-                 "single: one aggregated engine without a connector.",
+                 "single: one aggregated engine without a connector; offload: one engine with vLLM's "
+                 "OffloadingConnector (CPU offloading, simulated workers; vLLM 0.23+).",
     "num_blocks": "KV blocks in each instance's pool (vLLM's num_gpu_blocks_override).",
     "block_size": "Tokens per KV block.",
     "max_num_seqs": "vLLM's max_num_seqs.",
@@ -190,6 +242,8 @@ FIELD_HELP: dict[str, str] = {
     "prompt_len": "Prompt lengths: N, uniform:A:B or exp:MEAN.",
     "output_len": "Output lengths: N, uniform:A:B or exp:MEAN (half the requests end with EOS, half by length).",
     "seed": "Seed of the workload and the sampled tokens: same seed, same trace.",
+    "shared_prefix": "Share of requests (0 to 1) whose prompt starts with half of an earlier request's prompt: "
+                     "prefix-cache hits, and with --instances offload loads from the CPU.",
     "transfer_latency_us_per_block": "Simulated KV read time per block, microseconds.",
     "transfer_setup_us": "Simulated fixed cost per KV read, microseconds.",
     "transfer_bandwidth_gbps": "Simulated link bandwidth, Gbit/s (0: latency model only).",

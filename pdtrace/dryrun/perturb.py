@@ -42,6 +42,7 @@ class PerturbationKind:
     does: str
     needs_pair: bool = True
     drawn: bool = True  # chaos draws it (False: only `pdtrace replay` sets it, from a recording)
+    needs_offload: bool = False  # acts on the OffloadingConnector's store/load jobs (`--instances offload`)
 
 
 PERTURBATIONS: dict[str, PerturbationKind] = {
@@ -66,6 +67,14 @@ PERTURBATIONS: dict[str, PerturbationKind] = {
                                   "(invalid_block_ids) with the finished read"),
     "small_pool": PerturbationKind(LEGAL, "each instance's KV pool holds `blocks` blocks: preemption, queueing",
                                    needs_pair=False),
+    "slow_store": PerturbationKind(LEGAL, "req's offloading stores (GPU to CPU) take `factor` times longer",
+                                   needs_pair=False, needs_offload=True),
+    "slow_load": PerturbationKind(LEGAL, "req's offloading loads (CPU to GPU) take `factor` times longer",
+                                  needs_pair=False, needs_offload=True),
+    "delay_job": PerturbationKind(LEGAL, "rank reports req's finished offloading jobs (`what`: store or load) "
+                                  "`steps` steps after they ended", needs_pair=False, needs_offload=True),
+    "drop_job": PerturbationKind(FAULTY, "rank never reports req's first finished offloading job (`what`: store "
+                                 "or load)", needs_pair=False, needs_offload=True),
     "drop_report": PerturbationKind(FAULTY, "rank never reports req's finished transfer"),
     "dup_report": PerturbationKind(FAULTY, "rank reports req's finished transfer once more, `steps` steps later"),
     "early_report": PerturbationKind(FAULTY, "every P rank reports req's finished_sending at the end of the first "
@@ -80,7 +89,7 @@ def label_of(perturbations: list[dict[str, Any]]) -> str:
     return FAULTY if any(PERTURBATIONS[p["kind"]].label == FAULTY for p in perturbations) else LEGAL
 
 
-def check(perturbations: list[dict[str, Any]], requests: int, pair: bool) -> str | None:
+def check(perturbations: list[dict[str, Any]], requests: int, pair: bool, offload: bool = False) -> str | None:
     """What is wrong with a run's perturbations (one line), or None."""
     for p in perturbations:
         kind = PERTURBATIONS.get(p.get("kind", ""))
@@ -90,6 +99,8 @@ def check(perturbations: list[dict[str, Any]], requests: int, pair: bool) -> str
             return f"perturbation {p['kind']} targets request {p.get('req')} of {requests}"
         if kind.needs_pair and not pair:
             return f"perturbation {p['kind']} needs a prefill/decode pair (--instances pd)"
+        if kind.needs_offload and not offload:
+            return f"perturbation {p['kind']} needs the offloading connector (--instances offload)"
     return None
 
 
@@ -99,9 +110,11 @@ def describe(p: dict[str, Any]) -> str:
     return f"{p['kind']}({args})"
 
 
-def draw(rng: random.Random, requests: int, pp: int, tp: int, pair: bool, count: int) -> list[dict[str, Any]]:
+def draw(rng: random.Random, requests: int, pp: int, tp: int, pair: bool, count: int,
+         offload: bool = False) -> list[dict[str, Any]]:
     """`count` perturbations drawn at random for a run of `requests` requests (the chaos runner's generator)."""
-    kinds = [k for k, v in PERTURBATIONS.items() if v.drawn and (pair or not v.needs_pair)]
+    kinds = [k for k, v in PERTURBATIONS.items()
+             if v.drawn and (pair or not v.needs_pair) and (offload or not v.needs_offload)]
     ranks = pp * tp
     out: list[dict[str, Any]] = []
     for _ in range(count):
@@ -125,6 +138,12 @@ def draw(rng: random.Random, requests: int, pp: int, tp: int, pair: bool, count:
             p["blocks"] = rng.choice([16, 24, 32, 48, 64])
         elif kind in ("drop_report", "unknown_report"):
             p.update(side=side, rank=rank)
+        elif kind in ("slow_store", "slow_load"):
+            p["factor"] = round(10 ** rng.uniform(0.5, 3), 1)
+        elif kind == "delay_job":
+            p.update(what=rng.choice(("store", "load")), rank=rank, steps=rng.randint(1, 8))
+        elif kind == "drop_job":
+            p.update(what=rng.choice(("store", "load")), rank=rank)
         out.append(p)
     return out
 
@@ -299,3 +318,35 @@ class Perturber:
                 self._held.append([key, side, target, int(p.get("steps", 1))])
                 self.injected.append(f"rank {key[1]} reports {target} again {p.get('steps')} step(s) later")
         return sends, recvs, invalid
+
+    # -- the offloading workers (`--instances offload`) --------------------------------------------------------
+    def offload_factor(self, req_id: str, is_load: bool) -> float:
+        """How many times longer req's store (or load) takes: slow_store / slow_load."""
+        kind = "slow_load" if is_load else "slow_store"
+        factor = 1.0
+        for p in self._targets(kind):
+            if self._req(p) == req_id:
+                factor *= float(p.get("factor", 10))
+        return factor
+
+    def offload_report(self, engine: SimEngine, rank: Any, req_id: str, is_load: bool) -> int | None:
+        """When a rank reports a finished offloading job of req: 0 at once, k steps later (delay_job), or None:
+        never (drop_job, once per rank)."""
+        what = "load" if is_load else "store"
+        key = (engine.instance, (rank.pp_rank, rank.tp_rank))
+        delay = 0
+        for i, p in enumerate(self.items):
+            if p["kind"] not in ("delay_job", "drop_job") or p.get("what", "store") != what:
+                continue
+            if self._req(p) != req_id or not self._rank_matches(p, engine, rank):
+                continue
+            if p["kind"] == "drop_job":
+                if (i, key) in self._applied:
+                    continue
+                self._applied.add((i, key))
+                self.injected.append(f"rank {key[1]} never reports a {what} of {req_id}")
+                return None
+            delay = max(delay, int(p.get("steps", 1)))
+        if delay:
+            self.injected.append(f"rank {key[1]} reports a {what} of {req_id} {delay} step(s) late")
+        return delay

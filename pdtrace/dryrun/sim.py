@@ -42,6 +42,8 @@ from pdtrace.dryrun.compat import (attach_block_hasher, batch_queue_busy, engine
                                    use_v1_scheduler, warm_up_reply)
 from pdtrace.dryrun.config import DryRunConfig, distribution_max
 from pdtrace.dryrun.faults import FaultInjector
+from pdtrace.dryrun.offload import SimOffload
+from pdtrace.dryrun.offload import extra_config as offload_extra_config
 from pdtrace.dryrun.perturb import pool_blocks
 from pdtrace.dryrun.transfer import SimTransferEngine
 from pdtrace.dryrun.workload import EOS_TOKEN_ID, VOCAB_FOR_PROMPTS, WorkloadRequest
@@ -166,7 +168,10 @@ class SimEngine:
                          enable_prefix_caching=cfg.enable_prefix_caching)
         cc.num_gpu_blocks_override = cfg.num_blocks
         kv = None
-        if self.kv_role is not None:
+        if self.cluster.offload is not None:
+            kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role=self.kv_role, engine_id=self.instance,
+                                  kv_connector_extra_config=offload_extra_config(cfg.block_size))
+        elif self.kv_role is not None:
             kv = KVTransferConfig(kv_connector="NixlConnector", kv_role=self.kv_role, engine_id=self.instance,
                                   kv_connector_extra_config={})
         vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kv,
@@ -393,7 +398,9 @@ class SimEngine:
             if back:
                 _emit_rows(chan, "batch_add", step, back, reason)
         meta = so.kv_connector_metadata
-        if meta is not None and self.has_connector:
+        if meta is not None and self.cluster.offload is not None:
+            self.cluster.offload.on_step_begin(self, rank, meta, ts)
+        elif meta is not None and self.has_connector:
             self.cluster.transfers.on_worker_metadata(self, rank, rec, meta, ts)
 
     def _rank_end(self, rank: Any, rec: Any, ts: int) -> None:
@@ -403,7 +410,15 @@ class SimEngine:
 
         step = rec.step
         chan = rank.channel
-        if self.has_connector:
+        if self.cluster.offload is not None:
+            recvs, wmeta = self.cluster.offload.on_step_end(self, rank, rec.so.kv_connector_metadata, ts)
+            for r in sorted(recvs):
+                chan.emit("kv_recv_rank", step=step, req=r)
+            out = KVConnectorOutput(finished_recving=recvs or None)
+            if wmeta is not None:
+                out.kv_connector_worker_meta = wmeta
+            rec.rank_kv[(rank.pp_rank, rank.tp_rank)] = out
+        elif self.has_connector:
             sends, recvs = rank.take_completions(ts)
             sends = self.cluster.faults.filter_sends(self, rank, rec, sends)
             sends, recvs, invalid = self.cluster.faults.perturber.filter_reports(self, rank, rec, sends, recvs)
@@ -555,9 +570,10 @@ class SimCluster:
         self._order = 0
         self.want_eos: dict[str, bool] = {}
         # P and D name a request `rNNNNN-p` / `rNNNNN-d`, or both `rNNNNN` where the release has one id for both.
-        self.shared_ids = config.instances == "single" or shared_request_ids()
+        self.shared_ids = config.instances in ("single", "offload") or shared_request_ids()
         self.faults = FaultInjector(self)
         self.transfers = SimTransferEngine(self)
+        self.offload = SimOffload(self) if config.instances == "offload" else None
         self.workload = workload
         self.clients: list[ClientRequest] = [ClientRequest(w, f"r{w.index:05d}") for w in workload]
         self.by_engine_id: dict[str, SimEngine] = {}
@@ -567,8 +583,9 @@ class SimCluster:
         self._next_client = 0
         self.stats = RunStats()
         prefix = config.instance_prefix
-        if config.instances == "single":
-            self.engines.append(SimEngine(self, 0, f"{prefix}engine-0", "both", None))
+        if config.instances in ("single", "offload"):
+            kv_role = "kv_both" if config.instances == "offload" else None
+            self.engines.append(SimEngine(self, 0, f"{prefix}engine-0", "both", kv_role))
             self.prefill = self.engines[0]
             self.decode: SimEngine | None = None
         else:
@@ -624,7 +641,7 @@ class SimCluster:
             start = self.start_ns + c.wl.arrival_ns
             if self.client_limit:
                 start = max(start, self.limit_free_ns)
-            if self.config.instances == "single":
+            if self.config.instances in ("single", "offload"):
                 req_id = c.base_id
                 self.want_eos[req_id] = c.wl.wants_eos()
                 req = self._make_request(req_id, c.wl, c.wl.max_tokens, None, start)

@@ -55,7 +55,22 @@ def make_workload(config: DryRunConfig) -> list[WorkloadRequest]:
         max_tokens = draw_length(rng, config.output_len)
         tokens = [rng.randrange(VOCAB_FOR_PROMPTS) for _ in range(prompt_len)]
         out.append(WorkloadRequest(i, int(t * 1e9), tokens, max_tokens))
+    if config.shared_prefix > 0:
+        share_prefixes(out, config.shared_prefix, config.seed)
     return out
+
+
+def share_prefixes(out: list[WorkloadRequest], share: float, seed: int) -> None:
+    """`share` of the requests (after the first) start with the first half of an earlier request's prompt. Its own
+    generator, so that a run without shared prefixes draws exactly what it drew before the option existed."""
+    rng = random.Random(seed ^ 0x5EED)
+    for i in range(1, len(out)):
+        if rng.random() >= share:
+            continue
+        src = out[rng.randrange(i)].prompt_token_ids
+        tokens = out[i].prompt_token_ids
+        n = min(len(src) // 2 or len(src), len(tokens))
+        tokens[:n] = src[:n]
 
 
 def given_workload(config: DryRunConfig) -> list[WorkloadRequest]:
