@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from itertools import compress
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 from pdtrace.recording import session
@@ -329,7 +329,8 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
     if any(grew):
         resumed = _resumed_ids(cached)
         # Only the requests that grew (compress in C: a step's few growths among dozens of running requests).
-        for (req_id, grown), computed in compress(zip(zip(cached.req_ids, grew), cached.num_computed_tokens), grew):
+        counts = getattr(cached, "num_computed_tokens", None) or repeat(None)
+        for (req_id, grown), computed in compress(zip(zip(cached.req_ids, grew), counts), grew):
             ids = grown[0]
             k = known.get(req_id, 0)
             if req_id in resumed:  # the whole table again
@@ -441,7 +442,8 @@ def _w_schedule(orig: Any) -> Any:
                     if any(cached.new_block_ids):
                         resumed = _resumed_ids(cached)
                         for req_id, grown, computed in zip(cached.req_ids, cached.new_block_ids,
-                                                           cached.num_computed_tokens):
+                                                           getattr(cached, "num_computed_tokens", None)
+                                                           or repeat(None)):
                             if grown is not None:
                                 _record_growth(st, req_id, computed=computed if req_id in resumed else None)
                 st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
