@@ -98,6 +98,8 @@ KINDS: dict[str, frozenset[str] | None] = {
     "kv_send_done": frozenset({"scheduler"}),
     "kv_recv_done": frozenset({"scheduler"}),
     "kv_recv_fail": frozenset({"scheduler"}),
+    # a KV read's destination blocks, where the connector decided them (added in pdtrace 0.1)
+    "kv_recv_dest": frozenset({"scheduler"}),
     # engine loop
     "step_submit": frozenset({"engine"}),
     "step_output": frozenset({"engine"}),

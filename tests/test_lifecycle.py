@@ -517,3 +517,120 @@ def test_tokens_over_capacity_says_how_many_tokens_on_how_many_slots() -> None:
     row = f[f.subrule == "tokens_over_capacity"].iloc[0]
     assert (row.extra["tokens"], row.extra["slots"], row.extra["block_size"]) == (40, 32, 16)
     assert row.step == 1
+
+
+# -- read_unwritten_kv: a table that opens with more computed tokens than its hits and loads wrote -------------------
+def reopened(computed: int, hit_blocks: int = 0, loaded: int = 0, preempted: bool = True) -> Trace:
+    """a (48-token prompt) runs, decodes a token, is preempted (its blocks freed), and its table opens again with
+    `computed` tokens counted as already in its KV (the resumption's blocks_alloc detail, as the hooks record it):
+    re-hits lead the new table. Without the preemption, b is admitted the same way on a fresh table."""
+    e = Engine(builder())
+    e.add("a", n=48)
+    e.step({"a": 48}, alloc={"a": [1, 2, 3, 4]})
+    e.output()
+    e.step({"a": 1})
+    e.output()
+    req = "a"
+    if preempted:
+        e.step({}, preempt={"a": [1, 2, 3, 4]})
+    else:
+        req = "b"
+        e.add("b", n=48)
+        e.step({})
+    e.output()
+    table = [1, 2, 3][:hit_blocks] + [9, 10, 11, 12][:4 - hit_blocks]
+    detail = {k: v for k, v in (("hit", hit_blocks), ("computed", computed), ("loaded", loaded)) if v}
+    k = e.next_step
+    e.ev("blocks_alloc", step=k, req=req, blocks=table, detail=detail or None)
+    e.held.setdefault(req, []).extend(table)
+    e.step({req: 49 - computed})
+    e.output()
+    e.finish(req)
+    if req == "b":
+        e.finish("a")
+    return e.b.trace()
+
+
+def test_a_resumption_that_keeps_its_computed_count_reads_unwritten_kv() -> None:
+    """vLLM 0.33's `_preempt_request` without `num_computed_tokens = 0` (mutant preempt-keeps-computed): the
+    resumed request is scheduled one token on fresh blocks that hold nothing."""
+    f = lifecycle_findings(reopened(48))
+    row = f[f.subrule == "read_unwritten_kv"]
+    assert [(r.severity, r.req) for r in row.itertuples()] == [("warning", "a")]
+    extra = row.iloc[0].extra
+    assert (extra["computed"], extra["written"], extra["hit"], extra["resumed"]) == (48, 0, 0, True)
+
+
+@pytest.mark.parametrize("computed,hit_blocks,loaded,preempted", [
+    (48, 3, 0, True),    # a healthy resumption on its own re-hits (48 tokens in 3 hit blocks)
+    (32, 3, 0, True),    # re-hits cover more than vLLM counts (it recomputes a hit's last token)
+    (0, 0, 0, True),     # a healthy resumption without hits recomputes everything
+    (48, 0, 48, False),  # a connector's synchronous load wrote the 48 tokens into the fresh table
+    (48, 1, 32, False),  # a local hit plus a synchronous load
+], ids=["rehits", "rehits_partial", "recompute", "sync_load", "hit_and_load"])
+def test_a_table_opening_on_written_kv_is_silent(computed: int, hit_blocks: int, loaded: int,
+                                                 preempted: bool) -> None:
+    assert "read_unwritten_kv" not in [s for s, _, _ in subrules(reopened(computed, hit_blocks, loaded, preempted))]
+
+
+def test_an_admission_counting_tokens_no_hit_or_load_wrote_reads_unwritten_kv() -> None:
+    """A new request whose computed count runs past its hits and the connector's load (a connector's computed-token
+    accounting gone wrong): the same invariant on an admission."""
+    assert ("read_unwritten_kv", "warning", "b") in subrules(reopened(48, 1, 16, preempted=False))
+
+
+# -- recv_into_shared: a load's destination outside the blocks its request waits with ------------------------------
+def remote_read_on_a_hit(destination: list[int] | None, deferred: bool = False) -> Trace:
+    """a's prompt leaves blocks 1-3 hashed; d hits them (hit 3), allocates 35-37 for the 3 external blocks and
+    waits with them; the connector's read destination (`kv_recv_dest`) is `destination` (None: not recorded),
+    right after the wait or (deferred) a step later."""
+    e = Engine(builder(), role="decode")
+    e.add("a", n=48)
+    e.step({"a": 48}, alloc={"a": [1, 2, 3]})
+    e.output()
+    e.finish("a", pool_blocks=[1, 2, 3])
+    e.add("d", n=96, remote_prefill=True)
+    k = e.next_step
+    e.next_step += 1
+    e.ev("blocks_alloc", step=k, req="d", blocks=[1, 2, 3, 35, 36, 37], detail={"hit": 3, "external": 3})
+    e.ev("req_wait_kv", step=k, req="d", blocks=[35, 36, 37], n=48)
+    e.held.setdefault("d", []).extend([1, 2, 3, 35, 36, 37])
+    e.ev("sched", step=k, n=0, detail={"running": 0, "waiting": 1, "waiting_kv": 1, "free_blocks": 30})
+    e.ev("step_submit", step=k, n=1)
+    e.in_flight.append(k)
+    if destination is not None and not deferred:
+        e.ev("kv_recv_dest", step=k, req="d", blocks=destination, n=48)
+    e.output()
+    if destination is not None and deferred:
+        e.ev("kv_recv_dest", step=k, req="d", blocks=destination, n=48)
+    e.step({})
+    e.output()
+    e.recv_done("d")
+    e.step({"d": 1})
+    e.output()
+    e.finish("d")
+    return e.b.trace()
+
+
+def test_a_read_into_the_requests_prefix_hits_writes_shared_blocks() -> None:
+    """NIXL's `update_state_after_alloc` with `get_block_ids()` instead of the unhashed ids (mutant
+    nixl-all-blocks): the read also writes d's local prefix-hit blocks 1-3, hashed and shared."""
+    f = lifecycle_findings(remote_read_on_a_hit([1, 2, 3, 35, 36, 37]))
+    row = f[f.subrule == "recv_into_shared"]
+    assert [(r.severity, r.req, list(r.blocks)) for r in row.itertuples()] == [("warning", "d", [1, 2, 3])]
+    assert row.iloc[0].extra["waiting_blocks"] == [35, 36, 37]
+
+
+def test_a_read_into_blocks_the_request_does_not_hold_is_reported() -> None:
+    assert ("recv_into_shared", "warning", "d") in subrules(remote_read_on_a_hit([35, 36, 99]))
+    assert ("recv_into_shared", "warning", "d") in subrules(remote_read_on_a_hit([1, 2, 3, 35, 36, 37],
+                                                                                 deferred=True))
+
+
+@pytest.mark.parametrize("destination,deferred", [([35, 36, 37], False), ([35, 36, 37], True), ([36, 37], False),
+                                                  (None, False)],
+                         ids=["fresh_blocks", "deferred_load", "sliding_window_clip", "not_recorded"])
+def test_a_read_into_the_blocks_it_waits_with_is_silent(destination: list[int] | None, deferred: bool) -> None:
+    """A prefix hit plus a remote read done right (the hit's blocks stay out of the destination), recorded with the
+    wait or a step later (0.33's deferred loads), or clipped to a sliding window's tail: nothing to report."""
+    assert subrules(remote_read_on_a_hit(destination, deferred)) == []

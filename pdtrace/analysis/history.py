@@ -56,7 +56,7 @@ _BIG = np.iinfo(np.int64).max
 #: kinds whose `blocks` allocate them to the row's request (a block first seen in one of these is not pre-window)
 _ALLOC_KINDS = ("blocks_alloc", "req_wait_kv")
 #: kinds whose `blocks` are this scheduler's pool (remote_read's are the peer's)
-_BLOCK_KINDS = ("blocks_alloc", "req_wait_kv", "blocks_free", "blocks_pool_free", "kv_recv_fail")
+_BLOCK_KINDS = ("blocks_alloc", "req_wait_kv", "blocks_free", "blocks_pool_free", "kv_recv_fail", "kv_recv_dest")
 
 REQUEST, BLOCKS, STEP = HISTORY_KINDS
 #: the completions whose recorded `status` proves a finding of a subrule in `Rule.status_proves`

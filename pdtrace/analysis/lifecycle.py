@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pdtrace.analysis.blocks import pool_block_key, ownership
 from pdtrace.analysis.columns import columns, last_before, last_per_key, next_at_or_after, order_by_key
@@ -52,7 +54,7 @@ from pdtrace.analysis.rulekit import engine_configs, expected_ranks, gaps
 #: kinds the model replays (the others change no KV state)
 MODEL_KINDS = ("req_add", "req_wait_kv", "req_preempt", "req_finish", "blocks_alloc", "blocks_free",
                "blocks_pool_free", "kv_send_done", "kv_recv_done", "kv_recv_fail", "kv_expire", "kv_send_rank",
-               "kv_recv_rank", "engine_error")
+               "kv_recv_rank", "engine_error", "kv_recv_dest")
 
 WAITING, WAITING_KV, RUNNING, PREEMPTED, FINISHED = ("WAITING", "WAITING_FOR_REMOTE_KVS", "RUNNING", "PREEMPTED",
                                                     "FINISHED")
@@ -88,6 +90,18 @@ INVARIANTS: dict[str, tuple[str, str]] = {
     "tokens_over_capacity": ("warning", "a request scheduled past the slots its block table holds: its computed "
                                       "tokens (scheduled, loaded from a peer, prefix hits) exceed its blocks x "
                                       "block_size (`allocate_slots` allocates every slot a step computes)"),
+    "read_unwritten_kv": ("warning", "a step reads KV nothing wrote: the request's table opens (its admission, or "
+                                     "its resumption after a preemption, which freed its blocks) with more computed "
+                                     "tokens (`num_computed_tokens`, where its scheduled tokens start) than its "
+                                     "prefix-cache hits and a connector's load put in its blocks (vLLM's "
+                                     "`_preempt_request` resets the count to 0, an admission sets it to local hit "
+                                     "+ external tokens; no assert checks it: the step attends to garbage)"),
+    "recv_into_shared": ("warning", "a KV load writes blocks its request does not hold as its own fresh blocks: "
+                                    "its destination (the connector's, e.g. NIXL's `_reqs_need_recv`) lies outside "
+                                    "the blocks the request waits with (`req_wait_kv`: allocated past its prefix-"
+                                    "cache hits), so the read overwrites hashed, shared prefix blocks other "
+                                    "requests read, or blocks it does not own (NIXL's `update_state_after_alloc` "
+                                    "takes `get_unhashed_block_ids`; no assert checks it)"),
     "pool_free_while_owned": ("warning", "a block back in the free queue while a request still owns it "
                                          "(`BlockPool.free_blocks` queues a block only at ref_cnt 0)"),
     "free_not_owned": ("error", "a request gives up a block it does not own (`BlockPool.free_blocks` takes one "
@@ -407,6 +421,18 @@ def _replay(ctx: Any) -> LifecycleModel:
                 req.send_pending = False
                 req.note(row)
             continue
+        if kind == "kv_recv_dest":
+            req = requests.get(rk)
+            if req is not None and req.recv_open and not req.adopted:
+                waited = set(req.filling)
+                dest = ids[b_start[i]:b_end[i]]
+                stray = [b for b in dest if b not in waited]
+                if stray:
+                    violation("recv_into_shared", i, sk, rk, req, stray, destination=dest,
+                              waiting_blocks=list(req.filling))
+            if req is not None:
+                req.note(row)
+            continue
         if kind == "kv_send_rank" or kind == "kv_recv_rank":
             req = requests.get(rk)
             if req is None:
@@ -434,6 +460,7 @@ def _replay(ctx: Any) -> LifecycleModel:
     _block_violations(ctx, cols, requests, windowed, out)
     _blocks_listed_twice(cols, requests, out)
     _tokens_over_capacity(ctx, cols, requests, windowed, out)
+    _reads_of_unwritten_kv(ctx, cols, requests, out)
     if not windowed:  # a window's first owners may lie before it: who is last, and what was held, is unknown
         _frees_not_returned(ctx, cols, requests, out)
         _preemptions_that_kept_blocks(ctx, cols, requests, out)
@@ -736,6 +763,40 @@ def _tokens_over_capacity(ctx: Any, cols: Any, requests: dict[int, RequestModel]
     for i in first.tolist():
         _violation_at(out, "tokens_over_capacity", cols, int(rows[i]), int(rk[i]), [], requests,
                       {"tokens": int(comp_cum[i]), "slots": int(slot_cum[i]), "block_size": int(block[i])})
+
+
+def _reads_of_unwritten_kv(ctx: Any, cols: Any, requests: dict[int, RequestModel], out: list[Violation]) -> None:
+    """`read_unwritten_kv`: each `blocks_alloc` that opens a request's table carries (where the recorder writes it)
+    `computed`, the request's num_computed_tokens when the step starts, beside `hit` (leading prefix-cache hits)
+    and `loaded` (external tokens a connector loads into it). The KV of the computed tokens must be in the table:
+    computed <= hit x block_size + loaded. Only the rows whose detail holds `computed` are parsed (found with one
+    substring match over the detail strings); schedulers without a block size (no engine_config) are not judged.
+    The row holds every fact judged, so a window changes nothing."""
+    sizes = {sk: int(cfg["block_size"]) for sk, cfg in engine_configs(ctx).items() if cfg.get("block_size")}
+    if not sizes:
+        return
+    alloc = cols.req_rows("blocks_alloc")
+    if not len(alloc):
+        return
+    details = cols.table.column("detail").take(pa.array(alloc))
+    marked = np.asarray(pc.fill_null(pc.match_substring(details, '"computed"'), False), bool)
+    rows = alloc[marked]
+    for row, detail in zip(rows.tolist(), cols.details(rows)):
+        size = sizes.get(int(cols.sk[row]))
+        computed = _int_value(detail.get("computed"))
+        if size is None or computed is None:
+            continue
+        hit = _int_value(detail.get("hit")) or 0
+        loaded = _int_value(detail.get("loaded")) or 0
+        written = hit * size + loaded
+        if computed > written:
+            rk = int(cols.rk[row])
+            req = requests.get(rk)
+            pre = cols.req_rows("req_preempt")
+            resumed = bool(np.any((cols.rk[pre] == rk) & (cols.pos[pre] < cols.pos[row])))
+            _violation_at(out, "read_unwritten_kv", cols, row, rk, [], requests,
+                          {"computed": computed, "written": written, "hit": hit, "loaded": loaded,
+                           "block_size": size, "resumed": resumed})
 
 
 def _prefill_candidate_rows(cols: Any, bs: np.ndarray) -> np.ndarray:

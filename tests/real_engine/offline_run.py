@@ -2,7 +2,8 @@
 
 The tier records it with `pdtrace record -o DIR -- python offline_run.py SPEC.json`. SPEC keys: model (a local
 directory holding only config.json), requests, prompt_len, max_tokens, pp, kv_blocks (num_gpu_blocks_override, or
-null for the 1 GiB cache VLLM_CPU_KVCACHE_SPACE gives), max_num_seqs, out (a JSON file the script writes: one
+null for the 1 GiB cache VLLM_CPU_KVCACHE_SPACE gives), max_num_seqs, shared_prefix (tokens every prompt begins
+with), out (a JSON file the script writes: one
 record per finished request, its id and tokens out). Weights are random (load_format="dummy"), there is no
 tokenizer (token-id prompts), nothing is downloaded.
 """
@@ -46,7 +47,10 @@ def main(spec_path: str) -> None:
         kwargs.update(block_size=spec["block_size"])
     llm = LLM(**kwargs)
     n, plen = spec["requests"], spec["prompt_len"]
-    prompts = [TokensPrompt(prompt_token_ids=[100 + (7 * i + j) % 30000 for j in range(plen)]) for i in range(n)]
+    # `shared_prefix` tokens common to every prompt (prefix-cache hits), the rest distinct per request
+    shared = [50 + j for j in range(spec.get("shared_prefix", 0))]
+    prompts = [TokensPrompt(prompt_token_ids=shared + [100 + (7 * i + j) % 30000 for j in range(plen - len(shared))])
+               for i in range(n)]
     params = SamplingParams(max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False, temperature=0.0)
     if spec.get("kill_worker_after_s") is not None:
         _kill_a_worker_later(float(spec["kill_worker_after_s"]))

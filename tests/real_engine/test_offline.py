@@ -285,3 +285,31 @@ def test_replay_on_the_recording_release_makes_the_recorded_decisions(run):
     (side,) = doc["sides"]
     assert side["recorded"] > 20, side  # the run's non-empty steps, not an empty comparison
     assert side["share"] >= 0.95, side
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A small pool (16 blocks of 32 tokens) and prompts sharing their first 64 tokens: prefix-cache hits at
+    admission, preemptions, and resumptions on their own re-hits (the tables that open with computed tokens)."""
+    root = tmp_path_factory.mktemp("offline_shared")
+    spec = {"model": R.tiny_model(root), "requests": 12, "prompt_len": 96, "max_tokens": 32, "pp": 1,
+            "shared_prefix": 64, "kv_blocks": 16, "block_size": 32, "max_model_len": 256, "max_num_seqs": 8}
+    run = R.record_offline(root / "trace", spec, R.engine_env())
+    R.note_wall("offline shared prefix", run)
+    assert run.returncode == 0, run.log[-4000:]
+    return run
+
+
+def test_a_table_opens_with_its_hits_and_computed_tokens(shared):
+    """Every allocation that opens a table with computed tokens (`blocks_alloc` detail `computed`: admissions on a
+    prefix hit, resumptions on their re-hits) holds them in its hits (block_size 32); the healthy run has no
+    warning or error finding, `lifecycle/read_unwritten_kv` included."""
+    ev = R.events(shared.trace)
+    alloc = ev[ev["kind"] == "blocks_alloc"]
+    details = [json.loads(d) for d in alloc["detail"].dropna()]
+    opened = [d for d in details if "computed" in d]
+    assert opened, "no table opened with computed tokens"
+    assert all(d["computed"] <= d.get("hit", 0) * 32 + d.get("loaded", 0) for d in opened), opened
+    assert sum(d.get("hit", 0) >= 2 for d in opened) >= 6, opened  # the 64 shared tokens: two blocks
+    assert_every_request_served(shared.trace, 12)
+    assert_healthy_findings(shared.trace)

@@ -183,6 +183,11 @@ def test_decode_side_receives_then_decodes(pair):
     sched = ev[ev["kind"] == "req_sched"].groupby("req")["ts_ns"].min()
     recv = ev[ev["kind"] == "kv_recv_done"].groupby("req")["ts_ns"].min()
     assert (sched >= recv.reindex(sched.index)).all(), "no request decodes before its KV arrived"
+    # every read's destination, as NIXL decided it (`kv_recv_dest`), is the blocks its request waits with
+    dest = ev[ev["kind"] == "kv_recv_dest"]
+    assert set(dest["req"].astype(str)) == added
+    waits = {str(r.req): list(r.blocks) for r in ev[ev["kind"] == "req_wait_kv"].itertuples()}
+    assert all(list(r.blocks) == waits[str(r.req)] for r in dest.itertuples()), dest[["req", "blocks"]]
 
 
 def test_a_decode_request_story_reaches_its_prefill_side(pair):

@@ -121,9 +121,11 @@ def test_decode_side_lifecycle(recording, model_dir):
     assert {(e["instance"], e["dp_rank"]) for e in events} == {("decode-0", 1)}
     d1 = [e for e in events if e["req"] == "d1"]
     assert [(e["kind"], e["step"]) for e in d1] == [
-        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("kv_recv_done", 1), ("req_sched", 2),
-        ("req_sched", 3), ("req_finish", 3), ("blocks_free", 3), ("blocks_pool_free", 3)]
-    add, alloc, wait, recv, _, _, finish, free, pool = d1
+        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("kv_recv_dest", 0), ("kv_recv_done", 1),
+        ("req_sched", 2), ("req_sched", 3), ("req_finish", 3), ("blocks_free", 3), ("blocks_pool_free", 3)]
+    add, alloc, wait, dest, recv, _, _, finish, free, pool = d1
+    # the read's destination as NIXL decided it (`_reqs_need_recv`): the blocks d1 waits with
+    assert dest["blocks"] == [1, 2, 3]
     assert add["detail"] == {"remote_prefill": True, "remote_decode": False, "remote_instance": "prefill-0",
                              "remote_req": "p7", "remote_blocks": [11, 12, 13]}
     assert alloc["blocks"] == [1, 2, 3] and alloc["detail"] == {"hit": 0, "external": 3}
@@ -162,6 +164,13 @@ def test_preemption_and_resumption(recording, model_dir):
     assert resumed, "the preempted request never ran again"
     realloc = [e for e in H.of_kind(events, "blocks_alloc", req=victim) if e["step"] > step]
     assert realloc[0]["step"] == resumed[0]["step"]
+    # The resumption's allocation opens a new table: its re-hits lead it (`hit`, before pdtrace 0.1's fix never
+    # recorded on a resumption through the cached requests), and the tokens it counts as computed are in them.
+    detail = realloc[0]["detail"] or {}
+    hit, computed = detail.get("hit", 0), detail.get("computed", 0)
+    assert computed <= hit * H.BLOCK_SIZE
+    assert realloc[0]["blocks"][:hit] == held[:hit]
+    assert resumed[0]["n"] >= 48 - computed           # it computes what its re-hits do not hold
     finish = H.of_kind(events, "req_finish", req=victim)
     assert len(finish) == 1 and finish[0]["step"] > resumed[0]["step"]
     assert frees[-1]["reason"] == "finished"
@@ -252,10 +261,10 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
         assert H.num_free_blocks(s) == 99
         d1 = [e for e in H.close_and_read(recording) if e["req"] == "d1"]
         assert [(e["kind"], e["step"]) for e in d1] == [
-            ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("req_finish", None),
+            ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("kv_recv_dest", 0), ("req_finish", None),
             ("blocks_free", None), ("blocks_pool_free", None)]
-        assert (d1[3]["reason"], d1[3]["status"], d1[3]["delay_free"]) == ("abort", "FINISHED_ABORTED", False)
-        assert (d1[4]["reason"], d1[4]["blocks"]) == ("aborted", [1, 2, 3])
+        assert (d1[4]["reason"], d1[4]["status"], d1[4]["delay_free"]) == ("abort", "FINISHED_ABORTED", False)
+        assert (d1[5]["reason"], d1[5]["blocks"]) == ("aborted", [1, 2, 3])
         return
     assert H.num_free_blocks(s) == 96                  # vLLM keeps them: the NIXL read may still be writing
     H.step(s, faker, finished_recving={"d1"})          # step 1: the read completes, now they are freed
@@ -263,9 +272,9 @@ def test_abort_while_receiving_keeps_blocks_until_the_receive_completes(recordin
 
     d1 = [e for e in H.close_and_read(recording) if e["req"] == "d1"]
     assert [(e["kind"], e["step"]) for e in d1] == [
-        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("req_finish", None), ("kv_recv_done", 1),
-        ("blocks_free", 1), ("blocks_pool_free", 1)]
-    finish, recv, free = d1[3], d1[4], d1[5]
+        ("req_add", None), ("blocks_alloc", 0), ("req_wait_kv", 0), ("kv_recv_dest", 0), ("req_finish", None),
+        ("kv_recv_done", 1), ("blocks_free", 1), ("blocks_pool_free", 1)]
+    finish, recv, free = d1[4], d1[5], d1[6]
     assert (finish["reason"], finish["status"], finish["delay_free"]) == ("abort", "FINISHED_ABORTED", True)
     assert recv["status"] == "FINISHED_ABORTED"
     assert (free["reason"], free["blocks"]) == ("received", [1, 2, 3])
@@ -343,3 +352,35 @@ def test_failed_receive(recording, model_dir, policy):
         finish = H.of_kind(events, "req_finish", req="d1")
         assert [(e["step"], e["reason"], e["status"]) for e in finish] == [(1, "error", "FINISHED_ERROR")]
         assert [e["blocks"] for e in free] == [[1, 2, 3]] and H.num_free_blocks(s) == 99
+
+
+def test_remote_read_after_a_local_prefix_hit_writes_only_the_fresh_blocks(recording, model_dir):
+    """D has a's 64-token prompt cached locally; d1 shares it and reads the rest from P: its table opens with the
+    hit blocks, its wait and the read's destination (`kv_recv_dest`, NIXL's `_reqs_need_recv`) list only the blocks
+    past the hit, which the hooks record, and the lifecycle model finds nothing."""
+    from pdtrace import open_trace
+    from pdtrace.analysis import analyze
+
+    s = H.make_scheduler(H.make_vllm_config(model_dir, kv_role="kv_consumer", engine_id="decode-0"))
+    faker = H.OutputFaker()
+    prompt = list(range(100, 164))                    # 4 full blocks
+    s.add_request(H.make_request("a", 64, max_tokens=2, prompt=prompt))
+    H.step(s, faker)
+    H.step(s, faker)                                   # a finishes; its hashed blocks stay revivable
+    s.add_request(H.make_request("d1", 112, remote_prefill=True, prompt=prompt + list(range(500, 548)),
+                                 max_tokens=2))
+    H.step(s, faker)                                   # d1: local hit, then waits for the rest
+    H.step(s, faker, finished_recving={"d1"})
+    for _ in range(4):
+        H.step(s, faker)
+
+    events = H.close_and_read(recording)
+    alloc = H.of_kind(events, "blocks_alloc", req="d1")[0]
+    wait = H.of_kind(events, "req_wait_kv", req="d1")
+    dest = H.of_kind(events, "kv_recv_dest", req="d1")
+    hit = alloc["detail"]["hit"]
+    assert hit >= 3 and alloc["blocks"][:hit] == H.of_kind(events, "blocks_alloc", req="a")[0]["blocks"][:hit]
+    assert len(wait) == 1 and len(dest) == 1
+    assert dest[0]["blocks"] == wait[0]["blocks"] == alloc["blocks"][hit:]
+    found = analyze(open_trace(recording), rules=["lifecycle"])
+    assert found.empty, found[["subrule", "req", "message"]].to_string()

@@ -175,7 +175,7 @@ class SchedulerState:
     __slots__ = (
         "sched", "rec", "ch", "eng", "next_step", "cur_step", "tables", "tbl0", "free_reason",
         "xfer_sending", "abort_delay", "waiting_kv", "wait_ns", "engine_attached", "known", "hits", "now",
-        "run_head", "run_k", "held", "admitting",
+        "run_head", "run_k", "held", "admitting", "loaded", "recv_dest",
     )
 
     def __init__(self, scheduler: Any, instance: str, role: str, dp_rank: int | None) -> None:
@@ -211,6 +211,12 @@ class SchedulerState:
         self.held: Any = None
         #: Requests whose admission was tried in this schedule() (0.10 / 0.11 tables: where a KV receive starts).
         self.admitting: list[Any] = []
+        #: External tokens a connector reported for a request's admission (`update_state_after_alloc`), until its
+        #: table-opening blocks_alloc records them (detail `loaded`); only non-zero counts are kept.
+        self.loaded: dict[str, int] = {}
+        #: A KV read's destination blocks as the connector decided them, until the request's req_wait_kv is
+        #: recorded (then kv_recv_dest follows it).
+        self.recv_dest: dict[str, list[int]] = {}
 
 
 class WorkerState:

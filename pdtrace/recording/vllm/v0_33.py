@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from itertools import compress
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any
 
 from pdtrace.recording import session
@@ -132,6 +132,9 @@ def _new_sched_state(sched: Any) -> SchedulerState:
         attach_state(kvm.coordinator, st)  # only then does the remove_skipped_blocks hook look
     _trimming_hook_needed(kvm.coordinator, trims)
     attach_state(sched, st, owner=True)
+    connector = getattr(sched, "connector", None)
+    if connector is not None:
+        _watch_connector(st, connector)
     # The queue of waiting requests held aside, counted with `waiting`: kv_holding_waiting (0.31+), skipped_waiting
     # (0.28-0.30, grammar and streaming waits too), none before (0.10 / 0.11 keep one waiting queue).
     held = getattr(sched, "kv_holding_waiting", None)
@@ -157,6 +160,60 @@ def _new_sched_state(sched: Any) -> SchedulerState:
         },
     )
     return st
+
+
+def _watch_connector(st: SchedulerState, connector: Any) -> None:
+    """Wrap the scheduler's KV connector *instance*'s `update_state_after_alloc(request, blocks, external)`: vLLM
+    calls it once per admission (not per running request), with the external tokens the connector will load, right
+    after `allocate_slots` (0.33: later, from `_drain_deferred_loads`, for a deferred asynchronous load). That is
+    where a connector decides a read's destination: NIXL (and connectors built like it) keep it in their scheduler
+    side's `_reqs_need_recv[req_id] = (request, local_block_ids, ...)`. The instance, not a class: every release and
+    connector (NIXL's module moved, MultiConnector wraps others) calls it through `Scheduler.connector`. A mock
+    connector (vLLM's tests) is left alone: its calls are what those tests assert."""
+    if type(connector).__module__.startswith("unittest.mock"):
+        return
+    orig = getattr(connector, "update_state_after_alloc", None)
+    if orig is None or getattr(orig, "_pdtrace_wrapped", False):
+        return
+    sides = [c for c in (connector, *getattr(connector, "_connectors", ()))
+             if getattr(c, "connector_scheduler", None) is not None]
+
+    def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: Any, *args: Any,
+                                 **kwargs: Any) -> Any:
+        out = orig(request, blocks, num_external_tokens, *args, **kwargs)
+        if _RT.active:
+            try:
+                _after_connector_alloc(st, sides, request.request_id, num_external_tokens)
+            except Exception as exc:
+                _RT.fail("update_state_after_alloc", exc)
+        return out
+
+    update_state_after_alloc._pdtrace_wrapped = True  # type: ignore[attr-defined]
+    connector.update_state_after_alloc = update_state_after_alloc
+
+
+def _after_connector_alloc(st: SchedulerState, sides: list[Any], req_id: str, external: Any) -> None:
+    """Note the admission's external tokens (for its blocks_alloc's `loaded`), and the read's destination blocks
+    where a connector side decided them: kv_recv_dest now when the request's req_wait_kv is already recorded (a
+    deferred load), else right after it (`_record_growth`)."""
+    if external:
+        st.loaded[req_id] = int(external)
+    for side in sides:
+        table = getattr(side.connector_scheduler, "_reqs_need_recv", None)
+        entry = table.get(req_id) if isinstance(table, dict) else None
+        if not entry or len(entry) < 2:
+            continue
+        ids = entry[1]
+        if ids and isinstance(ids[0], (list, tuple)):  # one list per KV cache group
+            ids = [b for group in ids for b in group]
+        ids = [int(b) for b in ids if b]  # the null block is no destination
+        if not ids:
+            continue  # a full local hit: nothing is read
+        if req_id in st.waiting_kv:
+            st.ch.emit("kv_recv_dest", step=st.cur_step, req=req_id, blocks=ids, n=int(external or 0))
+        else:
+            st.recv_dest[req_id] = ids
+        return
 
 
 def _table_blocks(st: SchedulerState, req_id: str) -> list[Any]:
@@ -199,30 +256,57 @@ def _growth(st: SchedulerState, req_id: str) -> list[int] | None:
     return ids
 
 
-def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None) -> None:
-    """blocks_alloc for the table's growth (detail `hit` for an admission with a local prefix hit); with
-    `wait_kv_request`, also req_wait_kv (blocks past the hit, n = external tokens)."""
+def _opening_detail(st: SchedulerState, req_id: str, hit: int, computed: Any) -> dict[str, int] | None:
+    """The detail of a blocks_alloc that opens a request's table (its admission, or its resumption after a
+    preemption): `hit` (leading prefix-cache hits), `computed` (the request's num_computed_tokens when the step
+    starts: the tokens the step reads as already in its KV) and `loaded` (external tokens a connector reported for
+    this admission), each only where non-zero (a new request without hits gets no detail, as before)."""
+    detail: dict[str, int] = {}
+    if hit:
+        detail["hit"] = hit
+    if computed:
+        detail["computed"] = int(computed)
+    loaded = st.loaded.pop(req_id, 0) if st.loaded else 0
+    if loaded:
+        detail["loaded"] = loaded
+    return detail or None
+
+
+def _record_growth(st: SchedulerState, req_id: str, wait_kv_request: Any = None, computed: Any = None) -> None:
+    """blocks_alloc for the table's growth (detail `hit` for an admission with a local prefix hit; `computed` and
+    `loaded` where it opens the table, `computed` given); with `wait_kv_request`, also req_wait_kv (blocks past the
+    hit, n = external tokens), then kv_recv_dest where the connector already decided the read's destination."""
+    previous = st.known.get(req_id)
+    opening = not previous or (isinstance(previous, tuple) and not any(previous))
     ids = _growth(st, req_id) or []
     hit_info = st.hits.pop(req_id, None)
     hit = min(hit_info[0], len(ids)) if hit_info else 0
     if wait_kv_request is None:
         if ids:
             st.ch.emit("blocks_alloc", step=st.cur_step, req=req_id, blocks=ids,
-                       detail={"hit": hit} if hit else None)
+                       detail=_opening_detail(st, req_id, hit, computed) if opening and computed is not None
+                       else {"hit": hit} if hit else None)
         return
     if ids:
         st.ch.emit("blocks_alloc", step=st.cur_step, req=req_id, blocks=ids,
                    detail={"hit": hit, "external": len(ids) - hit})
+    if st.loaded:
+        st.loaded.pop(req_id, None)  # an asynchronous load: req_wait_kv's n says it
     local_tokens = hit_info[1] if hit_info else 0
     st.waiting_kv.add(req_id)
     computed = wait_kv_request.num_computed_tokens  # 0 in 0.10 / 0.11: set when the read completes (n null)
     st.ch.emit("req_wait_kv", step=st.cur_step, req=req_id, blocks=ids[hit:],
                n=max(0, computed - local_tokens) if computed else None)
+    dest = st.recv_dest.pop(req_id, None) if st.recv_dest else None
+    if dest is not None:
+        st.ch.emit("kv_recv_dest", step=st.cur_step, req=req_id, blocks=dest, n=computed - local_tokens
+                   if computed else None)
 
 
 def _record_step_growth(st: SchedulerState, so: Any) -> None:
     """blocks_alloc for one step, single KV cache group: from the block ids vLLM put in the SchedulerOutput (a new
-    or resumed request's whole table, a running one's appended blocks), minus what was already recorded."""
+    or resumed request's whole table, a running one's appended blocks), minus what was already recorded. A table
+    that opens here (admission, resumption) gets `hit`, `computed` and `loaded` (`_opening_detail`)."""
     known = st.known
     hits = st.hits
     ch = st.ch
@@ -238,20 +322,31 @@ def _record_step_growth(st: SchedulerState, so: Any) -> None:
         hit_info = hits.pop(req_id, None) if hits else None
         if ids:
             hit = min(hit_info[0], len(ids)) if hit_info and not k else 0
-            ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None, {"hit": hit} if hit else None)
+            ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None,
+                    None if k else _opening_detail(st, req_id, hit, getattr(new_req, "num_computed_tokens", None)))
     cached = so.scheduled_cached_reqs
     grew = cached.new_block_ids
     if any(grew):
         resumed = _resumed_ids(cached)
         # Only the requests that grew (compress in C: a step's few growths among dozens of running requests).
-        for req_id, grown in compress(zip(cached.req_ids, grew), grew):
+        counts = getattr(cached, "num_computed_tokens", None) or repeat(None)
+        for (req_id, grown), computed in compress(zip(zip(cached.req_ids, grew), counts), grew):
             ids = grown[0]
             k = known.get(req_id, 0)
             if req_id in resumed:  # the whole table again
                 known[req_id] = len(ids)
                 ids = ids[k:]
-            else:
-                known[req_id] = k + len(ids)
+                if 0 in ids:
+                    ids = [b for b in ids if b]
+                # A resumption looks its prefix up again (`_get_local_prefix_cache_hit`, num_computed_tokens 0):
+                # its re-hits lead its new table, as an admission's do.
+                hit_info = hits.pop(req_id, None) if hits else None
+                if ids:
+                    hit = min(hit_info[0], len(ids)) if hit_info and not k else 0
+                    ch.emit("blocks_alloc", step, req_id, ids, None, None, None, None, None,
+                            None if k else _opening_detail(st, req_id, hit, computed))
+                continue
+            known[req_id] = k + len(ids)
             if 0 in ids:
                 ids = [b for b in ids if b]
             if ids:
@@ -334,12 +429,15 @@ def _w_schedule(orig: Any) -> Any:
                     _record_step_growth(st, so)
                 else:
                     for new_req in so.scheduled_new_reqs:
-                        _record_growth(st, new_req.req_id)
+                        _record_growth(st, new_req.req_id, computed=getattr(new_req, "num_computed_tokens", None))
                     cached = so.scheduled_cached_reqs
                     if any(cached.new_block_ids):
-                        for req_id, grown in zip(cached.req_ids, cached.new_block_ids):
+                        resumed = _resumed_ids(cached)
+                        for req_id, grown, computed in zip(cached.req_ids, cached.new_block_ids,
+                                                           getattr(cached, "num_computed_tokens", None)
+                                                           or repeat(None)):
                             if grown is not None:
-                                _record_growth(st, req_id)
+                                _record_growth(st, req_id, computed=computed if req_id in resumed else None)
                 st.ch.emit("sched", step, None, None, so.total_num_scheduled_tokens, None, None, None, None, {
                     "running": len(self.running),
                     "waiting": len(self.waiting) + (len(st.held) if st.held is not None else 0),
@@ -506,6 +604,10 @@ def _connector_finished_after(ctx: Any, self: Any, out: Any, request: Any) -> No
     req_id = request.request_id
     st.waiting_kv.discard(req_id)
     st.hits.pop(req_id, None)
+    if st.loaded:
+        st.loaded.pop(req_id, None)
+    if st.recv_dest:
+        st.recv_dest.pop(req_id, None)
     delay = bool(out[0])
     if st.abort_delay:
         delay = st.abort_delay.pop(req_id, False) or delay
