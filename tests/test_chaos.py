@@ -51,6 +51,24 @@ def test_the_same_seed_draws_the_same_trials():
         assert trial["drain_timeout_ms"] >= 2000 and trial["end_hold_s"] >= 600
 
 
+def test_the_chunk_cap_is_drawn_on_async_trials_only_and_leaves_the_campaigns_draws_as_they_were():
+    """The chunk cap (vLLM #50297's shape) comes from each trial's own seed: seed 0's trials draw the same seeds
+    as before it existed (the numbers below are main's before this change), and only async trials get a cap."""
+    rng = random.Random(0)
+    trials = [draw_trial(rng, w) for w in ("pd", "pp", "single") * 4]
+    assert [t.seed for t in trials] == [2046968324, 878225224, 1924014660, 872745308, 559309739, 1534881946,
+                                        1597986360, 514088150, 1680518472, 1076693935, 1077747587, 568414356]
+    many = [draw_trial(rng, "pd") for _ in range(300)]
+    assert all(t.long_prefill_token_threshold == 0 for t in many + trials if not t.async_scheduling)
+    capped = [t for t in many if t.long_prefill_token_threshold]
+    assert capped and all(t.async_scheduling for t in capped)  # the twin: the cap is drawn
+    assert {t.long_prefill_token_threshold for t in capped} <= {16, 32, 64}
+    for t in capped[:3]:
+        DryRunConfig(**t.to_dict()).validate()
+    with pytest.raises(UsageError, match="long-prefill-token-threshold"):
+        DryRunConfig(long_prefill_token_threshold=-1).validate()
+
+
 def test_a_schedule_is_faulty_if_one_perturbation_is():
     assert label_of([{"kind": "abort", "req": 0}, {"kind": "slow_read", "req": 1}]) == LEGAL
     assert label_of([{"kind": "abort", "req": 0}, {"kind": "dup_report", "req": 1}]) == FAULTY
