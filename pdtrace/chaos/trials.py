@@ -47,7 +47,7 @@ def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryR
         seed=rng.randrange(1 << 31), end_hold_s=END_HOLD_S, drain_timeout_ms=DRAIN_MS)
     config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4))
     if config.async_scheduling:
-        # Half the async trials cap a prefill's chunk (vLLM's long_prefill_token_threshold, what
+        # Async trials cap a prefill's chunk (vLLM's long_prefill_token_threshold, what
         # --max-num-partial-prefills > 1 sets): a running prefill then leaves room for a later request to finish its
         # whole prompt in the same step, and be the next step's preemption victim while that step is in flight
         # (vLLM #50297). Drawn from the trial's own seed, so the campaign's draws, and every trial without async
@@ -55,8 +55,10 @@ def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryR
         # least 12 requests, a small pool unless one was drawn): P's pool must run short while the step that
         # finishes the victim's prefill is in flight; on 0.26.0 the seed-0 trials with prompts up to 48 or 160
         # tokens never filled it, the first with prompts up to 400 did.
+        # Trials that abort are left as they were: seed 0's finds of vLLM #32255 and #25562 (docs/chaos.md) are.
         own = random.Random(config.seed)
-        if own.random() < 0.5:
+        aborts = any(p["kind"] in ("abort", "abort_in_read") for p in config.perturbations)
+        if not aborts:
             # below the step's budget: a cap at or above it changes nothing
             caps = [t for t in (16, 32, 64) if t < config.max_num_batched_tokens]
             config.long_prefill_token_threshold = own.choice(caps)
