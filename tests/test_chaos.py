@@ -96,6 +96,38 @@ def test_shared_prefixes_copy_half_an_earlier_prompt_and_change_nothing_without_
         DryRunConfig(shared_prefix=1.5).validate()
 
 
+def test_the_chunk_cap_is_drawn_on_async_trials_only_and_leaves_the_campaigns_draws_as_they_were():
+    """The chunk cap (vLLM #50297's shape) comes from each trial's own seed: seed 0's trials draw the same seeds
+    as before it existed (the numbers below are main's before this change); only async trials without an abort get
+    a cap, all of them, with KV pressure."""
+    rng = random.Random(0)
+    trials = [draw_trial(rng, w) for w in ("pd", "pp", "single") * 4]
+    assert [t.seed for t in trials] == [2046968324, 878225224, 1924014660, 872745308, 559309739, 1534881946,
+                                        1597986360, 514088150, 1680518472, 1076693935, 1077747587, 568414356]
+    many = [draw_trial(rng, "pd") for _ in range(300)]
+    assert all(t.long_prefill_token_threshold == 0 for t in many + trials if not t.async_scheduling)
+    capped = [t for t in many if t.long_prefill_token_threshold]
+    assert capped and all(t.async_scheduling for t in capped)  # the twin: the cap is drawn
+    # seed 0's async pd trial that found vLLM #32255 aborts: drawn as it was before the cap existed (main's values)
+    found = [draw_trial(r, "pd") for r in [random.Random(0)] for _ in range(3)][2]
+    assert found.async_scheduling and found.long_prefill_token_threshold == 0 and found.seed == 1924014660
+    assert (found.requests, found.prompt_len, found.perturbations) == (
+        14, "uniform:8:48", [{"kind": "abort", "req": 5, "side": "d", "after_us": 29.4}])
+
+    def aborts(t: DryRunConfig) -> bool:
+        return any(p["kind"] in ("abort", "abort_in_read") for p in t.perturbations)
+
+    assert not any(aborts(t) for t in capped)
+    assert all(t.long_prefill_token_threshold for t in many if t.async_scheduling and not aborts(t))
+    assert all(t.long_prefill_token_threshold < t.max_num_batched_tokens for t in capped)
+    assert all(t.requests >= 12 and any(p["kind"] == "small_pool" for p in t.perturbations) for t in capped)
+    assert {t.long_prefill_token_threshold for t in capped} <= {16, 32, 64}
+    for t in capped[:3]:
+        DryRunConfig(**t.to_dict()).validate()
+    with pytest.raises(UsageError, match="long-prefill-token-threshold"):
+        DryRunConfig(long_prefill_token_threshold=-1).validate()
+
+
 def test_a_schedule_is_faulty_if_one_perturbation_is():
     assert label_of([{"kind": "abort", "req": 0}, {"kind": "slow_read", "req": 1}]) == LEGAL
     assert label_of([{"kind": "abort", "req": 0}, {"kind": "dup_report", "req": 1}]) == FAULTY

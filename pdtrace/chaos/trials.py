@@ -52,6 +52,27 @@ def draw_trial(rng: random.Random, workload: str, async_ok: bool = True) -> DryR
         config.shared_prefix = rng.choice((0.3, 0.6, 0.9))
         config.num_blocks = rng.choice((48, 96, 512))
     config.perturbations = draw(rng, requests, pp, tp, pair, rng.randint(1, 4), offload=offload)
+    if config.async_scheduling:
+        # Async trials cap a prefill's chunk (vLLM's long_prefill_token_threshold, what
+        # --max-num-partial-prefills > 1 sets): a running prefill then leaves room for a later request to finish its
+        # whole prompt in the same step, and be the next step's preemption victim while that step is in flight
+        # (vLLM #50297). Drawn from the trial's own seed, so the campaign's draws, and every trial without async
+        # scheduling, stay what they were before this shape was added. KV pressure comes with it (long prompts, at
+        # least 12 requests, a small pool unless one was drawn): P's pool must run short while the step that
+        # finishes the victim's prefill is in flight; on 0.26.0 the seed-0 trials with prompts up to 48 or 160
+        # tokens never filled it, the first with prompts up to 400 did.
+        # Trials that abort are left as they were: seed 0's finds of vLLM #32255 and #25562 (docs/chaos.md) are.
+        own = random.Random(config.seed)
+        aborts = any(p["kind"] in ("abort", "abort_in_read") for p in config.perturbations)
+        if not aborts:
+            # below the step's budget: a cap at or above it changes nothing
+            caps = [t for t in (16, 32, 64) if t < config.max_num_batched_tokens]
+            config.long_prefill_token_threshold = own.choice(caps)
+            config.prompt_len = "uniform:8:400"
+            config.requests = max(config.requests, 12)
+            blocks = own.choice((16, 24, 32, 48))
+            if not any(p["kind"] == "small_pool" for p in config.perturbations):
+                config.perturbations.append({"kind": "small_pool", "req": 0, "blocks": blocks})
     return config
 
 

@@ -118,6 +118,9 @@ class DryRunConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # vLLM's chunk cap per request and step (0: none; what --max-num-partial-prefills > 1 sets to 4 % of the
+    # model length): a prefill chunked below the budget leaves room for a later request in the same step
+    long_prefill_token_threshold: int = 0
     async_scheduling: bool = False
     enable_prefix_caching: bool = True
     # workload
@@ -169,6 +172,7 @@ class DryRunConfig:
              "--block-size must be a power of two")
         need(self.max_num_seqs >= 1, "--max-num-seqs must be at least 1")
         need(self.max_num_batched_tokens >= self.block_size, "--max-num-batched-tokens must be >= --block-size")
+        need(self.long_prefill_token_threshold >= 0, "--long-prefill-token-threshold must be >= 0")
         need(self.requests >= 1, "--requests must be at least 1")
         need(self.end_hold_s >= 0, "--end-hold-s must be >= 0")
         need(0.0 <= self.shared_prefix <= 1.0, "--shared-prefix must be between 0 and 1")
@@ -235,6 +239,7 @@ FIELD_HELP: dict[str, str] = {
     "block_size": "Tokens per KV block.",
     "max_num_seqs": "vLLM's max_num_seqs.",
     "max_num_batched_tokens": "vLLM's token budget per step (chunked prefill above it).",
+    "long_prefill_token_threshold": "vLLM's cap on one request's prefill chunk per step (0: none).",
     "async_scheduling": "vLLM's async scheduling (refused with --pp > 1, as vLLM 0.33's V1 runner does).",
     "enable_prefix_caching": "vLLM's prefix caching.",
     "requests": "Client requests in the workload.",

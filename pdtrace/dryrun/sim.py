@@ -163,6 +163,7 @@ class SimEngine:
                          dtype="float16", seed=cfg.seed, max_model_len=max_len)
         sc = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                              max_model_len=max_len, enable_chunked_prefill=True,
+                             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                              is_encoder_decoder=mc.is_encoder_decoder, async_scheduling=False)
         cc = CacheConfig(block_size=cfg.block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
                          enable_prefix_caching=cfg.enable_prefix_caching)
@@ -332,6 +333,16 @@ class SimEngine:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             computed[rid] = cached.num_computed_tokens[i]
+        # A resumed request's runner state is rebuilt from the scheduler's tokens (all_token_ids): its outputs are
+        # the ones the scheduler kept, not the ones sampled. vLLM 0.27+ drops a preempted request's in-flight
+        # output (drop_stale_output); counting that sample kept the resumed prefill from ever sampling again.
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        flags = getattr(cached, "resumed_from_preemption", None) or ()  # before 0.11.1
+        resumed.update(rid for rid, flag in zip(cached.req_ids, flags) if flag)
+        for rid in resumed:
+            info, req = self.reqs.get(rid), self.scheduler.requests.get(rid)
+            if info is not None and req is not None:
+                info.n_out = req.num_output_tokens
         order = list(so.num_scheduled_tokens)
         rec.order = order
         rng = self.rng

@@ -75,3 +75,31 @@ def test_a_short_campaign_runs_every_trial_it_draws(tmp_path: Path) -> None:
     assert result.runs == 6 and result.harness_errors == 0, result.first_harness_error
     for failure in result.failures:
         assert (failure.path / "failure.json").is_file()
+
+
+#: vLLM #50297 (fix in 0.27.0): P under async scheduling and KV pressure, prefill chunks capped at 32 tokens
+#: (long_prefill_token_threshold), so a short request finishes its whole prompt in a step where an older prefill
+#: still runs; the next step, scheduled while that one is in flight, preempts it (the last running request) for the
+#: older prefill's blocks. 0.26.0 then delivers the in-flight output: the request finishes holding no block, NIXL
+#: hands D an empty block list, and its blocks are another request's. 0.27.0 drops the stale output
+#: (requires_kv_delivery) and recomputes the prefill.
+PREEMPTED_IN_ITS_LAST_STEP = dict(
+    instances="pd", pp=1, tp=1, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=128,
+    long_prefill_token_threshold=32, async_scheduling=True, enable_prefix_caching=False, requests=12, rate=2000.0,
+    prompt_len="uniform:8:400", output_len="exp:4", seed=3, end_hold_s=600.0, drain_timeout_ms=2000.0,
+    perturbations=[{"kind": "small_pool", "req": 0, "blocks": 24}])
+
+
+def test_a_prefill_preempted_in_its_last_step_finishes_without_blocks_before_0_27_and_is_recomputed_after(
+        tmp_path: Path) -> None:
+    """Measured on 0.26.0 (found) and 0.27.0 and 0.33.0 (clean: every request finishes; before the dry run took a
+    resumed request's output count from the scheduler, 0.27+ left the recomputed prefill a zombie)."""
+    release = _release()
+    if release < (0, 26, 0):
+        pytest.skip("not measured before 0.26.0 (the in-flight output of a preempted request is delivered there too)")
+    outcome = run_trial(DryRunConfig(**PREEMPTED_IN_ITS_LAST_STEP), tmp_path / "trace")
+    assert outcome.harness_error is None and outcome.label == LEGAL
+    if release < (0, 27, 0):
+        assert outcome.signature == "preemption_race/finished_while_preempted", outcome.findings
+    else:
+        assert not outcome.failed, outcome.findings
