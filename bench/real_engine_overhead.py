@@ -105,9 +105,9 @@ per token follows the workers' pace more than the scheduler's work; the thread C
 -68 .. +141 % between pairs: unresolved), scheduler CPU per step, hooks on vs off, mean (95 % interval):
 - PP=1 full +3.21 % (+1.13 .. +4.89), flight +8.66 % (+6.40 .. +10.73);
 - PP=2 full +7.25 % (+3.32 .. +12.22), flight +16.15 % (+9.66 .. +24.55).
-Flight mode costs the scheduler's thread more than full recording (the same hot path; the likely cause, not proven, is what the
-process keeps: the ring's rows stay Python objects, which the garbage collector's full collections, run on
-whichever thread allocates, traverse; bench/engine_overhead.py --in-process --flight 3600 --rounds 4 on the dry
+Flight mode costs the scheduler's thread more than full recording (the same hot path; the likely cause, not proven,
+is what the process keeps: the ring's rows stay Python objects, which the garbage collector's full collections, run
+on whichever thread allocates, traverse; bench/engine_overhead.py --in-process --flight 3600 --rounds 4 on the dry
 run: GC 11 collections, 12.0 ms, against full recording's 10, 6.9 ms, loop-thread CPU +5.5 % vs +5.8 %). Not yet
 resolved below the issue's +5 % at PP=2.
 """
