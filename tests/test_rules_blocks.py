@@ -455,6 +455,42 @@ def test_remote_read_after_producer_freed():
     assert subrules(df) == {("use_after_free", "remote_read")}
 
 
+def remote_read_under_the_readers_id(freed_before_read: bool) -> Trace:
+    """P's request `cmpl-9` read by D's `cmpl-9-d` (vLLM's P/D with its own ids per side): D's req_add names P's
+    request (kv_transfer_params' remote_request_id) and engine; the read is recorded under D's id, with only the
+    owner's instance in its detail. P frees its blocks before the read (`freed_before_read`) or after it."""
+    b = builder()
+    p = Engine(b, instance="P", role="prefill", pid=1000)
+    d = Engine(b, instance="D", role="decode", pid=2000)
+    p.add("cmpl-9", n=32, remote_decode=True)
+    p.step({"cmpl-9": 32}, alloc={"cmpl-9": [5, 6]})
+    p.output()
+    p.finish("cmpl-9", reason="length", delay_free=not freed_before_read)
+    d.add("cmpl-9-d", n=32, remote_prefill=True, remote_instance="P", remote_req="cmpl-9", remote_blocks=2)
+    d.step({}, wait_kv={"cmpl-9-d": [7, 8]})
+    d.output()
+    b.add("remote_read", instance="D", role="decode", pid=2000, component="connector", req="cmpl-9-d",
+          blocks=[5, 6], detail={"remote_instance": "P"})
+    if not freed_before_read:
+        p.step({})
+        p.output()
+        p.send_done("cmpl-9")
+    d.step({})
+    d.output()
+    d.recv_done("cmpl-9-d")
+    d.step({"cmpl-9-d": 1}, alloc={"cmpl-9-d": []})
+    d.output()
+    d.finish("cmpl-9-d")
+    return b.trace()
+
+
+def test_a_read_recorded_under_the_readers_own_id_reaches_the_prefill_request_its_add_names():
+    df = found(remote_read_under_the_readers_id(freed_before_read=True))
+    row = df[(df.rule == "use_after_free") & (df.subrule == "remote_read")]
+    assert [(r.instance, r.req) for r in row.itertuples()] == [("P", "cmpl-9")]
+    assert len(found(remote_read_under_the_readers_id(freed_before_read=False))) == 0  # the read while P holds
+
+
 def test_freeing_blocks_twice():
     b = builder()
     e = Engine(b, instance="E")

@@ -41,20 +41,32 @@ from pdtrace.analysis.ruleapi import (COMPLETION_FREE_REASONS, NO, CrossInstance
 
 
 def remote_read_targets(ctx: Any) -> pd.DataFrame:
-    """The remote_read rows and the request each names as the owner of the blocks it read: row, instance (detail
-    `remote_instance`), req (detail `remote_req`, else the row's own req); rows naming no instance are left out.
-    Also read by this rule's cross-instance part (`_cross_summary`: a read of another partition's blocks)."""
+    """The remote_read rows and the request each names as the owner of the blocks it read: row, instance, req.
+    The owner is what the read's detail says (`remote_instance`, `remote_req`); where it names no request, the
+    link vLLM itself keeps: the reader's own request's `req_add` (its kv_transfer_params' `remote_request_id` and
+    `remote_engine_id`, detail `remote_req` / `remote_instance`), so a read recorded under the reader's id (a
+    decode side whose ids differ from the prefill side's) still reaches the prefill request; else the row's own req
+    (the two sides' ids alike). Rows naming no instance either way are left out. Also read by this rule's
+    cross-instance part (`_cross_summary`: a read of another partition's blocks)."""
     cols = columns(ctx)
     rows = cols.rows_of("remote_read")
     details = cols.details(rows) if len(rows) else []
     req_codes, req_names = cols.codes("req")
-    return pd.DataFrame({
-        "row": rows,
-        "instance": [str(d.get("remote_instance")) if d.get("remote_instance") is not None else None
-                     for d in details],
-        "req": [str(d.get("remote_req")) if d.get("remote_req") is not None
-                else (req_names[c] if c >= 0 else None) for d, c in zip(details, req_codes[rows])],
-    }, columns=["row", "instance", "req"]).dropna()
+    linked: dict[int, dict[str, Any]] = {}
+    if len(rows):
+        adds = cols.req_rows("req_add")
+        for rk, add in zip(cols.req_keys("req_add").tolist(), cols.details(adds) if len(adds) else []):
+            if add.get("remote_req") is not None or add.get("remote_instance") is not None:
+                linked.setdefault(rk, add)
+    instances, owners = [], []
+    for d, c, rk in zip(details, req_codes[rows].tolist(), cols.rk[rows].tolist()):
+        own = linked.get(rk, {}) if rk >= 0 else {}
+        instance = d.get("remote_instance", own.get("remote_instance"))
+        req = d.get("remote_req", own.get("remote_req"))
+        instances.append(None if instance is None else str(instance))
+        owners.append(str(req) if req is not None else (req_names[c] if c >= 0 else None))
+    return pd.DataFrame({"row": rows, "instance": instances, "req": owners},
+                        columns=["row", "instance", "req"]).dropna()
 
 
 def _remote_read_rk(ctx: Any) -> tuple[np.ndarray, np.ndarray]:
