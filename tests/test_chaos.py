@@ -337,3 +337,19 @@ def test_a_campaign_refuses_a_directory_that_holds_failures(monkeypatch, tmp_pat
     (tmp_path / "failure-0001").mkdir()
     result = runner.invoke(app, ["chaos", "-o", str(tmp_path)], standalone_mode=False)
     assert isinstance(result.exception, UsageError) and "already holds failures" in str(result.exception)
+
+
+def test_a_campaign_built_in_code_runs_only_the_workloads_its_release_drives(monkeypatch, tmp_path):
+    """The default workloads include offload; a campaign on a release whose OffloadingConnector reports per request
+    (before 0.23) leaves it out wherever it is built (a vLLM-tier test built one in code and drew an offload trial
+    on 0.11.0: a harness error), and a campaign of offload alone there is refused in one line."""
+    from pdtrace.chaos import campaign as campaign_module
+    from pdtrace.chaos import runnable_workloads
+
+    monkeypatch.setattr(campaign_module, "offload_supported", lambda version: False)
+    assert runnable_workloads(("pd", "pp", "offload", "single"), "0.11.0") == ("pd", "pp", "single")
+    with pytest.raises(UsageError, match="offload needs vLLM 0.23"):
+        campaign_module.run_campaign(campaign_module.Campaign(output=tmp_path / "out", workloads=("offload",)), None,
+                                     "0.11.0")
+    monkeypatch.setattr(campaign_module, "offload_supported", lambda version: True)
+    assert runnable_workloads(("pd", "offload"), "0.26.0") == ("pd", "offload")

@@ -22,8 +22,9 @@ connectors (none is simulated), steps as a dimension of the minimisation (a pert
 counts; the workload is cut by requests).
 """
 
-from pdtrace.chaos.campaign import Campaign, CampaignResult, Failure, repro, run_campaign, save_failure
+from pdtrace.chaos.campaign import (Campaign, CampaignResult, Failure, repro, run_campaign, runnable_workloads,
+                                    save_failure)
 from pdtrace.chaos.trials import WORKLOADS, Outcome, draw_trial, judge, run_trial
 
 __all__ = ["WORKLOADS", "Campaign", "CampaignResult", "Failure", "Outcome", "draw_trial", "judge", "repro",
-           "run_campaign", "run_trial", "save_failure"]
+           "run_campaign", "run_trial", "runnable_workloads", "save_failure"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pdtrace.chaos.trials import WORKLOADS, Outcome, Spawner, draw_trial, run_trial
-from pdtrace.dryrun.config import DryRunConfig
+from pdtrace.dryrun.config import DryRunConfig, offload_supported
 from pdtrace.dryrun.perturb import LEGAL, describe, label_of
 from pdtrace.errors import RecordingError, UsageError
 
@@ -71,11 +71,22 @@ class CampaignResult:
 Progress = Callable[[CampaignResult, Campaign], None]
 
 
+def runnable_workloads(workloads: tuple[str, ...], vllm_version: str | None) -> tuple[str, ...]:
+    """The workloads of `workloads` the installed release's dry run drives, in order: `offload` only where its
+    OffloadingConnector reports per job (`offload_supported`: vLLM 0.23+). The one place a campaign's workloads
+    are narrowed, for the CLI and for campaigns built in code alike."""
+    return tuple(w for w in workloads if w != "offload" or offload_supported(vllm_version))
+
+
 def run_campaign(campaign: Campaign, spawn: Spawner | None, vllm_version: str,
                  progress: Progress | None = None) -> CampaignResult:
     """Trials drawn from `campaign.seed` until its budget (or max_runs) ends. Each new signature is minimised and
     saved as `output/failure-NNNN/` (its trace, `failure.json`); a KeyboardInterrupt ends the campaign cleanly
     with what was found (`interrupted`). Scratch runs live in a temporary directory removed at the end."""
+    workloads = runnable_workloads(campaign.workloads, vllm_version)
+    if not workloads:
+        raise UsageError(f"no workload of {', '.join(campaign.workloads)} runs on vLLM {vllm_version} (offload needs "
+                         f"vLLM 0.23 or later)")
     out = campaign.output
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(campaign.seed)
@@ -87,7 +98,7 @@ def run_campaign(campaign: Campaign, spawn: Spawner | None, vllm_version: str,
     with tempfile.TemporaryDirectory(prefix="pdtrace-chaos-") as scratch:
         try:
             while time.monotonic() < deadline and not (campaign.max_runs and result.runs >= campaign.max_runs):
-                workload = campaign.workloads[result.runs % len(campaign.workloads)]
+                workload = workloads[result.runs % len(workloads)]
                 config = draw_trial(rng, workload)
                 outcome = _run(config, Path(scratch), spawn)
                 result.runs += 1

@@ -54,7 +54,7 @@ def chaos(
     a small pool) on the installed vLLM's real EngineCore and Scheduler, judge each run, and minimise and save every
     new failure; legal timing (a vLLM bug) apart from faulty peer (a robustness gap)."""
     # lazy: the campaign runs the analysis stack; the CLI starts without it
-    from pdtrace.chaos import Campaign, repro, run_campaign
+    from pdtrace.chaos import Campaign, repro, run_campaign, runnable_workloads
     from pdtrace.dryrun import zygote  # lazy: pdtrace --help loads no dry-run server code (CLI start-up)
     # lazy: pdtrace --help loads no chaos reporter (CLI start-up)
     from pdtrace.report.chaos_report import progress_line, render_campaign, render_repro
@@ -74,11 +74,10 @@ def chaos(
     if output.exists() and any(output.glob("failure-*")):
         raise UsageError(f"{output} already holds failures of a campaign; choose a new directory")
     names = tuple(w.value for w in Workload if w is not Workload.all) if workload is Workload.all else (workload.value,)
-    if not offload_supported(version):
-        if workload is Workload.offload:
-            raise UsageError(f"--workload offload needs vLLM 0.23 or later (its OffloadingConnector reports stores "
-                             f"and loads per job); this is vLLM {version}")
-        names = tuple(n for n in names if n != Workload.offload.value)
+    if workload is Workload.offload and not offload_supported(version):
+        raise UsageError(f"--workload offload needs vLLM 0.23 or later (its OffloadingConnector reports stores "
+                         f"and loads per job); this is vLLM {version}")
+    names = runnable_workloads(names, version)
     campaign = Campaign(output=output, budget_s=parse_budget(budget), seed=seed, workloads=names,
                         max_runs=max(0, max_runs))
     err_console.print(f"pdtrace chaos: vLLM {version}, {campaign.budget_s:.0f} s, seed {seed}", markup=False)
